@@ -1,0 +1,325 @@
+"""Argument checking, in-op preludes, layouts and backend choice for every public op.
+
+One general machinery: a family is (gate kind, delta rule on/off); every public function is a thin
+entry point that names its family and hands its arguments to `_run`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .reference.chunk import chunk_forward
+from .reference.recurrent import recurrent_forward
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+BACKENDS = ("auto", "torch", "triton")
+TRITON_MAX_HEAD_DIM = 256
+L2NORM_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str        # for messages
+    gate: str        # "none" | "scalar" | "channel"
+    delta: bool      # delta rule on/off
+
+
+GDN = Family("gated_delta_rule", "scalar", True)
+KDA = Family("kda", "channel", True)
+DELTA = Family("delta_rule", "none", True)
+GLA = Family("simple_gla", "scalar", False)
+
+
+# ----------------------------------------------------------------------------------------------
+# checking
+# ----------------------------------------------------------------------------------------------
+
+def _shape(x) -> str:
+    return "None" if x is None else str(tuple(x.shape))
+
+
+def _check_tensor(name: str, x, dims: int | None = None):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if dims is not None and x.dim() != dims:
+        raise ValueError(f"{name} must have {dims} dimensions, got shape {_shape(x)}")
+
+
+def _check_float(name: str, x: torch.Tensor):
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {x.dtype}")
+
+
+def check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B: int, T: int):
+    """cu_seqlens: [N + 1] integers, 0 first, non-decreasing, T last; B must be 1.
+
+    The values are checked on ``cu_seqlens_cpu`` when given (no device sync), else on a host copy.
+    Returns the host copy.
+    """
+    _check_tensor("cu_seqlens", cu_seqlens, 1)
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+    if B != 1:
+        raise ValueError(f"with cu_seqlens the batch size must be 1 (sequences packed along T), got B={B}")
+    if cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must hold at least 2 offsets (N + 1 for N sequences), got shape {_shape(cu_seqlens)}")
+    host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.detach().cpu()
+    if cu_seqlens_cpu is not None and cu_seqlens_cpu.shape != cu_seqlens.shape:
+        raise ValueError(f"cu_seqlens_cpu {_shape(cu_seqlens_cpu)} must match cu_seqlens {_shape(cu_seqlens)}")
+    if int(host[0]) != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {int(host[0])}")
+    if bool((host[1:] < host[:-1]).any()):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {host.tolist()[:16]}")
+    if int(host[-1]) != T:
+        raise ValueError(f"cu_seqlens must end at T={T} (the packed length of q), got {int(host[-1])}")
+    return host
+
+
+def _check_inputs(fam: Family, q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
+                  transpose_state_layout, backend, use_gate_in_kernel, A_log, dt_bias, lower_bound,
+                  state_indices=None):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, x, 4)
+        _check_float(name, x)
+    if k.shape != q.shape:
+        raise ValueError(f"k must have q's shape [B, T, H, K]: q {_shape(q)}, k {_shape(k)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    B, T, H, K = q.shape
+    if v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"v must be [B, T, HV, V] with q's B and T: q {_shape(q)}, v {_shape(v)}")
+    HV, V = v.shape[2], v.shape[3]
+    if H == 0 or HV % H != 0:
+        raise ValueError(f"the value heads HV={HV} (v {_shape(v)}) must be a multiple of the q/k heads H={H} (q {_shape(q)})")
+    if K == 0 or V == 0:
+        raise ValueError(f"head dims must be positive: K={K}, V={V}")
+
+    devices = {x.device for x in (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, state_indices)
+               if isinstance(x, torch.Tensor)}
+    if len(devices) > 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(str(d) for d in devices)}")
+
+    if fam.gate == "none":
+        if g is not None:
+            raise ValueError(f"{fam.name} takes no gate g")
+    else:
+        if g is None:
+            raise ValueError(f"{fam.name} needs the gate g")
+        want = (B, T, HV) if fam.gate == "scalar" else (B, T, HV, K)
+        _check_tensor("g", g)
+        _check_float("g", g)
+        if tuple(g.shape) != want:
+            raise ValueError(f"g must have shape {list(want)} ([B, T, HV{', K' if fam.gate == 'channel' else ''}]), got {_shape(g)}")
+    if fam.delta:
+        if beta is None:
+            raise ValueError(f"{fam.name} needs beta [B, T, HV]")
+        _check_tensor("beta", beta)
+        _check_float("beta", beta)
+        if tuple(beta.shape) != (B, T, HV):
+            raise ValueError(f"beta must have shape [B, T, HV] = {[B, T, HV]}, got {_shape(beta)}")
+    elif beta is not None:
+        raise ValueError(f"{fam.name} takes no beta")
+
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+    if use_gate_in_kernel:
+        if fam.gate == "none":
+            raise ValueError(f"{fam.name} has no gate: use_gate_in_kernel is not available")
+        if A_log is None:
+            raise ValueError("use_gate_in_kernel=True needs A_log [HV]")
+        _check_tensor("A_log", A_log)
+        if tuple(A_log.shape) != (HV,):
+            raise ValueError(f"A_log must have shape [HV] = [{HV}], got {_shape(A_log)}")
+        if dt_bias is not None:
+            _check_tensor("dt_bias", dt_bias)
+            ok = [(HV,)] if fam.gate == "scalar" else [(HV * K,), (HV, K)]
+            if tuple(dt_bias.shape) not in ok:
+                raise ValueError(f"dt_bias must have shape {'[HV]' if fam.gate == 'scalar' else '[HV * K] or [HV, K]'}, got {_shape(dt_bias)}")
+        if lower_bound is not None and fam.gate != "channel":
+            raise ValueError("lower_bound is only available for KDA's per-channel gate")
+    else:
+        if A_log is not None or dt_bias is not None:
+            raise ValueError("A_log and dt_bias are only used with use_gate_in_kernel=True")
+        if lower_bound is not None:
+            raise ValueError("lower_bound is only used with use_gate_in_kernel=True")
+
+    N = B
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T)
+        N = cu_seqlens.numel() - 1
+    elif cu_seqlens_cpu is not None:
+        raise ValueError("cu_seqlens_cpu is given but cu_seqlens is None")
+
+    if state_indices is not None:
+        _check_tensor("state_indices", state_indices, 1)
+        if state_indices.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"state_indices must be int32 or int64, got {state_indices.dtype}")
+        if state_indices.numel() != N:
+            raise ValueError(f"state_indices must have one entry per sequence (N={N}), got {_shape(state_indices)}")
+        if initial_state is None:
+            raise ValueError("state_indices needs initial_state: the state pool [P, HV, K, V]")
+
+    if initial_state is not None:
+        _check_tensor("initial_state", initial_state, 4)
+        _check_float("initial_state", initial_state)
+        tail = (HV, V, K) if transpose_state_layout else (HV, K, V)
+        lead = initial_state.shape[0] if state_indices is not None else N
+        if tuple(initial_state.shape) != (lead, *tail):
+            layout = "[N, HV, V, K]" if transpose_state_layout else "[N, HV, K, V]"
+            raise ValueError(f"initial_state must have shape {layout} = {[lead, *tail]}"
+                             f"{' (a pool: any P first)' if state_indices is not None else ''}, got {_shape(initial_state)}")
+    return B, T, H, HV, K, V, N
+
+
+# ----------------------------------------------------------------------------------------------
+# in-op preludes (differentiable torch; the Triton kernels may fuse them)
+# ----------------------------------------------------------------------------------------------
+
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    """x / sqrt(Σ x² + 1e-6) over the last dim, computed in fp32, returned in x's dtype."""
+    xf = x.float() if x.dtype != torch.float64 else x
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)).to(x.dtype)
+
+
+def gate_from_projections(fam: Family, a: torch.Tensor, A_log: torch.Tensor, dt_bias, lower_bound):
+    """GDN: g = −exp(A_log) · softplus(a + dt_bias), a [B, T, HV].
+    KDA: the same per channel, a [B, T, HV, K], dt_bias [HV·K]; with ``lower_bound``:
+    g = lower_bound · sigmoid(exp(A_log) · (a + dt_bias)).
+    """
+    ct = torch.float64 if a.dtype == torch.float64 else torch.float32
+    a = a.to(ct)
+    A = A_log.to(ct).exp()
+    if fam.gate == "channel":
+        A = A[:, None]
+        if dt_bias is not None:
+            a = a + dt_bias.to(ct).reshape(a.shape[-2], a.shape[-1])
+    elif dt_bias is not None:
+        a = a + dt_bias.to(ct)
+    if lower_bound is not None:
+        return lower_bound * torch.sigmoid(A * a)
+    return -A * F.softplus(a)
+
+
+def _prelude(fam, q, k, g, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
+             use_gate_in_kernel, A_log, dt_bias, lower_bound):
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    if fam.delta and use_beta_sigmoid_in_kernel:
+        beta = beta.float().sigmoid() if beta.dtype != torch.float64 else beta.sigmoid()
+    if use_gate_in_kernel:
+        g = gate_from_projections(fam, g, A_log, dt_bias, lower_bound)
+    elif g is not None and g.dtype not in (torch.float32, torch.float64):
+        g = g.float()
+    return q, k, g, beta
+
+
+# ----------------------------------------------------------------------------------------------
+# dispatch
+# ----------------------------------------------------------------------------------------------
+
+def _choose_backend(backend: str, device: torch.device, K: int, V: int) -> str:
+    if backend == "torch":
+        return "torch"
+    if backend == "auto":
+        if device.type != "cuda":
+            return "torch"
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "torch"
+        backend = "triton"
+    if K > TRITON_MAX_HEAD_DIM or V > TRITON_MAX_HEAD_DIM:
+        raise ValueError(f"the triton backend supports head dims up to {TRITON_MAX_HEAD_DIM}, got K={K}, V={V}")
+    return "triton"
+
+
+def _compute_dtype(*xs) -> torch.dtype:
+    return torch.float64 if any(x is not None and x.dtype == torch.float64 for x in xs) else torch.float32
+
+
+def _to_kv(state, transpose_state_layout):
+    return None if state is None else (state.transpose(-1, -2) if transpose_state_layout else state)
+
+
+def run(fam: Family, mode: str, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, *,
+        use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, use_gate_in_kernel=False,
+        A_log=None, dt_bias=None, lower_bound=None, transpose_state_layout=False, chunk_size=64,
+        backend="auto", cu_seqlens_cpu=None, chunk_indices=None, state_indices=None):
+    """The one path behind every public op. mode: "chunk" or "recurrent"."""
+    B, T, H, HV, K, V, N = _check_inputs(
+        fam, q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, transpose_state_layout,
+        backend, use_gate_in_kernel, A_log, dt_bias, lower_bound, state_indices)
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    scale = K ** -0.5 if scale is None else float(scale)
+    q, k, g, beta = _prelude(fam, q, k, g, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
+                             use_gate_in_kernel, A_log, dt_bias, lower_bound)
+    which = _choose_backend(backend, q.device, K, V)
+
+    if which == "triton":
+        if q.dtype == torch.float64 or (initial_state is not None and initial_state.dtype == torch.float64):
+            raise TypeError("the triton backend takes float16, bfloat16 or float32 tensors, not float64; use backend='torch'")
+        from . import triton as tb
+        if mode == "chunk":
+            return tb.chunk(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                            cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
+                            transpose_state_layout=transpose_state_layout)
+        return tb.recurrent(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                            state_indices=state_indices, transpose_state_layout=transpose_state_layout)
+
+    ct = _compute_dtype(q, initial_state)
+    if state_indices is not None:
+        return _torch_pool_step(fam, mode, q, k, v, g, beta, scale, initial_state, output_final_state,
+                                cu_seqlens, state_indices, transpose_state_layout, chunk_size, ct)
+    h0 = _to_kv(initial_state, transpose_state_layout)
+    if mode == "chunk":
+        o, ht = chunk_forward(q, k, v, g, beta, scale, h0, cu_seqlens, chunk_size=chunk_size, dtype=ct)
+    else:
+        o, ht = recurrent_forward(q, k, v, g, beta, scale, h0, cu_seqlens, dtype=ct)
+    o = o.to(q.dtype)
+    if not output_final_state:
+        return o, None
+    ht = ht.transpose(-1, -2).contiguous() if transpose_state_layout else ht
+    return o, ht
+
+
+def _torch_pool_step(fam, mode, q, k, v, g, beta, scale, pool, output_final_state, cu_seqlens,
+                     state_indices, transpose_state_layout, chunk_size, ct):
+    """vLLM-style state pool: sequence n reads and writes pool[state_indices[n]] in place; -1 skips."""
+    idx = state_indices.long()
+    live = idx >= 0
+    h0 = _to_kv(pool, transpose_state_layout)[idx.clamp_min(0)]
+    h0 = torch.where(live[:, None, None, None], h0, torch.zeros_like(h0))
+    fn = chunk_forward if mode == "chunk" else recurrent_forward
+    kwargs = {"chunk_size": chunk_size} if mode == "chunk" else {}
+    o, ht = fn(q, k, v, g, beta, scale, h0, cu_seqlens, dtype=ct, **kwargs)
+    # outputs of skipped (padding) sequences are zero
+    if cu_seqlens is None:
+        o = o * live[:, None, None, None]
+    else:
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        o = o * torch.repeat_interleave(live, lengths)[None, :, None, None]
+    with torch.no_grad():
+        target = _to_kv(pool, transpose_state_layout)
+        target[idx[live]] = ht[live].to(pool.dtype)
+    return o.to(q.dtype), (pool if output_final_state else None)
+
+
+def prepare_chunk_indices(cu_seqlens: torch.Tensor, chunk_size: int = 64) -> torch.Tensor:
+    """For varlen calls: [NT, 2] int32 rows (sequence n, chunk i within n) over all chunks.
+
+    Compute it once per batch (it reads cu_seqlens on the host) and pass it with ``chunk_indices``
+    so that the Triton kernels launch without a device-to-host sync.
+    """
+    cu = cu_seqlens.detach().to("cpu", torch.long)
+    n_chunks = (cu[1:] - cu[:-1] + chunk_size - 1) // chunk_size
+    seq = torch.repeat_interleave(torch.arange(n_chunks.numel()), n_chunks)
+    first = torch.cumsum(n_chunks, 0) - n_chunks
+    within = torch.arange(int(n_chunks.sum())) - first[seq]
+    return torch.stack([seq, within], 1).to(device=cu_seqlens.device, dtype=torch.int32)
+

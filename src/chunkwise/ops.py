@@ -1,0 +1,213 @@
+"""The public ops: thin entry points over `api.run`, one per family and form.
+
+Every op computes, per sequence, per value head h (q/k head h // (HV // H)), per token t::
+
+    S' = diag(exp(g_t)) · S_{t-1}
+    S_t = S' + β_t · k_t · (v_t − S'ᵀ k_t)ᵀ        (delta families)
+    S_t = S' + k_t · v_tᵀ                          (simple GLA)
+    o_t = scale · S_tᵀ q_t
+
+``chunk_*`` uses the chunk algorithm (training, prefill); ``fused_recurrent_*`` steps token by
+token (decode, speculative decoding). Both take the same arguments in the same order.
+"""
+from __future__ import annotations
+
+import torch
+
+from .api import DELTA, GDN, GLA, KDA, run
+
+_COMMON = """
+    Args:
+        q: [B, T, H, K] queries (float16 / bfloat16 / float32; float64 on the torch backend).
+        k: [B, T, H, K] keys, same dtype as q.
+        v: [B, T, HV, V] values; HV must be a multiple of H (value head h reads q/k head h // (HV // H)).
+{gate}{beta}        scale: the output scale, default K ** -0.5.
+        initial_state: [N, HV, K, V] (or [N, HV, V, K] with transpose_state_layout) state entering each
+            sequence, any float dtype, read in fp32; N = B, or the number of sequences with cu_seqlens.
+        output_final_state: also return the state after each sequence, [N, HV, K, V] fp32 (float64 when
+            computing in float64), in the chosen layout.
+        cu_seqlens: [N + 1] int32/int64 offsets of N sequences packed along T (then B must be 1), as in
+            FlashAttention's varlen API. Each sequence starts from its own initial state.
+        use_qk_l2norm_in_kernel: L2-normalise q and k over K inside the op (x / sqrt(Σx² + 1e-6)).
+{beta_sigmoid}{gate_args}        transpose_state_layout: states as [N, HV, V, K] (vLLM / FlashInfer layout) instead of [N, HV, K, V].
+        chunk_size: chunk length of the torch backend's chunk algorithm (64); the result does not depend on it.
+        backend: "auto" (triton for CUDA tensors when triton is installed, torch otherwise), "torch" or "triton".
+        cu_seqlens_cpu: optional host copy of cu_seqlens: lets the op check and plan without a device sync.
+        chunk_indices: optional `prepare_chunk_indices(cu_seqlens)` computed once per batch (triton varlen).
+{extra}
+    Returns:
+        o: [B, T, HV, V] in q's dtype.
+        final_state: [N, HV, K, V] (or [N, HV, V, K]) fp32 if output_final_state, else None.
+"""
+
+_G_SCALAR = ("        g: [B, T, HV] log-space decay per token and value head (≤ 0), fp32 or q's dtype. With\n"
+             "            use_gate_in_kernel it is the raw projection a and g = −exp(A_log)·softplus(a + dt_bias).\n")
+_G_CHANNEL = ("        g: [B, T, HV, K] log-space decay per token, value head and key channel (≤ 0). With\n"
+              "            use_gate_in_kernel it is the raw projection a and g = −exp(A_log)·softplus(a + dt_bias),\n"
+              "            or lower_bound·sigmoid(exp(A_log)·(a + dt_bias)) when lower_bound is given.\n")
+_BETA = "        beta: [B, T, HV] write strength, usually in (0, 1).\n"
+_BETA_SIG = "        use_beta_sigmoid_in_kernel: apply sigmoid to beta inside the op (beta holds logits).\n"
+_GATE_SCALAR = ("        use_gate_in_kernel: compute g from raw projections with A_log [HV] and dt_bias [HV].\n"
+                "        A_log, dt_bias: gate parameters for use_gate_in_kernel (differentiable).\n")
+_GATE_CHANNEL = ("        use_gate_in_kernel: compute g from raw projections with A_log [HV] and dt_bias [HV·K].\n"
+                 "        A_log, dt_bias: gate parameters for use_gate_in_kernel (differentiable).\n"
+                 "        lower_bound: optional negative float: the sigmoid-bounded gate of Kimi Linear.\n")
+_POOL = ("        state_indices: [N] int, vLLM-style state pool: initial_state is then a pool [P, HV, K, V] (or\n"
+         "            [P, HV, V, K]); sequence n reads pool[state_indices[n]] and writes its final state back\n"
+         "            there in place (in the pool's dtype, fp32 or bf16). -1 marks a padding slot: skipped, its\n"
+         "            output is zero. With output_final_state the pool itself is returned.\n")
+
+
+def _doc(title: str, equation: str, gate: str = "", beta: bool = True, gate_args: str = "", pool: bool = False):
+    return (title + "\n\n    " + equation + "\n" + _COMMON.format(
+        gate=gate, beta=_BETA if beta else "", beta_sigmoid=_BETA_SIG if beta else "",
+        gate_args=gate_args, extra=_POOL if pool else ""))
+
+
+# --- Gated DeltaNet (Qwen3-Next) -----------------------------------------------------------------
+
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                           scale: float | None = None, initial_state: torch.Tensor | None = None,
+                           output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None, *,
+                           use_qk_l2norm_in_kernel: bool = False, use_beta_sigmoid_in_kernel: bool = False,
+                           use_gate_in_kernel: bool = False, A_log: torch.Tensor | None = None,
+                           dt_bias: torch.Tensor | None = None, transpose_state_layout: bool = False,
+                           chunk_size: int = 64, backend: str = "auto", cu_seqlens_cpu: torch.Tensor | None = None,
+                           chunk_indices: torch.Tensor | None = None):
+    return run(GDN, "chunk", q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+               use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+               use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+               transpose_state_layout=transpose_state_layout, chunk_size=chunk_size, backend=backend,
+               cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices)
+
+
+def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                     beta: torch.Tensor, scale: float | None = None,
+                                     initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+                                     cu_seqlens: torch.Tensor | None = None, *, use_qk_l2norm_in_kernel: bool = False,
+                                     use_beta_sigmoid_in_kernel: bool = False, use_gate_in_kernel: bool = False,
+                                     A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+                                     transpose_state_layout: bool = False, chunk_size: int = 64,
+                                     backend: str = "auto", cu_seqlens_cpu: torch.Tensor | None = None,
+                                     chunk_indices: torch.Tensor | None = None,
+                                     state_indices: torch.Tensor | None = None):
+    return run(GDN, "recurrent", q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+               use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+               use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+               transpose_state_layout=transpose_state_layout, chunk_size=chunk_size, backend=backend,
+               cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices, state_indices=state_indices)
+
+
+_GDN_EQ = "S_t = (I − β_t k_t k_tᵀ) exp(g_t) S_{t−1} + β_t k_t v_tᵀ,   o_t = scale · S_tᵀ q_t   (g scalar per head)"
+chunk_gated_delta_rule.__doc__ = _doc("Gated DeltaNet, chunk form (training / prefill).", _GDN_EQ, _G_SCALAR,
+                                      gate_args=_GATE_SCALAR)
+fused_recurrent_gated_delta_rule.__doc__ = _doc("Gated DeltaNet, token-recurrent form (decode).", _GDN_EQ, _G_SCALAR,
+                                                gate_args=_GATE_SCALAR, pool=True)
+
+
+# --- Kimi Delta Attention ------------------------------------------------------------------------
+
+def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              scale: float | None = None, initial_state: torch.Tensor | None = None,
+              output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None, *,
+              use_qk_l2norm_in_kernel: bool = False, use_beta_sigmoid_in_kernel: bool = False,
+              use_gate_in_kernel: bool = False, A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+              lower_bound: float | None = None, transpose_state_layout: bool = False, chunk_size: int = 64,
+              backend: str = "auto", cu_seqlens_cpu: torch.Tensor | None = None,
+              chunk_indices: torch.Tensor | None = None):
+    return run(KDA, "chunk", q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+               use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+               use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+               transpose_state_layout=transpose_state_layout, chunk_size=chunk_size, backend=backend,
+               cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices)
+
+
+def fused_recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        scale: float | None = None, initial_state: torch.Tensor | None = None,
+                        output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None, *,
+                        use_qk_l2norm_in_kernel: bool = False, use_beta_sigmoid_in_kernel: bool = False,
+                        use_gate_in_kernel: bool = False, A_log: torch.Tensor | None = None,
+                        dt_bias: torch.Tensor | None = None, lower_bound: float | None = None,
+                        transpose_state_layout: bool = False, chunk_size: int = 64, backend: str = "auto",
+                        cu_seqlens_cpu: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None,
+                        state_indices: torch.Tensor | None = None):
+    return run(KDA, "recurrent", q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+               use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+               use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+               transpose_state_layout=transpose_state_layout, chunk_size=chunk_size, backend=backend,
+               cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices, state_indices=state_indices)
+
+
+_KDA_EQ = "S_t = (I − β_t k_t k_tᵀ) diag(exp(g_t)) S_{t−1} + β_t k_t v_tᵀ,   o_t = scale · S_tᵀ q_t   (g per channel)"
+chunk_kda.__doc__ = _doc("Kimi Delta Attention, chunk form.", _KDA_EQ, _G_CHANNEL, gate_args=_GATE_CHANNEL)
+fused_recurrent_kda.__doc__ = _doc("Kimi Delta Attention, token-recurrent form (decode).", _KDA_EQ, _G_CHANNEL,
+                                   gate_args=_GATE_CHANNEL, pool=True)
+
+
+# --- DeltaNet ------------------------------------------------------------------------------------
+
+def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+                     scale: float | None = None, initial_state: torch.Tensor | None = None,
+                     output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None, *,
+                     use_qk_l2norm_in_kernel: bool = False, use_beta_sigmoid_in_kernel: bool = False,
+                     transpose_state_layout: bool = False, chunk_size: int = 64, backend: str = "auto",
+                     cu_seqlens_cpu: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None):
+    return run(DELTA, "chunk", q, k, v, None, beta, scale, initial_state, output_final_state, cu_seqlens,
+               use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+               transpose_state_layout=transpose_state_layout, chunk_size=chunk_size, backend=backend,
+               cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices)
+
+
+def fused_recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+                               scale: float | None = None, initial_state: torch.Tensor | None = None,
+                               output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None, *,
+                               use_qk_l2norm_in_kernel: bool = False, use_beta_sigmoid_in_kernel: bool = False,
+                               transpose_state_layout: bool = False, chunk_size: int = 64, backend: str = "auto",
+                               cu_seqlens_cpu: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None,
+                               state_indices: torch.Tensor | None = None):
+    return run(DELTA, "recurrent", q, k, v, None, beta, scale, initial_state, output_final_state, cu_seqlens,
+               use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+               transpose_state_layout=transpose_state_layout, chunk_size=chunk_size, backend=backend,
+               cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices, state_indices=state_indices)
+
+
+_DELTA_EQ = "S_t = (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ,   o_t = scale · S_tᵀ q_t   (no decay)"
+chunk_delta_rule.__doc__ = _doc("DeltaNet, chunk form.", _DELTA_EQ)
+fused_recurrent_delta_rule.__doc__ = _doc("DeltaNet, token-recurrent form (decode).", _DELTA_EQ, pool=True)
+
+
+# --- simple GLA / Mamba2 SSD ---------------------------------------------------------------------
+
+def chunk_simple_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     scale: float | None = None, initial_state: torch.Tensor | None = None,
+                     output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None, *,
+                     use_qk_l2norm_in_kernel: bool = False, use_gate_in_kernel: bool = False,
+                     A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+                     transpose_state_layout: bool = False, chunk_size: int = 64, backend: str = "auto",
+                     cu_seqlens_cpu: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None):
+    return run(GLA, "chunk", q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens,
+               use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+               A_log=A_log, dt_bias=dt_bias, transpose_state_layout=transpose_state_layout, chunk_size=chunk_size,
+               backend=backend, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices)
+
+
+def fused_recurrent_simple_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                               scale: float | None = None, initial_state: torch.Tensor | None = None,
+                               output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None, *,
+                               use_qk_l2norm_in_kernel: bool = False, use_gate_in_kernel: bool = False,
+                               A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+                               transpose_state_layout: bool = False, chunk_size: int = 64, backend: str = "auto",
+                               cu_seqlens_cpu: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None,
+                               state_indices: torch.Tensor | None = None):
+    return run(GLA, "recurrent", q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens,
+               use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+               A_log=A_log, dt_bias=dt_bias, transpose_state_layout=transpose_state_layout, chunk_size=chunk_size,
+               backend=backend, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
+               state_indices=state_indices)
+
+
+_GLA_EQ = "S_t = exp(g_t) S_{t−1} + k_t v_tᵀ,   o_t = scale · S_tᵀ q_t   (Mamba2 SSD: q=C, k=B, v=x·dt, g=A·dt, scale=1)"
+chunk_simple_gla.__doc__ = _doc("Simple GLA (scalar decay, no delta rule; Mamba2's SSD), chunk form.", _GLA_EQ,
+                                _G_SCALAR, beta=False, gate_args=_GATE_SCALAR)
+fused_recurrent_simple_gla.__doc__ = _doc("Simple GLA, token-recurrent form (decode).", _GLA_EQ, _G_SCALAR,
+                                          beta=False, gate_args=_GATE_SCALAR, pool=True)
