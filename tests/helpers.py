@@ -1,0 +1,119 @@
+"""Shared test machinery: random inputs per family, the float64 ground truth, error measures.
+
+DEVICE is "cuda" on the GPU (real sizes, bf16) and "cpu" in CI (interpreter, small shapes).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+import chunkwise
+from chunkwise.api import DELTA, GDN, GLA, KDA, gate_from_projections  # noqa: F401
+from chunkwise.reference.recurrent import recurrent_forward
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+FAMILIES = {"gdn": GDN, "kda": KDA, "delta": DELTA, "gla": GLA}
+CHUNK_OPS = {"gdn": chunkwise.chunk_gated_delta_rule, "kda": chunkwise.chunk_kda,
+             "delta": chunkwise.chunk_delta_rule, "gla": chunkwise.chunk_simple_gla}
+RECURRENT_OPS = {"gdn": chunkwise.fused_recurrent_gated_delta_rule, "kda": chunkwise.fused_recurrent_kda,
+                 "delta": chunkwise.fused_recurrent_delta_rule, "gla": chunkwise.fused_recurrent_simple_gla}
+
+
+@dataclass
+class Inputs:
+    fam: str
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor | None
+    beta: torch.Tensor | None
+    h0: torch.Tensor | None
+    cu_seqlens: torch.Tensor | None
+
+    def args(self):
+        """Positional arguments of the family's public op (before scale)."""
+        a = [self.q, self.k, self.v]
+        if self.g is not None:
+            a.append(self.g)
+        if self.beta is not None:
+            a.append(self.beta)
+        return a
+
+    def tensors(self):
+        return [x for x in (self.q, self.k, self.v, self.g, self.beta, self.h0) if x is not None]
+
+
+def make_inputs(fam: str, B=2, T=100, H=2, HV=None, K=32, V=32, dtype=torch.float32, device=DEVICE,
+                gate="normal", h0=True, lengths=None, seed=0, requires_grad=False) -> Inputs:
+    """Random, never-zero inputs. k is L2-normalised (as the models do) so the delta rule is stable.
+
+    gate: "normal" (log-decay in [-0.5, 0)), "zero" (g = 0), "strong" (very negative, with a hard
+    reset g = -1e4 at one token and chunks whose gates sum below -100).
+    lengths: sequence lengths for a varlen batch (then B is ignored and B = 1).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    HV = HV or H
+    if lengths is not None:
+        B, T = 1, int(sum(lengths))
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        N = len(lengths)
+    else:
+        cu, N = None, B
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q = rnd(B, T, H, K)
+    k = torch.nn.functional.normalize(rnd(B, T, H, K), dim=-1)
+    v = rnd(B, T, HV, V)
+    spec = FAMILIES[fam]
+    beta = torch.rand(B, T, HV, generator=gen, dtype=torch.float64) * 0.9 + 0.05 if spec.delta else None
+    g = None
+    if spec.gate != "none":
+        shape = (B, T, HV) if spec.gate == "scalar" else (B, T, HV, K)
+        if gate == "zero":
+            g = torch.zeros(shape, dtype=torch.float64)
+        else:
+            g = -torch.rand(*shape, generator=gen, dtype=torch.float64) * 0.5 - 1e-3
+            if gate == "strong":
+                g = g * 8                                   # chunks of 64 sum to about -130
+                g[:, T // 3] = -1e4                          # a hard reset
+    state = rnd(N, HV, K, V) * 0.5 if h0 else None
+    cast = dict(device=device)
+    q, k, v = (x.to(dtype=dtype, **cast) for x in (q, k, v))
+    g = None if g is None else g.to(dtype=torch.float32 if dtype != torch.float64 else dtype, **cast)
+    beta = None if beta is None else beta.to(dtype=dtype, **cast)
+    state = None if state is None else state.to(dtype=torch.float32 if dtype != torch.float64 else dtype, **cast)
+    if cu is not None:
+        cu = cu.to(device)
+    if requires_grad:
+        for x in (q, k, v, g, beta, state):
+            if x is not None:
+                x.requires_grad_(True)
+    return Inputs(fam, q, k, v, g, beta, state, cu)
+
+
+def reference(inp: Inputs, scale=None):
+    """The float64 token recurrence on the CPU: (o, final_state)."""
+    K = inp.q.shape[-1]
+    scale = K ** -0.5 if scale is None else scale
+    cpu = lambda x: None if x is None else x.detach().cpu()  # noqa: E731
+    return recurrent_forward(cpu(inp.q), cpu(inp.k), cpu(inp.v), cpu(inp.g), cpu(inp.beta), scale,
+                             cpu(inp.h0), cpu(inp.cu_seqlens), dtype=torch.float64)
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖x − ref‖ / ‖ref‖ in float64; NaN anywhere gives inf."""
+    x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
+    if not torch.isfinite(x).all():
+        return float("inf")
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+# the error a dtype may cost against the float64 recurrence (DESIGN.md §4; bf16/fp16 at fla's level)
+TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 8e-3}
