@@ -32,6 +32,11 @@ from .utils import expand_heads, pad_varlen, unpad_varlen, varlen_pad_index
 SUB = 16  # sub-block of the per-channel pairwise products
 
 
+def _exp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """exp of a gate difference formed in float64, taken in the arithmetic dtype."""
+    return x.to(dtype).exp()
+
+
 def _pairwise_scalar(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, diagonal: bool) -> torch.Tensor:
     """M_ij = ⟨a_i, b_j⟩ · exp(G_i − G_j) for j ≤ i (j < i when not ``diagonal``), else 0.
 
@@ -42,7 +47,7 @@ def _pairwise_scalar(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, diagonal
     ab = a @ b.transpose(-1, -2)                                        # [.., C, K] @ [.., K, C]
     if G is None:
         return ab.masked_fill(~keep, 0)
-    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~keep, float("-inf")).exp()
+    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~keep, float("-inf")).to(ab.dtype).exp()
     return ab * decay
 
 
@@ -64,9 +69,9 @@ def _pairwise_channel(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, diagona
         a_q, b_q, G_q = a[..., q:r + 1, :], b[..., q:r + 1, :], G[..., q:r + 1, :]
         keep = torch.ones(s, s, dtype=torch.bool, device=a.device).tril(0 if diagonal else -1)
         diff = (G_q[..., :, None, :] - G_q[..., None, :, :]).masked_fill(~keep[..., None], float("-inf"))
-        diag_block = torch.einsum("...ik,...jk,...ijk->...ij", a_q, b_q, diff.exp())        # [.., s, s]
-        below = (a[..., r + 1:, :] * (G[..., r + 1:, :] - G_r).exp()) @ \
-            (b_q * (G_r - G_q).exp()).transpose(-1, -2)                                       # [.., C-r-1, K] @ [.., K, s]
+        diag_block = torch.einsum("...ik,...jk,...ijk->...ij", a_q, b_q, diff.to(a.dtype).exp())  # [.., s, s]
+        below = (a[..., r + 1:, :] * _exp(G[..., r + 1:, :] - G_r, a.dtype)) @ \
+            (b_q * _exp(G_r - G_q, a.dtype)).transpose(-1, -2)                                  # [.., C-r-1, K] @ [.., K, s]
         above = a.new_zeros(*a.shape[:-2], q, s)
         columns.append(torch.cat([above, diag_block, below], dim=-2))
     return torch.cat(columns, dim=-1)
@@ -123,24 +128,26 @@ def chunk_forward(
     if g is None:
         G = None
     elif per_channel:
-        G = rearrange(g, "b (n c) h d -> b h n c d", c=C).cumsum(-2)   # [B, HV, n, C, K]
+        G = rearrange(g.double(), "b (n c) h d -> b h n c d", c=C).cumsum(-2)   # [B, HV, n, C, K]
     else:
-        G = rearrange(g, "b (n c) h -> b h n c", c=C).cumsum(-1)       # [B, HV, n, C]
+        G = rearrange(g.double(), "b (n c) h -> b h n c", c=C).cumsum(-1)       # [B, HV, n, C]
+    # G is kept in float64: after a hard reset (g = -1e4) the cumulative sums are large and their
+    # differences, which are all that is ever exponentiated, would lose ~3 digits in float32.
     pairwise = _pairwise_channel if per_channel else _pairwise_scalar
 
     if G is None:
         q_g, k_end = q, k                                                # no decay
     elif per_channel:
-        q_g, k_end = q * G.exp(), k * (G[..., -1:, :] - G).exp()
+        q_g, k_end = q * _exp(G, dtype), k * _exp(G[..., -1:, :] - G, dtype)
     else:
-        q_g, k_end = q * G[..., None].exp(), k * (G[..., -1:, None] - G[..., None]).exp()
+        q_g, k_end = q * _exp(G, dtype)[..., None], k * _exp(G[..., -1:] - G, dtype)[..., None]
     P = pairwise(q, k, G, True)                                           # [B, HV, n, C, C]
 
     if beta is not None:
         b = rearrange(beta, "b (n c) h -> b h n c", c=C)[..., None]       # [B, HV, n, C, 1]
         A = pairwise(b * k, k, G, False)                                  # strict lower
         eye = torch.eye(C, dtype=dtype, device=q.device)
-        k_g = k if G is None else (k * G.exp() if per_channel else k * G[..., None].exp())
+        k_g = k if G is None else (k * _exp(G, dtype) if per_channel else k * _exp(G, dtype)[..., None])
         rhs = torch.cat([b * k_g, b * v], dim=-1)                         # [.., C, K + V]
         WU = torch.linalg.solve_triangular(A + eye, rhs, upper=False, unitriangular=True)
         W, U = WU.split([k.shape[-1], v.shape[-1]], dim=-1)
@@ -155,9 +162,9 @@ def chunk_forward(
     if G is None:
         decay_last = None
     elif per_channel:
-        decay_last = G[..., -1, :].exp()[..., None]                       # [B, HV, n, K, 1]
+        decay_last = _exp(G[..., -1, :], dtype)[..., None]                # [B, HV, n, K, 1]
     else:
-        decay_last = G[..., -1].exp()[..., None, None]                    # [B, HV, n, 1, 1]
+        decay_last = _exp(G[..., -1], dtype)[..., None, None]             # [B, HV, n, 1, 1]
     outputs = []
     for i in range(n_chunks):
         read = reads[:, :, i] @ S                                         # [B, HV, 2C|C, K] @ [B, HV, K, V]
