@@ -1,5 +1,6 @@
 """chunkwise: chunkwise-parallel linear attention (Gated DeltaNet, KDA, DeltaNet, simple GLA / Mamba2 SSD)."""
 from .api import prepare_chunk_indices
+from .mamba2 import mamba_chunk_scan_combined
 from .ops import (
     chunk_delta_rule,
     chunk_gated_delta_rule,
@@ -19,4 +20,5 @@ __all__ = [
     "chunk_delta_rule", "fused_recurrent_delta_rule",
     "chunk_simple_gla", "fused_recurrent_simple_gla",
     "prepare_chunk_indices",
+    "mamba_chunk_scan_combined",
 ]
