@@ -1,0 +1,273 @@
+"""The token-recurrent Triton kernel: decode (T = 1), speculative decoding (small T), any T.
+
+One program per (sequence n, value head h, block of BV value columns). It holds its tile of the
+state, S[:, block] ∈ R^{K×BV} in fp32, in registers, reads it once, steps over the tokens of the
+sequence and writes it once::
+
+    S' = diag(exp(g_t)) · S_{t-1}                        g_t scalar or per key channel, or absent
+    delta rule:   S_t = S' + k_t · (β_t · (v_t − S'ᵀ k_t))ᵀ
+    no delta:     S_t = S' + k_t · v_tᵀ                  (simple GLA / Mamba2 SSD)
+    o_t = scale · S_tᵀ q_t
+
+The columns of S are independent in every line above (S'ᵀ k_t is one number per column), so
+splitting V across programs costs nothing but re-reading q_t and k_t (K values each), and lets a
+batch-1 decode of 32 heads spread over many SMs.
+
+State addressing: the state is read and written through four strides per tensor, as a logical
+[N, HV, K, V] array, so the [N, HV, V, K] layout (``transpose_state_layout``) is the same kernel
+with two strides swapped. With ``state_indices`` (vLLM-style pool) sequence n reads and writes
+pool slot ``state_indices[n]`` in place, in the pool's dtype; slot -1 is a padding sequence: every
+load of it is masked off, so its state stays 0, its outputs are written as exact zeros and nothing
+is stored to the pool.
+
+Autograd: like fla's fused_recurrent, this kernel has no backward. When grad is enabled and an
+input requires it, `recurrent` runs the differentiable PyTorch token recurrence
+(chunkwise.reference.recurrent.recurrent_forward) in fp32 on the same device instead.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+GATE_NONE, GATE_SCALAR, GATE_CHANNEL = 0, 1, 2
+
+
+@triton.jit(do_not_specialize=["T"])
+def recurrent_fwd_kernel(
+    q,              # [B, T, H, K]  contiguous, fp16/bf16/fp32
+    k,              # [B, T, H, K]
+    v,              # [B, T, HV, V]
+    g,              # None | [B, T, HV] fp32 | [B, T, HV, K] fp32
+    beta,           # None | [B, T, HV]
+    o,              # [B, T, HV, V]  output, q's dtype
+    h0,             # None | state read, logical [N or P, HV, K, V] through strides s_h0_*
+    ht,             # None | state written, logical [N or P, HV, K, V] through strides s_ht_* (may alias h0)
+    cu_seqlens,     # None | [N + 1] int
+    state_indices,  # None | [N] int, -1 = padding sequence
+    scale,
+    T,
+    s_h0_n, s_h0_h, s_h0_k, s_h0_v,
+    s_ht_n, s_ht_h, s_ht_k, s_ht_v,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    GATE: tl.constexpr,             # 0 none, 1 scalar per (token, head), 2 per key channel
+    DELTA: tl.constexpr,
+    USE_H0: tl.constexpr,
+    STORE_HT: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    USE_INDICES: tl.constexpr,
+):
+    NV: tl.constexpr = (V + BV - 1) // BV
+    i_nhv = tl.program_id(0).to(tl.int64)
+    i_v, i_nh = i_nhv % NV, i_nhv // NV
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    else:
+        bos = i_n * T
+        eos = bos + T
+
+    # which state slot: the sequence's own, or its pool slot (-1: padding, everything masked off)
+    if USE_INDICES:
+        i_s = tl.load(state_indices + i_n).to(tl.int64)
+        live = i_s >= 0
+        i_s = tl.maximum(i_s, 0)
+    else:
+        i_s = i_n
+        live = i_n >= 0  # always true
+
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = (o_k < K) & live
+    m_v = (o_v < V) & live
+    m_h = m_k[:, None] & m_v[None, :]
+
+    # S tile [BK, BV], fp32, read once
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        p_h0 = h0 + i_s * s_h0_n + i_hv * s_h0_h + o_k[:, None] * s_h0_k + o_v[None, :] * s_h0_v
+        b_h += tl.load(p_h0, mask=m_h, other=0.).to(tl.float32)
+
+    p_q = q + (bos * H + i_h) * K + o_k
+    p_k = k + (bos * H + i_h) * K + o_k
+    p_v = v + (bos * HV + i_hv) * V + o_v
+    p_o = o + (bos * HV + i_hv) * V + o_v
+    if GATE == 1:
+        p_g = g + bos * HV + i_hv
+    if GATE == 2:
+        p_g = g + (bos * HV + i_hv) * K + o_k
+    if DELTA:
+        p_beta = beta + bos * HV + i_hv
+
+    # a while loop, not range(bos, eos): the triton 3.6 interpreter cannot take tensor range bounds
+    # under numpy 2 (it calls int() on a 1-element array)
+    i_t = bos
+    while i_t < eos:
+        b_q = tl.load(p_q, mask=m_k, other=0.).to(tl.float32) * scale   # [BK]
+        b_k = tl.load(p_k, mask=m_k, other=0.).to(tl.float32)           # [BK]
+        b_v = tl.load(p_v, mask=m_v, other=0.).to(tl.float32)           # [BV]
+        if GATE == 1:
+            b_h *= tl.exp(tl.load(p_g, mask=live, other=0.).to(tl.float32))
+        if GATE == 2:
+            b_gk = tl.load(p_g, mask=m_k, other=0.).to(tl.float32)     # [BK]
+            b_h *= tl.exp(b_gk)[:, None]
+        if DELTA:
+            b_beta = tl.load(p_beta, mask=live, other=0.).to(tl.float32)
+            # β (v − S'ᵀ k): one number per value column
+            b_v = b_beta * (b_v - tl.sum(b_h * b_k[:, None], 0))
+        b_h += b_k[:, None] * b_v[None, :]
+        b_o = tl.sum(b_h * b_q[:, None], 0)                              # S_tᵀ (scale q_t): [BV]
+        tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=o_v < V)       # padding sequences: exact 0
+
+        p_q += H * K
+        p_k += H * K
+        p_v += HV * V
+        p_o += HV * V
+        if GATE == 1:
+            p_g += HV
+        if GATE == 2:
+            p_g += HV * K
+        if DELTA:
+            p_beta += HV
+        i_t += 1
+
+    # S tile written once (in place into the pool when ht aliases h0)
+    if STORE_HT:
+        p_ht = ht + i_s * s_ht_n + i_hv * s_ht_h + o_k[:, None] * s_ht_k + o_v[None, :] * s_ht_v
+        tl.store(p_ht, b_h.to(p_ht.dtype.element_ty), mask=m_h)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _launch_config(device: torch.device, NHV: int, K: int, V: int) -> tuple[int, int, int]:
+    """(BK, BV, num_warps). The state tile is [BK, BV] fp32 in registers.
+
+    Split V finely enough that N·HV·cdiv(V, BV) programs fill the GPU several times over (batch 1
+    is latency bound: many small programs), but keep tiles large when there are programs to spare
+    (fewer re-reads of q and k, fewer tiny stores). num_warps keeps ~32 state values per thread.
+    """
+    BK = max(16, triton.next_power_of_2(K))
+    BV = min(max(8, triton.next_power_of_2(V)), 32 if BK <= 128 else 16)
+    if device.type != "cuda":   # the interpreter: fewest programs (it runs them one by one)
+        BV = min(max(8, triton.next_power_of_2(V)), 64)
+        return BK, BV, 4
+    n_sm = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    while BV > 8 and NHV * triton.cdiv(V, BV) < 8 * n_sm:
+        BV //= 2
+    num_warps = max(1, min(8, BK * BV // 1024))
+    return BK, BV, num_warps
+
+
+def recurrent_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, *,
+                  state_indices=None, transpose_state_layout=False, o=None, final_state=None,
+                  BV=None, num_warps=None):
+    """Launcher of `recurrent_fwd_kernel` (no autograd).
+
+    Args (canonical, already checked by the API):
+        q, k: [B, T, H, K]; v: [B, T, HV, V]; g: None | [B, T, HV] | [B, T, HV, K] (fp32);
+        beta: None | [B, T, HV]; scale: float;
+        initial_state: None | [N, HV, K, V] any float dtype, or with state_indices the pool
+            [P, HV, K, V] ([.., V, K] with transpose_state_layout);
+        cu_seqlens: None | [N + 1]; state_indices: None | [N] int (-1 = padding).
+        o, final_state: optional preallocated outputs (tests pre-fill them with NaN).
+        BV, num_warps: override the launch configuration (benchmarks).
+    Returns:
+        o [B, T, HV, V] in q's dtype; the final state: None, or a new fp32 [N, HV, K, V] (layout as
+        chosen), or with state_indices the pool itself (updated in place whatever output_final_state
+        says; returned only if output_final_state).
+    """
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    g = None if g is None else g.contiguous()
+    beta = None if beta is None else beta.contiguous()
+    gate = GATE_NONE if g is None else (GATE_SCALAR if g.dim() == 3 else GATE_CHANNEL)
+
+    if o is None:
+        o = torch.empty(B, T, HV, V, dtype=q.dtype, device=q.device)
+    assert o.shape == (B, T, HV, V) and o.is_contiguous()
+
+    def kv_strides(s):  # strides of the logical [., HV, K, V] view
+        st = s.stride()
+        return (st[0], st[1], st[3], st[2]) if transpose_state_layout else st
+
+    if state_indices is not None:
+        assert initial_state is not None
+        h0 = ht = initial_state
+        s_h0 = s_ht = kv_strides(initial_state)
+        ret = initial_state if output_final_state else None
+    else:
+        h0 = initial_state
+        s_h0 = kv_strides(initial_state) if initial_state is not None else (0, 0, 0, 0)
+        if output_final_state:
+            if final_state is None:
+                shape = (N, HV, V, K) if transpose_state_layout else (N, HV, K, V)
+                final_state = torch.empty(shape, dtype=torch.float32, device=q.device)
+            ht = final_state
+            s_ht = kv_strides(final_state)
+        else:
+            ht, s_ht = None, (0, 0, 0, 0)
+        ret = ht
+
+    BK, BV_auto, nw_auto = _launch_config(q.device, N * HV, K, V)
+    BV = BV or BV_auto
+    num_warps = num_warps or nw_auto
+    grid = (N * HV * triton.cdiv(V, BV),)
+    recurrent_fwd_kernel[grid](
+        q, k, v, g, beta, o, h0, ht, cu_seqlens, state_indices, scale, T,
+        *s_h0, *s_ht,
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, GATE=gate, DELTA=beta is not None,
+        USE_H0=h0 is not None, STORE_HT=ht is not None, IS_VARLEN=cu_seqlens is not None,
+        USE_INDICES=state_indices is not None, num_warps=num_warps, num_stages=1,
+    )
+    return o, ret
+
+
+def _needs_grad(*xs) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in xs)
+
+
+def _recurrent_autograd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                        state_indices, transpose_state_layout):
+    """Differentiable fallback: the PyTorch token recurrence in fp32 on the same device."""
+    from ..api import _torch_pool_step
+    from ..reference.recurrent import recurrent_forward
+    if state_indices is not None:
+        return _torch_pool_step(None, "recurrent", q, k, v, g, beta, scale, initial_state, output_final_state,
+                                cu_seqlens, state_indices, transpose_state_layout, 64, torch.float32)
+    h0 = None if initial_state is None else (
+        initial_state.transpose(-1, -2) if transpose_state_layout else initial_state)
+    o, ht = recurrent_forward(q, k, v, g, beta, scale, h0, cu_seqlens, dtype=torch.float32)
+    o = o.to(q.dtype)
+    if not output_final_state:
+        return o, None
+    return o, (ht.transpose(-1, -2).contiguous() if transpose_state_layout else ht)
+
+
+def recurrent(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, *,
+              state_indices=None, transpose_state_layout=False):
+    """Entry point of the Triton recurrent ops (see chunkwise.triton for the canonical inputs).
+
+    Returns (o [B, T, HV, V] in q's dtype, final state or pool or None); see `recurrent_fwd`.
+    The kernel has no backward: with grad enabled and an input that requires grad, the result
+    comes from the differentiable fp32 PyTorch recurrence on the same device (slow, exact).
+    """
+    if _needs_grad(q, k, v, g, beta, initial_state):
+        return _recurrent_autograd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                   state_indices, transpose_state_layout)
+    return recurrent_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                         state_indices=state_indices, transpose_state_layout=transpose_state_layout)
