@@ -1,0 +1,866 @@
+"""Backward of the Triton chunk ops, for every family (gate none / scalar / per channel; delta on / off).
+
+Per chunk (DESIGN.md §2), with S the state entering it, G the chunk-local cumsum of g and
+Γ_ij = exp(G_i − G_j) (per channel for KDA)::
+
+    A = strict_tril(β_i ⟨k_i, Γ_ij k_j⟩),   T = (I + A)⁻¹,   X = β ⊙ e^G ⊙ K,   Y = β ⊙ V
+    W = T X,   U = T Y,   R = U − W S       (no delta rule: W = 0, R = V)
+    P = tril(⟨q_i, Γ_ij k_j⟩),   Qg = Q ⊙ e^G,   Kend = K ⊙ e^{G_last − G},   γ = e^{G_last}
+    O = scale (Qg S + P R),     S' = γ S + Kendᵀ R
+
+Backward, given dO and dS' (dh: the gradient of the state leaving the chunk)::
+
+    dR  = scale Pᵀ dO + Kend dS'                     (reverse pass over chunks)
+    dS  = γ dS' + scale Qgᵀ dO − Wᵀ dR
+    dW  = −dR Sᵀ,  dQg = scale dO Sᵀ,  dKend = R dS'ᵀ,  dγ = Σ_v S ⊙ dS',  dP = scale tril(dO Rᵀ)
+    dX  = Tᵀ dW,   dY = Tᵀ dR,   dA = −Tᵀ (dW Xᵀ + dR Yᵀ) Tᵀ   (strict lower part)
+    pairwise M_ij = Σ_c a_ic b_jc Γ_ijc:  da_i = Σ_j dM_ij b_j Γ_ij,  db_j = Σ_i dM_ij a_i Γ_ij,
+                                            dG += a ⊙ da − b ⊙ db
+    dg  = reverse cumsum of dG inside the chunk (dG_last collects the γ and Kend terms)
+
+Stages (one launcher each, below): gate cumsum -> A, P -> T -> W, U, dR_local -> forward state pass
+(h, R) -> reverse state pass (dh, dR, dh0) -> chunk-parallel gradients (-> per-channel diagonal
+blocks). Per-chunk states are recomputed here and live only during the backward.
+
+Per-channel numerics: Γ is never formed from e^{G_i} and e^{−G_j}. Off the 16×16 diagonal blocks,
+column block J (last token r) factors as exp(G_i − G_r) · exp(G_r − G_j), both ≤ 1; the diagonal
+blocks are formed pair by pair. The gate is clamped at −GATE_FLOOR per token before the cumsum:
+exp of anything below −104 is 0 in fp32 already, and the clamp keeps |G| small enough that fp32
+differences of cumsums stay accurate after a hard reset (g = −1e4).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+CHUNK = 64
+SUB = 16
+GATE_FLOOR = 128.0
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ------------------------------------------------------------------------------------------------
+# chunk bookkeeping shared by the chunk-parallel kernels
+# ------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Chunk i_t of batch row i_b -> (first token row t0 in the flat [B*T] axis, valid length L,
+    global chunk id for the per-chunk state buffers)."""
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int32)
+        i_c = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int32)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int32)
+        i_g = i_t
+    else:
+        i_c = i_t
+        bos = i_b * T
+        eos = bos + T
+        i_g = i_b * tl.cdiv(T, C) + i_t
+    t0 = bos + i_c * C
+    L = tl.minimum(eos - t0, C)
+    return t0, L, i_g
+
+
+@triton.jit
+def _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, C: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Sequence i_n -> (first token row, last+1, first global chunk id, number of chunks)."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int32)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int32)
+        boh = tl.load(chunk_offsets + i_n).to(tl.int32)
+    else:
+        bos = i_n * T
+        eos = bos + T
+        boh = i_n * tl.cdiv(T, C)
+    return bos, eos, boh, tl.cdiv(eos - bos, C)
+
+
+# ------------------------------------------------------------------------------------------------
+# stage 0: chunk-local cumsum of the gate
+# ------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _gate_cumsum_kernel(g, G, cu_seqlens, chunk_indices, T, floor,
+                        HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
+                        PER_CHANNEL: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """G_i = Σ_{j ≤ i in chunk} max(g_j, −floor).  g, G: [B, T, HV] or [B, T, HV, K] fp32."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // HV, i_bh % HV
+    t0, L, _ = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
+    o_t = tl.arange(0, C)
+    m_t = o_t < L
+    if PER_CHANNEL:
+        o_k = tl.arange(0, BK)
+        m = m_t[:, None] & (o_k < K)[None, :]
+        p = ((t0 + o_t).to(tl.int64)[:, None] * HV + i_h) * K + o_k[None, :]
+        b_g = tl.maximum(tl.load(g + p, mask=m, other=0.).to(tl.float32), -floor)
+        tl.store(G + p, tl.cumsum(b_g, axis=0), mask=m)
+    else:
+        p = (t0 + o_t).to(tl.int64) * HV + i_h
+        b_g = tl.maximum(tl.load(g + p, mask=m_t, other=0.).to(tl.float32), -floor)
+        tl.store(G + p, tl.cumsum(b_g, axis=0), mask=m_t)
+
+
+@triton.jit
+def _load_gate(G, t0, L, i_h, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
+               PER_CHANNEL: tl.constexpr):
+    """The chunk's cumulative gate, rows past L filled with G_last (what g = 0 padding gives).
+
+    Returns (G [C, BK] (per channel) or [C], G_last [BK] or scalar)."""
+    o_t = tl.arange(0, C)
+    m_t = o_t < L
+    if PER_CHANNEL:
+        o_k = tl.arange(0, BK)
+        m_k = o_k < K
+        p = ((t0 + o_t).to(tl.int64)[:, None] * HV + i_h) * K + o_k[None, :]
+        b_G = tl.load(G + p, mask=m_t[:, None] & m_k[None, :], other=0.)
+        b_last = tl.load(G + ((t0 + L - 1).to(tl.int64) * HV + i_h) * K + o_k, mask=m_k, other=0.)
+        b_G = tl.where(m_t[:, None], b_G, b_last[None, :])
+    else:
+        b_G = tl.load(G + (t0 + o_t).to(tl.int64) * HV + i_h, mask=m_t, other=0.)
+        b_last = tl.load(G + (t0 + L - 1).to(tl.int64) * HV + i_h)
+        b_G = tl.where(m_t, b_G, b_last)
+    return b_G, b_last
+
+
+# ------------------------------------------------------------------------------------------------
+# stage 1: A = strict_tril(β ⟨k_i, Γ k_j⟩) and P = tril(⟨q_i, Γ k_j⟩)
+# ------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _intra_kernel(q, k, beta, G, Amat, Pmat, cu_seqlens, chunk_indices, T,
+                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
+                  BC: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr,
+                  PREC: tl.constexpr):
+    """A, P: [B, T, HV, C] fp32 (row i of chunk, column j). GATE: 0 none, 1 scalar, 2 per channel.
+
+    Per channel only the blocks off the BC×BC diagonal are written here (_intra_diag_kernel
+    writes the diagonal blocks)."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // HV, i_bh % HV
+    i_hk = i_h // (HV // H)
+    t0, L, _ = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
+    o_t = tl.arange(0, C)
+    o_k = tl.arange(0, BK)
+    m_t = o_t < L
+    m_k = o_k < K
+    rows = (t0 + o_t).to(tl.int64)
+    p_qk = (rows[:, None] * H + i_hk) * K + o_k[None, :]
+    m_tk = m_t[:, None] & m_k[None, :]
+    b_q = tl.load(q + p_qk, mask=m_tk, other=0.).to(tl.float32)
+    b_k = tl.load(k + p_qk, mask=m_tk, other=0.).to(tl.float32)
+    if DELTA:
+        b_beta = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.).to(tl.float32)
+    else:
+        b_beta = tl.zeros([C], dtype=tl.float32)
+    b_kb = b_k * b_beta[:, None]
+    i_ge_j = o_t[:, None] >= o_t[None, :]
+    i_gt_j = o_t[:, None] > o_t[None, :]
+    m_cc = m_t[:, None] & m_t[None, :]
+    p_cc = (rows[:, None] * HV + i_h) * C + o_t[None, :]
+    if GATE == 2:
+        b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, True)
+        b_P = tl.zeros([C, C], dtype=tl.float32)
+        b_A = tl.zeros([C, C], dtype=tl.float32)
+        for jb in tl.static_range(C // BC - 1):
+            r = jb * BC + BC - 1
+            b_Gr = tl.sum(tl.where((o_t == r)[:, None], b_G, 0.), axis=0)                   # [BK]
+            b_left = tl.exp(tl.where((o_t > r)[:, None], b_G - b_Gr[None, :], float("-inf")))
+            in_blk = (o_t // BC) == jb
+            b_right = tl.exp(tl.where(in_blk[:, None], b_Gr[None, :] - b_G, float("-inf")))
+            b_kr = b_k * b_right
+            b_P += tl.dot(b_q * b_left, tl.trans(b_kr), input_precision=PREC)         # [C, BK] @ [BK, C]
+            if DELTA:
+                b_A += tl.dot(b_kb * b_left, tl.trans(b_kr), input_precision=PREC)    # [C, BK] @ [BK, C]
+        off = (o_t[:, None] // BC) != (o_t[None, :] // BC)
+        tl.store(Pmat + p_cc, b_P, mask=m_cc & off)
+        if DELTA:
+            tl.store(Amat + p_cc, b_A, mask=m_cc & off)
+    else:
+        if GATE == 1:
+            b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
+            b_gam = tl.exp(tl.where(i_ge_j, b_G[:, None] - b_G[None, :], float("-inf")))
+        else:
+            b_gam = tl.where(i_ge_j, 1., 0.)
+        b_P = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * b_gam                 # [C, BK] @ [BK, C]
+        tl.store(Pmat + p_cc, b_P, mask=m_cc)
+        if DELTA:
+            b_A = tl.dot(b_kb, tl.trans(b_k), input_precision=PREC) * tl.where(i_gt_j, b_gam, 0.)  # [C, BK] @ [BK, C]
+            tl.store(Amat + p_cc, b_A, mask=m_cc)
+
+
+@triton.jit
+def _intra_diag_kernel(q, k, beta, G, Amat, Pmat, cu_seqlens, chunk_indices, T,
+                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
+                       BC: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Per-channel gates: the BC×BC diagonal blocks of A and P, pair by pair (exact Γ)."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // HV, i_bh % HV
+    i_hk = i_h // (HV // H)
+    t0, L, _ = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
+    o_i = tl.arange(0, BC)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    b_last = tl.load(G + ((t0 + L - 1).to(tl.int64) * HV + i_h) * K + o_k, mask=m_k, other=0.)
+    for ib in tl.static_range(C // BC):
+        o_r = ib * BC + o_i
+        m_r = o_r < L
+        rows = (t0 + o_r).to(tl.int64)
+        m_rk = m_r[:, None] & m_k[None, :]
+        b_q = tl.load(q + (rows[:, None] * H + i_hk) * K + o_k[None, :], mask=m_rk, other=0.).to(tl.float32)
+        b_k = tl.load(k + (rows[:, None] * H + i_hk) * K + o_k[None, :], mask=m_rk, other=0.).to(tl.float32)
+        b_G = tl.load(G + (rows[:, None] * HV + i_h) * K + o_k[None, :], mask=m_rk, other=0.)
+        b_G = tl.where(m_r[:, None], b_G, b_last[None, :])
+        if DELTA:
+            b_beta = tl.load(beta + rows * HV + i_h, mask=m_r, other=0.).to(tl.float32)
+        else:
+            b_beta = tl.zeros([BC], dtype=tl.float32)
+        b_P = tl.zeros([BC, BC], dtype=tl.float32)
+        b_A = tl.zeros([BC, BC], dtype=tl.float32)
+        for jj in range(BC):
+            j = ib * BC + jj
+            m_j = j < L
+            row_j = (t0 + j).to(tl.int64)
+            b_kj = tl.load(k + (row_j * H + i_hk) * K + o_k, mask=m_k & m_j, other=0.).to(tl.float32)
+            b_Gj = tl.load(G + (row_j * HV + i_h) * K + o_k, mask=m_k & m_j, other=0.)
+            b_Gj = tl.where(m_j, b_Gj, b_last)
+            b_e = tl.exp(tl.where((o_i >= jj)[:, None], b_G - b_Gj[None, :], float("-inf")))   # [BC, BK]
+            b_w = b_kj[None, :] * b_e
+            b_P = tl.where((o_i == jj)[None, :], tl.sum(b_q * b_w, axis=1)[:, None], b_P)
+            if DELTA:
+                b_A = tl.where((o_i == jj)[None, :], tl.sum(b_k * b_w, axis=1)[:, None], b_A)
+        p = (rows[:, None] * HV + i_h) * C + o_r[None, :]
+        m = m_r[:, None] & m_r[None, :]
+        tl.store(Pmat + p, tl.where(o_i[:, None] >= o_i[None, :], b_P, 0.), mask=m)
+        if DELTA:
+            tl.store(Amat + p, tl.where(o_i[:, None] > o_i[None, :], b_A * b_beta[:, None], 0.), mask=m)
+
+
+# ------------------------------------------------------------------------------------------------
+# stage 2: T = (I + A)⁻¹ (blockwise: 16×16 forward substitution, then the off-diagonal blocks)
+# ------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _load_blk(Amat, rows, m_r, i_h, cb, HV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
+    o = tl.arange(0, BC)
+    return tl.load(Amat + (rows[:, None] * HV + i_h) * C + cb * BC + o[None, :], mask=m_r[:, None], other=0.)
+
+
+@triton.jit
+def _store_blk(Tmat, b, rows, m_r, i_h, cb, HV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
+    o = tl.arange(0, BC)
+    tl.store(Tmat + (rows[:, None] * HV + i_h) * C + cb * BC + o[None, :], b, mask=m_r[:, None])
+
+
+@triton.jit
+def _inv_diag(Amat, t0, L, i_h, ib, HV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr):
+    """(I + A_bb)⁻¹ of one BC×BC diagonal block by forward substitution: T_i = e_i − Σ_{j<i} A_ij T_j."""
+    o = tl.arange(0, BC)
+    b_T = tl.where(o[:, None] == o[None, :], 1., 0.)
+    for i in range(1, BC):
+        row = ib * BC + i
+        b_a = tl.load(Amat + ((t0 + row).to(tl.int64) * HV + i_h) * C + ib * BC + o,
+                      mask=(o < i) & (row < L), other=0.)                          # [BC]
+        b_new = tl.where(o == i, 1., 0.) - tl.sum(b_a[:, None] * b_T, axis=0)
+        b_T = tl.where((o == i)[:, None], b_new[None, :], b_T)
+    return b_T
+
+
+@triton.jit
+def _solve_kernel(Amat, Tmat, cu_seqlens, chunk_indices, T, HV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+                  IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
+    """T = (I + A)⁻¹ for C = 4·BC.  A, T: [B, T, HV, C] fp32 (T's upper blocks are not written)."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // HV, i_bh % HV
+    t0, L, _ = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
+    o = tl.arange(0, BC)
+    r0, r1, r2, r3 = (t0 + o).to(tl.int64), (t0 + BC + o).to(tl.int64), (t0 + 2 * BC + o).to(tl.int64), \
+        (t0 + 3 * BC + o).to(tl.int64)
+    m0, m1, m2, m3 = o < L, BC + o < L, 2 * BC + o < L, 3 * BC + o < L
+    T00 = _inv_diag(Amat, t0, L, i_h, 0, HV, C, BC)
+    T11 = _inv_diag(Amat, t0, L, i_h, 1, HV, C, BC)
+    T22 = _inv_diag(Amat, t0, L, i_h, 2, HV, C, BC)
+    T33 = _inv_diag(Amat, t0, L, i_h, 3, HV, C, BC)
+    A10 = _load_blk(Amat, r1, m1, i_h, 0, HV, C, BC)
+    A20 = _load_blk(Amat, r2, m2, i_h, 0, HV, C, BC)
+    A21 = _load_blk(Amat, r2, m2, i_h, 1, HV, C, BC)
+    A30 = _load_blk(Amat, r3, m3, i_h, 0, HV, C, BC)
+    A31 = _load_blk(Amat, r3, m3, i_h, 1, HV, C, BC)
+    A32 = _load_blk(Amat, r3, m3, i_h, 2, HV, C, BC)
+    # T_ij = −T_ii Σ_{j ≤ m < i} A_im T_mj                                            all [BC, BC] @ [BC, BC]
+    T10 = -tl.dot(T11, tl.dot(A10, T00, input_precision=PREC), input_precision=PREC)
+    T21 = -tl.dot(T22, tl.dot(A21, T11, input_precision=PREC), input_precision=PREC)
+    T32 = -tl.dot(T33, tl.dot(A32, T22, input_precision=PREC), input_precision=PREC)
+    T20 = -tl.dot(T22, tl.dot(A20, T00, input_precision=PREC) + tl.dot(A21, T10, input_precision=PREC),
+                  input_precision=PREC)
+    T31 = -tl.dot(T33, tl.dot(A31, T11, input_precision=PREC) + tl.dot(A32, T21, input_precision=PREC),
+                  input_precision=PREC)
+    T30 = -tl.dot(T33, tl.dot(A30, T00, input_precision=PREC) + tl.dot(A31, T10, input_precision=PREC)
+                  + tl.dot(A32, T20, input_precision=PREC), input_precision=PREC)
+    _store_blk(Tmat, T00, r0, m0, i_h, 0, HV, C, BC)
+    _store_blk(Tmat, T10, r1, m1, i_h, 0, HV, C, BC)
+    _store_blk(Tmat, T11, r1, m1, i_h, 1, HV, C, BC)
+    _store_blk(Tmat, T20, r2, m2, i_h, 0, HV, C, BC)
+    _store_blk(Tmat, T21, r2, m2, i_h, 1, HV, C, BC)
+    _store_blk(Tmat, T22, r2, m2, i_h, 2, HV, C, BC)
+    _store_blk(Tmat, T30, r3, m3, i_h, 0, HV, C, BC)
+    _store_blk(Tmat, T31, r3, m3, i_h, 1, HV, C, BC)
+    _store_blk(Tmat, T32, r3, m3, i_h, 2, HV, C, BC)
+    _store_blk(Tmat, T33, r3, m3, i_h, 3, HV, C, BC)
+
+
+
+# ------------------------------------------------------------------------------------------------
+# stage 3: W = T X, U = T Y, dR_local = scale Pᵀ dO
+# ------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _gate_factors(b_G, b_last, GATE: tl.constexpr):
+    """(e^G, e^{G_last − G}) broadcastable against [C, BK]."""
+    if GATE == 2:
+        return tl.exp(b_G), tl.exp(b_last[None, :] - b_G)
+    else:
+        return tl.exp(b_G)[:, None], tl.exp(b_last - b_G)[:, None]
+
+
+@triton.jit
+def _wu_kernel(k, v, beta, G, Tmat, Pmat, do, W, U, dRl, cu_seqlens, chunk_indices, T, scale,
+               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+               BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
+               IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
+    """W: [B, T, HV, K], U, dRl: [B, T, HV, V], all fp32."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // HV, i_bh % HV
+    i_hk = i_h // (HV // H)
+    t0, L, _ = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
+    o_t = tl.arange(0, C)
+    o_k = tl.arange(0, BK)
+    m_t = o_t < L
+    m_k = o_k < K
+    rows = (t0 + o_t).to(tl.int64)
+    m_cc = m_t[:, None] & m_t[None, :] & (o_t[:, None] >= o_t[None, :])
+    p_cc = (rows[:, None] * HV + i_h) * C + o_t[None, :]
+    b_P = tl.load(Pmat + p_cc, mask=m_cc, other=0.)
+    if DELTA:
+        b_T = tl.load(Tmat + p_cc, mask=m_cc, other=0.)
+        b_beta = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.).to(tl.float32)
+        m_tk = m_t[:, None] & m_k[None, :]
+        b_x = tl.load(k + (rows[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+        b_x = b_x * b_beta[:, None]
+        if GATE > 0:
+            b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, GATE == 2)
+            b_eG, _ = _gate_factors(b_G, b_last, GATE)
+            b_x = b_x * b_eG
+        b_w = tl.dot(b_T, b_x, input_precision=PREC)                                   # [C, C] @ [C, BK]
+        tl.store(W + (rows[:, None] * HV + i_h) * K + o_k[None, :], b_w, mask=m_tk)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        p_tv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
+        b_do = tl.load(do + p_tv, mask=m_tv, other=0.).to(tl.float32)
+        tl.store(dRl + p_tv, scale * tl.dot(tl.trans(b_P), b_do, input_precision=PREC), mask=m_tv)  # [C, C] @ [C, BV]
+        if DELTA:
+            b_y = tl.load(v + p_tv, mask=m_tv, other=0.).to(tl.float32) * b_beta[:, None]
+            tl.store(U + p_tv, tl.dot(b_T, b_y, input_precision=PREC), mask=m_tv)     # [C, C] @ [C, BV]
+
+
+# ------------------------------------------------------------------------------------------------
+# stage 4: forward state pass (recomputes S entering each chunk and R = U − W S)
+# ------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _fwd_h_step(k, v, G, W, U, h, R, b_S, i_c, bos, eos, boh, i_h, i_hk, o_v, H: tl.constexpr, HV: tl.constexpr,
+                K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+                GATE: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr):
+    """One chunk of the forward state pass: store S, R = U − W S, S ← γ S + Kendᵀ R."""
+    o_t = tl.arange(0, C)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    t0 = bos + i_c * C
+    L = tl.minimum(eos - t0, C)
+    m_t = o_t < L
+    rows = (t0 + o_t).to(tl.int64)
+    tl.store(h + (((boh + i_c) * HV + i_h) * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :], b_S, mask=m_kv)
+    m_tk = m_t[:, None] & m_k[None, :]
+    m_tv = m_t[:, None] & m_v[None, :]
+    p_tv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
+    b_k = tl.load(k + (rows[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+    if DELTA:
+        b_w = tl.load(W + (rows[:, None] * HV + i_h) * K + o_k[None, :], mask=m_tk, other=0.)
+        b_R = tl.load(U + p_tv, mask=m_tv, other=0.) - tl.dot(b_w, b_S, input_precision=PREC)  # [C, BK] @ [BK, BV]
+        tl.store(R + p_tv, b_R, mask=m_tv)
+    else:
+        b_R = tl.load(v + p_tv, mask=m_tv, other=0.).to(tl.float32)
+    if GATE > 0:
+        b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, GATE == 2)
+        _, b_ekend = _gate_factors(b_G, b_last, GATE)
+        b_k = b_k * b_ekend
+        if GATE == 2:
+            b_S *= tl.exp(b_last)[:, None]
+        else:
+            b_S *= tl.exp(b_last)
+    b_S += tl.dot(tl.trans(b_k), b_R, input_precision=PREC)                        # [BK, C] @ [C, BV]
+    return b_S
+
+
+@triton.jit
+def _fwd_h_kernel(k, v, G, W, U, h0, h, R, cu_seqlens, chunk_offsets, T,
+                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                  BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
+                  HAS_H0: tl.constexpr, TRANSPOSE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+                  LOOP_WHILE: tl.constexpr):
+    """h: [NC, HV, K, V] fp32, the state entering each chunk; R: [B, T, HV, V] fp32 (delta only).
+    h0: [N, HV, K, V] ([N, HV, V, K] if TRANSPOSE)."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // HV, i_nh % HV
+    i_hk = i_h // (HV // H)
+    bos, eos, boh, NTs = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, C, IS_VARLEN)
+    o_t = tl.arange(0, C)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    b_S = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_H0:
+        if TRANSPOSE:
+            p0 = (i_nh * V + o_v[None, :]).to(tl.int64) * K + o_k[:, None]
+        else:
+            p0 = (i_nh * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :]
+        b_S += tl.load(h0 + p0, mask=m_kv, other=0.).to(tl.float32)
+    if LOOP_WHILE:  # the interpreter cannot take a loaded bound in range()
+        i_c = 0
+        while i_c < NTs:
+            b_S = _fwd_h_step(k, v, G, W, U, h, R, b_S, i_c, bos, eos, boh, i_h, i_hk, o_v, H, HV, K, V, BK, BV, C,
+                              GATE, DELTA, PREC)
+            i_c += 1
+    else:
+        for i_c in range(NTs):
+            b_S = _fwd_h_step(k, v, G, W, U, h, R, b_S, i_c, bos, eos, boh, i_h, i_hk, o_v, H, HV, K, V, BK, BV, C,
+                              GATE, DELTA, PREC)
+
+
+# ------------------------------------------------------------------------------------------------
+# stage 5: reverse state pass: dh (gradient of the state leaving each chunk), dR, dh0
+# ------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, i_c, bos, eos, boh, i_h, i_hk, o_v, scale, H: tl.constexpr,
+                 HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                 C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr):
+    """One chunk of the reverse state pass: store dS', dR = dR_local + Kend dS', dS = γ dS' + ..."""
+    o_t = tl.arange(0, C)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    t0 = bos + i_c * C
+    L = tl.minimum(eos - t0, C)
+    m_t = o_t < L
+    rows = (t0 + o_t).to(tl.int64)
+    tl.store(dh + (((boh + i_c) * HV + i_h) * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :], b_dS, mask=m_kv)
+    m_tk = m_t[:, None] & m_k[None, :]
+    m_tv = m_t[:, None] & m_v[None, :]
+    p_tv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
+    p_tk = (rows[:, None] * H + i_hk) * K + o_k[None, :]
+    b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
+    b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
+    if GATE > 0:
+        b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, GATE == 2)
+        b_eG, b_ekend = _gate_factors(b_G, b_last, GATE)
+        b_k = b_k * b_ekend
+        b_q = b_q * b_eG
+    b_dR = tl.load(dRl + p_tv, mask=m_tv, other=0.) + tl.dot(b_k, b_dS, input_precision=PREC)  # [C, BK] @ [BK, BV]
+    tl.store(dR + p_tv, b_dR, mask=m_tv)
+    b_do = tl.load(do + p_tv, mask=m_tv, other=0.).to(tl.float32)
+    if GATE == 2:
+        b_dS *= tl.exp(b_last)[:, None]
+    elif GATE == 1:
+        b_dS *= tl.exp(b_last)
+    b_dS += scale * tl.dot(tl.trans(b_q), b_do, input_precision=PREC)              # [BK, C] @ [C, BV]
+    if DELTA:
+        b_w = tl.load(W + (rows[:, None] * HV + i_h) * K + o_k[None, :], mask=m_tk, other=0.)
+        b_dS -= tl.dot(tl.trans(b_w), b_dR, input_precision=PREC)                   # [BK, C] @ [C, BV]
+    return b_dS
+
+
+@triton.jit
+def _bwd_dh_kernel(q, k, G, W, dRl, do, dht, dh, dR, dh0, cu_seqlens, chunk_offsets, T, scale,
+                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                   BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
+                   HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, TRANSPOSE: tl.constexpr,
+                   IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOOP_WHILE: tl.constexpr):
+    """dR = dR_local + Kend dS';  dS = γ dS' + scale Qgᵀ dO − Wᵀ dR.
+    dh: [NC, HV, K, V] fp32; dR: [B, T, HV, V] fp32; dht, dh0 in the state layout (dh0 fp32)."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // HV, i_nh % HV
+    i_hk = i_h // (HV // H)
+    bos, eos, boh, NTs = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, C, IS_VARLEN)
+    o_t = tl.arange(0, C)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    if TRANSPOSE:
+        p0 = (i_nh * V + o_v[None, :]).to(tl.int64) * K + o_k[:, None]
+    else:
+        p0 = (i_nh * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :]
+    b_dS = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_DHT:
+        b_dS += tl.load(dht + p0, mask=m_kv, other=0.).to(tl.float32)
+    if LOOP_WHILE:  # the interpreter cannot take a loaded bound in range()
+        i_c = NTs - 1
+        while i_c >= 0:
+            b_dS = _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, i_c, bos, eos, boh, i_h, i_hk, o_v, scale,
+                                H, HV, K, V, BK, BV, C, GATE, DELTA, PREC)
+            i_c -= 1
+    else:
+        for i_r in range(NTs):
+            b_dS = _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, NTs - 1 - i_r, bos, eos, boh, i_h, i_hk, o_v, scale,
+                                H, HV, K, V, BK, BV, C, GATE, DELTA, PREC)
+    if HAS_H0:
+        tl.store(dh0 + p0, b_dS, mask=m_kv)
+
+
+# ------------------------------------------------------------------------------------------------
+# stage 6: chunk-parallel gradients
+# ------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, dk, dv, dbeta, dG,
+                     cu_seqlens, chunk_indices, T, scale,
+                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, GATE: tl.constexpr,
+                     DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
+    """dq, dk: [B, T, HV, K] fp32 (per value head); dv: [B, T, HV, V] fp32; dbeta: [B, T, HV] fp32;
+    dG: [B, T, HV(, K)] fp32 -- for scalar gates already the reverse cumsum (dg); per channel the
+    gradient of G without the diagonal blocks (finished by _bwd_diag_kernel, which also reads dA,
+    dP from Amat, Pmat)."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // HV, i_bh % HV
+    i_hk = i_h // (HV // H)
+    t0, L, i_g = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
+    o_t = tl.arange(0, C)
+    o_k = tl.arange(0, BK)
+    m_t = o_t < L
+    m_k = o_k < K
+    rows = (t0 + o_t).to(tl.int64)
+    m_tk = m_t[:, None] & m_k[None, :]
+    p_tk = (rows[:, None] * H + i_hk) * K + o_k[None, :]
+    p_hk = (rows[:, None] * HV + i_h) * K + o_k[None, :]
+    b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
+    b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
+    i_ge_j = o_t[:, None] >= o_t[None, :]
+    m_cc = m_t[:, None] & m_t[None, :]
+    p_cc = (rows[:, None] * HV + i_h) * C + o_t[None, :]
+    if DELTA:
+        b_beta = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.).to(tl.float32)
+        b_T = tl.load(Tmat + p_cc, mask=m_cc & i_ge_j, other=0.)
+    else:
+        b_beta = tl.zeros([C], dtype=tl.float32)
+    b_dqg = tl.zeros([C, BK], dtype=tl.float32)
+    b_dw = tl.zeros([C, BK], dtype=tl.float32)
+    b_dkend = tl.zeros([C, BK], dtype=tl.float32)
+    b_dgam = tl.zeros([BK], dtype=tl.float32)
+    b_dP = tl.zeros([C, C], dtype=tl.float32)
+    b_dTv = tl.zeros([C, C], dtype=tl.float32)
+    b_db = tl.zeros([C], dtype=tl.float32)
+    p_h = (i_g * HV + i_h).to(tl.int64) * K * V
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_kv = m_k[:, None] & m_v[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_tv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
+        b_S = tl.load(h + p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+        b_dSn = tl.load(dh + p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+        b_do = tl.load(do + p_tv, mask=m_tv, other=0.).to(tl.float32)
+        b_dR = tl.load(dR + p_tv, mask=m_tv, other=0.)
+        b_v = tl.load(v + p_tv, mask=m_tv, other=0.).to(tl.float32)
+        if DELTA:
+            b_R = tl.load(R + p_tv, mask=m_tv, other=0.)
+        else:
+            b_R = b_v
+        b_dqg += tl.dot(b_do, tl.trans(b_S), input_precision=PREC)                      # [C, BV] @ [BV, BK]
+        b_dkend += tl.dot(b_R, tl.trans(b_dSn), input_precision=PREC)                   # [C, BV] @ [BV, BK]
+        b_dgam += tl.sum(b_S * b_dSn, axis=1)
+        b_dP += tl.dot(b_do, tl.trans(b_R), input_precision=PREC)                       # [C, BV] @ [BV, C]
+        if DELTA:
+            b_dw -= tl.dot(b_dR, tl.trans(b_S), input_precision=PREC)                   # [C, BV] @ [BV, BK]
+            b_dTv += tl.dot(b_dR, tl.trans(b_v * b_beta[:, None]), input_precision=PREC)  # [C, BV] @ [BV, C]
+            b_dy = tl.dot(tl.trans(b_T), b_dR, input_precision=PREC)                    # [C, C] @ [C, BV]
+            tl.store(dv + p_tv, b_dy * b_beta[:, None], mask=m_tv)
+            b_db += tl.sum(b_v * b_dy, axis=1)
+        else:
+            tl.store(dv + p_tv, b_dR, mask=m_tv)
+    b_dP = tl.where(m_cc & i_ge_j, b_dP * scale, 0.)
+
+    # through Qg = Q e^G, Kend = K e^{G_last − G}, γ = e^{G_last}
+    if GATE > 0:
+        b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, GATE == 2)
+        b_eG, b_ekend = _gate_factors(b_G, b_last, GATE)
+        b_dq = scale * b_dqg * b_eG
+        b_dk = b_dkend * b_ekend
+    else:
+        b_dq = scale * b_dqg
+        b_dk = b_dkend
+    b_dGm = b_q * b_dq - b_k * b_dk
+    if GATE == 2:
+        b_dlast = tl.sum(b_k * b_dk, axis=0) + tl.exp(b_last) * b_dgam                   # [BK]
+    elif GATE == 1:
+        b_dlast = tl.sum(tl.sum(b_k * b_dk, axis=1), axis=0) + tl.exp(b_last) * tl.sum(b_dgam, axis=0)
+
+    # through W = T X (X = β e^G K), U = T Y
+    b_kb = b_k * b_beta[:, None]
+    if DELTA:
+        if GATE > 0:
+            b_ke = b_k * b_eG
+        else:
+            b_ke = b_k
+        b_x = b_ke * b_beta[:, None]
+        b_dx = tl.dot(tl.trans(b_T), b_dw, input_precision=PREC)                         # [C, C] @ [C, BK]
+        b_dT = b_dTv + tl.dot(b_dw, tl.trans(b_x), input_precision=PREC)                 # [C, BK] @ [BK, C]
+        b_dA = tl.dot(tl.dot(tl.trans(b_T), b_dT, input_precision=PREC), tl.trans(b_T), input_precision=PREC)  # [C, C] @ [C, C] @ [C, C]
+        b_dA = tl.where(m_cc & (o_t[:, None] > o_t[None, :]), -b_dA, 0.)
+        if GATE > 0:
+            b_dk += b_beta[:, None] * b_eG * b_dx
+        else:
+            b_dk += b_beta[:, None] * b_dx
+        b_db += tl.sum(b_ke * b_dx, axis=1)
+        b_dGm += b_x * b_dx
+
+    # through the pairwise products P (q, k) and A (βk, k)
+    b_dkb = tl.zeros([C, BK], dtype=tl.float32)
+    if GATE == 2:
+        b_dqp = tl.zeros([C, BK], dtype=tl.float32)
+        b_dkp = tl.zeros([C, BK], dtype=tl.float32)
+        for jb in tl.static_range(C // BC - 1):
+            r = jb * BC + BC - 1
+            b_Gr = tl.sum(tl.where((o_t == r)[:, None], b_G, 0.), axis=0)                   # [BK]
+            b_left = tl.exp(tl.where((o_t > r)[:, None], b_G - b_Gr[None, :], float("-inf")))
+            b_right = tl.exp(tl.where(((o_t // BC) == jb)[:, None], b_Gr[None, :] - b_G, float("-inf")))
+            b_kr = b_k * b_right
+            b_dqp += tl.dot(b_dP, b_kr, input_precision=PREC) * b_left                     # [C, C] @ [C, BK]
+            b_dkp += tl.dot(tl.trans(b_dP), b_q * b_left, input_precision=PREC) * b_right  # [C, C] @ [C, BK]
+            if DELTA:
+                b_dkb += tl.dot(b_dA, b_kr, input_precision=PREC) * b_left                 # [C, C] @ [C, BK]
+                b_dkp += tl.dot(tl.trans(b_dA), b_kb * b_left, input_precision=PREC) * b_right  # [C, C] @ [C, BK]
+        tl.store(Pmat + p_cc, b_dP, mask=m_cc)
+        if DELTA:
+            tl.store(Amat + p_cc, b_dA, mask=m_cc)
+    else:
+        if GATE == 1:
+            b_gam = tl.exp(tl.where(i_ge_j, b_G[:, None] - b_G[None, :], float("-inf")))
+            b_dPg = b_dP * b_gam
+        else:
+            b_dPg = b_dP
+        b_dqp = tl.dot(b_dPg, b_k, input_precision=PREC)                                  # [C, C] @ [C, BK]
+        b_dkp = tl.dot(tl.trans(b_dPg), b_q, input_precision=PREC)                        # [C, C] @ [C, BK]
+        if DELTA:
+            if GATE == 1:
+                b_dAg = b_dA * b_gam
+            else:
+                b_dAg = b_dA
+            b_dkb = tl.dot(b_dAg, b_k, input_precision=PREC)                              # [C, C] @ [C, BK]
+            b_dkp += tl.dot(tl.trans(b_dAg), b_kb, input_precision=PREC)                  # [C, C] @ [C, BK]
+    b_dGm += b_q * b_dqp + b_kb * b_dkb - b_k * b_dkp
+    b_dq += b_dqp
+    b_dk += b_dkp + b_beta[:, None] * b_dkb
+    b_db += tl.sum(b_k * b_dkb, axis=1)
+
+    tl.store(dq + p_hk, b_dq, mask=m_tk)
+    tl.store(dk + p_hk, b_dk, mask=m_tk)
+    if DELTA:
+        tl.store(dbeta + rows * HV + i_h, b_db, mask=m_t)
+    if GATE == 2:
+        b_dGm += tl.where((o_t == L - 1)[:, None], b_dlast[None, :], 0.)
+        tl.store(dG + p_hk, b_dGm, mask=m_tk)
+    elif GATE == 1:
+        b_dG = tl.sum(b_dGm, axis=1) + tl.where(o_t == L - 1, b_dlast, 0.)
+        b_dg = tl.sum(b_dG, axis=0) - tl.cumsum(b_dG, axis=0) + b_dG                       # reverse cumsum
+        tl.store(dG + rows * HV + i_h, b_dg, mask=m_t)
+
+
+@triton.jit
+def _bwd_diag_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbeta, dG, cu_seqlens, chunk_indices, T,
+                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
+                     BC: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Per-channel gates: the diagonal BC×BC blocks of the pairwise gradients (exact Γ), added to
+    dq, dk, dbeta, dG in place; then dG becomes dg (reverse cumsum over the chunk)."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // HV, i_bh % HV
+    i_hk = i_h // (HV // H)
+    t0, L, _ = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
+    o_i = tl.arange(0, BC)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    b_last = tl.load(G + ((t0 + L - 1).to(tl.int64) * HV + i_h) * K + o_k, mask=m_k, other=0.)
+    b_carry = tl.zeros([BK], dtype=tl.float32)
+    for ii in tl.static_range(C // BC):
+        ib = C // BC - 1 - ii
+        o_r = ib * BC + o_i
+        m_r = o_r < L
+        rows = (t0 + o_r).to(tl.int64)
+        m_rk = m_r[:, None] & m_k[None, :]
+        p_tk = (rows[:, None] * H + i_hk) * K + o_k[None, :]
+        p_hk = (rows[:, None] * HV + i_h) * K + o_k[None, :]
+        b_q = tl.load(q + p_tk, mask=m_rk, other=0.).to(tl.float32)
+        b_k = tl.load(k + p_tk, mask=m_rk, other=0.).to(tl.float32)
+        b_G = tl.load(G + p_hk, mask=m_rk, other=0.)
+        b_G = tl.where(m_r[:, None], b_G, b_last[None, :])
+        if DELTA:
+            b_beta = tl.load(beta + rows * HV + i_h, mask=m_r, other=0.).to(tl.float32)
+        else:
+            b_beta = tl.zeros([BC], dtype=tl.float32)
+        b_kb = b_k * b_beta[:, None]
+        b_dqd = tl.zeros([BC, BK], dtype=tl.float32)
+        b_dkbd = tl.zeros([BC, BK], dtype=tl.float32)
+        b_dkd = tl.zeros([BC, BK], dtype=tl.float32)
+        for jj in range(BC):
+            j = ib * BC + jj
+            m_j = j < L
+            row_j = (t0 + j).to(tl.int64)
+            b_kj = tl.load(k + (row_j * H + i_hk) * K + o_k, mask=m_k & m_j, other=0.).to(tl.float32)
+            b_Gj = tl.load(G + (row_j * HV + i_h) * K + o_k, mask=m_k & m_j, other=0.)
+            b_Gj = tl.where(m_j, b_Gj, b_last)
+            b_e = tl.exp(tl.where((o_i >= jj)[:, None], b_G - b_Gj[None, :], float("-inf")))   # [BC, BK]
+            b_dPc = tl.load(Pmat + (rows * HV + i_h) * C + j, mask=m_r & m_j, other=0.)        # [BC]
+            b_w = b_kj[None, :] * b_e
+            b_dqd += b_dPc[:, None] * b_w
+            b_z = b_dPc[:, None] * b_q
+            if DELTA:
+                b_dAc = tl.load(Amat + (rows * HV + i_h) * C + j, mask=m_r & m_j, other=0.)
+                b_dkbd += b_dAc[:, None] * b_w
+                b_z += b_dAc[:, None] * b_kb
+            b_dkd = tl.where((o_i == jj)[:, None], tl.sum(b_z * b_e, axis=0)[None, :], b_dkd)
+        b_dGd = b_q * b_dqd + b_kb * b_dkbd - b_k * b_dkd
+        tl.store(dq + p_hk, tl.load(dq + p_hk, mask=m_rk, other=0.) + b_dqd, mask=m_rk)
+        tl.store(dk + p_hk, tl.load(dk + p_hk, mask=m_rk, other=0.) + b_dkd + b_beta[:, None] * b_dkbd,
+                 mask=m_rk)
+        if DELTA:
+            b_dbv = tl.load(dbeta + rows * HV + i_h, mask=m_r, other=0.) + tl.sum(b_k * b_dkbd, axis=1)
+            tl.store(dbeta + rows * HV + i_h, b_dbv, mask=m_r)
+        b_dG = tl.load(dG + p_hk, mask=m_rk, other=0.) + b_dGd
+        b_tot = tl.sum(b_dG, axis=0)
+        b_dg = b_tot[None, :] - tl.cumsum(b_dG, axis=0) + b_dG + b_carry[None, :]             # reverse cumsum
+        b_carry += b_tot
+        tl.store(dG + p_hk, b_dg, mask=m_rk)
+
+
+# ------------------------------------------------------------------------------------------------
+# launcher
+# ------------------------------------------------------------------------------------------------
+
+def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, chunk_indices=None,
+              transpose_state_layout=False):
+    """Gradients of the chunk op (see the module docstring for the equations).
+
+    q, k: [B, T, H, K]; v, do: [B, T, HV, V]; g: None | [B, T, HV] | [B, T, HV, K] fp32;
+    beta: None | [B, T, HV]; initial_state: None | [N, HV, K, V] ([N, HV, V, K] transposed);
+    dht: None | like the final state (fp32, same layout); cu_seqlens: None | [N + 1] (B == 1).
+    Returns (dq, dk, dv, dg, dbeta, dh0), each in its input's dtype and layout (None where the
+    input is None).
+    """
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    C, BC = CHUNK, SUB
+    dev = q.device
+    varlen = cu_seqlens is not None
+    if varlen:
+        if chunk_indices is None:
+            from ..api import prepare_chunk_indices
+            chunk_indices = prepare_chunk_indices(cu_seqlens, C).to(dev)
+        N = cu_seqlens.numel() - 1
+        NT = chunk_indices.shape[0]
+        n_chunks = (cu_seqlens[1:] - cu_seqlens[:-1] + C - 1) // C
+        chunk_offsets = (torch.cumsum(n_chunks, 0) - n_chunks).to(torch.int32)
+        NC = NT
+        cu_seqlens = cu_seqlens.contiguous()
+        chunk_indices = chunk_indices.contiguous()
+    else:
+        N = B
+        NT = triton.cdiv(T, C)
+        NC = B * NT
+        chunk_offsets = None
+    gate = 0 if g is None else (1 if g.dim() == 3 else 2)
+    delta = beta is not None
+    has_h0 = initial_state is not None
+    BK = max(16, triton.next_power_of_2(K))
+    BV = min(32, max(16, triton.next_power_of_2(V)))
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    q, k, v, do = (x.contiguous() for x in (q, k, v, do))
+    g = None if g is None else g.contiguous()
+    beta = None if beta is None else beta.contiguous()
+    h0 = initial_state.contiguous() if has_h0 else None
+    dht = None if dht is None else dht.contiguous()
+
+    def buf(*shape):
+        # NaN under the interpreter so that a read of an unwritten element shows
+        return (torch.full(shape, float("nan"), device=dev, dtype=torch.float32) if _INTERPRET
+                else torch.empty(shape, device=dev, dtype=torch.float32))
+
+    common = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T)
+    grid_c = (NT, B * HV)
+    grid_s = (triton.cdiv(V, BV), N * HV)
+    nw = 4
+
+    G = None
+    if gate:
+        G = buf(*g.shape)
+        _gate_cumsum_kernel[grid_c](g, G, floor=GATE_FLOOR, HV=HV, K=K, BK=BK, C=C, PER_CHANNEL=gate == 2,
+                                    IS_VARLEN=varlen, num_warps=nw, **common)
+    Amat = buf(B, T, HV, C) if delta else None
+    Pmat = buf(B, T, HV, C)
+    _intra_kernel[grid_c](q, k, beta, G, Amat, Pmat, H=H, HV=HV, K=K, BK=BK, C=C, BC=BC, GATE=gate, DELTA=delta,
+                          IS_VARLEN=varlen, PREC=prec, num_warps=nw, **common)
+    if gate == 2:
+        _intra_diag_kernel[grid_c](q, k, beta, G, Amat, Pmat, H=H, HV=HV, K=K, BK=BK, C=C, BC=BC, DELTA=delta,
+                                   IS_VARLEN=varlen, num_warps=nw, **common)
+    Tmat = W = U = R = None
+    if delta:
+        Tmat = buf(B, T, HV, C)
+        _solve_kernel[grid_c](Amat, Tmat, HV=HV, C=C, BC=BC, IS_VARLEN=varlen, PREC=prec, num_warps=nw, **common)
+        W, U = buf(B, T, HV, K), buf(B, T, HV, V)
+    dRl = buf(B, T, HV, V)
+    _wu_kernel[grid_c](k, v, beta, G, Tmat, Pmat, do, W, U, dRl, scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
+                       C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec, num_warps=nw, **common)
+
+    h = buf(NC, HV, K, V)
+    if delta:
+        R = buf(B, T, HV, V)
+    seq = dict(cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, T=T)
+    _fwd_h_kernel[grid_s](k, v, G, W, U, h0, h, R, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate,
+                          DELTA=delta, HAS_H0=has_h0, TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen,
+                          PREC=prec, LOOP_WHILE=_INTERPRET, num_warps=nw, **seq)
+    dh = buf(NC, HV, K, V)
+    dR = buf(B, T, HV, V)
+    dh0 = buf(*h0.shape) if has_h0 else None
+    _bwd_dh_kernel[grid_s](q, k, G, W, dRl, do, dht, dh, dR, dh0, scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
+                           C=C, GATE=gate, DELTA=delta, HAS_DHT=dht is not None, HAS_H0=has_h0,
+                           TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen, PREC=prec, LOOP_WHILE=_INTERPRET, num_warps=nw, **seq)
+    del dRl
+
+    dq, dk, dv = buf(B, T, HV, K), buf(B, T, HV, K), buf(B, T, HV, V)
+    dbeta = buf(B, T, HV) if delta else None
+    dG = buf(*g.shape) if gate else None
+    _bwd_grad_kernel[grid_c](q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, dk, dv, dbeta, dG,
+                             scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, BC=BC, GATE=gate, DELTA=delta,
+                             IS_VARLEN=varlen, PREC=prec, num_warps=8, **common)
+    if gate == 2:
+        _bwd_diag_kernel[grid_c](q, k, beta, G, Pmat, Amat, dq, dk, dbeta, dG, H=H, HV=HV, K=K, BK=BK, C=C, BC=BC,
+                                 DELTA=delta, IS_VARLEN=varlen, num_warps=nw, **common)
+    if HV != H:
+        dq = dq.view(B, T, H, HV // H, K).sum(3)
+        dk = dk.view(B, T, H, HV // H, K).sum(3)
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
+            None if dG is None else dG.to(g.dtype),
+            None if dbeta is None else dbeta.to(beta.dtype),
+            None if dh0 is None else dh0.to(initial_state.dtype))
