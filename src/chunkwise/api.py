@@ -249,8 +249,16 @@ def _to_kv(state, transpose_state_layout):
 def run(fam: Family, mode: str, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, *,
         use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, use_gate_in_kernel=False,
         A_log=None, dt_bias=None, lower_bound=None, transpose_state_layout=False, chunk_size=64,
-        backend="auto", cu_seqlens_cpu=None, chunk_indices=None, state_indices=None):
+        backend="auto", cu_seqlens_cpu=None, chunk_indices=None, state_indices=None, cp_group=None):
     """The one path behind every public op. mode: "chunk" or "recurrent"."""
+    if cp_group is not None:   # context parallelism: cu_seqlens/initial_state describe the whole batch; checked there
+        from .distributed import chunk_cp
+        return chunk_cp(fam, mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                        cp_group=cp_group, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+                        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                        transpose_state_layout=transpose_state_layout, chunk_size=chunk_size, backend=backend,
+                        cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices, state_indices=state_indices)
     B, T, H, HV, K, V, N = _check_inputs(
         fam, q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, transpose_state_layout,
         backend, use_gate_in_kernel, A_log, dt_bias, lower_bound, state_indices)

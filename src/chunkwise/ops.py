@@ -57,11 +57,16 @@ _POOL = ("        state_indices: [N] int, vLLM-style state pool: initial_state i
          "            there in place (in the pool's dtype, fp32 or bf16). -1 marks a padding slot: skipped, its\n"
          "            output is zero. With output_final_state the pool itself is returned.\n")
 
+_CP = ("        cp_group: a torch.distributed ProcessGroup for context parallelism: each rank passes its contiguous\n"
+       "            slice of the tokens (rank order) with the whole batch's cu_seqlens / initial_state; sequence n's\n"
+       "            final state is on the rank holding its last token (zero rows elsewhere). See chunkwise.distributed.\n")
 
-def _doc(title: str, equation: str, gate: str = "", beta: bool = True, gate_args: str = "", pool: bool = False):
+
+def _doc(title: str, equation: str, gate: str = "", beta: bool = True, gate_args: str = "", pool: bool = False,
+         cp: bool = False):
     return (title + "\n\n    " + equation + "\n" + _COMMON.format(
         gate=gate, beta=_BETA if beta else "", beta_sigmoid=_BETA_SIG if beta else "",
-        gate_args=gate_args, extra=_POOL if pool else ""))
+        gate_args=gate_args, extra=(_POOL if pool else "") + (_CP if cp else "")))
 
 
 # --- Gated DeltaNet (Qwen3-Next) -----------------------------------------------------------------
@@ -73,12 +78,13 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                            use_gate_in_kernel: bool = False, A_log: torch.Tensor | None = None,
                            dt_bias: torch.Tensor | None = None, transpose_state_layout: bool = False,
                            chunk_size: int = 64, backend: str = "auto", cu_seqlens_cpu: torch.Tensor | None = None,
-                           chunk_indices: torch.Tensor | None = None):
+                           chunk_indices: torch.Tensor | None = None,
+                           cp_group=None):
     return run(GDN, "chunk", q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                transpose_state_layout=transpose_state_layout, chunk_size=chunk_size, backend=backend,
-               cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices)
+               cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices, cp_group=cp_group)
 
 
 def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -100,7 +106,7 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
 
 _GDN_EQ = "S_t = (I − β_t k_t k_tᵀ) exp(g_t) S_{t−1} + β_t k_t v_tᵀ,   o_t = scale · S_tᵀ q_t   (g scalar per head)"
 chunk_gated_delta_rule.__doc__ = _doc("Gated DeltaNet, chunk form (training / prefill).", _GDN_EQ, _G_SCALAR,
-                                      gate_args=_GATE_SCALAR)
+                                      gate_args=_GATE_SCALAR, cp=True)
 fused_recurrent_gated_delta_rule.__doc__ = _doc("Gated DeltaNet, token-recurrent form (decode).", _GDN_EQ, _G_SCALAR,
                                                 gate_args=_GATE_SCALAR, pool=True)
 
@@ -114,12 +120,13 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
               use_gate_in_kernel: bool = False, A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
               lower_bound: float | None = None, transpose_state_layout: bool = False, chunk_size: int = 64,
               backend: str = "auto", cu_seqlens_cpu: torch.Tensor | None = None,
-              chunk_indices: torch.Tensor | None = None):
+              chunk_indices: torch.Tensor | None = None,
+              cp_group=None):
     return run(KDA, "chunk", q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
                transpose_state_layout=transpose_state_layout, chunk_size=chunk_size, backend=backend,
-               cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices)
+               cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices, cp_group=cp_group)
 
 
 def fused_recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -139,7 +146,7 @@ def fused_recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
 
 
 _KDA_EQ = "S_t = (I − β_t k_t k_tᵀ) diag(exp(g_t)) S_{t−1} + β_t k_t v_tᵀ,   o_t = scale · S_tᵀ q_t   (g per channel)"
-chunk_kda.__doc__ = _doc("Kimi Delta Attention, chunk form.", _KDA_EQ, _G_CHANNEL, gate_args=_GATE_CHANNEL)
+chunk_kda.__doc__ = _doc("Kimi Delta Attention, chunk form.", _KDA_EQ, _G_CHANNEL, gate_args=_GATE_CHANNEL, cp=True)
 fused_recurrent_kda.__doc__ = _doc("Kimi Delta Attention, token-recurrent form (decode).", _KDA_EQ, _G_CHANNEL,
                                    gate_args=_GATE_CHANNEL, pool=True)
 
@@ -151,11 +158,12 @@ def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: to
                      output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None, *,
                      use_qk_l2norm_in_kernel: bool = False, use_beta_sigmoid_in_kernel: bool = False,
                      transpose_state_layout: bool = False, chunk_size: int = 64, backend: str = "auto",
-                     cu_seqlens_cpu: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None):
+                     cu_seqlens_cpu: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None,
+                     cp_group=None):
     return run(DELTA, "chunk", q, k, v, None, beta, scale, initial_state, output_final_state, cu_seqlens,
                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                transpose_state_layout=transpose_state_layout, chunk_size=chunk_size, backend=backend,
-               cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices)
+               cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices, cp_group=cp_group)
 
 
 def fused_recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
@@ -172,7 +180,7 @@ def fused_recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 _DELTA_EQ = "S_t = (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ,   o_t = scale · S_tᵀ q_t   (no decay)"
-chunk_delta_rule.__doc__ = _doc("DeltaNet, chunk form.", _DELTA_EQ)
+chunk_delta_rule.__doc__ = _doc("DeltaNet, chunk form.", _DELTA_EQ, cp=True)
 fused_recurrent_delta_rule.__doc__ = _doc("DeltaNet, token-recurrent form (decode).", _DELTA_EQ, pool=True)
 
 
@@ -184,11 +192,12 @@ def chunk_simple_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                      use_qk_l2norm_in_kernel: bool = False, use_gate_in_kernel: bool = False,
                      A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
                      transpose_state_layout: bool = False, chunk_size: int = 64, backend: str = "auto",
-                     cu_seqlens_cpu: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None):
+                     cu_seqlens_cpu: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None,
+                     cp_group=None):
     return run(GLA, "chunk", q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens,
                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
                A_log=A_log, dt_bias=dt_bias, transpose_state_layout=transpose_state_layout, chunk_size=chunk_size,
-               backend=backend, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices)
+               backend=backend, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices, cp_group=cp_group)
 
 
 def fused_recurrent_simple_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -208,6 +217,6 @@ def fused_recurrent_simple_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 _GLA_EQ = "S_t = exp(g_t) S_{t−1} + k_t v_tᵀ,   o_t = scale · S_tᵀ q_t   (Mamba2 SSD: q=C, k=B, v=x·dt, g=A·dt, scale=1)"
 chunk_simple_gla.__doc__ = _doc("Simple GLA (scalar decay, no delta rule; Mamba2's SSD), chunk form.", _GLA_EQ,
-                                _G_SCALAR, beta=False, gate_args=_GATE_SCALAR)
+                                _G_SCALAR, beta=False, gate_args=_GATE_SCALAR, cp=True)
 fused_recurrent_simple_gla.__doc__ = _doc("Simple GLA, token-recurrent form (decode).", _GLA_EQ, _G_SCALAR,
                                           beta=False, gate_args=_GATE_SCALAR, pool=True)

@@ -1,0 +1,309 @@
+"""Context parallelism for the chunk ops: sequences split over the ranks of a torch.distributed group.
+
+Every rank holds a contiguous slice of the tokens, in rank order (rank r holds global tokens
+[a_r, a_r + T_r); the slices may have different lengths, each at least one token). Sequences may
+cross any number of rank boundaries. The public chunk ops take ``cp_group=`` and otherwise keep
+their arguments; `api.run` hands such calls to `chunk_cp`.
+
+Conventions (the same tensors a single-process call would take, cut along T):
+
+- dense batch (cu_seqlens None): q [B, T_r, H, K] etc.; every row b is one sequence running
+  through all ranks. initial_state [B, HV, K, V] is read on rank 0.
+- varlen: q [1, T_r, H, K] and ``cu_seqlens`` = the offsets of the WHOLE packed batch ([N + 1],
+  last value Σ_r T_r), the same tensor on every rank (as FlashAttention / fla pass it before the
+  split). initial_state [N, HV, K, V] (the same on every rank): row n is read only on the rank
+  that holds sequence n's first token.
+- final_state [N, HV, K, V] (or [N, HV, V, K]) on every rank: row n holds sequence n's final
+  state on the rank that holds its last token and is zero on every other rank, so a SUM
+  all-reduce over the group gives every final state everywhere (a zero-length sequence belongs to
+  the rank whose slice contains its offset, the last rank when it sits at the end).
+- gradients: q, k, v, g, beta get their local gradients; initial_state (and A_log, dt_bias) get,
+  on each rank, the part of the gradient that flows through that rank: sum them over the group
+  (as for any parameter replicated over a context-parallel group).
+- every rank must call the op, and in training every rank must run backward through o or
+  final_state (the backward holds one collective); requires_grad must agree across ranks.
+
+The math. Per sequence and value head the recurrence is affine in the state: over a segment of
+tokens 1..e with A_t = (I − β_t k_t k_tᵀ) diag(e^{g_t}) (simple GLA: A_t = e^{g_t} I) and the
+prefix products M_t = A_t ⋯ A_1 [K, K],
+
+    S_t = M_t · S_in + S⁰_t,        o_t = o⁰_t + S_inᵀ q̂_t,   q̂_t = scale · M_tᵀ q_t,
+
+where S⁰, o⁰ are the states and outputs from a zero incoming state, and P = M_e is the segment's
+transition (S_out = P · S_in + Q with Q = S⁰_e). Per rank:
+
+1. the local op runs the rank's slice from zero for the sequence that came in from the left
+   (every other sequence from its own initial_state): o⁰, and the final states;
+2. for the carried-in segment, the same op runs once more with v = 0 and initial state I [K, K]:
+   its states are exactly M_t, so it returns q̂ as its output and P as its final state (for simple
+   GLA both are closed forms, q̂_t = scale · e^{G_t} q_t and P = e^{G_e} I: no second call);
+3. every rank contributes [P̃ | Q̃] for the row it carries out (P̃ = P when the carried-out sequence
+   also came in from the left, else 0; Q̃ = its local final state, else 0) to one all-gather; each
+   rank folds the ranks before it, S ← P̃_j S + Q̃_j, from the last rank where its sequence began;
+4. o = o⁰ + q̂ S_in on the carried-in tokens, final state = Q + P S_in.
+
+Everything is torch autograd over the public op (the Triton kernels on CUDA tensors) and one
+differentiable all-gather (`_AllGather`: reduce-scatter in backward); docs/context_parallel.md
+gives the costs and what a fused kernel would do instead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import api
+from .reference.utils import expand_heads
+
+
+# ----------------------------------------------------------------------------------------------
+# collectives
+# ----------------------------------------------------------------------------------------------
+
+class _AllGather(torch.autograd.Function):
+    """x [*s] on every rank -> [W, *s] (rank order); backward: the gradients of slot r summed over
+    the ranks, delivered to rank r (reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x, group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        parts = [p.contiguous() for p in grad.unbind(0)]
+        out = torch.empty_like(parts[0])
+        dist.reduce_scatter(out, parts, group=ctx.group)
+        return out, None
+
+
+class _Tie(torch.autograd.Function):
+    """A copy of x whose graph also reaches ``anchor`` (with a zero gradient).
+
+    Keeps the all-gather in every rank's backward graph, so every rank joins its reduce-scatter even
+    when its own outputs do not depend on the other ranks (e.g. rank 0 of a dense batch).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        ctx.anchor = (anchor.shape, anchor.dtype, anchor.device)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        shape, dtype, device = ctx.anchor
+        return grad, torch.zeros(shape, dtype=dtype, device=device)
+
+
+def _gather_lengths(T: int, device: torch.device, group) -> list[int]:
+    """Every rank's local token count, in rank order (one small all-gather and a host sync)."""
+    t = torch.tensor([T], dtype=torch.int64, device=device)
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t, group=group)
+    return [int(x) for x in torch.cat(parts).tolist()]
+
+
+# ----------------------------------------------------------------------------------------------
+# the plan: where each rank's tokens sit in the global batch (host-side integers)
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's share of the batch.
+
+    start, end: its global token range [start, end).
+    seqs: global ids of its local sequences, in order (dense: 0..B-1, all of them).
+    local_cu: offsets of those sequences in its slice ([len(seqs) + 1]); None for a dense batch.
+    carry_in: its first sequence(s) began on an earlier rank.
+    carry_out: its last sequence(s) continue on a later rank.
+    head: number of local tokens of the carried-in segment (0 without carry_in).
+    through: the carried-in sequence is also the carried-out one (it covers the whole slice).
+    ends: positions in ``seqs`` of the sequences whose last token is here.
+    """
+    start: int
+    end: int
+    seqs: tuple[int, ...]
+    local_cu: tuple[int, ...] | None
+    carry_in: bool
+    carry_out: bool
+    head: int
+    through: bool
+    ends: tuple[int, ...]
+
+
+def plan_ranks(lengths: list[int], cu: list[int] | None, B: int) -> list[RankPlan]:
+    """The plan of every rank from the ranks' token counts and the global offsets (None: dense B rows)."""
+    W = len(lengths)
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    plans = []
+    for r in range(W):
+        a, b = bounds[r], bounds[r + 1]
+        if cu is None:
+            carry_in, carry_out = r > 0, r < W - 1
+            plans.append(RankPlan(a, b, tuple(range(B)), None, carry_in, carry_out, (b - a) if carry_in else 0,
+                                  carry_in and carry_out, tuple(range(B)) if r == W - 1 else ()))
+            continue
+        N, T = len(cu) - 1, bounds[-1]
+        seqs = []
+        for n in range(N):
+            if cu[n] < cu[n + 1]:
+                if cu[n] < b and cu[n + 1] > a:
+                    seqs.append(n)
+            elif a <= cu[n] < b or (cu[n] == T and r == W - 1):    # a zero-length sequence
+                seqs.append(n)
+        local_cu = [min(max(cu[n] - a, 0), b - a) for n in seqs] + [min(cu[seqs[-1] + 1] - a, b - a)]
+        carry_in = cu[seqs[0]] < a
+        carry_out = cu[seqs[-1] + 1] > b
+        ends = tuple(i for i, n in enumerate(seqs) if cu[n + 1] <= b)
+        plans.append(RankPlan(a, b, tuple(seqs), tuple(local_cu), carry_in, carry_out,
+                              local_cu[1] if carry_in else 0, carry_in and carry_out and len(seqs) == 1, ends))
+    return plans
+
+
+# ----------------------------------------------------------------------------------------------
+# the transition of the carried-in segment
+# ----------------------------------------------------------------------------------------------
+
+def _transition(fam: api.Family, q, k, g, beta, scale, chunk_size, backend, ct):
+    """q̂ = scale · M_tᵀ q_t [n, e, HV, K] and P = M_e [n, HV, K, K] (dtype ct) of n segments of e tokens.
+
+    M_t = A_t ⋯ A_1 is the product of the per-token transforms. In general: the chunk op from the
+    identity state with v = 0, whose states are exactly M_t (output q̂, final state P). Simple GLA:
+    A_t = e^{g_t} I, so q̂_t = scale · e^{G_t} q_t and P = e^{G_e} I with G the running sum of g.
+    """
+    n, e, _, K = q.shape
+    HV = g.shape[2] if g is not None else beta.shape[2]
+    if not fam.delta and fam.gate == "scalar":
+        G = g.double().cumsum(1)                                                 # [n, e, HV]
+        decay = G.to(ct).exp()
+        q_hat = scale * expand_heads(q, HV).to(ct) * decay[..., None]           # [n, e, HV, K]
+        P = torch.diag_embed(decay[:, -1, :, None].expand(n, HV, K))           # [n, HV, K, K]
+        return q_hat, P
+    v0 = q.new_zeros(n, e, HV, K)
+    eye = torch.eye(K, dtype=ct, device=q.device).expand(n, HV, K, K).contiguous()
+    q_hat, P = api.run(fam, "chunk", q, k, v0, g, beta, scale, eye, True, None,
+                       chunk_size=chunk_size, backend=backend)
+    return q_hat.to(ct), P.to(ct)
+
+
+# ----------------------------------------------------------------------------------------------
+# the op
+# ----------------------------------------------------------------------------------------------
+
+def chunk_cp(fam: api.Family, mode: str, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, *,
+             cp_group, use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, use_gate_in_kernel=False,
+             A_log=None, dt_bias=None, lower_bound=None, transpose_state_layout=False, chunk_size=64,
+             backend="auto", cu_seqlens_cpu=None, chunk_indices=None, state_indices=None):
+    """`api.run` for a call with ``cp_group``: the module docstring gives the conventions and the math.
+
+    chunk_indices is a per-batch planning hint for the global batch; each rank plans its own slice,
+    so it is not used here.
+    """
+    if mode != "chunk":
+        raise ValueError("cp_group (context parallelism) is available for the chunk ops only")
+    if state_indices is not None:
+        raise ValueError("state_indices (a decode-time state pool) cannot be combined with cp_group")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("cp_group is given but torch.distributed is not initialized")
+    W, rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
+    if rank < 0:
+        raise ValueError("this process is not a member of cp_group")
+
+    # checks that need no communication (cu_seqlens and initial_state describe the global batch)
+    B, T, H, HV, K, V, _ = api._check_inputs(
+        fam, q, k, v, g, beta, scale, None, None, None, transpose_state_layout, backend, use_gate_in_kernel,
+        A_log, dt_bias, lower_bound)
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+
+    lengths = _gather_lengths(T, q.device, cp_group)
+    if min(lengths) < 1:
+        raise ValueError(f"with cp_group every rank must hold at least one token; tokens per rank: {lengths}")
+    T_all = sum(lengths)
+    if cu_seqlens is not None:
+        cu = api.check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T_all).tolist()
+        N = len(cu) - 1
+    else:
+        if cu_seqlens_cpu is not None:
+            raise ValueError("cu_seqlens_cpu is given but cu_seqlens is None")
+        cu, N = None, B
+    if initial_state is not None:
+        api._check_tensor("initial_state", initial_state, 4)
+        api._check_float("initial_state", initial_state)
+        want = (N, HV, V, K) if transpose_state_layout else (N, HV, K, V)
+        if tuple(initial_state.shape) != want:
+            raise ValueError(f"initial_state must have shape {list(want)} (one row per sequence of the whole "
+                             f"batch, the same on every rank), got {tuple(initial_state.shape)}")
+        if initial_state.device != q.device:
+            raise ValueError(f"initial_state is on {initial_state.device}, q on {q.device}")
+
+    # the backward holds a collective: decided from the arguments alone, the same on every rank
+    needs_grad = torch.is_grad_enabled() and any(
+        isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v, g, beta, initial_state, A_log, dt_bias))
+    scale = K ** -0.5 if scale is None else float(scale)
+    q, k, g, beta = api._prelude(fam, q, k, g, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
+                                 use_gate_in_kernel, A_log, dt_bias, lower_bound)
+    ct = api._compute_dtype(q, initial_state)
+    plans = plan_ranks(lengths, cu, B)
+    me = plans[rank]
+    h0 = api._to_kv(initial_state, transpose_state_layout)
+
+    # 1. the local slice, the carried-in sequence from zero
+    if cu is None:
+        h0_local, cu_local, cu_local_cpu = (None if me.carry_in else h0), None, None
+    else:
+        h0_local = None
+        if h0 is not None:
+            rows = h0[list(me.seqs)]
+            h0_local = torch.cat([torch.zeros_like(rows[:1]), rows[1:]]) if me.carry_in else rows
+        cu_local_cpu = torch.tensor(me.local_cu, dtype=cu_seqlens.dtype)
+        cu_local = cu_local_cpu.to(cu_seqlens.device)
+    o0, ht0 = api.run(fam, "chunk", q, k, v, g, beta, scale, h0_local, True, cu_local,
+                      chunk_size=chunk_size, backend=backend, cu_seqlens_cpu=cu_local_cpu)
+    ht0 = ht0.to(ct)                                                             # [N_local, HV, K, V]
+
+    # 2. the carried-in segment's transition
+    rows = B if cu is None else 1                                               # carried rows
+    if me.carry_in:
+        e = me.head
+        q_hat, P = _transition(fam, q[:, :e], k[:, :e], None if g is None else g[:, :e],
+                               None if beta is None else beta[:, :e], scale, chunk_size, backend, ct)
+
+    # 3. exchange [P̃ | Q̃] and fold the ranks before this one
+    P_out = P if me.through else ht0.new_zeros(rows, HV, K, K)
+    Q_out = ht0[-rows:] if me.carry_out else ht0.new_zeros(rows, HV, K, V)
+    X = torch.cat([P_out, Q_out], dim=-1)                                       # [rows, HV, K, K + V]
+    if needs_grad and not X.requires_grad:
+        X.requires_grad_()    # (zeros here) the all-gather must be in every rank's backward graph
+    gathered = _AllGather.apply(X, cp_group)                                    # [W, rows, HV, K, K + V]
+    if me.carry_in:
+        j0 = max(j for j in range(rank) if not plans[j].through)
+        S_in = gathered[j0, ..., K:]
+        for j in range(j0 + 1, rank):
+            S_in = gathered[j, ..., :K] @ S_in + gathered[j, ..., K:]           # [rows, HV, K, K] @ [rows, HV, K, V]
+
+    # 4. correct the carried-in tokens and final state
+        corr = torch.einsum("bthk,bhkv->bthv", q_hat, S_in)                     # [rows, e, HV, V]
+        head = (o0[:, :e].to(ct) + corr).to(o0.dtype)
+        o = torch.cat([head, o0[:, e:]], dim=1) if e < T else head
+        ht_in = ht0[:rows] + P @ S_in                                           # [rows, HV, K, K] @ [rows, HV, K, V]
+        ht_local = torch.cat([ht_in, ht0[rows:]]) if ht0.shape[0] > rows else ht_in
+    else:
+        o = _Tie.apply(o0, gathered)
+        ht_local = ht0
+    if not output_final_state:
+        return o, None
+    final = ht0.new_zeros(N, HV, K, V)
+    if me.ends:
+        index = torch.tensor([me.seqs[i] for i in me.ends], device=final.device)
+        final = final.index_copy(0, index, ht_local[list(me.ends)])
+    final = _Tie.apply(final, gathered)
+    if transpose_state_layout:
+        final = final.transpose(-1, -2).contiguous()
+    return o, final
