@@ -170,7 +170,8 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def check_cases(device: torch.device, dtype: torch.dtype, quick: bool, seed: int) -> list[Case]:
+def check_cases(device: torch.device, dtype: torch.dtype, quick: bool, seed: int,
+                families: list[str] | None = None) -> list[Case]:
     """Every family in chunk and fused_recurrent form, a decode step (T = 1) and a varlen batch."""
     gen = torch.Generator().manual_seed(seed)
     gpu = device.type == "cuda"
@@ -194,6 +195,8 @@ def check_cases(device: torch.device, dtype: torch.dtype, quick: bool, seed: int
         return f"{head} H={s['H']} HV={s['HV']} K={s['K']} V={s['V']}"
 
     for fam, (chunk_op, recur_op, _, _) in FAMILIES.items():
+        if families is not None and fam not in families:
+            continue
         for label, op, s, lens in ((f"{fam} chunk", chunk_op, dense, None),
                                    (f"{fam} recurrent", recur_op, recur, None),
                                    (f"{fam} decode", recur_op, decode, None),
@@ -242,7 +245,7 @@ def cmd_check(a: argparse.Namespace) -> int:
     dtype = _dtype(a.dtype, device)
     tol = TOLERANCE[dtype] if a.tol is None else a.tol
     torch.manual_seed(a.seed)
-    cases = check_cases(device, dtype, a.quick, a.seed)
+    cases = check_cases(device, dtype, a.quick, a.seed, _families(a.ops, "check"))
     print(f"chunkwise check: {len(cases)} ops on {_device_name(device)}, {str(dtype).replace('torch.', '')}, "
           f"tolerance {tol:.0e} (relative error against the float64 recurrence)", flush=True)
     rows, failures = [], []
@@ -341,14 +344,19 @@ def _parse_list(text: str, kind=str) -> list:
     return [kind(x) for x in text.replace(" ", "").split(",") if x]
 
 
+def _families(text: str, command: str) -> list[str]:
+    ops = list(FAMILIES) if text == "all" else _parse_list(text)
+    for op in ops:
+        if op not in FAMILIES:
+            raise SystemExit(f"chunkwise {command}: unknown op {op!r}; choose from {', '.join(FAMILIES)} or 'all'")
+    return ops
+
+
 def cmd_bench(a: argparse.Namespace) -> int:
     device = _device(a.device)
     dtype = _dtype(a.dtype, device)
     gpu = device.type == "cuda"
-    ops = list(FAMILIES) if a.ops == "all" else _parse_list(a.ops)
-    for op in ops:
-        if op not in FAMILIES:
-            raise SystemExit(f"chunkwise bench: unknown op {op!r}; choose from {', '.join(FAMILIES)} or 'all'")
+    ops = _families(a.ops, "bench")
     seqlens = _parse_list(a.seqlens, int) if a.seqlens else ([1024, 2048, 4096, 8192, 16384] if gpu else [256, 512, 1024])
     H = a.heads or (16 if gpu else 4)
     K = a.head_dim or (128 if gpu else 64)
@@ -499,6 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--device", default="auto", help="auto (cuda if present, else cpu), cpu, cuda or cuda:N")
     c.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                    help="input dtype; auto: bfloat16 on a GPU, float32 on the CPU")
+    c.add_argument("--ops", default="all", help=f"families to check: comma list of {', '.join(FAMILIES)} or 'all' (default)")
     c.add_argument("--quick", action="store_true", help="small shapes (a few seconds)")
     c.add_argument("--seed", type=int, default=0, help="random seed of the inputs (default 0)")
     c.add_argument("--tol", type=float, default=None,
