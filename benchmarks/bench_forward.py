@@ -1,0 +1,210 @@
+"""Forward (prefill) benchmark of the Triton chunk ops against fla, same inputs, same process.
+
+    PYTHONPATH=src python3 benchmarks/bench_forward.py [--out DIR] [--variants] [--families gdn,kda,delta,gla]
+
+Shapes (K = V = 128, bf16): B1-T32768-H32, B8-T4096-H32, B4-T8192-H16/HV32, and a varlen batch of
+16 sequences of random lengths totalling 32768 tokens (H = 32). Times are triton.testing.do_bench
+medians (ms) of the public op (backend="triton", varlen with cu_seqlens_cpu and a precomputed
+chunk index: no host sync) and of fla's public op under torch.no_grad. Writes bench_forward.json
+(GPU, versions, commit, every number) and bench_forward.png to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+
+import chunkwise
+from chunkwise.triton.chunk_fwd import chunk_fwd
+
+FAMILIES = ("gdn", "kda", "delta", "gla")
+OURS = {"gdn": chunkwise.chunk_gated_delta_rule, "kda": chunkwise.chunk_kda,
+        "delta": chunkwise.chunk_delta_rule, "gla": chunkwise.chunk_simple_gla}
+
+
+def shapes():
+    gen = torch.Generator().manual_seed(0)
+    cuts = torch.randperm(32767, generator=gen)[:15].add(1).sort().values.tolist()
+    cu = [0, *cuts, 32768]
+    return [
+        dict(name="B1-T32768-H32", B=1, T=32768, H=32, HV=32),
+        dict(name="B8-T4096-H32", B=8, T=4096, H=32, HV=32),
+        dict(name="B4-T8192-H16/HV32", B=4, T=8192, H=16, HV=32),
+        dict(name="varlen16-T32768-H32", B=1, T=32768, H=32, HV=32, cu=cu),
+    ]
+
+
+def make(fam, s, K=128, V=128, dtype=torch.bfloat16, dev="cuda"):
+    B, T, H, HV = s["B"], s["T"], s["H"], s["HV"]
+    q = torch.randn(B, T, H, K, device=dev, dtype=dtype)
+    k = F.normalize(torch.randn(B, T, H, K, device=dev, dtype=torch.float32), dim=-1).to(dtype)
+    v = torch.randn(B, T, HV, V, device=dev, dtype=dtype)
+    g = beta = None
+    if fam in ("gdn", "gla"):
+        g = F.logsigmoid(torch.randn(B, T, HV, device=dev, dtype=torch.float32)) * 0.1
+    elif fam == "kda":
+        g = F.logsigmoid(torch.randn(B, T, HV, K, device=dev, dtype=torch.float32)) * 0.1
+    if fam != "gla":
+        beta = torch.rand(B, T, HV, device=dev, dtype=dtype) * 0.9 + 0.05
+    cu = cu_cpu = chunk_indices = None
+    if "cu" in s:
+        cu_cpu = torch.tensor(s["cu"], dtype=torch.int32)
+        cu = cu_cpu.to(dev)
+        chunk_indices = chunkwise.prepare_chunk_indices(cu_cpu).to(dev)
+    return dict(q=q, k=k, v=v, g=g, beta=beta, cu=cu, cu_cpu=cu_cpu, chunk_indices=chunk_indices)
+
+
+def run_ours(fam, x):
+    args = [x["q"], x["k"], x["v"]] + ([x["g"]] if x["g"] is not None else []) + \
+        ([x["beta"]] if x["beta"] is not None else [])
+    return OURS[fam](*args, output_final_state=True, cu_seqlens=x["cu"], cu_seqlens_cpu=x["cu_cpu"],
+                     chunk_indices=x["chunk_indices"], backend="triton")
+
+
+def run_variant(fam, x, **kw):
+    K = x["q"].shape[-1]
+    return chunk_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], K ** -0.5, None, True, x["cu"],
+                     chunk_indices=x["chunk_indices"], **kw)
+
+
+def fla_fn(fam):
+    try:
+        if fam == "gdn":
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as f
+        elif fam == "kda":
+            from fla.ops.kda import chunk_kda as f
+        elif fam == "delta":
+            from fla.ops.delta_rule import chunk_delta_rule as f
+        else:
+            from fla.ops.simple_gla import chunk_simple_gla as f
+        return f
+    except Exception as e:  # noqa: BLE001
+        print(f"fla {fam}: not importable ({e!r})", file=sys.stderr)
+        return None
+
+
+def run_fla(fam, f, x):
+    q, k = x["q"], x["k"]
+    HV = x["v"].shape[2]
+    if fam != "gdn" and q.shape[2] != HV:      # only fla's GDN takes grouped value heads
+        q, k = q.repeat_interleave(HV // q.shape[2], 2), k.repeat_interleave(HV // k.shape[2], 2)
+    kw = dict(output_final_state=True, cu_seqlens=x["cu"])
+    if x["cu"] is not None:
+        kw["cu_seqlens_cpu"] = x["cu_cpu"].long()
+        kw["cu_seqlens"] = x["cu"].long()
+    if fam == "gdn":
+        return f(q, k, x["v"], x["g"], x["beta"], **kw)
+    if fam == "kda":
+        return f(q, k, x["v"], x["g"], x["beta"], **kw)
+    if fam == "delta":
+        return f(q, k, x["v"], x["beta"], **kw)
+    return f(q, k, x["v"], g=x["g"], **kw)
+
+
+def bench(fn):
+    out = fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"), out
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--variants", action="store_true", help="also time stage-2 variants (BV, P in stage 1 or 2)")
+    ap.add_argument("--shapes", default="")
+    a = ap.parse_args()
+    fams = a.families.split(",")
+    os.environ["CHUNKWISE_POISON"] = "0"
+    results = []
+    torch.manual_seed(0)
+    for s in shapes():
+        if a.shapes and s["name"] not in a.shapes.split(","):
+            continue
+        for fam in fams:
+            x = make(fam, s)
+            # poison check: one call with NaN-filled outputs, every element must be finite
+            os.environ["CHUNKWISE_POISON"] = "1"
+            o_chk, _ = run_ours(fam, x)
+            os.environ["CHUNKWISE_POISON"] = "0"
+            finite = bool(torch.isfinite(o_chk).all())
+            t_ours, (o, ht) = bench(lambda: run_ours(fam, x))
+            row = dict(shape=s["name"], family=fam, ours_ms=t_ours, all_finite=finite)
+            f = fla_fn(fam)
+            if f is not None:
+                try:
+                    with torch.no_grad():
+                        t_fla, (o_f, ht_f) = bench(lambda: run_fla(fam, f, x))
+                    row.update(fla_ms=t_fla, speedup=t_fla / t_ours, o_vs_fla=rel(o, o_f), ht_vs_fla=rel(ht, ht_f))
+                except Exception as e:  # noqa: BLE001
+                    row["fla_error"] = repr(e)[:300]
+            if a.variants:
+                var = {}
+                for bv in (16, 32, 64):
+                    for p_in in ((True, False) if fam in ("gdn", "delta") else (None,)):
+                        for ns in (2, 3):
+                            key = f"bv{bv}-{'pin' if p_in else 'p2' if p_in is False else 'def'}-ns{ns}"
+                            try:
+                                var[key] = triton.testing.do_bench(
+                                    lambda: run_variant(fam, x, bv=bv, p_in=p_in, num_stages=ns),
+                                    warmup=10, rep=40, return_mode="median")
+                            except Exception as e:  # noqa: BLE001
+                                var[key] = repr(e)[:120]
+                row["variants"] = var
+            results.append(row)
+            print(json.dumps(row), flush=True)
+            del x
+            torch.cuda.empty_cache()
+
+    def version(mod):
+        try:
+            return __import__(mod).__version__
+        except Exception:  # noqa: BLE001
+            return None
+    try:
+        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+    except Exception:  # noqa: BLE001
+        commit = os.environ.get("GIT_COMMIT")
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                fla=version("fla"), commit=commit, dirty=os.environ.get("GIT_DIRTY"), dtype="bfloat16", K=128, V=128)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "bench_forward.json"), "w") as fh:
+        json.dump(dict(meta=meta, results=results), fh, indent=1)
+
+    print(f"\n{meta['gpu']}  torch {meta['torch']}  triton {meta['triton']}  fla {meta['fla']}  commit {str(commit)[:10]}")
+    print(f"{'shape':22s} {'fam':6s} {'ours ms':>8s} {'fla ms':>8s} {'x fla':>6s} {'o~fla':>8s} finite")
+    for r in results:
+        print(f"{r['shape']:22s} {r['family']:6s} {r['ours_ms']:8.3f} {r.get('fla_ms', float('nan')):8.3f} "
+              f"{r.get('speedup', float('nan')):6.2f} {r.get('o_vs_fla', float('nan')):8.1e} {r['all_finite']}")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, axes = plt.subplots(1, len(fams), figsize=(4.5 * len(fams), 4), squeeze=False)
+        for ax, fam in zip(axes[0], fams):
+            rs = [r for r in results if r["family"] == fam]
+            xs = range(len(rs))
+            ax.bar([i - 0.2 for i in xs], [r["ours_ms"] for r in rs], 0.4, label="chunkwise")
+            ax.bar([i + 0.2 for i in xs], [r.get("fla_ms", 0) for r in rs], 0.4, label="fla 0.6.0")
+            ax.set_xticks(list(xs), [r["shape"].replace("-", "\n", 1) for r in rs], fontsize=7)
+            ax.set_title(f"{fam} forward, bf16, K=V=128")
+            ax.set_ylabel("ms (median)")
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(a.out, "bench_forward.png"), dpi=110)
+    except Exception as e:  # noqa: BLE001
+        print("plot failed:", e)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""The Triton chunk forward (triton/chunk_fwd.py) through the public ops, against the float64 recurrence.
+
+Under the interpreter (CPU): fp32 and fp16, small shapes. On the GPU (DEVICE=cuda): the same cases,
+plus bf16 at real sizes whose error must not exceed fla's own on the same inputs.
+Every tensor the launchers allocate is pre-filled with NaN (CHUNKWISE_POISON=1), so an element a
+kernel forgets to write fails the comparison.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import CHUNK_OPS, DEVICE, ON_GPU, TOL, make_inputs, reference, rel_err
+
+FAMS = ("gdn", "kda", "delta", "gla")
+GATED = ("gdn", "kda", "gla")
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setenv("CHUNKWISE_POISON", "1")
+
+
+def _run(inp, transpose=False, final=True, scale=None, chunk_indices=None, cu_cpu=None):
+    h0 = inp.h0
+    if h0 is not None and transpose:
+        h0 = h0.transpose(-1, -2).contiguous()
+    o, ht = CHUNK_OPS[inp.fam](*inp.args(), scale=scale, initial_state=h0, output_final_state=final,
+                               cu_seqlens=inp.cu_seqlens, transpose_state_layout=transpose, backend="triton",
+                               chunk_indices=chunk_indices, cu_seqlens_cpu=cu_cpu)
+    if ht is not None and transpose:
+        ht = ht.transpose(-1, -2)
+    return o, ht
+
+
+def _check(inp, o, ht, tol, final=True):
+    ref_o, ref_ht = reference(inp)
+    assert o.shape == inp.v.shape and o.dtype == inp.q.dtype
+    assert torch.isfinite(o).all(), "an output element is NaN/inf (unwritten?)"
+    e_o = rel_err(o, ref_o)
+    assert e_o <= tol, f"o rel err {e_o:.2e} > {tol:.1e}"
+    if final:
+        assert ht.dtype == torch.float32 and tuple(ht.shape) == tuple(ref_ht.shape)
+        e_h = rel_err(ht, ref_ht)
+        assert e_h <= tol, f"final state rel err {e_h:.2e} > {tol:.1e}"
+    else:
+        assert ht is None
+
+
+# small sizes under the interpreter, real-ish sizes on the GPU
+if ON_GPU:
+    KS, VS, T_LONG = (100, 128), (60, 128), 300
+else:
+    KS, VS, T_LONG = (32, 40), (32, 48), 100
+
+CASES = {
+    # name: (make_inputs kwargs, run kwargs)
+    "T_not_multiple_grouped_h0": (dict(B=2, T=T_LONG, H=1, HV=2, K=KS[0], V=VS[0]), {}),
+    "T_short_transposed": (dict(B=1, T=37, H=2, HV=2, K=KS[0], V=VS[0]), dict(transpose=True)),
+    "T1_no_h0": (dict(B=2, T=1, H=1, HV=1, K=KS[0], V=VS[0], h0=False), {}),
+    "odd_dims_no_final": (dict(B=1, T=70, H=1, HV=1, K=KS[1], V=VS[1]), dict(final=False)),
+    "varlen_len1_h0": (dict(lengths=[1, 70, 26], H=1, HV=2, K=KS[0], V=VS[0]), {}),
+    "varlen_transposed_no_h0": (dict(lengths=[65, 1, 3], H=1, HV=1, K=KS[0], V=VS[0], h0=False),
+                                dict(transpose=True)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("fam", FAMS)
+def test_cases_fp32(fam, case):
+    mk, run = CASES[case]
+    inp = make_inputs(fam, dtype=torch.float32, seed=list(CASES).index(case), **mk)
+    o, ht = _run(inp, **run)
+    _check(inp, o, ht, TOL[torch.float32], final=run.get("final", True))
+
+
+@pytest.mark.parametrize("gate", ["zero", "strong"])
+@pytest.mark.parametrize("fam", GATED)
+def test_gates_fp32(fam, gate):
+    """g = 0 (no decay) and very negative gates: chunks summing below -100 and a hard reset g = -1e4."""
+    inp = make_inputs(fam, B=1, T=T_LONG, H=1, HV=2, K=KS[0], V=VS[0], dtype=torch.float32, gate=gate, seed=3)
+    o, ht = _run(inp)
+    _check(inp, o, ht, TOL[torch.float32])
+
+
+@pytest.mark.parametrize("fam", FAMS)
+def test_fp16(fam):
+    inp = make_inputs(fam, B=1, T=T_LONG, H=1, HV=2, K=KS[0], V=VS[0], dtype=torch.float16, seed=5)
+    o, ht = _run(inp)
+    _check(inp, o, ht, TOL[torch.float16])
+
+
+@pytest.mark.parametrize("fam", FAMS)
+def test_varlen_no_sync_arguments(fam):
+    """cu_seqlens with a precomputed chunk index and a host copy give the same result as without."""
+    import chunkwise
+    inp = make_inputs(fam, lengths=[40, 1, 90], H=1, HV=1, K=KS[0], V=VS[0], dtype=torch.float32, seed=7)
+    cu_cpu = inp.cu_seqlens.cpu()
+    ci = chunkwise.prepare_chunk_indices(cu_cpu).to(inp.q.device)
+    o1, h1 = _run(inp, chunk_indices=ci, cu_cpu=cu_cpu)
+    o2, h2 = _run(inp)
+    assert torch.equal(o1, o2) and torch.equal(h1, h2)
+    _check(inp, o1, h1, TOL[torch.float32])
+
+
+@pytest.mark.parametrize("fam", FAMS)
+def test_initial_state_dtypes(fam):
+    """initial_state of any float dtype is read as fp32."""
+    inp = make_inputs(fam, B=1, T=50, H=1, HV=1, K=KS[0], V=VS[0], dtype=torch.float32, seed=9)
+    inp.h0 = inp.h0.to(torch.bfloat16)
+    o, ht = _run(inp)
+    _check(inp, o, ht, TOL[torch.float32])
+
+
+# --------------------------------------------------------------------------------------------
+# GPU only: real sizes in bf16, error no worse than fla's on the same inputs
+# --------------------------------------------------------------------------------------------
+
+def _fla_error(inp):
+    """fla's relative output error on the same inputs (None if fla is not installed)."""
+    try:
+        import fla.ops.delta_rule as fd
+        import fla.ops.gated_delta_rule as fg
+        import fla.ops.kda as fk
+        import fla.ops.simple_gla as fs
+    except ImportError:
+        return None
+    kw = dict(initial_state=inp.h0, output_final_state=True, cu_seqlens=inp.cu_seqlens)
+    with torch.no_grad():
+        if inp.fam == "gdn":
+            o, _ = fg.chunk_gated_delta_rule(inp.q, inp.k, inp.v, inp.g, inp.beta, **kw)
+        elif inp.fam == "kda":
+            o, _ = fk.chunk_kda(inp.q, inp.k, inp.v, inp.g, inp.beta, **kw)
+        elif inp.fam == "delta":
+            o, _ = fd.chunk_delta_rule(inp.q, inp.k, inp.v, inp.beta, **kw)
+        else:
+            o, _ = fs.chunk_simple_gla(inp.q, inp.k, inp.v, g=inp.g, **kw)
+    return rel_err(o, reference(inp)[0])
+
+
+@pytest.mark.skipif(not ON_GPU, reason="real sizes and bf16 need the GPU (bf16 is wrong under the interpreter)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fam", FAMS)
+def test_real_size_vs_fla(fam, dtype):
+    inp = make_inputs(fam, B=2, T=1000, H=8, HV=8, K=128, V=128, dtype=dtype, seed=11, device=DEVICE)
+    o, ht = _run(inp)
+    ref_o, ref_ht = reference(inp)
+    e_o, e_h = rel_err(o, ref_o), rel_err(ht, ref_ht)
+    e_fla = _fla_error(inp)
+    bound = TOL[dtype] if e_fla is None else max(e_fla, TOL[torch.float32]) * 1.05
+    print(f"{fam} {dtype}: ours o {e_o:.2e} ht {e_h:.2e}; fla o {e_fla}")
+    assert e_o <= min(bound, TOL[dtype]), f"o rel err {e_o:.2e} vs fla {e_fla}"
+    assert e_h <= TOL[dtype]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="GPU only")
+@pytest.mark.parametrize("fam", FAMS)
+def test_real_size_grouped_varlen_bf16(fam):
+    inp = make_inputs(fam, lengths=[1, 700, 64, 235], H=2, HV=8, K=128, V=128, dtype=torch.bfloat16, seed=13,
+                      device=DEVICE, gate="strong" if fam in GATED else "normal")
+    o, ht = _run(inp, transpose=True)
+    _check(inp, o, ht, TOL[torch.bfloat16])
