@@ -38,7 +38,7 @@ import triton.language as tl
 
 CHUNK = 64
 SUB = 16
-GATE_FLOOR = 128.0
+GATE_FLOOR = 40.0
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -637,9 +637,20 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
         b_db += tl.sum(b_ke * b_dx, axis=1)
         b_dGm += b_x * b_dx
 
-    # through the pairwise products P (q, k) and A (βk, k)
+    # through the pairwise products P (q, k) and A (βk, k). The transposed dP, dA are read back
+    # from memory rather than taken with tl.trans of a dot accumulator: that pattern is what
+    # triton 3.4-3.7.0 miscompiles on Hopper (fla issue #640), and the round trip costs 2 x 16 KB.
+    p_ccT = (rows[None, :] * HV + i_h) * C + o_t[:, None]                                # element [j, i] of row i
+    m_ccT = m_t[:, None] & m_t[None, :]
     b_dkb = tl.zeros([C, BK], dtype=tl.float32)
     if GATE == 2:
+        tl.store(Pmat + p_cc, b_dP, mask=m_cc)
+        if DELTA:
+            tl.store(Amat + p_cc, b_dA, mask=m_cc)
+        tl.debug_barrier()
+        b_dPt = tl.load(Pmat + p_ccT, mask=m_ccT, other=0.)                                # dPᵀ [C, C]
+        if DELTA:
+            b_dAt = tl.load(Amat + p_ccT, mask=m_ccT, other=0.)                            # dAᵀ [C, C]
         b_dqp = tl.zeros([C, BK], dtype=tl.float32)
         b_dkp = tl.zeros([C, BK], dtype=tl.float32)
         for jb in tl.static_range(C // BC - 1):
@@ -649,28 +660,29 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
             b_right = tl.exp(tl.where(((o_t // BC) == jb)[:, None], b_Gr[None, :] - b_G, float("-inf")))
             b_kr = b_k * b_right
             b_dqp += tl.dot(b_dP, b_kr, input_precision=PREC) * b_left                     # [C, C] @ [C, BK]
-            b_dkp += tl.dot(tl.trans(b_dP), b_q * b_left, input_precision=PREC) * b_right  # [C, C] @ [C, BK]
+            b_dkp += tl.dot(b_dPt, b_q * b_left, input_precision=PREC) * b_right          # [C, C] @ [C, BK]
             if DELTA:
                 b_dkb += tl.dot(b_dA, b_kr, input_precision=PREC) * b_left                 # [C, C] @ [C, BK]
-                b_dkp += tl.dot(tl.trans(b_dA), b_kb * b_left, input_precision=PREC) * b_right  # [C, C] @ [C, BK]
-        tl.store(Pmat + p_cc, b_dP, mask=m_cc)
-        if DELTA:
-            tl.store(Amat + p_cc, b_dA, mask=m_cc)
+                b_dkp += tl.dot(b_dAt, b_kb * b_left, input_precision=PREC) * b_right     # [C, C] @ [C, BK]
     else:
         if GATE == 1:
             b_gam = tl.exp(tl.where(i_ge_j, b_G[:, None] - b_G[None, :], float("-inf")))
             b_dPg = b_dP * b_gam
         else:
             b_dPg = b_dP
-        b_dqp = tl.dot(b_dPg, b_k, input_precision=PREC)                                  # [C, C] @ [C, BK]
-        b_dkp = tl.dot(tl.trans(b_dPg), b_q, input_precision=PREC)                        # [C, C] @ [C, BK]
+        tl.store(Pmat + p_cc, b_dPg, mask=m_cc)
         if DELTA:
             if GATE == 1:
                 b_dAg = b_dA * b_gam
             else:
                 b_dAg = b_dA
+            tl.store(Amat + p_cc, b_dAg, mask=m_cc)
+        tl.debug_barrier()
+        b_dqp = tl.dot(b_dPg, b_k, input_precision=PREC)                                  # [C, C] @ [C, BK]
+        b_dkp = tl.dot(tl.load(Pmat + p_ccT, mask=m_ccT, other=0.), b_q, input_precision=PREC)  # [C, C] @ [C, BK]
+        if DELTA:
             b_dkb = tl.dot(b_dAg, b_k, input_precision=PREC)                              # [C, C] @ [C, BK]
-            b_dkp += tl.dot(tl.trans(b_dAg), b_kb, input_precision=PREC)                  # [C, C] @ [C, BK]
+            b_dkp += tl.dot(tl.load(Amat + p_ccT, mask=m_ccT, other=0.), b_kb, input_precision=PREC)  # [C, C] @ [C, BK]
     b_dGm += b_q * b_dqp + b_kb * b_dkb - b_k * b_dkp
     b_dq += b_dqp
     b_dk += b_dkp + b_beta[:, None] * b_dkb
@@ -803,8 +815,9 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     dht = None if dht is None else dht.contiguous()
 
     def buf(*shape):
-        # NaN under the interpreter so that a read of an unwritten element shows
-        return (torch.full(shape, float("nan"), device=dev, dtype=torch.float32) if _INTERPRET
+        # NaN when poisoned (tests: CHUNKWISE_POISON=1) or interpreted, so that a read of an unwritten element shows
+        poison = _INTERPRET or os.environ.get("CHUNKWISE_POISON") == "1"
+        return (torch.full(shape, float("nan"), device=dev, dtype=torch.float32) if poison
                 else torch.empty(shape, device=dev, dtype=torch.float32))
 
     common = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T)

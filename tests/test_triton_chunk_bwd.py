@@ -1,0 +1,198 @@
+"""Gradients of the Triton chunk ops (triton/chunk_bwd.py through the autograd.Function of
+triton/chunk.py) against autograd of the PyTorch backend in float64.
+
+Every input gets a gradient check: q, k, v, g (scalar and per channel), beta, initial_state, and
+through the in-op preludes the raw gate projection, A_log, dt_bias and the pre-L2-norm q, k. The
+loss reads the final state too (gradient flowing in through it). Under the interpreter (CPU): fp32,
+small shapes. On the GPU: bf16 at T=1000, HV=8, K=V=128, errors no larger than fla's where fla runs.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import CHUNK_OPS, DEVICE, ON_GPU, TOL, make_inputs, rel_err
+
+FAMS = ("gdn", "kda", "delta", "gla")
+GATED = ("gdn", "kda", "gla")
+NAMES = ("q", "k", "v", "g", "beta", "h0")
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setenv("CHUNKWISE_POISON", "1")
+
+
+def _grads(inp, backend, dtype, transpose=False, final=True, seed=1, **op_kwargs):
+    """Run the family's op on leaf copies of inp's tensors (cast to dtype, on the backend's device),
+    loss = Σ o·dO + Σ h_T·dh_T; return (dict name -> gradient in float64 on the CPU, extra leaves' grads)."""
+    dev = DEVICE if backend == "triton" else "cpu"
+    leaves = {}
+    for n in NAMES:
+        x = getattr(inp, n)
+        if x is not None:   # q, k, v, beta in dtype; g and the state fp32 (float64 for the reference)
+            want = dtype if n in ("q", "k", "v", "beta") or dtype == torch.float64 else torch.float32
+            leaves[n] = x.detach().to(dev, want).clone().requires_grad_(True)
+    ct = torch.float64 if dtype == torch.float64 else torch.float32
+    extra = {n: t.detach().to(dev, ct).clone().requires_grad_(True) for n, t in op_kwargs.pop("params", {}).items()}
+    h0 = leaves.get("h0")
+    h0_in = None if h0 is None else (h0.transpose(-1, -2) if transpose else h0)
+    args = [leaves["q"], leaves["k"], leaves["v"]] + [leaves[n] for n in ("g", "beta") if n in leaves]
+    cu = None if inp.cu_seqlens is None else inp.cu_seqlens.to(dev)
+    o, ht = CHUNK_OPS[inp.fam](*args, initial_state=h0_in, output_final_state=final, cu_seqlens=cu,
+                               transpose_state_layout=transpose, backend=backend, **extra, **op_kwargs)
+    gen = torch.Generator().manual_seed(seed)
+    do = torch.randn(o.shape, generator=gen, dtype=torch.float64)
+    loss = (o.double() * do.to(o.device)).sum()
+    if final:
+        dht = torch.randn(ht.shape, generator=gen, dtype=torch.float64)
+        loss = loss + (ht.double() * dht.to(ht.device)).sum()
+    loss.backward()
+    out = {n: t.grad for n, t in leaves.items()}
+    out.update({n: t.grad for n, t in extra.items()})
+    for n, t in out.items():
+        assert t is not None, f"no gradient for {n}"
+    return out
+
+
+def _compare(inp, tol, dtype=torch.float32, **kw):
+    ours = _grads(inp, "triton", dtype, **kw)
+    ref = _grads(inp, "torch", torch.float64, **{k: v for k, v in kw.items()})
+    errs = {}
+    for n, r in ref.items():
+        t = ours[n]
+        assert t.dtype == (dtype if n in ("q", "k", "v", "beta") else t.dtype)
+        errs[n] = rel_err(t, r)
+    bad = {n: f"{e:.2e}" for n, e in errs.items() if not e <= tol}
+    assert not bad, f"gradient rel errors above {tol:.0e}: {bad} (all: { {n: f'{e:.1e}' for n, e in errs.items()} })"
+    return errs
+
+
+KS = dict(K=32, V=32)
+
+
+@pytest.mark.parametrize("fam", FAMS)
+def test_grads_grouped_heads(fam):
+    """Two chunks (the second partial), HV > H, carried-in state, loss on the final state."""
+    inp = make_inputs(fam, B=2 if fam in ("gla", "delta") else 1, T=100, H=1, HV=2, seed=0, **KS)
+    _compare(inp, TOL[torch.float32])
+
+
+@pytest.mark.parametrize("fam", FAMS)
+def test_grads_varlen_transposed(fam):
+    """Varlen batch with a length-1 sequence, states in the [N, HV, V, K] layout."""
+    inp = make_inputs(fam, lengths=[1, 70, 33], H=1, HV=2, K=16, V=32, seed=1)
+    _compare(inp, TOL[torch.float32], transpose=True)
+
+
+@pytest.mark.parametrize("fam", FAMS)
+def test_grads_no_state(fam):
+    """No initial state (no dh0), no final state in the loss (dht None), T < C."""
+    inp = make_inputs(fam, B=1, T=40, H=2, HV=2, h0=False, seed=2, **KS)
+    _compare(inp, TOL[torch.float32], final=False)
+
+
+@pytest.mark.parametrize("fam", GATED)
+def test_grads_strong_gates(fam):
+    """Very negative gates: chunks summing below -100 and a hard reset g = -1e4; all finite."""
+    inp = make_inputs(fam, B=1, T=130, H=1, HV=1, K=16, V=16, gate="strong", seed=3)
+    _compare(inp, TOL[torch.float32])
+
+
+@pytest.mark.parametrize("fam", ("gdn", "kda"))
+def test_grads_in_op_preludes(fam):
+    """In-op L2 norm of q, k, beta sigmoid, gate from A_log / dt_bias: gradients of the raw inputs."""
+    inp = make_inputs(fam, B=1, T=70, H=1, HV=2, K=16, V=16, seed=4)
+    gen = torch.Generator().manual_seed(4)
+    HV, K = 2, 16
+    inp.q = inp.q * 3                                             # not unit norm before the op
+    inp.k = inp.k * 2
+    inp.g = torch.randn(inp.g.shape, generator=gen).to(inp.g)     # raw projection a
+    inp.beta = torch.randn(inp.beta.shape, generator=gen).to(inp.beta)  # logits
+    params = dict(A_log=torch.randn(HV, generator=gen) * 0.5,
+                  dt_bias=torch.randn(HV if fam == "gdn" else HV * K, generator=gen) * 0.5)
+    errs = _compare(inp, TOL[torch.float32], params=params, use_qk_l2norm_in_kernel=True,
+                    use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True)
+    assert {"A_log", "dt_bias"} <= set(errs)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU only: bf16 at real size, against fp64 autograd of the torch backend, next to fla
+# --------------------------------------------------------------------------------------------
+
+def _fla_grads(inp, do, dht):
+    """fla's gradients on the same bf16 inputs; None where fla is missing or refuses."""
+    try:
+        import fla.ops.delta_rule as fd
+        import fla.ops.gated_delta_rule as fg
+        import fla.ops.kda as fk
+        import fla.ops.simple_gla as fs
+    except ImportError:
+        return None
+    leaves = {n: getattr(inp, n).detach().clone().requires_grad_(True) for n in NAMES if getattr(inp, n) is not None}
+    kw = dict(initial_state=leaves["h0"], output_final_state=True)
+    L = leaves
+    try:
+        if inp.fam == "gdn":
+            o, ht = fg.chunk_gated_delta_rule(L["q"], L["k"], L["v"], L["g"], L["beta"], **kw)
+        elif inp.fam == "kda":
+            o, ht = fk.chunk_kda(L["q"], L["k"], L["v"], L["g"], L["beta"], **kw)
+        elif inp.fam == "delta":
+            o, ht = fd.chunk_delta_rule(L["q"], L["k"], L["v"], L["beta"], **kw)
+        else:
+            o, ht = fs.chunk_simple_gla(L["q"], L["k"], L["v"], g=L["g"], **kw)
+        ((o.double() * do).sum() + (ht.double() * dht).sum()).backward()
+    except Exception as e:  # noqa: BLE001  (fla refuses GDN / simple GLA backward on Hopper + triton < 3.7.1)
+        print(f"fla {inp.fam} backward: {e!r}"[:300])
+        return None
+    return {n: t.grad for n, t in L.items()}
+
+
+def _grads_device64(inp, seed=1):
+    leaves = {n: getattr(inp, n).detach().double().clone().requires_grad_(True) for n in NAMES
+              if getattr(inp, n) is not None}
+    args = [leaves["q"], leaves["k"], leaves["v"]] + [leaves[n] for n in ("g", "beta") if n in leaves]
+    o, ht = CHUNK_OPS[inp.fam](*args, initial_state=leaves["h0"], output_final_state=True, backend="torch")
+    gen = torch.Generator().manual_seed(seed)
+    do = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.device)
+    dht = torch.randn(ht.shape, generator=gen, dtype=torch.float64).to(o.device)
+    ((o * do).sum() + (ht * dht).sum()).backward()
+    return {n: t.grad for n, t in leaves.items()}, do, dht
+
+
+@pytest.mark.skipif(not ON_GPU, reason="real sizes and bf16 need the GPU (bf16 is wrong under the interpreter)")
+@pytest.mark.parametrize("fam", FAMS)
+def test_real_size_bf16_vs_fla(fam):
+    inp = make_inputs(fam, B=2, T=1000, H=8, HV=8, K=128, V=128, dtype=torch.bfloat16, seed=11, device=DEVICE)
+    ours = _grads(inp, "triton", torch.bfloat16)
+    ref, do, dht = _grads_device64(inp)
+    fla = _fla_grads(inp, do, dht)
+    rows = []
+    for n, r in ref.items():
+        e = rel_err(ours[n], r)
+        e_fla = None if fla is None else rel_err(fla[n], r)
+        rows.append((n, e, e_fla))
+    print(f"\n{fam} bf16 grads rel err (ours / fla): " +
+          ", ".join(f"{n} {e:.2e}/{'-' if f is None else f'{f:.2e}'}" for n, e, f in rows))
+    for n, e, e_fla in rows:
+        assert e <= TOL[torch.bfloat16], f"{n}: {e:.2e}"
+        if e_fla is not None:
+            assert e <= e_fla * 1.05 + 1e-4, f"{n}: ours {e:.2e} > fla {e_fla:.2e}"
+
+
+@pytest.mark.skipif(not ON_GPU, reason="GPU only")
+@pytest.mark.parametrize("fam", ("gdn", "gla"))
+def test_hopper_triton36_gdn_gla(fam):
+    """fla refuses GDN and simple-GLA backward on Hopper with triton < 3.7.1 (a miscompile of
+    tl.trans of a dot accumulator, fla #640). This pins that our kernels are right on exactly
+    that combination (the H200 with triton 3.6.0), at full size, with grouped heads and varlen."""
+    import triton
+    if torch.cuda.get_device_capability() != (9, 0) or not triton.__version__.startswith("3.6"):
+        pytest.skip(f"pins Hopper + triton 3.6 (here sm_{torch.cuda.get_device_capability()}, triton {triton.__version__})")
+    inp = make_inputs(fam, lengths=[1, 1000, 64, 935], H=4, HV=8, K=128, V=128, dtype=torch.bfloat16, seed=12,
+                      device=DEVICE, gate="strong")
+    ours = _grads(inp, "triton", torch.bfloat16)
+    ref = _grads(inp, "torch", torch.float64)
+    errs = {n: rel_err(ours[n], r) for n, r in ref.items()}
+    print(f"\n{fam} Hopper/triton 3.6 varlen grads rel err: " + ", ".join(f"{n} {e:.2e}" for n, e in errs.items()))
+    assert all(e <= TOL[torch.bfloat16] for e in errs.values()), errs
