@@ -1,0 +1,250 @@
+"""Context parallelism (chunkwise.distributed) on the CPU: gloo, 2 and 4 processes.
+
+Every case runs the same op twice on every rank: once single-process on the whole batch, once with
+``cp_group`` on the rank's slice of the tokens (slices of unequal lengths), and compares outputs,
+final states and the gradients of every input (float64: to rounding; one fp32 case). One spawned
+group per world size runs all cases; the test functions read its results.
+"""
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import os
+import socket
+import tempfile
+import traceback
+import zlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from helpers import CHUNK_OPS, TOL, make_inputs, rel_err
+
+WORLD_SIZES = (2, 4)
+RANK_TOKENS = {2: [45, 38], 4: [25, 31, 20, 27]}        # tokens per rank (global T = 83 / 103)
+# varlen batches: global sequence lengths (summing to the global T)
+VARLEN = {
+    2: {"cross": [4, 56, 2, 21],         # 4..60 crosses the boundary at 45; 60..62 lies inside rank 1
+        "aligned": [1, 44, 0, 5, 33]},   # length 1; a sequence ends exactly at 45; a zero-length one at 45
+    4: {"cross": [3, 77, 2, 21],         # 3..80 runs through all four ranks (boundaries 25, 56, 76); 80..82 inside rank 3
+        "aligned": [25, 0, 1, 34, 16, 27, 0]},   # rank-aligned sequences, zero-length at 25 and at the end, length 1 at 25
+}
+SHAPE = dict(H=2, HV=4, K=8, V=12)                      # grouped value heads, K != V
+CHUNK = 16
+
+
+def _cases():
+    cases = {}
+    for fam in ("gdn", "kda", "delta", "gla"):
+        cases[f"{fam}-dense"] = dict(fam=fam)
+        for pattern in ("cross", "aligned"):
+            cases[f"{fam}-varlen-{pattern}"] = dict(fam=fam, varlen=pattern)
+    cases["gdn-prelude"] = dict(fam="gdn", varlen="cross", prelude=True)
+    cases["kda-prelude-lower-bound"] = dict(fam="kda", varlen="cross", prelude=True, lower_bound=-5.0)
+    cases["gla-prelude-dense"] = dict(fam="gla", prelude=True)
+    cases["kda-strong-gates"] = dict(fam="kda", varlen="cross", gate="strong")
+    cases["gdn-strong-gates-dense"] = dict(fam="gdn", gate="strong")
+    cases["gdn-transposed-state"] = dict(fam="gdn", varlen="cross", transpose=True)
+    cases["delta-no-state"] = dict(fam="delta", varlen="cross", h0=False, final=False)
+    cases["gla-no-initial-state-dense"] = dict(fam="gla", h0=False)
+    cases["gdn-fp32"] = dict(fam="gdn", varlen="cross", dtype="float32")
+    cases["kda-fp32-dense"] = dict(fam="kda", dtype="float32")
+    return cases
+
+
+CASES = _cases()
+ERROR_CASES = ("error-cu-seqlens-local", "error-initial-state-local")
+
+
+# ----------------------------------------------------------------------------------------------
+# worker side
+# ----------------------------------------------------------------------------------------------
+
+def _bounds(W):
+    b = [0]
+    for n in RANK_TOKENS[W]:
+        b.append(b[-1] + n)
+    return b
+
+
+def _run_case(name, spec, W, rank):
+    """One case on this rank: {quantity: relative error} plus the ownership check of the final states."""
+    bounds = _bounds(W)
+    a, b = bounds[rank], bounds[rank + 1]
+    fam = spec["fam"]
+    dtype = getattr(torch, spec.get("dtype", "float64"))
+    lengths = VARLEN[W][spec["varlen"]] if "varlen" in spec else None
+    inp = make_inputs(fam, B=2, T=bounds[-1], dtype=dtype, device="cpu", gate=spec.get("gate", "normal"),
+                      h0=spec.get("h0", True), lengths=lengths, seed=zlib.crc32(name.encode()) % 1000, requires_grad=True, **SHAPE)
+    HV, K = SHAPE["HV"], SHAPE["K"]
+    gen = torch.Generator().manual_seed(7)
+    kwargs = dict(chunk_size=CHUNK, output_final_state=spec.get("final", True))
+    params = {}
+    if spec.get("prelude"):
+        kwargs.update(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True)
+        if fam != "gla":
+            kwargs["use_beta_sigmoid_in_kernel"] = True
+        params["A_log"] = torch.randn(HV, generator=gen, dtype=torch.float64).mul(0.3).to(dtype)
+        params["dt_bias"] = torch.randn(HV * K if fam == "kda" else HV, generator=gen,
+                                        dtype=torch.float64).mul(0.3).to(dtype)
+        if "lower_bound" in spec:
+            kwargs["lower_bound"] = spec["lower_bound"]
+        if inp.g is not None:                       # raw projections instead of log-decays
+            with torch.no_grad():
+                inp.g.copy_(torch.randn(inp.g.shape, generator=gen, dtype=torch.float64))
+    h0 = inp.h0
+    if spec.get("transpose") and h0 is not None:
+        h0 = h0.detach().transpose(-1, -2).contiguous().requires_grad_()
+        kwargs["transpose_state_layout"] = True
+    op = CHUNK_OPS[fam]
+    full_params = {n: p.clone().requires_grad_() for n, p in params.items()}
+
+    # single process, the whole batch
+    o, ht = op(*inp.args(), initial_state=h0, cu_seqlens=inp.cu_seqlens, **full_params, **kwargs)
+    do = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype)
+    loss = (o * do).sum()
+    if ht is not None:
+        dht = torch.randn(ht.shape, generator=gen, dtype=torch.float64).to(ht.dtype)
+        loss = loss + (ht * dht).sum()
+    loss.backward()
+
+    # context parallel: this rank's slice
+    local = [x.detach()[:, a:b].clone().requires_grad_() for x in inp.args()]
+    h0_cp = None if h0 is None else h0.detach().clone().requires_grad_()
+    cp_params = {n: p.clone().requires_grad_() for n, p in params.items()}
+    o_cp, ht_cp = op(*local, initial_state=h0_cp, cu_seqlens=inp.cu_seqlens, cp_group=dist.group.WORLD,
+                     **cp_params, **kwargs)
+    loss = (o_cp * do[:, a:b]).sum()
+    if ht_cp is not None:
+        loss = loss + (ht_cp * dht).sum()        # rows owned elsewhere are zero: the group's losses sum to one
+    loss.backward()
+
+    def summed(x):
+        x = x.detach().clone()
+        dist.all_reduce(x)
+        return x
+
+    res = {"o": rel_err(o_cp, o.detach()[:, a:b]), "o_nan": bool(torch.isnan(o_cp).any())}
+    if ht is not None:
+        res["final_state (sum over ranks)"] = rel_err(summed(ht_cp), ht)
+        if lengths is None:
+            owned = [rank == W - 1] * ht.shape[0]
+        else:
+            cu = inp.cu_seqlens.tolist()
+            owned = [a <= cu[n + 1] - 1 < b if cu[n + 1] > cu[n] else (a <= cu[n] < b or (cu[n] == b == bounds[-1]))
+                     for n in range(len(cu) - 1)]
+        own = torch.tensor(owned)
+        res["owned rows"] = sum(owned)
+        if own.any():
+            res["final_state (owned rows)"] = rel_err(ht_cp[own], ht.detach()[own])
+        res["final_state (other rows are zero)"] = bool((ht_cp[~own] == 0).all())
+    else:
+        res["final_state is None"] = ht_cp is None
+    names = ["q", "k", "v"] + (["g"] if inp.g is not None else []) + (["beta"] if inp.beta is not None else [])
+    for name, x_cp, x in zip(names, local, inp.args()):
+        res[f"d{name}"] = rel_err(x_cp.grad, x.grad[:, a:b])
+    if h0 is not None:
+        res["dinitial_state (sum over ranks)"] = rel_err(summed(_grad(h0_cp)), h0.grad)
+    for n in params:
+        res[f"d{n} (sum over ranks)"] = rel_err(summed(_grad(cp_params[n])), full_params[n].grad)
+    return res
+
+
+def _grad(x):
+    return torch.zeros_like(x) if x.grad is None else x.grad
+
+
+def _run_error_case(name, W, rank):
+    """Bad global arguments must raise the same clear error on every rank (before any exchange)."""
+    bounds = _bounds(W)
+    a, b = bounds[rank], bounds[rank + 1]
+    inp = make_inputs("gdn", dtype=torch.float64, device="cpu", lengths=VARLEN[W]["cross"], **SHAPE)
+    args = [x[:, a:b] for x in inp.args()]
+    if name == "error-cu-seqlens-local":     # offsets of the local slice instead of the whole batch
+        kw = dict(cu_seqlens=torch.tensor([0, b - a], dtype=torch.int32), initial_state=inp.h0[:1])
+    else:                                    # one state per local sequence instead of per global sequence
+        kw = dict(cu_seqlens=inp.cu_seqlens, initial_state=inp.h0[:2])
+    try:
+        CHUNK_OPS["gdn"](*args, cp_group=dist.group.WORLD, chunk_size=CHUNK, **kw)
+    except ValueError as e:
+        return {"raised": True, "message": str(e)}
+    return {"raised": False, "message": ""}
+
+
+def _worker(rank, W, port, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=W,
+                            timeout=datetime.timedelta(seconds=120))
+    results = {}
+    try:
+        for name, spec in CASES.items():
+            try:
+                results[name] = _run_case(name, spec, W, rank)
+            except Exception:                # recorded; the test of this case fails with it
+                results[name] = {"exception": traceback.format_exc()}
+        for name in ERROR_CASES:
+            results[name] = _run_error_case(name, W, rank)
+            dist.barrier()
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        dist.destroy_process_group()
+
+
+@functools.cache
+def _results(W):
+    """{case: [per-rank result]} from one spawned group of W processes."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_worker, args=(W, port, out_dir), nprocs=W, join=True)
+        per_rank = []
+        for r in range(W):
+            with open(os.path.join(out_dir, f"rank{r}.json")) as f:
+                per_rank.append(json.load(f))
+    return {name: [p[name] for p in per_rank] for name in per_rank[0]}
+
+
+# ----------------------------------------------------------------------------------------------
+# tests
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("W", WORLD_SIZES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_context_parallel_matches_single_process(case, W):
+    spec = CASES[case]
+    tol = TOL[getattr(torch, spec.get("dtype", "float64"))]
+    for rank, res in enumerate(_results(W)[case]):
+        assert "exception" not in res, f"rank {rank}:\n{res.get('exception')}"
+        assert not res.pop("o_nan"), f"rank {rank}: NaN in o"
+        for key, val in res.items():
+            if key == "owned rows":
+                continue
+            if isinstance(val, bool):
+                assert val, f"rank {rank}: {key} fails"
+            else:
+                assert val <= tol, f"rank {rank}: {key} relative error {val:.2e} > {tol:.0e}"
+
+
+@pytest.mark.parametrize("W", WORLD_SIZES)
+def test_context_parallel_final_state_owners(W):
+    """Every final state is returned by exactly one rank (the one holding the sequence's last token)."""
+    for case, spec in CASES.items():
+        if not spec.get("final", True):
+            continue
+        counts = [res["owned rows"] for res in _results(W)[case]]
+        N = len(VARLEN[W][spec["varlen"]]) if "varlen" in spec else 2
+        assert sum(counts) == N, f"{case}: owned rows per rank {counts}, {N} sequences"
+
+
+@pytest.mark.parametrize("W", WORLD_SIZES)
+@pytest.mark.parametrize("case", ERROR_CASES)
+def test_context_parallel_bad_arguments_raise_on_every_rank(case, W):
+    for rank, res in enumerate(_results(W)[case]):
+        assert res["raised"], f"rank {rank}: no ValueError"
+        want = "cu_seqlens" if case == "error-cu-seqlens-local" else "initial_state"
+        assert want in res["message"], f"rank {rank}: {res['message']}"
