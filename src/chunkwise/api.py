@@ -96,10 +96,12 @@ def _check_inputs(fam: Family, q, k, v, g, beta, scale, initial_state, cu_seqlen
     if K == 0 or V == 0:
         raise ValueError(f"head dims must be positive: K={K}, V={V}")
 
-    devices = {x.device for x in (q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, state_indices)
+    devices = {name: x.device for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta),
+                                              ("initial_state", initial_state), ("cu_seqlens", cu_seqlens),
+                                              ("A_log", A_log), ("dt_bias", dt_bias), ("state_indices", state_indices))
                if isinstance(x, torch.Tensor)}
-    if len(devices) > 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(str(d) for d in devices)}")
+    if len(set(devices.values())) > 1:
+        raise ValueError("all tensors must be on one device, got " + ", ".join(f"{n} on {d}" for n, d in devices.items()))
 
     if fam.gate == "none":
         if g is not None:
