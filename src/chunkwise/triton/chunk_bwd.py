@@ -393,8 +393,8 @@ def _fwd_h_step(k, v, G, W, U, h, R, b_S, i_c, bos, eos, boh, i_h, i_hk, o_v, H:
     p_tv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
     b_k = tl.load(k + (rows[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
     if DELTA:
-        b_w = tl.load(W + (rows[:, None] * HV + i_h) * K + o_k[None, :], mask=m_tk, other=0.)
-        b_R = tl.load(U + p_tv, mask=m_tv, other=0.) - tl.dot(b_w, b_S, input_precision=PREC)  # [C, BK] @ [BK, BV]
+        b_w = tl.load(W + (rows[:, None] * HV + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+        b_R = tl.load(U + p_tv, mask=m_tv, other=0.).to(tl.float32) - tl.dot(b_w, b_S, input_precision=PREC)  # [C, BK] @ [BK, BV]
         tl.store(R + p_tv, b_R, mask=m_tv)
     else:
         b_R = tl.load(v + p_tv, mask=m_tv, other=0.).to(tl.float32)
@@ -477,7 +477,7 @@ def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, i_c, bos, eos, boh, i_h, i_h
         b_eG, b_ekend = _gate_factors(b_G, b_last, GATE)
         b_k = b_k * b_ekend
         b_q = b_q * b_eG
-    b_dR = tl.load(dRl + p_tv, mask=m_tv, other=0.) + tl.dot(b_k, b_dS, input_precision=PREC)  # [C, BK] @ [BK, BV]
+    b_dR = tl.load(dRl + p_tv, mask=m_tv, other=0.).to(tl.float32) + tl.dot(b_k, b_dS, input_precision=PREC)  # [C, BK] @ [BK, BV]
     tl.store(dR + p_tv, b_dR, mask=m_tv)
     b_do = tl.load(do + p_tv, mask=m_tv, other=0.).to(tl.float32)
     if GATE == 2:
@@ -486,7 +486,7 @@ def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, i_c, bos, eos, boh, i_h, i_h
         b_dS *= tl.exp(b_last)
     b_dS += scale * tl.dot(tl.trans(b_q), b_do, input_precision=PREC)              # [BK, C] @ [C, BV]
     if DELTA:
-        b_w = tl.load(W + (rows[:, None] * HV + i_h) * K + o_k[None, :], mask=m_tk, other=0.)
+        b_w = tl.load(W + (rows[:, None] * HV + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
         b_dS -= tl.dot(tl.trans(b_w), b_dR, input_precision=PREC)                   # [BK, C] @ [C, BV]
     return b_dS
 
@@ -580,13 +580,13 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
         m_kv = m_k[:, None] & m_v[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
         p_tv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
-        b_S = tl.load(h + p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
-        b_dSn = tl.load(dh + p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+        b_S = tl.load(h + p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.).to(tl.float32)
+        b_dSn = tl.load(dh + p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.).to(tl.float32)
         b_do = tl.load(do + p_tv, mask=m_tv, other=0.).to(tl.float32)
-        b_dR = tl.load(dR + p_tv, mask=m_tv, other=0.)
+        b_dR = tl.load(dR + p_tv, mask=m_tv, other=0.).to(tl.float32)
         b_v = tl.load(v + p_tv, mask=m_tv, other=0.).to(tl.float32)
         if DELTA:
-            b_R = tl.load(R + p_tv, mask=m_tv, other=0.)
+            b_R = tl.load(R + p_tv, mask=m_tv, other=0.).to(tl.float32)
         else:
             b_R = b_v
         b_dqg += tl.dot(b_do, tl.trans(b_S), input_precision=PREC)                      # [C, BV] @ [BV, BK]
@@ -814,11 +814,16 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     h0 = initial_state.contiguous() if has_h0 else None
     dht = None if dht is None else dht.contiguous()
 
-    def buf(*shape):
+    # what the backward writes and reads back in bulk (W, U, R, dR, dR_local, h, dh) is kept in the
+    # input dtype when that is 16-bit (as fla keeps h, w, u, v_new); A, P, T, G and every
+    # accumulation stay fp32
+    sdt = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+    def buf(*shape, dtype=torch.float32):
         # NaN when poisoned (tests: CHUNKWISE_POISON=1) or interpreted, so that a read of an unwritten element shows
         poison = _INTERPRET or os.environ.get("CHUNKWISE_POISON") == "1"
-        return (torch.full(shape, float("nan"), device=dev, dtype=torch.float32) if poison
-                else torch.empty(shape, device=dev, dtype=torch.float32))
+        return (torch.full(shape, float("nan"), device=dev, dtype=dtype) if poison
+                else torch.empty(shape, device=dev, dtype=dtype))
 
     common = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T)
     grid_c = (NT, B * HV)
@@ -841,27 +846,30 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     if delta:
         Tmat = buf(B, T, HV, C)
         _solve_kernel[grid_c](Amat, Tmat, HV=HV, C=C, BC=BC, IS_VARLEN=varlen, PREC=prec, num_warps=nw, **common)
-        W, U = buf(B, T, HV, K), buf(B, T, HV, V)
-    dRl = buf(B, T, HV, V)
+        W, U = buf(B, T, HV, K, dtype=sdt), buf(B, T, HV, V, dtype=sdt)
+    dRl = buf(B, T, HV, V, dtype=sdt)
     _wu_kernel[grid_c](k, v, beta, G, Tmat, Pmat, do, W, U, dRl, scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
                        C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec, num_warps=nw, **common)
 
-    h = buf(NC, HV, K, V)
+    h = buf(NC, HV, K, V, dtype=sdt)
     if delta:
-        R = buf(B, T, HV, V)
+        R = buf(B, T, HV, V, dtype=sdt)
     seq = dict(cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, T=T)
     _fwd_h_kernel[grid_s](k, v, G, W, U, h0, h, R, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate,
                           DELTA=delta, HAS_H0=has_h0, TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen,
                           PREC=prec, LOOP_WHILE=_INTERPRET, num_warps=nw, **seq)
-    dh = buf(NC, HV, K, V)
-    dR = buf(B, T, HV, V)
+    dh = buf(NC, HV, K, V, dtype=sdt)
+    dR = buf(B, T, HV, V, dtype=sdt)
     dh0 = buf(*h0.shape) if has_h0 else None
     _bwd_dh_kernel[grid_s](q, k, G, W, dRl, do, dht, dh, dR, dh0, scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
                            C=C, GATE=gate, DELTA=delta, HAS_DHT=dht is not None, HAS_H0=has_h0,
                            TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen, PREC=prec, LOOP_WHILE=_INTERPRET, num_warps=nw, **seq)
     del dRl
 
-    dq, dk, dv = buf(B, T, HV, K), buf(B, T, HV, K), buf(B, T, HV, V)
+    # gradients go out in the input dtype directly unless they are summed over head groups or
+    # finished by the per-channel diagonal kernel
+    gdt = q.dtype if (HV == H and gate != 2) else torch.float32
+    dq, dk, dv = buf(B, T, HV, K, dtype=gdt), buf(B, T, HV, K, dtype=gdt), buf(B, T, HV, V, dtype=v.dtype)
     dbeta = buf(B, T, HV) if delta else None
     dG = buf(*g.shape) if gate else None
     _bwd_grad_kernel[grid_c](q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, dk, dv, dbeta, dG,
