@@ -56,6 +56,7 @@ def check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B: int, T: int):
     """cu_seqlens: [N + 1] integers, 0 first, non-decreasing, T last; B must be 1.
 
     The values are checked on ``cu_seqlens_cpu`` when given (no device sync), else on a host copy.
+    Under torch.compile only the shapes are checked: reading values would break the graph.
     Returns the host copy.
     """
     _check_tensor("cu_seqlens", cu_seqlens, 1)
@@ -65,9 +66,11 @@ def check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B: int, T: int):
         raise ValueError(f"with cu_seqlens the batch size must be 1 (sequences packed along T), got B={B}")
     if cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must hold at least 2 offsets (N + 1 for N sequences), got shape {_shape(cu_seqlens)}")
-    host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.detach().cpu()
     if cu_seqlens_cpu is not None and cu_seqlens_cpu.shape != cu_seqlens.shape:
         raise ValueError(f"cu_seqlens_cpu {_shape(cu_seqlens_cpu)} must match cu_seqlens {_shape(cu_seqlens)}")
+    if torch.compiler.is_compiling():
+        return cu_seqlens_cpu   # under torch.compile the values are not read (that would break the graph)
+    host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.detach().cpu()
     if int(host[0]) != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {int(host[0])}")
     if bool((host[1:] < host[:-1]).any()):
@@ -274,28 +277,18 @@ def run(fam: Family, mode: str, q, k, v, g, beta, scale, initial_state, output_f
     if which == "triton":
         if q.dtype == torch.float64 or (initial_state is not None and initial_state.dtype == torch.float64):
             raise TypeError("the triton backend takes float16, bfloat16 or float32 tensors, not float64; use backend='torch'")
-        from . import triton as tb
-        if mode == "chunk":
-            return tb.chunk(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                            cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
-                            transpose_state_layout=transpose_state_layout)
-        return tb.recurrent(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                            state_indices=state_indices, transpose_state_layout=transpose_state_layout)
+        if (mode == "chunk" and cu_seqlens is not None and chunk_indices is None and cu_seqlens_cpu is not None
+                and not torch.compiler.is_compiling()):
+            chunk_indices = prepare_chunk_indices(cu_seqlens_cpu).to(q.device)   # planned on the host, no sync
 
-    ct = _compute_dtype(q, initial_state)
+    # the cores are torch.library custom ops (chunkwise._custom_ops): opaque to torch.compile, with
+    # fake implementations and registered autograd
+    from . import _custom_ops
     if state_indices is not None:
-        return _torch_pool_step(fam, mode, q, k, v, g, beta, scale, initial_state, output_final_state,
-                                cu_seqlens, state_indices, transpose_state_layout, chunk_size, ct)
-    h0 = _to_kv(initial_state, transpose_state_layout)
-    if mode == "chunk":
-        o, ht = chunk_forward(q, k, v, g, beta, scale, h0, cu_seqlens, chunk_size=chunk_size, dtype=ct)
-    else:
-        o, ht = recurrent_forward(q, k, v, g, beta, scale, h0, cu_seqlens, dtype=ct)
-    o = o.to(q.dtype)
-    if not output_final_state:
-        return o, None
-    ht = ht.transpose(-1, -2).contiguous() if transpose_state_layout else ht
-    return o, ht
+        return _custom_ops.pool_step(q, k, v, g, beta, scale, initial_state, state_indices, output_final_state,
+                                     cu_seqlens, transpose_state_layout, chunk_size, which)
+    return _custom_ops.forward(mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                               chunk_indices, transpose_state_layout, chunk_size, which)
 
 
 def _torch_pool_step(fam, mode, q, k, v, g, beta, scale, pool, output_final_state, cu_seqlens,

@@ -1,0 +1,340 @@
+"""The cores of the public ops as `torch.library` custom ops: opaque to torch.compile, with fake
+(meta) implementations for tracing and autograd registered through `torch.library.register_autograd`.
+
+`chunkwise.api.run` does the argument checks and the in-op preludes (L2 norm, beta sigmoid, gate
+from projections) in plain, traceable PyTorch, then calls one of these ops on the canonical
+tensors (DESIGN.md §1)::
+
+    q, k: [B, T, H, K]        v: [B, T, HV, V]          g: None | [B, T, HV] | [B, T, HV, K] (fp32/fp64)
+    beta: None | [B, T, HV]   initial_state: None | [N, HV, K, V] ([N, HV, V, K] if transpose_state_layout)
+    cu_seqlens: None | [N + 1] int (then B == 1)
+
+and it computes, per sequence, value head and token::
+
+    S_t = diag(exp(g_t)) S_{t-1} + β_t k_t (v_t − (diag(exp(g_t)) S_{t-1})ᵀ k_t)ᵀ    (S' + k_t v_tᵀ without β)
+    o_t = scale · S_tᵀ q_t
+
+Ops (namespace ``chunkwise``):
+
+    chunk_fwd / recurrent_fwd (q, k, v, g?, beta?, scale, initial_state?, output_final_state,
+                               cu_seqlens?, chunk_indices?, transpose_state_layout, chunk_size, backend)
+        -> (o [B, T, HV, V] in q's dtype,
+            final_state [N, HV, K, V] fp32 (fp64 when computing in fp64), or an empty [0] tensor
+            when output_final_state is False)
+    chunk_bwd / recurrent_bwd (the forward's inputs, do, dht?, needs_grad) -> (dq, dk, dv, dg, dbeta, dh0)
+        (an empty [0] tensor for each gradient that is not needed or whose input is None)
+    recurrent_pool_fwd (..., pool [P, HV, K, V] (mutated), state_indices [N], ...) -> o
+        vLLM-style state pool: sequence n reads pool[state_indices[n]] and writes its final state
+        back in place (-1 = padding slot, skipped, output zero). No autograd (inference only).
+
+Backward: the torch backend recomputes the forward of the PyTorch chunk algorithm
+(`reference/chunk.py`, or the token recurrence for the recurrent op) under autograd inside the
+backward op; the triton chunk backward calls `chunkwise.triton.chunk_bwd.chunk_bwd`; the triton
+recurrent op (a decode kernel without its own backward) recomputes with the fp32 PyTorch
+recurrence. Forward saves only its inputs.
+
+Host syncs: the ops read ``cu_seqlens`` on the host in their real implementations (the torch
+backend pads varlen batches; the triton chunk path builds ``chunk_indices`` when it is not given).
+That is invisible to torch.compile (the ops are opaque) but is a device sync on the GPU: for CUDA
+graphs pass ``chunk_indices`` (or use the recurrent ops, which read no values on the host).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional, Sequence
+
+import torch
+
+from .reference.chunk import chunk_forward
+from .reference.recurrent import recurrent_forward
+
+_EMPTY_SHAPE = (0,)
+
+
+# ----------------------------------------------------------------------------------------------
+# shapes and helpers shared by the real and the fake implementations
+# ----------------------------------------------------------------------------------------------
+
+def _compute_dtype(q: torch.Tensor, initial_state: Optional[torch.Tensor]) -> torch.dtype:
+    f64 = q.dtype == torch.float64 or (initial_state is not None and initial_state.dtype == torch.float64)
+    return torch.float64 if f64 else torch.float32
+
+
+def _state_shape(q, v, cu_seqlens, transpose_state_layout):
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+    return (N, HV, V, K) if transpose_state_layout else (N, HV, K, V)
+
+
+def _empty(like: torch.Tensor, dtype=None) -> torch.Tensor:
+    return like.new_empty(_EMPTY_SHAPE, dtype=dtype or like.dtype)
+
+
+def _kv(state, transpose_state_layout):
+    """A state in the user's layout -> the [., HV, K, V] view the reference computes in."""
+    return None if state is None else (state.transpose(-1, -2) if transpose_state_layout else state)
+
+
+def _not_an_alias(x: torch.Tensor, *inputs) -> torch.Tensor:
+    """Custom ops may not return (views of) their inputs: copy in that corner (e.g. T == 0)."""
+    for y in inputs:
+        if y is not None and x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr():
+            return x.clone()
+    return x
+
+
+def _torch_core(mode, q, k, v, g, beta, scale, initial_state, cu_seqlens, transpose_state_layout, chunk_size):
+    """The PyTorch forms (differentiable). Returns (o in q's dtype, final state in the user's layout)."""
+    ct = _compute_dtype(q, initial_state)
+    h0 = _kv(initial_state, transpose_state_layout)
+    if mode == "chunk":
+        o, ht = chunk_forward(q, k, v, g, beta, scale, h0, cu_seqlens, chunk_size=chunk_size, dtype=ct)
+    else:
+        o, ht = recurrent_forward(q, k, v, g, beta, scale, h0, cu_seqlens, dtype=ct)
+    if transpose_state_layout:
+        ht = ht.transpose(-1, -2)
+    return o.to(q.dtype), ht.contiguous()
+
+
+@contextlib.contextmanager
+def _autograd_inside_op():
+    """Record autograd inside a custom op's implementation.
+
+    The dispatcher runs a custom op's implementation below the Autograd keys (they are in the
+    thread-local exclude set), so a recompute there would build no graph even under enable_grad.
+    Lift the exclusion for the duration of the recompute and restore it afterwards.
+    """
+    keys = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.AutogradOther,
+            torch._C.DispatchKey.AutogradNestedTensor, torch._C.DispatchKey.ADInplaceOrView)
+    before = [torch._C._dispatch_tls_is_dispatch_key_excluded(key) for key in keys]
+    try:
+        for key in keys:
+            torch._C._dispatch_tls_set_dispatch_key_excluded(key, False)
+        with torch.enable_grad():
+            yield
+    finally:
+        for key, excluded in zip(keys, before):
+            torch._C._dispatch_tls_set_dispatch_key_excluded(key, excluded)
+
+
+def _triton_chunk_indices(cu_seqlens, chunk_indices):
+    if cu_seqlens is None or chunk_indices is not None:
+        return chunk_indices
+    from .api import prepare_chunk_indices
+    return prepare_chunk_indices(cu_seqlens).to(cu_seqlens.device)
+
+
+# ----------------------------------------------------------------------------------------------
+# forward ops
+# ----------------------------------------------------------------------------------------------
+
+def _forward_impl(mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_indices,
+                  transpose_state_layout, chunk_size, backend):
+    if backend == "triton" and mode == "chunk":
+        from .triton.chunk_fwd import chunk_fwd
+        o, ht = chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                          chunk_indices=_triton_chunk_indices(cu_seqlens, chunk_indices),
+                          transpose_state_layout=transpose_state_layout)
+    elif backend == "triton":
+        from .triton.recurrent import recurrent_fwd
+        o, ht = recurrent_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                              transpose_state_layout=transpose_state_layout)
+    else:
+        o, ht = _torch_core(mode, q, k, v, g, beta, scale, initial_state, cu_seqlens, transpose_state_layout,
+                            chunk_size)
+    if not output_final_state or ht is None:
+        ht = _empty(q, _compute_dtype(q, initial_state))
+    return _not_an_alias(o, q, k, v), _not_an_alias(ht, initial_state)
+
+
+def _forward_fake(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_indices,
+                  transpose_state_layout, chunk_size, backend):
+    B, T, HV, V = q.shape[0], q.shape[1], v.shape[2], v.shape[3]
+    o = q.new_empty(B, T, HV, V)
+    ct = _compute_dtype(q, initial_state)
+    if output_final_state:
+        ht = q.new_empty(_state_shape(q, v, cu_seqlens, transpose_state_layout), dtype=ct)
+    else:
+        ht = q.new_empty(_EMPTY_SHAPE, dtype=ct)
+    return o, ht
+
+
+@torch.library.custom_op("chunkwise::chunk_fwd", mutates_args=())
+def chunk_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor],
+              beta: Optional[torch.Tensor], scale: float, initial_state: Optional[torch.Tensor],
+              output_final_state: bool, cu_seqlens: Optional[torch.Tensor], chunk_indices: Optional[torch.Tensor],
+              transpose_state_layout: bool, chunk_size: int, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunk form. Returns (o [B, T, HV, V] q's dtype, final state or an empty [0] tensor)."""
+    return _forward_impl("chunk", q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                         chunk_indices, transpose_state_layout, chunk_size, backend)
+
+
+@torch.library.custom_op("chunkwise::recurrent_fwd", mutates_args=())
+def recurrent_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor],
+                  beta: Optional[torch.Tensor], scale: float, initial_state: Optional[torch.Tensor],
+                  output_final_state: bool, cu_seqlens: Optional[torch.Tensor],
+                  chunk_indices: Optional[torch.Tensor], transpose_state_layout: bool, chunk_size: int,
+                  backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-recurrent form (decode). Returns (o [B, T, HV, V] q's dtype, final state or an empty [0] tensor)."""
+    return _forward_impl("recurrent", q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                         chunk_indices, transpose_state_layout, chunk_size, backend)
+
+
+chunk_fwd.register_fake(_forward_fake)
+recurrent_fwd.register_fake(_forward_fake)
+
+
+# ----------------------------------------------------------------------------------------------
+# backward ops
+# ----------------------------------------------------------------------------------------------
+
+def _backward_impl(mode, q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_indices, transpose_state_layout,
+                   chunk_size, backend, do, dht, needs_grad):
+    inputs = (q, k, v, g, beta, initial_state)
+    if backend == "triton" and mode == "chunk":
+        from .triton.chunk_bwd import chunk_bwd
+        grads = chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens,
+                          chunk_indices=_triton_chunk_indices(cu_seqlens, chunk_indices),
+                          transpose_state_layout=transpose_state_layout)
+    else:
+        # recompute the PyTorch form under autograd (the triton recurrent op is forward-only)
+        with _autograd_inside_op():
+            leaves = [None if x is None else x.detach().requires_grad_(bool(n))
+                      for x, n in zip(inputs, needs_grad)]
+            wanted = [x for x in leaves if x is not None and x.requires_grad]
+            o, ht = _torch_core(mode, *leaves[:5], scale, leaves[5], cu_seqlens, transpose_state_layout, chunk_size)
+            outs, douts = [o], [do]
+            if dht is not None:
+                outs.append(ht)
+                douts.append(dht.to(ht.dtype))
+            got = iter(torch.autograd.grad(outs, wanted, douts, allow_unused=True)) if wanted else iter(())
+            grads = [next(got) if x is not None and x.requires_grad else None for x in leaves]
+    out = []
+    for x, n, dx in zip(inputs, needs_grad, grads):
+        if x is None or not n:
+            out.append(_empty(q))
+        elif dx is None:
+            out.append(x.new_zeros(x.shape))
+        else:
+            out.append(_not_an_alias(dx.to(x.dtype).contiguous(), *inputs))
+    return tuple(out)
+
+
+def _backward_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_indices, transpose_state_layout,
+                   chunk_size, backend, do, dht, needs_grad):
+    inputs = (q, k, v, g, beta, initial_state)
+    return tuple(x.new_empty(x.shape) if x is not None and n else _empty(q) for x, n in zip(inputs, needs_grad))
+
+
+_GradTuple = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@torch.library.custom_op("chunkwise::chunk_bwd", mutates_args=())
+def chunk_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor],
+              beta: Optional[torch.Tensor], scale: float, initial_state: Optional[torch.Tensor],
+              cu_seqlens: Optional[torch.Tensor], chunk_indices: Optional[torch.Tensor], transpose_state_layout: bool,
+              chunk_size: int, backend: str, do: torch.Tensor, dht: Optional[torch.Tensor],
+              needs_grad: Sequence[bool]) -> _GradTuple:
+    """Gradients of chunk_fwd: (dq, dk, dv, dg, dbeta, dh0), an empty [0] tensor where not needed."""
+    return _backward_impl("chunk", q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_indices,
+                          transpose_state_layout, chunk_size, backend, do, dht, needs_grad)
+
+
+@torch.library.custom_op("chunkwise::recurrent_bwd", mutates_args=())
+def recurrent_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor],
+                  beta: Optional[torch.Tensor], scale: float, initial_state: Optional[torch.Tensor],
+                  cu_seqlens: Optional[torch.Tensor], chunk_indices: Optional[torch.Tensor],
+                  transpose_state_layout: bool, chunk_size: int, backend: str, do: torch.Tensor,
+                  dht: Optional[torch.Tensor], needs_grad: Sequence[bool]) -> _GradTuple:
+    """Gradients of recurrent_fwd: (dq, dk, dv, dg, dbeta, dh0), an empty [0] tensor where not needed."""
+    return _backward_impl("recurrent", q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_indices,
+                          transpose_state_layout, chunk_size, backend, do, dht, needs_grad)
+
+
+chunk_bwd.register_fake(_backward_fake)
+recurrent_bwd.register_fake(_backward_fake)
+
+
+# ----------------------------------------------------------------------------------------------
+# autograd
+# ----------------------------------------------------------------------------------------------
+
+_FWD_ARGS = ("q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state", "cu_seqlens",
+             "chunk_indices", "transpose_state_layout", "chunk_size", "backend")
+_GRAD_SLOTS = (0, 1, 2, 3, 4, 6)   # positions of q, k, v, g, beta, initial_state among the forward's inputs
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_indices,
+     transpose_state_layout, chunk_size, backend) = inputs
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices)
+    ctx.options = (scale, output_final_state, transpose_state_layout, chunk_size, backend)
+
+
+def _make_backward(bwd_op):
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices = ctx.saved_tensors
+        scale, output_final_state, transpose_state_layout, chunk_size, backend = ctx.options
+        present = (q, k, v, g, beta, initial_state)
+        needs = [bool(ctx.needs_input_grad[i]) and x is not None for i, x in zip(_GRAD_SLOTS, present)]
+        if not output_final_state:
+            dht = None
+        if do is None:
+            do = torch.zeros_like(q.new_empty(q.shape[0], q.shape[1], v.shape[2], v.shape[3]))
+        grads = bwd_op(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_indices, transpose_state_layout,
+                       chunk_size, backend, do, dht, needs)
+        dq, dk, dv, dg, dbeta, dh0 = (dx if n else None for dx, n in zip(grads, needs))
+        return dq, dk, dv, dg, dbeta, None, dh0, None, None, None, None, None, None
+    return backward
+
+
+torch.library.register_autograd("chunkwise::chunk_fwd", _make_backward(chunk_bwd), setup_context=_setup_context)
+torch.library.register_autograd("chunkwise::recurrent_fwd", _make_backward(recurrent_bwd),
+                                setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# state pool (in-place, inference)
+# ----------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("chunkwise::recurrent_pool_fwd", mutates_args=("pool",))
+def recurrent_pool_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor],
+                       beta: Optional[torch.Tensor], scale: float, pool: torch.Tensor, state_indices: torch.Tensor,
+                       cu_seqlens: Optional[torch.Tensor], transpose_state_layout: bool, chunk_size: int,
+                       backend: str) -> torch.Tensor:
+    """Token-recurrent step over a state pool [P, HV, K, V] updated in place. Returns o [B, T, HV, V]."""
+    if backend == "triton":
+        from .triton.recurrent import recurrent_fwd as launch
+        o, _ = launch(q, k, v, g, beta, scale, pool, False, cu_seqlens, state_indices=state_indices,
+                      transpose_state_layout=transpose_state_layout)
+    else:
+        from .api import _torch_pool_step
+        o, _ = _torch_pool_step(None, "recurrent", q, k, v, g, beta, scale, pool, False, cu_seqlens, state_indices,
+                                transpose_state_layout, chunk_size, _compute_dtype(q, pool))
+    return _not_an_alias(o, q, k, v)
+
+
+@recurrent_pool_fwd.register_fake
+def _(q, k, v, g, beta, scale, pool, state_indices, cu_seqlens, transpose_state_layout, chunk_size, backend):
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[2], v.shape[3])
+
+
+# ----------------------------------------------------------------------------------------------
+# the calls `chunkwise.api.run` makes
+# ----------------------------------------------------------------------------------------------
+
+def forward(mode: str, q, k, v, g, beta, scale: float, initial_state, output_final_state: bool, cu_seqlens,
+            chunk_indices, transpose_state_layout: bool, chunk_size: int, backend: str):
+    """Dispatch to chunk_fwd / recurrent_fwd. Returns (o, final_state or None)."""
+    op = chunk_fwd if mode == "chunk" else recurrent_fwd
+    o, ht = op(q, k, v, g, beta, float(scale), initial_state, bool(output_final_state), cu_seqlens, chunk_indices,
+               bool(transpose_state_layout), int(chunk_size), backend)
+    return o, (ht if output_final_state else None)
+
+
+def pool_step(q, k, v, g, beta, scale: float, pool, state_indices, output_final_state: bool, cu_seqlens,
+              transpose_state_layout: bool, chunk_size: int, backend: str):
+    """Dispatch to recurrent_pool_fwd. Returns (o, the pool if output_final_state else None)."""
+    o = recurrent_pool_fwd(q, k, v, g, beta, float(scale), pool, state_indices, cu_seqlens,
+                           bool(transpose_state_layout), int(chunk_size), backend)
+    return o, (pool if output_final_state else None)
