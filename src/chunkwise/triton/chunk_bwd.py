@@ -398,14 +398,15 @@ def _fwd_h_step(k, v, G, W, U, h, R, b_S, i_c, bos, eos, boh, i_h, i_hk, o_v, H:
         tl.store(R + p_tv, b_R, mask=m_tv)
     else:
         b_R = tl.load(v + p_tv, mask=m_tv, other=0.).to(tl.float32)
-    if GATE > 0:
-        b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, GATE == 2)
+    if GATE == 2:
+        b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, True)
         _, b_ekend = _gate_factors(b_G, b_last, GATE)
         b_k = b_k * b_ekend
-        if GATE == 2:
-            b_S *= tl.exp(b_last)[:, None]
-        else:
-            b_S *= tl.exp(b_last)
+        b_S *= tl.exp(b_last)[:, None]
+    elif GATE == 1:  # a scalar gate scales rows: apply it to R [C, BV] rather than K [C, BK]
+        b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
+        b_R = b_R * tl.exp(b_last - b_G)[:, None]
+        b_S *= tl.exp(b_last)
     b_S += tl.dot(tl.trans(b_k), b_R, input_precision=PREC)                        # [BK, C] @ [C, BV]
     return b_S
 
@@ -472,14 +473,19 @@ def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, i_c, bos, eos, boh, i_h, i_h
     p_tk = (rows[:, None] * H + i_hk) * K + o_k[None, :]
     b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
     b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
-    if GATE > 0:
-        b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, GATE == 2)
+    b_do = tl.load(do + p_tv, mask=m_tv, other=0.).to(tl.float32)
+    if GATE == 2:
+        b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, True)
         b_eG, b_ekend = _gate_factors(b_G, b_last, GATE)
         b_k = b_k * b_ekend
         b_q = b_q * b_eG
-    b_dR = tl.load(dRl + p_tv, mask=m_tv, other=0.).to(tl.float32) + tl.dot(b_k, b_dS, input_precision=PREC)  # [C, BK] @ [BK, BV]
+    b_kdS = tl.dot(b_k, b_dS, input_precision=PREC)                                 # [C, BK] @ [BK, BV]
+    if GATE == 1:   # a scalar gate scales rows: apply it to the [C, BV] side, not to [C, BK]
+        b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
+        b_kdS = b_kdS * tl.exp(b_last - b_G)[:, None]
+        b_do = b_do * tl.exp(b_G)[:, None]
+    b_dR = tl.load(dRl + p_tv, mask=m_tv, other=0.).to(tl.float32) + b_kdS
     tl.store(dR + p_tv, b_dR, mask=m_tv)
-    b_do = tl.load(do + p_tv, mask=m_tv, other=0.).to(tl.float32)
     if GATE == 2:
         b_dS *= tl.exp(b_last)[:, None]
     elif GATE == 1:
@@ -556,14 +562,14 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
     m_tk = m_t[:, None] & m_k[None, :]
     p_tk = (rows[:, None] * H + i_hk) * K + o_k[None, :]
     p_hk = (rows[:, None] * HV + i_h) * K + o_k[None, :]
-    b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
-    b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
     i_ge_j = o_t[:, None] >= o_t[None, :]
     m_cc = m_t[:, None] & m_t[None, :]
     p_cc = (rows[:, None] * HV + i_h) * C + o_t[None, :]
+    p_ccT = (rows[None, :] * HV + i_h) * C + o_t[:, None]                                # element [j, i] of row i
+    # the V loop multiplies tensors as stored (16-bit for 16-bit inputs: exact operands, fp32 accumulation)
     if DELTA:
         b_beta = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.).to(tl.float32)
-        b_T = tl.load(Tmat + p_cc, mask=m_cc & i_ge_j, other=0.)
+        b_Tt = tl.load(Tmat + p_ccT, mask=m_cc & (o_t[None, :] >= o_t[:, None]), other=0.).to(h.dtype.element_ty)             # Tᵀ [C, C]
     else:
         b_beta = tl.zeros([C], dtype=tl.float32)
     b_dqg = tl.zeros([C, BK], dtype=tl.float32)
@@ -580,27 +586,32 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
         m_kv = m_k[:, None] & m_v[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
         p_tv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
-        b_S = tl.load(h + p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.).to(tl.float32)
-        b_dSn = tl.load(dh + p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.).to(tl.float32)
-        b_do = tl.load(do + p_tv, mask=m_tv, other=0.).to(tl.float32)
-        b_dR = tl.load(dR + p_tv, mask=m_tv, other=0.).to(tl.float32)
-        b_v = tl.load(v + p_tv, mask=m_tv, other=0.).to(tl.float32)
+        b_S = tl.load(h + p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+        b_dSn = tl.load(dh + p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+        b_do = tl.load(do + p_tv, mask=m_tv, other=0.)
+        b_dR = tl.load(dR + p_tv, mask=m_tv, other=0.)
+        b_v = tl.load(v + p_tv, mask=m_tv, other=0.)
         if DELTA:
-            b_R = tl.load(R + p_tv, mask=m_tv, other=0.).to(tl.float32)
+            b_R = tl.load(R + p_tv, mask=m_tv, other=0.)
         else:
             b_R = b_v
         b_dqg += tl.dot(b_do, tl.trans(b_S), input_precision=PREC)                      # [C, BV] @ [BV, BK]
         b_dkend += tl.dot(b_R, tl.trans(b_dSn), input_precision=PREC)                   # [C, BV] @ [BV, BK]
-        b_dgam += tl.sum(b_S * b_dSn, axis=1)
+        b_dgam += tl.sum(b_S.to(tl.float32) * b_dSn.to(tl.float32), axis=1)
         b_dP += tl.dot(b_do, tl.trans(b_R), input_precision=PREC)                       # [C, BV] @ [BV, C]
         if DELTA:
             b_dw -= tl.dot(b_dR, tl.trans(b_S), input_precision=PREC)                   # [C, BV] @ [BV, BK]
-            b_dTv += tl.dot(b_dR, tl.trans(b_v * b_beta[:, None]), input_precision=PREC)  # [C, BV] @ [BV, C]
-            b_dy = tl.dot(tl.trans(b_T), b_dR, input_precision=PREC)                    # [C, C] @ [C, BV]
+            b_vb = (b_v.to(tl.float32) * b_beta[:, None]).to(h.dtype.element_ty)
+            b_dTv += tl.dot(b_dR, tl.trans(b_vb), input_precision=PREC)                 # [C, BV] @ [BV, C]
+            b_dy = tl.dot(b_Tt, b_dR, input_precision=PREC)                             # [C, C] @ [C, BV]
             tl.store(dv + p_tv, b_dy * b_beta[:, None], mask=m_tv)
-            b_db += tl.sum(b_v * b_dy, axis=1)
+            b_db += tl.sum(b_v.to(tl.float32) * b_dy, axis=1)
         else:
             tl.store(dv + p_tv, b_dR, mask=m_tv)
+    b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
+    b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
+    if DELTA:
+        b_T = tl.load(Tmat + p_cc, mask=m_cc & i_ge_j, other=0.)
     b_dP = tl.where(m_cc & i_ge_j, b_dP * scale, 0.)
 
     # through Qg = Q e^G, Kend = K e^{G_last − G}, γ = e^{G_last}
@@ -640,7 +651,6 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
     # through the pairwise products P (q, k) and A (βk, k). The transposed dP, dA are read back
     # from memory rather than taken with tl.trans of a dot accumulator: that pattern is what
     # triton 3.4-3.7.0 miscompiles on Hopper (fla issue #640), and the round trip costs 2 x 16 KB.
-    p_ccT = (rows[None, :] * HV + i_h) * C + o_t[:, None]                                # element [j, i] of row i
     m_ccT = m_t[:, None] & m_t[None, :]
     b_dkb = tl.zeros([C, BK], dtype=tl.float32)
     if GATE == 2:
@@ -809,6 +819,8 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     BV = min(32, max(16, triton.next_power_of_2(V)))
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     q, k, v, do = (x.contiguous() for x in (q, k, v, do))
+    if do.dtype != q.dtype:
+        do = do.to(q.dtype)
     g = None if g is None else g.contiguous()
     beta = None if beta is None else beta.contiguous()
     h0 = initial_state.contiguous() if has_h0 else None
