@@ -137,7 +137,7 @@ def _channel_diag(bk, qf, kf, G, s, x, span_max: tl.constexpr, DOT_PREC: tl.cons
     else:
         A = tl.zeros([BCc, BCc], dtype=tl.float32)
         P = tl.zeros([BCc, BCc], dtype=tl.float32)
-        for j in tl.static_range(BCc):
+        for j in range(BCc):        # a loop, not unrolled: this path is rare
             sel = tl.where(o_c[None, :] == j, 1., 0.) + tl.zeros([BCc, BCc], dtype=tl.float32)  # every row e_jᵀ
             k_j = tl.dot(sel, kf, input_precision="ieee")                # [BC, BC] @ [BC, BK]: rows = k_j (exact)
             G_j = tl.dot(sel, G, input_precision="ieee")                 # [BC, BC] @ [BC, BK]: rows = G_j (exact)
@@ -150,29 +150,32 @@ def _channel_diag(bk, qf, kf, G, s, x, span_max: tl.constexpr, DOT_PREC: tl.cons
 
 
 @triton.jit
-def _inv_unit_lower(A, BCc: tl.constexpr):
-    """(I + A)⁻¹ for A [BC, BC] fp32 strictly lower: BC − 1 steps of X ← I − A X from X = I.
+def _inv_unit_lower4(A0, A1, A2, A3, BCc: tl.constexpr):
+    """(I + A_b)⁻¹ for four A_b [BC, BC] fp32 strictly lower: BC − 1 steps of X ← I − A X from X = I.
 
     This is forward substitution done on all rows at once: after step n rows 0..n hold their final
     values, each formed as e_i − Σ_{m<i} A_im X_m from final rows, so it rounds like substitution
-    (no powers of A are formed). Returns [BC, BC] fp32.
+    (no powers of A are formed). The four independent chains share one loop. Returns 4 × [BC, BC] fp32.
     """
     o_c = tl.arange(0, BCc)
     eye = tl.where(o_c[:, None] == o_c[None, :], 1., 0.)
-    X = eye
-    for _ in tl.static_range(BCc - 1):
-        X = eye - tl.dot(A, X, input_precision="ieee")                    # [BC, BC] @ [BC, BC]
-    return X
+    X0, X1, X2, X3 = eye, eye, eye, eye
+    for _ in range(BCc - 1):
+        X0 = eye - tl.dot(A0, X0, input_precision="ieee")                 # [BC, BC] @ [BC, BC]
+        X1 = eye - tl.dot(A1, X1, input_precision="ieee")                 # [BC, BC] @ [BC, BC]
+        X2 = eye - tl.dot(A2, X2, input_precision="ieee")                 # [BC, BC] @ [BC, BC]
+        X3 = eye - tl.dot(A3, X3, input_precision="ieee")                 # [BC, BC] @ [BC, BC]
+    return X0, X1, X2, X3
 
 
-@triton.jit(do_not_specialize=["T", "NT"])
+@triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
 def chunk_prepare_kernel(
     q, k, v, g, beta,            # [B,T,H,K] [B,T,H,K] [B,T,HV,V] None|[B,T,HV]|[B,T,HV,K] fp32, [B,T,HV]
     w, u, p,                     # out: [B,T,HV,K] [B,T,HV,V] [B,T,HV,BT] (input dtype)
     qg, kg, glast,               # out (GATE == 2): [B,T,HV,K] [B,T,HV,K] input dtype, [slots,HV,K] fp32
     cu_seqlens, chunk_indices,   # varlen: [N+1], [NT_total, 2] (sequence, chunk in sequence)
     T, NT,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    H, HV, K, V,
     BTc: tl.constexpr, BCc: tl.constexpr, BK: tl.constexpr, BVf: tl.constexpr,
     GATE: tl.constexpr,          # 0 none, 1 scalar, 2 per channel
     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, MM_PREC: tl.constexpr,
@@ -347,10 +350,7 @@ def chunk_prepare_kernel(
     tl.store(tl.make_block_ptr(p_base, (T_seq, BTc), (HV * BTc, 1), (t0 + 3 * BCc, 3 * BCc), (BCc, BCc), (1, 0)), (P33).to(p_base.dtype.element_ty), boundary_check=(0, 1))
 
     # ---- T = (I + A)^-1: diagonal blocks by substitution, then T_ij = -T_ii Σ_{j≤m<i} A_im T_mj
-    T00 = _inv_unit_lower(A00, BCc)
-    T11 = _inv_unit_lower(A11, BCc)
-    T22 = _inv_unit_lower(A22, BCc)
-    T33 = _inv_unit_lower(A33, BCc)
+    T00, T11, T22, T33 = _inv_unit_lower4(A00, A11, A22, A33, BCc)
     T10 = -tl.dot(T11, tl.dot(A10, T00, input_precision="ieee"), input_precision="ieee")                                     # [BC, BC] @ [BC, BC]
     T21 = -tl.dot(T22, tl.dot(A21, T11, input_precision="ieee"), input_precision="ieee")                                     # [BC, BC] @ [BC, BC]
     T32 = -tl.dot(T33, tl.dot(A32, T22, input_precision="ieee"), input_precision="ieee")                                     # [BC, BC] @ [BC, BC]
@@ -380,7 +380,7 @@ def chunk_prepare_kernel(
 
 @triton.jit
 def _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, T_seq, slot0, i_h, i_hk, i_v, scale,
-                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       H, HV, K, V,
                        BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        GATE: tl.constexpr, DELTA: tl.constexpr, P_IN: tl.constexpr,
                        DOT_PREC: tl.constexpr, g_floor: tl.constexpr):
@@ -430,7 +430,7 @@ def _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, 
     return S
 
 
-@triton.jit(do_not_specialize=["T", "NT"])
+@triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
 def chunk_state_output_kernel(
     q, k, v, w, u, p, g,         # [B,T,H,K] [B,T,H,K] [B,T,HV,V] [B,T,HV,K] [B,T,HV,V] [B,T,HV,BT] [B,T,HV] fp32
     qg, kg, glast,               # GATE == 2: [B,T,HV,K] [B,T,HV,K] [slots,HV,K] fp32
@@ -438,7 +438,7 @@ def chunk_state_output_kernel(
     cu_seqlens, scale, T, NT,
     s_h0n, s_h0h, s_h0k, s_h0v,  # strides of h0 (its layout)
     s_htn, s_hth, s_htk, s_htv,  # strides of ht
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    H, HV, K, V,
     BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, DELTA: tl.constexpr, P_IN: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
