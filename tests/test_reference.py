@@ -439,7 +439,7 @@ def test_in_op_options_equal_doing_them_by_hand(fam, case, form):
 @pytest.mark.parametrize("lengths", [None, [2, 1, 3, 1]], ids=["decode", "varlen"])
 @pytest.mark.parametrize("fam", FAMS)
 def test_state_pool(fam, lengths, pool_dtype, transpose):
-    P, idx = 6, [3, -1, 0, 5]
+    P, idx = 6, [3, -1, 1, 5]                                       # slot 0 untouched: where a clamped -1 would write
     N = len(idx)
     inp = make_inputs(fam, B=N, T=1, H=1, HV=2, K=8, V=12, dtype=torch.float32, lengths=lengths, h0=False, seed=2)
     gen = torch.Generator().manual_seed(1)
