@@ -99,6 +99,13 @@ def test_grads_strong_gates(fam):
     _compare(inp, TOL[torch.float32])
 
 
+@pytest.mark.parametrize("fam", ("gdn", "gla"))
+def test_grads_fp16(fam):
+    """16-bit inputs: the recomputed intermediates are stored in fp16, gradients returned in fp16."""
+    inp = make_inputs(fam, B=1, T=100, H=1, HV=2, K=16, V=32, seed=5)
+    _compare(inp, TOL[torch.float16], dtype=torch.float16)
+
+
 @pytest.mark.parametrize("fam", ("gdn", "kda"))
 def test_grads_in_op_preludes(fam):
     """In-op L2 norm of q, k, beta sigmoid, gate from A_log / dt_bias: gradients of the raw inputs."""

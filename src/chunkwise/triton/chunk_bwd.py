@@ -608,30 +608,52 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
             b_db += tl.sum(b_v.to(tl.float32) * b_dy, axis=1)
         else:
             tl.store(dv + p_tv, b_dR, mask=m_tv)
+    b_dP = tl.where(m_cc & i_ge_j, b_dP * scale, 0.)
     b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
     b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
-    if DELTA:
-        b_T = tl.load(Tmat + p_cc, mask=m_cc & i_ge_j, other=0.)
-    b_dP = tl.where(m_cc & i_ge_j, b_dP * scale, 0.)
+    m_ccT = m_t[:, None] & m_t[None, :]
+    # Gradients of G are kept as a [C, BK] matrix per channel, as row sums [C] for a scalar gate
+    # (fewer live registers). The transposed dP, dA are read back from memory rather than taken
+    # with tl.trans of a dot accumulator: that pattern is what triton 3.4-3.7.0 miscompiles on
+    # Hopper (fla issue #640), and the round trip costs 2 x 16 KB per chunk.
 
-    # through Qg = Q e^G, Kend = K e^{G_last − G}, γ = e^{G_last}
+    # dq: through Qg = Q e^G and, for scalar / no gates, through P (finished here)
     if GATE > 0:
         b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, GATE == 2)
         b_eG, b_ekend = _gate_factors(b_G, b_last, GATE)
         b_dq = scale * b_dqg * b_eG
-        b_dk = b_dkend * b_ekend
     else:
         b_dq = scale * b_dqg
-        b_dk = b_dkend
-    b_dGm = b_q * b_dq - b_k * b_dk
     if GATE == 2:
+        b_dGm = b_q * b_dq
+    else:
+        if GATE == 1:
+            b_gam = tl.exp(tl.where(i_ge_j, b_G[:, None] - b_G[None, :], float("-inf")))
+            b_dPg = b_dP * b_gam
+        else:
+            b_dPg = b_dP
+        tl.store(Pmat + p_cc, b_dPg, mask=m_cc)
+        b_dq += tl.dot(b_dPg, b_k, input_precision=PREC)                                  # [C, C] @ [C, BK]
+        b_dGr = tl.sum(b_q * b_dq, axis=1)                                                # [C]
+        tl.store(dq + p_hk, b_dq, mask=m_tk)
+
+    # dk through Kend = K e^{G_last − G}; γ = e^{G_last}
+    if GATE > 0:
+        b_dk = b_dkend * b_ekend
+    else:
+        b_dk = b_dkend
+    if GATE == 2:
+        b_dGm -= b_k * b_dk
         b_dlast = tl.sum(b_k * b_dk, axis=0) + tl.exp(b_last) * b_dgam                   # [BK]
     elif GATE == 1:
-        b_dlast = tl.sum(tl.sum(b_k * b_dk, axis=1), axis=0) + tl.exp(b_last) * tl.sum(b_dgam, axis=0)
+        b_kdk = tl.sum(b_k * b_dk, axis=1)
+        b_dGr -= b_kdk
+        b_dlast = tl.sum(b_kdk, axis=0) + tl.exp(b_last) * tl.sum(b_dgam, axis=0)
 
     # through W = T X (X = β e^G K), U = T Y
     b_kb = b_k * b_beta[:, None]
     if DELTA:
+        b_T = tl.load(Tmat + p_cc, mask=m_cc & i_ge_j, other=0.)
         if GATE > 0:
             b_ke = b_k * b_eG
         else:
@@ -646,12 +668,12 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
         else:
             b_dk += b_beta[:, None] * b_dx
         b_db += tl.sum(b_ke * b_dx, axis=1)
-        b_dGm += b_x * b_dx
+        if GATE == 2:
+            b_dGm += b_x * b_dx
+        elif GATE == 1:
+            b_dGr += tl.sum(b_x * b_dx, axis=1)
 
-    # through the pairwise products P (q, k) and A (βk, k). The transposed dP, dA are read back
-    # from memory rather than taken with tl.trans of a dot accumulator: that pattern is what
-    # triton 3.4-3.7.0 miscompiles on Hopper (fla issue #640), and the round trip costs 2 x 16 KB.
-    m_ccT = m_t[:, None] & m_t[None, :]
+    # through the pairwise products P (q, k) and A (βk, k)
     b_dkb = tl.zeros([C, BK], dtype=tl.float32)
     if GATE == 2:
         tl.store(Pmat + p_cc, b_dP, mask=m_cc)
@@ -674,13 +696,10 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
             if DELTA:
                 b_dkb += tl.dot(b_dA, b_kr, input_precision=PREC) * b_left                 # [C, C] @ [C, BK]
                 b_dkp += tl.dot(b_dAt, b_kb * b_left, input_precision=PREC) * b_right     # [C, C] @ [C, BK]
+        b_dGm += b_q * b_dqp + b_kb * b_dkb - b_k * b_dkp
+        b_dq += b_dqp
+        tl.store(dq + p_hk, b_dq, mask=m_tk)
     else:
-        if GATE == 1:
-            b_gam = tl.exp(tl.where(i_ge_j, b_G[:, None] - b_G[None, :], float("-inf")))
-            b_dPg = b_dP * b_gam
-        else:
-            b_dPg = b_dP
-        tl.store(Pmat + p_cc, b_dPg, mask=m_cc)
         if DELTA:
             if GATE == 1:
                 b_dAg = b_dA * b_gam
@@ -688,17 +707,15 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
                 b_dAg = b_dA
             tl.store(Amat + p_cc, b_dAg, mask=m_cc)
         tl.debug_barrier()
-        b_dqp = tl.dot(b_dPg, b_k, input_precision=PREC)                                  # [C, C] @ [C, BK]
         b_dkp = tl.dot(tl.load(Pmat + p_ccT, mask=m_ccT, other=0.), b_q, input_precision=PREC)  # [C, C] @ [C, BK]
         if DELTA:
             b_dkb = tl.dot(b_dAg, b_k, input_precision=PREC)                              # [C, C] @ [C, BK]
             b_dkp += tl.dot(tl.load(Amat + p_ccT, mask=m_ccT, other=0.), b_kb, input_precision=PREC)  # [C, C] @ [C, BK]
-    b_dGm += b_q * b_dqp + b_kb * b_dkb - b_k * b_dkp
-    b_dq += b_dqp
+        if GATE == 1:
+            b_dGr += tl.sum(b_kb * b_dkb - b_k * b_dkp, axis=1)
     b_dk += b_dkp + b_beta[:, None] * b_dkb
     b_db += tl.sum(b_k * b_dkb, axis=1)
 
-    tl.store(dq + p_hk, b_dq, mask=m_tk)
     tl.store(dk + p_hk, b_dk, mask=m_tk)
     if DELTA:
         tl.store(dbeta + rows * HV + i_h, b_db, mask=m_t)
@@ -706,7 +723,7 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
         b_dGm += tl.where((o_t == L - 1)[:, None], b_dlast[None, :], 0.)
         tl.store(dG + p_hk, b_dGm, mask=m_tk)
     elif GATE == 1:
-        b_dG = tl.sum(b_dGm, axis=1) + tl.where(o_t == L - 1, b_dlast, 0.)
+        b_dG = b_dGr + tl.where(o_t == L - 1, b_dlast, 0.)
         b_dg = tl.sum(b_dG, axis=0) - tl.cumsum(b_dG, axis=0) + b_dG                       # reverse cumsum
         tl.store(dG + rows * HV + i_h, b_dg, mask=m_t)
 
