@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from chunkwise import mamba_chunk_scan_combined
-from helpers import TOL, rel_err
+from helpers import DEVICE, TOL, rel_err
 
 torch.set_num_threads(1)   # tiny tensors: one thread is faster (and far faster on a loaded machine)
 
@@ -388,3 +388,43 @@ def test_bad_options():
     with pytest.raises(TypeError):                      # positional dt_softplus: keyword-only, by design
         mamba_chunk_scan_combined(kw["x"], kw["dt"], kw["A"], kw["B"], kw["C"], 16, None, None, None, None, None,
                                   True)
+
+
+# ----------------------------------------------------------------------------------------------
+# the triton backend (under the interpreter on CPU, or on the GPU)
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+def test_triton_backend_forward(dtype):
+    lengths = [1, 30, 9]
+    pieces = _pieces(lengths, h=2, p=16, n=16, dtype=dtype)
+    kw = {n: (None if t is None else t.to(DEVICE)) for n, t in _pack(pieces).items()}
+    cu = torch.tensor([0, 1, 31, 40], dtype=torch.int32, device=DEVICE)
+    y, ht = mamba_chunk_scan_combined(kw["x"], kw["dt"], kw["A"], kw["B"], kw["C"], 64, D=kw["D"], z=kw["z"],
+                                      dt_bias=kw["dt_bias"], initial_states=kw["initial_states"], dt_softplus=True,
+                                      return_final_states=True, cu_seqlens=cu, backend="triton")
+    assert y.dtype == dtype and ht.dtype == torch.float32
+    for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        y_ref, h_ref = ssd_reference(**pieces[i], dt_softplus=True)
+        assert_close(y[:, s:e], y_ref, TOL[dtype], f"y of sequence {i}")
+        assert_close(ht[i:i + 1], h_ref, TOL[dtype], f"final state of sequence {i}")
+
+
+def test_triton_backend_gradients():
+    kw = make(b=1, l=40, h=2, p=16, G=1, n=16)
+    names = ["x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states"]
+    for name in names:
+        kw[name].requires_grad_(True)
+    gen = torch.Generator().manual_seed(3)
+    w_y = torch.randn(kw["x"].shape, generator=gen, dtype=F64)
+    w_h = torch.randn(kw["initial_states"].shape, generator=gen, dtype=F64)
+    y_ref, h_ref = ssd_reference_autograd(**kw, dt_softplus=True)
+    ref = torch.autograd.grad((y_ref * w_y).sum() + (h_ref * w_h).sum(), [kw[n] for n in names])
+    k32 = {n: (None if t is None else t.detach().to(DEVICE, torch.float32).requires_grad_(True)) for n, t in kw.items()}
+    y, ht = mamba_chunk_scan_combined(k32["x"], k32["dt"], k32["A"], k32["B"], k32["C"], 64, D=k32["D"], z=k32["z"],
+                                      dt_bias=k32["dt_bias"], initial_states=k32["initial_states"], dt_softplus=True,
+                                      return_final_states=True, backend="triton")
+    loss = (y * w_y.to(y)).sum() + (ht * w_h.to(ht)).sum()
+    grads = torch.autograd.grad(loss, [k32[n] for n in names])
+    for name, g, r in zip(names, grads, ref):
+        assert_close(g, r, 1e-4, f"d{name}")
