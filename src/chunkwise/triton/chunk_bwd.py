@@ -886,13 +886,13 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     seq = dict(cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, T=T)
     _fwd_h_kernel[grid_s](k, v, G, W, U, h0, h, R, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate,
                           DELTA=delta, HAS_H0=has_h0, TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen,
-                          PREC=prec, LOOP_WHILE=_INTERPRET, num_warps=nw, **seq)
+                          PREC=prec, LOOP_WHILE=_INTERPRET, num_warps=8, **seq)
     dh = buf(NC, HV, K, V, dtype=sdt)
     dR = buf(B, T, HV, V, dtype=sdt)
     dh0 = buf(*h0.shape) if has_h0 else None
     _bwd_dh_kernel[grid_s](q, k, G, W, dRl, do, dht, dh, dR, dh0, scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
                            C=C, GATE=gate, DELTA=delta, HAS_DHT=dht is not None, HAS_H0=has_h0,
-                           TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen, PREC=prec, LOOP_WHILE=_INTERPRET, num_warps=nw, **seq)
+                           TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen, PREC=prec, LOOP_WHILE=_INTERPRET, num_warps=8, **seq)
     del dRl
 
     # gradients go out in the input dtype directly unless they are summed over head groups or
