@@ -530,7 +530,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="input dtype; auto: bfloat16 on a GPU, float32 on the CPU")
     b.add_argument("--reps", type=int, default=None, help="timed repetitions on the CPU (default 3)")
     b.add_argument("--seed", type=int, default=0, help="random seed of the inputs (default 0)")
-    b.add_argument("--out", default="bench_results", help="folder for bench.json and bench.png (default bench_results)")
+    b.add_argument("--out", default="bench_out", help="folder for bench.json and bench.png (default bench_out)")
     b.add_argument("--no-fla", action="store_true", help="do not run fla even if installed")
     b.add_argument("--no-plot", action="store_true", help="write the JSON only")
     b.set_defaults(func=cmd_bench)
