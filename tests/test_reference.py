@@ -31,6 +31,11 @@ def call(op, inp: Inputs, *, scale=None, h0="inp", final=True, **kw):
               cu_seqlens=inp.cu_seqlens, backend="torch", **kw)
 
 
+def rnd(gen, *shape):
+    """Standard normal float64 on DEVICE, drawn on the CPU from ``gen`` (reproducible everywhere)."""
+    return torch.randn(*shape, generator=gen, dtype=F64).to(DEVICE)
+
+
 def assert_close(x, ref, tol, what=""):
     err = rel_err(x, ref)
     assert err < tol, f"{what}: relative error {err:.3e} >= {tol:.1e}"
@@ -169,6 +174,16 @@ def test_varlen_with_empty_sequence(fam):
 
 @pytest.mark.parametrize("form", ["chunk", "recurrent"])
 @pytest.mark.parametrize("fam", FAMS)
+def test_empty_sequence_length(fam, form):
+    """T = 0: an empty output, and the initial state comes back as the final state."""
+    inp = make_inputs(fam, B=2, T=0, dtype=torch.float32)
+    o, ht = call((CHUNK_OPS if form == "chunk" else RECURRENT_OPS)[fam], inp)
+    assert o.shape == inp.v.shape and o.dtype == torch.float32
+    assert torch.equal(ht, inp.h0)
+
+
+@pytest.mark.parametrize("form", ["chunk", "recurrent"])
+@pytest.mark.parametrize("fam", FAMS)
 def test_two_halves_with_state_hand_over_equal_the_whole(fam, form):
     inp = make_inputs(fam, dtype=F64, B=2, T=150, gate="strong")
     op = (CHUNK_OPS if form == "chunk" else RECURRENT_OPS)[fam]
@@ -302,24 +317,24 @@ def test_gradients_chunk_equal_recurrence(fam, case):
     B, T, HV, K = inp.v.shape[0], inp.v.shape[1], inp.v.shape[2], inp.q.shape[3]
     leaves = dict(q=inp.q, k=inp.k, v=inp.v, initial_state=inp.h0)
     if opts.get("use_qk_l2norm_in_kernel"):                       # raw, unnormalised q and k
-        leaves["q"] = torch.randn(inp.q.shape, generator=gen, dtype=F64) * 2
-        leaves["k"] = torch.randn(inp.k.shape, generator=gen, dtype=F64) * 2
+        leaves["q"] = rnd(gen, inp.q.shape) * 2
+        leaves["k"] = rnd(gen, inp.k.shape) * 2
     if spec.delta:
-        leaves["beta"] = (torch.randn(inp.beta.shape, generator=gen, dtype=F64)
+        leaves["beta"] = (rnd(gen, inp.beta.shape)
                           if opts.get("use_beta_sigmoid_in_kernel") else inp.beta)
     if spec.gate != "none":
         leaves["g"] = inp.g
         if opts.get("use_gate_in_kernel"):
-            leaves["g"] = torch.randn(inp.g.shape, generator=gen, dtype=F64)     # the raw projection a
-            leaves["A_log"] = torch.randn(HV, generator=gen, dtype=F64) * 0.5
+            leaves["g"] = rnd(gen, inp.g.shape)     # the raw projection a
+            leaves["A_log"] = rnd(gen, HV) * 0.5
             if opts.pop("dt_bias", True) is not False:
-                leaves["dt_bias"] = torch.randn(HV if spec.gate == "scalar" else HV * K, generator=gen, dtype=F64)
+                leaves["dt_bias"] = rnd(gen, HV if spec.gate == "scalar" else HV * K)
     opts.pop("dt_bias", None)
     for x in leaves.values():
         x.requires_grad_(True)
     kwargs = dict(scale=0.4, output_final_state=True, cu_seqlens=inp.cu_seqlens, backend="torch", **opts)
-    w_o = torch.randn(inp.v.shape, generator=gen, dtype=F64)
-    w_h = torch.randn(inp.h0.shape, generator=gen, dtype=F64)
+    w_o = rnd(gen, inp.v.shape)
+    w_h = rnd(gen, inp.h0.shape)
     g_rec = _grads(RECURRENT_OPS[fam], leaves, kwargs, w_o, w_h)
     g_chunk = _grads(CHUNK_OPS[fam], leaves, dict(kwargs, chunk_size=16), w_o, w_h)
     assert set(g_chunk) == set(leaves)
@@ -389,29 +404,29 @@ def test_in_op_options_equal_doing_them_by_hand(fam, case, form):
     kw = {}
     done = Inputs(fam, inp.q, inp.k, inp.v, inp.g, inp.beta, inp.h0, None)      # what the op must compute on
     if case == "l2norm":
-        raw["q"] = torch.randn(inp.q.shape, generator=gen, dtype=F64) * 3
-        raw["k"] = torch.randn(inp.k.shape, generator=gen, dtype=F64) * 3
+        raw["q"] = rnd(gen, inp.q.shape) * 3
+        raw["k"] = rnd(gen, inp.k.shape) * 3
         done.q, done.k = by_hand_l2(raw["q"]), by_hand_l2(raw["k"])
         kw["use_qk_l2norm_in_kernel"] = True
     elif case == "beta_sigmoid":
-        raw["beta"] = torch.randn(inp.beta.shape, generator=gen, dtype=F64) * 2
+        raw["beta"] = rnd(gen, inp.beta.shape) * 2
         done.beta = 1 / (1 + torch.exp(-raw["beta"]))
         kw["use_beta_sigmoid_in_kernel"] = True
     else:
-        a = torch.randn(inp.g.shape, generator=gen, dtype=F64) * 2
-        A_log = torch.randn(HV, generator=gen, dtype=F64) * 0.5
+        a = rnd(gen, inp.g.shape) * 2
+        A_log = rnd(gen, HV) * 0.5
         raw["g"] = a
         kw.update(use_gate_in_kernel=True, A_log=A_log)
         A = torch.exp(A_log)
         if FAMILIES[fam].gate == "scalar":
-            dt_bias = None if case == "gate_no_dt_bias" else torch.randn(HV, generator=gen, dtype=F64)
+            dt_bias = None if case == "gate_no_dt_bias" else rnd(gen, HV)
             x = a + (0 if dt_bias is None else dt_bias)
             done.g = -A * by_hand_softplus(x)
         else:
             if case == "gate_no_dt_bias":
                 dt_bias, bias2d = None, 0
             else:
-                bias2d = torch.randn(HV, K, generator=gen, dtype=F64)
+                bias2d = rnd(gen, HV, K)
                 dt_bias = bias2d if case == "kda_dt_bias_2d" else bias2d.reshape(HV * K)
             x = a + bias2d
             if case == "kda_lower_bound":
@@ -443,14 +458,15 @@ def test_state_pool(fam, lengths, pool_dtype, transpose):
     N = len(idx)
     inp = make_inputs(fam, B=N, T=1, H=1, HV=2, K=8, V=12, dtype=torch.float32, lengths=lengths, h0=False, seed=2)
     gen = torch.Generator().manual_seed(1)
-    pool = torch.randn(P, 2, 8, 12, generator=gen)                  # [P, HV, K, V]
+    pool = torch.randn(P, 2, 8, 12, generator=gen).to(DEVICE)       # [P, HV, K, V]
     pool = (pool.transpose(-1, -2).contiguous() if transpose else pool).to(pool_dtype)
     before = pool.clone()
     ptr = pool.data_ptr()
-    state_indices = torch.tensor(idx, dtype=torch.int32)
+    state_indices = torch.tensor(idx, dtype=torch.int32, device=DEVICE)
     o, ret = RECURRENT_OPS[fam](*inp.args(), initial_state=pool, output_final_state=True, cu_seqlens=inp.cu_seqlens,
                                 backend="torch", state_indices=state_indices, transpose_state_layout=transpose)
     assert ret is pool and pool.data_ptr() == ptr and pool.dtype == pool_dtype
+    o = o.cpu()
     # the reference from the states read out of the pool (float32 of the pool's values)
     kv = lambda s: s.transpose(-1, -2) if transpose else s     # noqa: E731
     h0 = torch.stack([kv(before[max(i, 0)]).float() for i in idx])
