@@ -290,6 +290,7 @@ GRAD_CASES = {
     "gate_in_kernel_no_dt_bias": dict(use_gate_in_kernel=True, dt_bias=False),
     "kda_lower_bound": dict(use_gate_in_kernel=True, lower_bound=-5.0),
     "all_options": dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True),
+    "transposed_state_varlen": dict(transpose_state_layout=True, lengths=[9, 31]),
 }
 
 
@@ -315,7 +316,8 @@ def test_gradients_chunk_equal_recurrence(fam, case):
     gate = opts.pop("gate", "normal")
     inp = make_inputs(fam, B=2, T=40, H=1, HV=2, K=12, V=10, dtype=F64, lengths=lengths, gate=gate, seed=3)
     B, T, HV, K = inp.v.shape[0], inp.v.shape[1], inp.v.shape[2], inp.q.shape[3]
-    leaves = dict(q=inp.q, k=inp.k, v=inp.v, initial_state=inp.h0)
+    h0 = inp.h0.transpose(-1, -2).contiguous() if opts.get("transpose_state_layout") else inp.h0
+    leaves = dict(q=inp.q, k=inp.k, v=inp.v, initial_state=h0)
     if opts.get("use_qk_l2norm_in_kernel"):                       # raw, unnormalised q and k
         leaves["q"] = rnd(gen, inp.q.shape) * 2
         leaves["k"] = rnd(gen, inp.k.shape) * 2
@@ -334,7 +336,7 @@ def test_gradients_chunk_equal_recurrence(fam, case):
         x.requires_grad_(True)
     kwargs = dict(scale=0.4, output_final_state=True, cu_seqlens=inp.cu_seqlens, backend="torch", **opts)
     w_o = rnd(gen, inp.v.shape)
-    w_h = rnd(gen, inp.h0.shape)
+    w_h = rnd(gen, h0.shape)
     g_rec = _grads(RECURRENT_OPS[fam], leaves, kwargs, w_o, w_h)
     g_chunk = _grads(CHUNK_OPS[fam], leaves, dict(kwargs, chunk_size=16), w_o, w_h)
     assert set(g_chunk) == set(leaves)
