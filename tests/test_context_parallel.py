@@ -28,9 +28,14 @@ RANK_TOKENS = {2: [45, 38], 4: [25, 31, 20, 27]}        # tokens per rank (globa
 # varlen batches: global sequence lengths (summing to the global T)
 VARLEN = {
     2: {"cross": [4, 56, 2, 21],         # 4..60 crosses the boundary at 45; 60..62 lies inside rank 1
-        "aligned": [1, 44, 0, 5, 33]},   # length 1; a sequence ends exactly at 45; a zero-length one at 45
+        "aligned": [1, 44, 0, 5, 33],    # length 1; a sequence ends exactly at 45; a zero-length one at 45
+        "per-rank": [45, 38]},           # one sequence per rank: nothing crosses
     4: {"cross": [3, 77, 2, 21],         # 3..80 runs through all four ranks (boundaries 25, 56, 76); 80..82 inside rank 3
-        "aligned": [25, 0, 1, 34, 16, 27, 0]},   # rank-aligned sequences, zero-length at 25 and at the end, length 1 at 25
+        # ends exactly at 25, zero-length at 25 and at the end, length 1 at 25; rank 2 both ends the sequence it
+        # got from rank 1 and hands a new one (60..90) to rank 3
+        "aligned": [25, 0, 1, 34, 30, 13, 0],
+        # 10..30 crosses 25; 30..86 runs from rank 1 through rank 2 into rank 3 (not from rank 0)
+        "middle": [10, 20, 56, 17]},
 }
 SHAPE = dict(H=2, HV=4, K=8, V=12)                      # grouped value heads, K != V
 CHUNK = 16
@@ -40,8 +45,9 @@ def _cases():
     cases = {}
     for fam in ("gdn", "kda", "delta", "gla"):
         cases[f"{fam}-dense"] = dict(fam=fam)
-        for pattern in ("cross", "aligned"):
-            cases[f"{fam}-varlen-{pattern}"] = dict(fam=fam, varlen=pattern)
+        for pattern in dict.fromkeys(p for W in WORLD_SIZES for p in VARLEN[W]):
+            cases[f"{fam}-varlen-{pattern}"] = dict(fam=fam, varlen=pattern,
+                                                    worlds=tuple(W for W in WORLD_SIZES if pattern in VARLEN[W]))
     cases["gdn-prelude"] = dict(fam="gdn", varlen="cross", prelude=True)
     cases["kda-prelude-lower-bound"] = dict(fam="kda", varlen="cross", prelude=True, lower_bound=-5.0)
     cases["gla-prelude-dense"] = dict(fam="gla", prelude=True)
@@ -52,6 +58,10 @@ def _cases():
     cases["gla-no-initial-state-dense"] = dict(fam="gla", h0=False)
     cases["gdn-fp32"] = dict(fam="gdn", varlen="cross", dtype="float32")
     cases["kda-fp32-dense"] = dict(fam="kda", dtype="float32")
+    # the Triton backend (under the interpreter on the CPU: slow, so two processes and two families)
+    small = dict(H=1, HV=1, K=8, V=12)
+    cases["gdn-triton"] = dict(fam="gdn", varlen="cross", dtype="float32", backend="triton", worlds=(2,), shape=small)
+    cases["kda-triton"] = dict(fam="kda", varlen="cross", dtype="float32", backend="triton", worlds=(2,), shape=small)
     return cases
 
 
@@ -77,11 +87,13 @@ def _run_case(name, spec, W, rank):
     fam = spec["fam"]
     dtype = getattr(torch, spec.get("dtype", "float64"))
     lengths = VARLEN[W][spec["varlen"]] if "varlen" in spec else None
+    shape = spec.get("shape", SHAPE)
     inp = make_inputs(fam, B=2, T=bounds[-1], dtype=dtype, device="cpu", gate=spec.get("gate", "normal"),
-                      h0=spec.get("h0", True), lengths=lengths, seed=zlib.crc32(name.encode()) % 1000, requires_grad=True, **SHAPE)
-    HV, K = SHAPE["HV"], SHAPE["K"]
+                      h0=spec.get("h0", True), lengths=lengths, seed=zlib.crc32(name.encode()) % 1000, requires_grad=True,
+                      **shape)
+    HV, K = shape["HV"], shape["K"]
     gen = torch.Generator().manual_seed(7)
-    kwargs = dict(chunk_size=CHUNK, output_final_state=spec.get("final", True))
+    kwargs = dict(chunk_size=CHUNK, output_final_state=spec.get("final", True), backend=spec.get("backend", "torch"))
     params = {}
     if spec.get("prelude"):
         kwargs.update(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True)
@@ -181,6 +193,8 @@ def _worker(rank, W, port, out_dir):
     results = {}
     try:
         for name, spec in CASES.items():
+            if W not in spec.get("worlds", WORLD_SIZES):
+                continue
             try:
                 results[name] = _run_case(name, spec, W, rank)
             except Exception:                # recorded; the test of this case fails with it
@@ -213,8 +227,7 @@ def _results(W):
 # tests
 # ----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("W", WORLD_SIZES)
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case,W", [(c, W) for c, spec in CASES.items() for W in spec.get("worlds", WORLD_SIZES)])
 def test_context_parallel_matches_single_process(case, W):
     spec = CASES[case]
     tol = TOL[getattr(torch, spec.get("dtype", "float64"))]
@@ -234,7 +247,7 @@ def test_context_parallel_matches_single_process(case, W):
 def test_context_parallel_final_state_owners(W):
     """Every final state is returned by exactly one rank (the one holding the sequence's last token)."""
     for case, spec in CASES.items():
-        if not spec.get("final", True):
+        if not spec.get("final", True) or W not in spec.get("worlds", WORLD_SIZES):
             continue
         counts = [res["owned rows"] for res in _results(W)[case]]
         N = len(VARLEN[W][spec["varlen"]]) if "varlen" in spec else 2
@@ -248,3 +261,31 @@ def test_context_parallel_bad_arguments_raise_on_every_rank(case, W):
         assert res["raised"], f"rank {rank}: no ValueError"
         want = "cu_seqlens" if case == "error-cu-seqlens-local" else "initial_state"
         assert want in res["message"], f"rank {rank}: {res['message']}"
+
+
+def test_plan_ranks():
+    """The host-side plan (no processes): carries, local offsets and final-state owners."""
+    from chunkwise.distributed import plan_ranks
+
+    def cu(lengths):
+        out = [0]
+        for n in lengths:
+            out.append(out[-1] + n)
+        return out
+
+    plans = plan_ranks(RANK_TOKENS[4], cu(VARLEN[4]["middle"]), 1)     # boundaries 25, 56, 76
+    assert [(p.carry_in, p.carry_out, p.through) for p in plans] == [
+        (False, True, False), (True, True, False), (True, True, True), (True, False, False)]
+    assert [p.seqs for p in plans] == [(0, 1), (1, 2), (2,), (2, 3)]
+    assert [p.local_cu for p in plans] == [(0, 10, 25), (0, 5, 31), (0, 20), (0, 10, 27)]
+    assert [p.head for p in plans] == [0, 5, 20, 10]
+    assert [p.ends for p in plans] == [(0,), (0,), (), (0, 1)]
+
+    plans = plan_ranks(RANK_TOKENS[4], cu(VARLEN[4]["aligned"]), 1)    # zero-length sequences 1 and 6
+    assert [p.seqs for p in plans] == [(0,), (1, 2, 3), (3, 4), (4, 5, 6)]
+    assert plans[1].local_cu == (0, 0, 1, 31) and plans[3].local_cu == (0, 14, 27, 27)
+    assert [p.ends for p in plans] == [(0,), (0, 1), (0,), (0, 1, 2)]
+
+    plans = plan_ranks([3, 4, 5], None, 2)                              # dense: every row through every rank
+    assert [(p.carry_in, p.carry_out, p.through, p.head, p.ends) for p in plans] == [
+        (False, True, False, 0, ()), (True, True, True, 4, ()), (True, False, False, 5, (0, 1))]
