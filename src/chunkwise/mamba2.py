@@ -151,7 +151,7 @@ def mamba_chunk_scan_combined(
     """
     b, l, h, p, G, n = _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_limit,
                               cu_seqlens)
-    last = None
+    last, cu_cpu = None, None
     if seq_idx is not None:
         seg_cu, last = _segments(seq_idx)
         if cu_seqlens is not None:
@@ -160,7 +160,7 @@ def mamba_chunk_scan_combined(
                                  f"{seg_cu.tolist()[:16]}, cu_seqlens {cu_seqlens.tolist()[:16]}")
             last = None
         else:
-            cu_seqlens = seg_cu.to(device=x.device, dtype=torch.int64)
+            cu_seqlens, cu_cpu = seg_cu.to(device=x.device, dtype=torch.int64), seg_cu   # host copy: no sync later
 
     # the one dtype of q, k, v (the op's contract); fp32 (fp64 for fp64 inputs) for the arithmetic here
     io = x.dtype if B.dtype == x.dtype and C.dtype == x.dtype else torch.promote_types(
@@ -180,7 +180,8 @@ def mamba_chunk_scan_combined(
         q, k, v, g = (t.reshape(1, b * l, *t.shape[2:]) for t in (q, k, v, g))
     y, final = chunk_simple_gla(q, k, v, g, scale=1.0, initial_state=initial_states,
                                 output_final_state=return_final_states, cu_seqlens=cu_seqlens,
-                                transpose_state_layout=True, chunk_size=chunk_size, backend=backend)
+                                transpose_state_layout=True, chunk_size=chunk_size, backend=backend,
+                                cu_seqlens_cpu=cu_cpu)
     y = y.reshape(b, l, h, p)
     if final is not None and last is not None:
         final = final[last.to(final.device)]
