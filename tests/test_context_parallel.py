@@ -66,7 +66,15 @@ def _cases():
 
 
 CASES = _cases()
-ERROR_CASES = ("error-cu-seqlens-local", "error-initial-state-local")
+# bad arguments: the text of the error on rank 1 and on the other ranks; no rank may hang
+ERROR_CASES = {
+    "error-cu-seqlens-local": ("disagree on cu_seqlens", "disagree on cu_seqlens"),
+    "error-cu-seqlens-wrong-total": ("the sum of the ranks' tokens", "the sum of the ranks' tokens"),
+    "error-initial-state-local": ("initial_state must have shape", "initial_state must have shape"),
+    "error-beta-shape-on-one-rank": ("beta must have shape", "rank(s) [1] of cp_group rejected"),
+    "error-requires-grad-on-one-rank": ("disagree on requires_grad", "disagree on requires_grad"),
+    "error-cu-seqlens-differ": ("disagree on cu_seqlens", "disagree on cu_seqlens"),
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -93,7 +101,7 @@ def _run_case(name, spec, W, rank):
                       **shape)
     HV, K = shape["HV"], shape["K"]
     gen = torch.Generator().manual_seed(7)
-    kwargs = dict(chunk_size=CHUNK, output_final_state=spec.get("final", True), backend=spec.get("backend", "torch"))
+    kwargs = dict(chunk_size=CHUNK, output_final_state=spec.get("final", True))
     params = {}
     if spec.get("prelude"):
         kwargs.update(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True)
@@ -114,8 +122,8 @@ def _run_case(name, spec, W, rank):
     op = CHUNK_OPS[fam]
     full_params = {n: p.clone().requires_grad_() for n, p in params.items()}
 
-    # single process, the whole batch
-    o, ht = op(*inp.args(), initial_state=h0, cu_seqlens=inp.cu_seqlens, **full_params, **kwargs)
+    # single process, the whole batch (the torch backend)
+    o, ht = op(*inp.args(), initial_state=h0, cu_seqlens=inp.cu_seqlens, backend="torch", **full_params, **kwargs)
     do = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype)
     loss = (o * do).sum()
     if ht is not None:
@@ -128,7 +136,7 @@ def _run_case(name, spec, W, rank):
     h0_cp = None if h0 is None else h0.detach().clone().requires_grad_()
     cp_params = {n: p.clone().requires_grad_() for n, p in params.items()}
     o_cp, ht_cp = op(*local, initial_state=h0_cp, cu_seqlens=inp.cu_seqlens, cp_group=dist.group.WORLD,
-                     **cp_params, **kwargs)
+                     backend=spec.get("backend", "torch"), **cp_params, **kwargs)
     loss = (o_cp * do[:, a:b]).sum()
     if ht_cp is not None:
         loss = loss + (ht_cp * dht).sum()        # rows owned elsewhere are zero: the group's losses sum to one
@@ -170,15 +178,25 @@ def _grad(x):
 
 
 def _run_error_case(name, W, rank):
-    """Bad global arguments must raise the same clear error on every rank (before any exchange)."""
+    """Bad arguments, on every rank or on one, must raise a clear error on every rank (no hang)."""
     bounds = _bounds(W)
     a, b = bounds[rank], bounds[rank + 1]
     inp = make_inputs("gdn", dtype=torch.float64, device="cpu", lengths=VARLEN[W]["cross"], **SHAPE)
     args = [x[:, a:b] for x in inp.args()]
-    if name == "error-cu-seqlens-local":     # offsets of the local slice instead of the whole batch
-        kw = dict(cu_seqlens=torch.tensor([0, b - a], dtype=torch.int32), initial_state=inp.h0[:1])
-    else:                                    # one state per local sequence instead of per global sequence
-        kw = dict(cu_seqlens=inp.cu_seqlens, initial_state=inp.h0[:2])
+    kw = dict(cu_seqlens=inp.cu_seqlens, initial_state=inp.h0)
+    if name == "error-cu-seqlens-local":                 # offsets of the local slice instead of the whole batch
+        kw.update(cu_seqlens=torch.tensor([0, b - a], dtype=torch.int32), initial_state=inp.h0[:1])
+    elif name == "error-cu-seqlens-wrong-total":         # the same offsets everywhere, one token too many
+        kw.update(cu_seqlens=inp.cu_seqlens + torch.arange(inp.cu_seqlens.numel()).eq(inp.cu_seqlens.numel() - 1))
+    elif name == "error-initial-state-local":            # one state per local sequence instead of per global one
+        kw.update(initial_state=inp.h0[:2])
+    elif name == "error-beta-shape-on-one-rank" and rank == 1:
+        args[-1] = args[-1][..., :1]
+    elif name == "error-requires-grad-on-one-rank" and rank == 0:
+        args[0] = args[0].clone().requires_grad_()
+    elif name == "error-cu-seqlens-differ" and rank == 0:
+        kw.update(cu_seqlens=torch.tensor([0, 1, T] if (T := bounds[-1]) > 1 else [0, T], dtype=torch.int32),
+                  initial_state=inp.h0[:2])
     try:
         CHUNK_OPS["gdn"](*args, cp_group=dist.group.WORLD, chunk_size=CHUNK, **kw)
     except ValueError as e:
@@ -255,11 +273,11 @@ def test_context_parallel_final_state_owners(W):
 
 
 @pytest.mark.parametrize("W", WORLD_SIZES)
-@pytest.mark.parametrize("case", ERROR_CASES)
+@pytest.mark.parametrize("case", list(ERROR_CASES))
 def test_context_parallel_bad_arguments_raise_on_every_rank(case, W):
     for rank, res in enumerate(_results(W)[case]):
         assert res["raised"], f"rank {rank}: no ValueError"
-        want = "cu_seqlens" if case == "error-cu-seqlens-local" else "initial_state"
+        want = ERROR_CASES[case][0 if rank == 1 else 1]
         assert want in res["message"], f"rank {rank}: {res['message']}"
 
 

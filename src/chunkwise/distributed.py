@@ -99,12 +99,30 @@ class _Tie(torch.autograd.Function):
         return grad, torch.zeros(shape, dtype=dtype, device=device)
 
 
-def _gather_lengths(T: int, device: torch.device, group) -> list[int]:
-    """Every rank's local token count, in rank order (one small all-gather and a host sync)."""
-    t = torch.tensor([T], dtype=torch.int64, device=device)
+_SUMMARY = ("tokens", "B", "H", "HV", "K", "V", "cu_seqlens (a checksum)", "requires_grad")
+
+
+def _checksum(values: list[int] | None) -> int:
+    """A polynomial hash of cu_seqlens (-1 for None): ranks that pass different offsets disagree."""
+    if values is None:
+        return -1
+    h = len(values)
+    for x in values:
+        h = (h * 1000003 + int(x)) % (2 ** 61 - 1)
+    return h
+
+
+def _gather_summary(summary: list[int] | None, device: torch.device, group) -> list[list[int] | None]:
+    """Every rank's summary (see _SUMMARY; None where its own checks failed), in rank order.
+
+    One small all-gather and a host sync.
+    """
+    row = [1, *summary] if summary is not None else [0] * (len(_SUMMARY) + 1)
+    t = torch.tensor(row, dtype=torch.int64, device=device)
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, t, group=group)
-    return [int(x) for x in torch.cat(parts).tolist()]
+    rows = torch.stack(parts).tolist()
+    return [r[1:] if r[0] else None for r in rows]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -215,37 +233,65 @@ def chunk_cp(fam: api.Family, mode: str, q, k, v, g, beta, scale, initial_state,
     if rank < 0:
         raise ValueError("this process is not a member of cp_group")
 
-    # checks that need no communication (cu_seqlens and initial_state describe the global batch)
-    B, T, H, HV, K, V, _ = api._check_inputs(
-        fam, q, k, v, g, beta, scale, None, None, None, transpose_state_layout, backend, use_gate_in_kernel,
-        A_log, dt_bias, lower_bound)
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-
-    lengths = _gather_lengths(T, q.device, cp_group)
+    # Checks. An argument error on one rank must not leave the others waiting in a collective: each
+    # rank checks what it can alone, then one all-gather of a summary (tokens, shapes, a checksum of
+    # cu_seqlens, whether a backward will follow) lets every rank raise the same error.
+    error, summary, host_cu = None, None, None
+    try:
+        B, T, H, HV, K, V, _ = api._check_inputs(
+            fam, q, k, v, g, beta, scale, None, None, None, transpose_state_layout, backend, use_gate_in_kernel,
+            A_log, dt_bias, lower_bound)
+        if not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        if cu_seqlens is not None:
+            api._check_tensor("cu_seqlens", cu_seqlens, 1)
+            if cu_seqlens.dtype not in (torch.int32, torch.int64):
+                raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+            if cu_seqlens.device != q.device:
+                raise ValueError(f"cu_seqlens is on {cu_seqlens.device}, q on {q.device}")
+            host_cu = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.detach().cpu()).tolist()
+        elif cu_seqlens_cpu is not None:
+            raise ValueError("cu_seqlens_cpu is given but cu_seqlens is None")
+        N = B if host_cu is None else len(host_cu) - 1
+        if initial_state is not None:
+            api._check_tensor("initial_state", initial_state, 4)
+            api._check_float("initial_state", initial_state)
+            want = (N, HV, V, K) if transpose_state_layout else (N, HV, K, V)
+            if tuple(initial_state.shape) != want:
+                raise ValueError(f"initial_state must have shape {list(want)} (one row per sequence of the whole "
+                                 f"batch, the same on every rank), got {tuple(initial_state.shape)}")
+            if initial_state.device != q.device:
+                raise ValueError(f"initial_state is on {initial_state.device}, q on {q.device}")
+        # the backward holds a collective: every rank must agree on whether there will be one
+        needs_grad = torch.is_grad_enabled() and any(
+            isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v, g, beta, initial_state, A_log, dt_bias))
+        summary = [T, B, H, HV, K, V, _checksum(host_cu), int(needs_grad)]
+    except (TypeError, ValueError) as e:
+        error = e
+    device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
+    table = _gather_summary(summary, device, cp_group)
+    if error is not None:
+        raise error
+    failed = [r for r, row in enumerate(table) if row is None]
+    if failed:
+        raise ValueError(f"rank(s) {failed} of cp_group rejected their arguments (see the error raised there)")
+    for i, what in enumerate(_SUMMARY[1:], 1):
+        values = [row[i] for row in table]
+        if len(set(values)) > 1:
+            raise ValueError(f"the ranks of cp_group disagree on {what}: {values} (every rank passes its slice of "
+                             f"the same batch: the whole batch's cu_seqlens, the same shapes and requires_grad)")
+    lengths = [row[0] for row in table]
     if min(lengths) < 1:
         raise ValueError(f"with cp_group every rank must hold at least one token; tokens per rank: {lengths}")
     T_all = sum(lengths)
+    cu = None
     if cu_seqlens is not None:
-        cu = api.check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T_all).tolist()
-        N = len(cu) - 1
-    else:
-        if cu_seqlens_cpu is not None:
-            raise ValueError("cu_seqlens_cpu is given but cu_seqlens is None")
-        cu, N = None, B
-    if initial_state is not None:
-        api._check_tensor("initial_state", initial_state, 4)
-        api._check_float("initial_state", initial_state)
-        want = (N, HV, V, K) if transpose_state_layout else (N, HV, K, V)
-        if tuple(initial_state.shape) != want:
-            raise ValueError(f"initial_state must have shape {list(want)} (one row per sequence of the whole "
-                             f"batch, the same on every rank), got {tuple(initial_state.shape)}")
-        if initial_state.device != q.device:
-            raise ValueError(f"initial_state is on {initial_state.device}, q on {q.device}")
+        try:
+            cu = api.check_cu_seqlens(cu_seqlens, torch.tensor(host_cu), B, T_all).tolist()
+        except ValueError as e:
+            raise ValueError(f"{e}; with cp_group, cu_seqlens holds the offsets of the whole batch: "
+                             f"T = {T_all}, the sum of the ranks' tokens {lengths}") from None
 
-    # the backward holds a collective: decided from the arguments alone, the same on every rank
-    needs_grad = torch.is_grad_enabled() and any(
-        isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v, g, beta, initial_state, A_log, dt_bias))
     scale = K ** -0.5 if scale is None else float(scale)
     q, k, g, beta = api._prelude(fam, q, k, g, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
                                  use_gate_in_kernel, A_log, dt_bias, lower_bound)
