@@ -58,6 +58,8 @@ def _cases():
     cases["gla-no-initial-state-dense"] = dict(fam="gla", h0=False)
     cases["gdn-fp32"] = dict(fam="gdn", varlen="cross", dtype="float32")
     cases["kda-fp32-dense"] = dict(fam="kda", dtype="float32")
+    cases["gdn-inference"] = dict(fam="gdn", varlen="cross", grad="none")            # under torch.no_grad
+    cases["kda-only-v-requires-grad-dense"] = dict(fam="kda", grad="v")
     # the Triton backend (under the interpreter on the CPU: slow, so two processes and two families)
     small = dict(H=1, HV=1, K=8, V=12)
     cases["gdn-triton"] = dict(fam="gdn", varlen="cross", dtype="float32", backend="triton", worlds=(2,), shape=small)
@@ -132,15 +134,21 @@ def _run_case(name, spec, W, rank):
     loss.backward()
 
     # context parallel: this rank's slice
-    local = [x.detach()[:, a:b].clone().requires_grad_() for x in inp.args()]
-    h0_cp = None if h0 is None else h0.detach().clone().requires_grad_()
-    cp_params = {n: p.clone().requires_grad_() for n, p in params.items()}
-    o_cp, ht_cp = op(*local, initial_state=h0_cp, cu_seqlens=inp.cu_seqlens, cp_group=dist.group.WORLD,
-                     backend=spec.get("backend", "torch"), **cp_params, **kwargs)
-    loss = (o_cp * do[:, a:b]).sum()
-    if ht_cp is not None:
-        loss = loss + (ht_cp * dht).sum()        # rows owned elsewhere are zero: the group's losses sum to one
-    loss.backward()
+    grad = spec.get("grad", "all")
+    local = [x.detach()[:, a:b].clone().requires_grad_(grad == "all" or (grad == "v" and i == 2))
+             for i, x in enumerate(inp.args())]
+    h0_cp = None if h0 is None else h0.detach().clone().requires_grad_(grad == "all")
+    cp_params = {n: p.clone().requires_grad_(grad == "all") for n, p in params.items()}
+    with torch.set_grad_enabled(grad != "none"):
+        o_cp, ht_cp = op(*local, initial_state=h0_cp, cu_seqlens=inp.cu_seqlens, cp_group=dist.group.WORLD,
+                         backend=spec.get("backend", "torch"), **cp_params, **kwargs)
+    if grad != "none":
+        loss = (o_cp * do[:, a:b]).sum()
+        if ht_cp is not None:
+            loss = loss + (ht_cp * dht).sum()    # rows owned elsewhere are zero: the group's losses sum to one
+        loss.backward()
+    else:
+        no_graph = not o_cp.requires_grad and (ht_cp is None or not ht_cp.requires_grad)
 
     def summed(x):
         x = x.detach().clone()
@@ -163,10 +171,16 @@ def _run_case(name, spec, W, rank):
         res["final_state (other rows are zero)"] = bool((ht_cp[~own] == 0).all())
     else:
         res["final_state is None"] = ht_cp is None
+    if grad == "none":
+        res["no autograd graph under no_grad"] = no_graph
+        return res
     names = ["q", "k", "v"] + (["g"] if inp.g is not None else []) + (["beta"] if inp.beta is not None else [])
     for name, x_cp, x in zip(names, local, inp.args()):
-        res[f"d{name}"] = rel_err(x_cp.grad, x.grad[:, a:b])
-    if h0 is not None:
+        if x_cp.requires_grad:
+            res[f"d{name}"] = rel_err(x_cp.grad, x.grad[:, a:b])
+        else:
+            res[f"{name} has no gradient"] = x_cp.grad is None
+    if h0 is not None and grad == "all":
         res["dinitial_state (sum over ranks)"] = rel_err(summed(_grad(h0_cp)), h0.grad)
     for n in params:
         res[f"d{n} (sum over ranks)"] = rel_err(summed(_grad(cp_params[n])), full_params[n].grad)
