@@ -18,9 +18,11 @@ Backward, given dO and dS' (dh: the gradient of the state leaving the chunk)::
                                             dG += a ⊙ da − b ⊙ db
     dg  = reverse cumsum of dG inside the chunk (dG_last collects the γ and Kend terms)
 
-Stages (one launcher each, below): gate cumsum -> A, P -> T -> W, U, dR_local -> forward state pass
-(h, R) -> reverse state pass (dh, dR, dh0) -> chunk-parallel gradients (-> per-channel diagonal
-blocks). Per-chunk states are recomputed here and live only during the backward.
+Stages (kernels below, all launched by chunk_bwd): gate cumsum -> A, P (-> their per-channel
+diagonal blocks) -> T -> W, U, dR_local -> forward state pass (h, R) -> reverse state pass (dh, dR,
+dh0) -> value-side gradients (dP, dT_v, dv, dβ) -> key-side gradients (dq, dk, dβ, dg) (-> per-channel
+diagonal blocks and the reverse cumsum). Per-chunk states are recomputed here and live only during
+the backward; the forward saves nothing but its inputs.
 
 Per-channel numerics: Γ is never formed from e^{G_i} and e^{−G_j}. Off the 16×16 diagonal blocks,
 column block J (last token r) factors as exp(G_i − G_r) · exp(G_r − G_j), both ≤ 1; the diagonal
@@ -541,15 +543,64 @@ def _bwd_dh_kernel(q, k, G, W, dRl, do, dht, dh, dR, dh0, cu_seqlens, chunk_offs
 # ------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, dk, dv, dbeta, dG,
+def _bwd_dv_kernel(v, beta, Tmat, R, dR, do, Pmat, Amat, dv, dbeta, cu_seqlens, chunk_indices, T, scale,
+                   HV: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DELTA: tl.constexpr,
+                   IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
+    """The value side of the gradients (no K-sized tile):
+        dP = scale tril(dO Rᵀ) -> Pmat,   dv = β (Tᵀ dR), dβ = Σ_v V ⊙ Tᵀ dR -> dbeta (partial),
+        dT_v = dR (β V)ᵀ -> Amat        (no delta rule: dv = dR)
+    Pmat, Amat: [B, T, HV, C] fp32 (their forward contents are no longer needed); dv in v's dtype."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // HV, i_bh % HV
+    t0, L, _ = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
+    o_t = tl.arange(0, C)
+    m_t = o_t < L
+    rows = (t0 + o_t).to(tl.int64)
+    m_cc = m_t[:, None] & m_t[None, :]
+    p_cc = (rows[:, None] * HV + i_h) * C + o_t[None, :]
+    p_ccT = (rows[None, :] * HV + i_h) * C + o_t[:, None]                                # element [j, i] of row i
+    # operands as stored (16-bit for 16-bit inputs: exact), fp32 accumulation
+    if DELTA:
+        b_beta = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.).to(tl.float32)
+        b_Tt = tl.load(Tmat + p_ccT, mask=m_cc & (o_t[None, :] >= o_t[:, None]), other=0.).to(dR.dtype.element_ty)  # Tᵀ [C, C]
+    b_dP = tl.zeros([C, C], dtype=tl.float32)
+    b_dTv = tl.zeros([C, C], dtype=tl.float32)
+    b_db = tl.zeros([C], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        p_tv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
+        b_do = tl.load(do + p_tv, mask=m_tv, other=0.)
+        b_dR = tl.load(dR + p_tv, mask=m_tv, other=0.)
+        if DELTA:
+            b_R = tl.load(R + p_tv, mask=m_tv, other=0.)
+            b_v = tl.load(v + p_tv, mask=m_tv, other=0.)
+            b_vb = (b_v.to(tl.float32) * b_beta[:, None]).to(dR.dtype.element_ty)
+            b_dTv += tl.dot(b_dR, tl.trans(b_vb), input_precision=PREC)                 # [C, BV] @ [BV, C]
+            b_dy = tl.dot(b_Tt, b_dR, input_precision=PREC)                             # [C, C] @ [C, BV]
+            tl.store(dv + p_tv, b_dy * b_beta[:, None], mask=m_tv)
+            b_db += tl.sum(b_v.to(tl.float32) * b_dy, axis=1)
+        else:
+            b_R = tl.load(v + p_tv, mask=m_tv, other=0.)
+            tl.store(dv + p_tv, b_dR, mask=m_tv)
+        b_dP += tl.dot(b_do, tl.trans(b_R), input_precision=PREC)                       # [C, BV] @ [BV, C]
+    tl.store(Pmat + p_cc, tl.where(o_t[:, None] >= o_t[None, :], b_dP * scale, 0.), mask=m_cc)
+    if DELTA:
+        tl.store(Amat + p_cc, b_dTv, mask=m_cc)
+        tl.store(dbeta + rows * HV + i_h, b_db, mask=m_t)
+
+
+@triton.jit
+def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, dk, dbeta, dG,
                      cu_seqlens, chunk_indices, T, scale,
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                      BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, GATE: tl.constexpr,
                      DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
-    """dq, dk: [B, T, HV, K] fp32 (per value head); dv: [B, T, HV, V] fp32; dbeta: [B, T, HV] fp32;
+    """The key side, after _bwd_dv_kernel (which left dP in Pmat, dT_v in Amat, the value part of dβ):
+    dq, dk: [B, T, HV, K] (per value head); dbeta: [B, T, HV] fp32 (completed);
     dG: [B, T, HV(, K)] fp32 -- for scalar gates already the reverse cumsum (dg); per channel the
-    gradient of G without the diagonal blocks (finished by _bwd_diag_kernel, which also reads dA,
-    dP from Amat, Pmat)."""
+    gradient of G without the diagonal blocks (finished by _bwd_diag_kernel, which reads dA, dP
+    from Amat, Pmat)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
     i_hk = i_h // (HV // H)
@@ -566,20 +617,12 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
     m_cc = m_t[:, None] & m_t[None, :]
     p_cc = (rows[:, None] * HV + i_h) * C + o_t[None, :]
     p_ccT = (rows[None, :] * HV + i_h) * C + o_t[:, None]                                # element [j, i] of row i
-    # the V loop multiplies tensors as stored (16-bit for 16-bit inputs: exact operands, fp32 accumulation)
-    if DELTA:
-        b_beta = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.).to(tl.float32)
-        b_Tt = tl.load(Tmat + p_ccT, mask=m_cc & (o_t[None, :] >= o_t[:, None]), other=0.).to(h.dtype.element_ty)             # Tᵀ [C, C]
-    else:
-        b_beta = tl.zeros([C], dtype=tl.float32)
     b_dqg = tl.zeros([C, BK], dtype=tl.float32)
     b_dw = tl.zeros([C, BK], dtype=tl.float32)
     b_dkend = tl.zeros([C, BK], dtype=tl.float32)
     b_dgam = tl.zeros([BK], dtype=tl.float32)
-    b_dP = tl.zeros([C, C], dtype=tl.float32)
-    b_dTv = tl.zeros([C, C], dtype=tl.float32)
-    b_db = tl.zeros([C], dtype=tl.float32)
     p_h = (i_g * HV + i_h).to(tl.int64) * K * V
+    # operands as stored (16-bit for 16-bit inputs: exact), fp32 accumulation
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
@@ -589,26 +632,23 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
         b_S = tl.load(h + p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
         b_dSn = tl.load(dh + p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
         b_do = tl.load(do + p_tv, mask=m_tv, other=0.)
-        b_dR = tl.load(dR + p_tv, mask=m_tv, other=0.)
-        b_v = tl.load(v + p_tv, mask=m_tv, other=0.)
         if DELTA:
             b_R = tl.load(R + p_tv, mask=m_tv, other=0.)
+            b_dR = tl.load(dR + p_tv, mask=m_tv, other=0.)
+            b_dw -= tl.dot(b_dR, tl.trans(b_S), input_precision=PREC)                   # [C, BV] @ [BV, BK]
         else:
-            b_R = b_v
+            b_R = tl.load(v + p_tv, mask=m_tv, other=0.)
         b_dqg += tl.dot(b_do, tl.trans(b_S), input_precision=PREC)                      # [C, BV] @ [BV, BK]
         b_dkend += tl.dot(b_R, tl.trans(b_dSn), input_precision=PREC)                   # [C, BV] @ [BV, BK]
         b_dgam += tl.sum(b_S.to(tl.float32) * b_dSn.to(tl.float32), axis=1)
-        b_dP += tl.dot(b_do, tl.trans(b_R), input_precision=PREC)                       # [C, BV] @ [BV, C]
-        if DELTA:
-            b_dw -= tl.dot(b_dR, tl.trans(b_S), input_precision=PREC)                   # [C, BV] @ [BV, BK]
-            b_vb = (b_v.to(tl.float32) * b_beta[:, None]).to(h.dtype.element_ty)
-            b_dTv += tl.dot(b_dR, tl.trans(b_vb), input_precision=PREC)                 # [C, BV] @ [BV, C]
-            b_dy = tl.dot(b_Tt, b_dR, input_precision=PREC)                             # [C, C] @ [C, BV]
-            tl.store(dv + p_tv, b_dy * b_beta[:, None], mask=m_tv)
-            b_db += tl.sum(b_v.to(tl.float32) * b_dy, axis=1)
-        else:
-            tl.store(dv + p_tv, b_dR, mask=m_tv)
-    b_dP = tl.where(m_cc & i_ge_j, b_dP * scale, 0.)
+    b_dP = tl.load(Pmat + p_cc, mask=m_cc & i_ge_j, other=0.)                              # dP [C, C]
+    if DELTA:
+        b_beta = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.).to(tl.float32)
+        b_db = tl.load(dbeta + rows * HV + i_h, mask=m_t, other=0.)
+        b_dTv = tl.load(Amat + p_cc, mask=m_cc, other=0.)
+    else:
+        b_beta = tl.zeros([C], dtype=tl.float32)
+        b_db = tl.zeros([C], dtype=tl.float32)
     b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
     b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
     m_ccT = m_t[:, None] & m_t[None, :]
@@ -632,7 +672,6 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
             b_dPg = b_dP * b_gam
         else:
             b_dPg = b_dP
-        tl.store(Pmat + p_cc, b_dPg, mask=m_cc)
         b_dq += tl.dot(b_dPg, b_k, input_precision=PREC)                                  # [C, C] @ [C, BK]
         b_dGr = tl.sum(b_q * b_dq, axis=1)                                                # [C]
         tl.store(dq + p_hk, b_dq, mask=m_tk)
@@ -676,10 +715,10 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
     # through the pairwise products P (q, k) and A (βk, k)
     b_dkb = tl.zeros([C, BK], dtype=tl.float32)
     if GATE == 2:
-        tl.store(Pmat + p_cc, b_dP, mask=m_cc)
         if DELTA:
+            tl.debug_barrier()      # every thread has read dT_v from Amat
             tl.store(Amat + p_cc, b_dA, mask=m_cc)
-        tl.debug_barrier()
+            tl.debug_barrier()
         b_dPt = tl.load(Pmat + p_ccT, mask=m_ccT, other=0.)                                # dPᵀ [C, C]
         if DELTA:
             b_dAt = tl.load(Amat + p_ccT, mask=m_ccT, other=0.)                            # dAᵀ [C, C]
@@ -705,9 +744,13 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
                 b_dAg = b_dA * b_gam
             else:
                 b_dAg = b_dA
+            tl.debug_barrier()      # every thread has read dT_v from Amat
             tl.store(Amat + p_cc, b_dAg, mask=m_cc)
-        tl.debug_barrier()
-        b_dkp = tl.dot(tl.load(Pmat + p_ccT, mask=m_ccT, other=0.), b_q, input_precision=PREC)  # [C, C] @ [C, BK]
+            tl.debug_barrier()
+        b_dPgt = tl.load(Pmat + p_ccT, mask=m_ccT & (o_t[None, :] >= o_t[:, None]), other=0.)    # dPᵀ [C, C]
+        if GATE == 1:
+            b_dPgt *= tl.exp(tl.where(o_t[None, :] >= o_t[:, None], b_G[None, :] - b_G[:, None], float("-inf")))
+        b_dkp = tl.dot(b_dPgt, b_q, input_precision=PREC)                                 # [C, C] @ [C, BK]
         if DELTA:
             b_dkb = tl.dot(b_dAg, b_k, input_precision=PREC)                              # [C, C] @ [C, BK]
             b_dkp += tl.dot(tl.load(Amat + p_ccT, mask=m_ccT, other=0.), b_kb, input_precision=PREC)  # [C, C] @ [C, BK]
@@ -857,7 +900,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     common = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T)
     grid_c = (NT, B * HV)
     grid_s = (triton.cdiv(V, BV), N * HV)
-    nw = 4
+    nw = 4  # warps per program; the kernels with [C, K] fp32 tiles take 8 (no register spills for sm_90)
 
     G = None
     if gate:
@@ -867,7 +910,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     Amat = buf(B, T, HV, C) if delta else None
     Pmat = buf(B, T, HV, C)
     _intra_kernel[grid_c](q, k, beta, G, Amat, Pmat, H=H, HV=HV, K=K, BK=BK, C=C, BC=BC, GATE=gate, DELTA=delta,
-                          IS_VARLEN=varlen, PREC=prec, num_warps=nw, **common)
+                          IS_VARLEN=varlen, PREC=prec, num_warps=8, **common)
     if gate == 2:
         _intra_diag_kernel[grid_c](q, k, beta, G, Amat, Pmat, H=H, HV=HV, K=K, BK=BK, C=C, BC=BC, DELTA=delta,
                                    IS_VARLEN=varlen, num_warps=nw, **common)
@@ -878,7 +921,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         W, U = buf(B, T, HV, K, dtype=sdt), buf(B, T, HV, V, dtype=sdt)
     dRl = buf(B, T, HV, V, dtype=sdt)
     _wu_kernel[grid_c](k, v, beta, G, Tmat, Pmat, do, W, U, dRl, scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
-                       C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec, num_warps=nw, **common)
+                       C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec, num_warps=8, **common)
 
     h = buf(NC, HV, K, V, dtype=sdt)
     if delta:
@@ -901,12 +944,14 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     dq, dk, dv = buf(B, T, HV, K, dtype=gdt), buf(B, T, HV, K, dtype=gdt), buf(B, T, HV, V, dtype=v.dtype)
     dbeta = buf(B, T, HV) if delta else None
     dG = buf(*g.shape) if gate else None
-    _bwd_grad_kernel[grid_c](q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, dk, dv, dbeta, dG,
+    _bwd_dv_kernel[grid_c](v, beta, Tmat, R, dR, do, Pmat, Amat, dv, dbeta, scale=scale, HV=HV, V=V, BV=BV, C=C,
+                           DELTA=delta, IS_VARLEN=varlen, PREC=prec, num_warps=8, **common)
+    _bwd_grad_kernel[grid_c](q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, dk, dbeta, dG,
                              scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, BC=BC, GATE=gate, DELTA=delta,
                              IS_VARLEN=varlen, PREC=prec, num_warps=8, **common)
     if gate == 2:
         _bwd_diag_kernel[grid_c](q, k, beta, G, Pmat, Amat, dq, dk, dbeta, dG, H=H, HV=HV, K=K, BK=BK, C=C, BC=BC,
-                                 DELTA=delta, IS_VARLEN=varlen, num_warps=nw, **common)
+                                 DELTA=delta, IS_VARLEN=varlen, num_warps=8, **common)
     if HV != H:
         dq = dq.view(B, T, H, HV // H, K).sum(3)
         dk = dk.view(B, T, H, HV // H, K).sum(3)
