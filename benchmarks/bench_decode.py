@@ -44,11 +44,11 @@ K = V = 128
 DEV = "cuda"
 
 
-def ms(fn, rep=100):
+def ms(fn, rep=60):
     return do_bench(fn, warmup=25, rep=rep, return_mode="median")
 
 
-def graph_ms(fn, rep=100):
+def graph_ms(fn, rep=60):
     """Median time of replaying a CUDA graph of fn (GPU time, no Python)."""
     try:
         s = torch.cuda.Stream()
@@ -192,25 +192,32 @@ def main():
     row(**r)
     del h0, pool
 
-    # -- launch-configuration sweep (kernel only, GDN, fp32 pool in place)
+    # -- launch-configuration / variant sweep (kernel only, GDN pool in place)
+    #    fused: both products of S in one pass (o = S'ᵀq + (kᵀq)u); stream: evict-first load, .cs store
     if not args.quick:
-        for B in (1, 256):
+        F32, BF16 = torch.float32, torch.bfloat16
+        plan = {  # (B, state dtype, fused, stream): [(BV, num_warps), ...]
+            (256, F32, True, False): [(16, 1), (32, 1), (32, 2), (32, 4), (64, 2), (64, 4), (128, 4), (128, 8)],
+            (256, F32, True, True): [(32, 2), (64, 2), (128, 8)],
+            (256, F32, False, False): [(32, 2), (64, 2)],
+            (256, BF16, True, False): [(32, 1), (32, 2), (64, 2), (64, 4), (128, 4)],
+            (256, BF16, True, True): [(32, 2), (64, 4)],
+            (1, F32, True, False): [(8, 1), (8, 2), (16, 1), (16, 2), (32, 2)],
+            (1, F32, False, False): [(8, 1), (16, 2)],
+            (1, BF16, True, False): [(8, 1), (16, 2)],
+        }
+        for (B, sdt, fused, stream), cfgs in plan.items():
             q, k, v, g, beta = inputs(B)
-            pool = torch.randn(B, HV, K, V, device=DEV) * 0.1
+            pool = (torch.randn(B, HV, K, V, device=DEV) * 0.1).to(sdt)
             idx = torch.randperm(B, device=DEV).to(torch.int32)
             auto = _launch_config(q.device, B * HV, K, V)
-            for BV in (4, 8, 16, 32, 64):
-                for nw in (1, 2, 4, 8):
-                    per_thread = K * BV // (32 * nw)             # state values held per thread
-                    if per_thread < 4 or per_thread > 128:
-                        continue
-                    fn = lambda: recurrent_fwd(q, k, v, g, beta, K ** -0.5, pool, False, None,  # noqa: E731
-                                               state_indices=idx, BV=BV, num_warps=nw)
-                    t = ms(fn, rep=40) * 1e3
-                    gt = (graph_ms(fn, rep=40) or 0) * 1e3 if B == 1 else None
-                    sweep.append(dict(B=B, BV=BV, num_warps=nw, kernel_us=t, graph_us=gt,
-                                      TBps=state_bytes(B, torch.float32, torch.float32) / (t * 1e-6) / 1e12,
-                                      auto=(BV, nw) == auto[1:]))
+            for BV, nw in cfgs:
+                fn = lambda: recurrent_fwd(q, k, v, g, beta, K ** -0.5, pool, False, None,  # noqa: E731
+                                           state_indices=idx, BV=BV, num_warps=nw, fused=fused, stream=stream)
+                t = (graph_ms(fn, rep=30) if B == 1 else ms(fn, rep=30)) * 1e3
+                sweep.append(dict(B=B, state=str(sdt).split(".")[-1], BV=BV, num_warps=nw, fused=fused,
+                                  stream=stream, us=t, timing="graph" if B == 1 else "do_bench",
+                                  TBps=state_bytes(B, sdt, sdt) / (t * 1e-6) / 1e12, auto=(BV, nw) == auto[1:]))
             del pool
 
     # -- report
@@ -225,10 +232,10 @@ def main():
               f"{f('graph_us')} {f('TBps', '6.2f')} {(format(100 * r['of_copy'], '6.1f') if r.get('of_copy') else '-'):>6}"
               f" {f('fla_op_us')} {f('fla_graph_us')} {(format(r['vs_fla_o'], '9.1e') if r.get('vs_fla_o') else '-'):>9}")
     if sweep:
-        print("\nsweep (kernel only, GDN fp32 pool in place): B BV num_warps kernel_us graph_us TB/s auto")
-        for s in sweep:
-            print(f"  {s['B']:>4} {s['BV']:>3} {s['num_warps']:>2} {s['kernel_us']:8.1f} "
-                  f"{(format(s['graph_us'], '8.1f') if s['graph_us'] else '-'):>8} {s['TBps']:6.2f} {'*' if s['auto'] else ''}")
+        print("\nsweep (GDN pool in place; B=1 graph replay, B=256 do_bench): B state BV warps fused stream us TB/s %copy")
+        for x in sweep:
+            print(f"  {x['B']:>4} {x['state']:9} {x['BV']:>3} {x['num_warps']:>2} {x['fused']:d} {x['stream']:d} "
+                  f"{x['us']:8.1f} {x['TBps']:6.2f} {100 * x['TBps'] / bw:6.1f} {'*' if x['auto'] else ''}")
 
     commit = os.environ.get("CHUNKWISE_COMMIT")
     if not commit:

@@ -63,6 +63,8 @@ def recurrent_fwd_kernel(
     STORE_HT: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     USE_INDICES: tl.constexpr,
+    FUSED: tl.constexpr,
+    STREAM: tl.constexpr,
 ):
     NV: tl.constexpr = (V + BV - 1) // BV
     i_nhv = tl.program_id(0).to(tl.int64)
@@ -96,7 +98,10 @@ def recurrent_fwd_kernel(
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
         p_h0 = h0 + i_s * s_h0_n + i_hv * s_h0_h + o_k[:, None] * s_h0_k + o_v[None, :] * s_h0_v
-        b_h += tl.load(p_h0, mask=m_h, other=0.).to(tl.float32)
+        if STREAM:
+            b_h += tl.load(p_h0, mask=m_h, other=0., eviction_policy="evict_first").to(tl.float32)
+        else:
+            b_h += tl.load(p_h0, mask=m_h, other=0.).to(tl.float32)
 
     p_q = q + (bos * H + i_h) * K + o_k
     p_k = k + (bos * H + i_h) * K + o_k
@@ -116,17 +121,49 @@ def recurrent_fwd_kernel(
         b_q = tl.load(p_q, mask=m_k, other=0.).to(tl.float32) * scale   # [BK]
         b_k = tl.load(p_k, mask=m_k, other=0.).to(tl.float32)           # [BK]
         b_v = tl.load(p_v, mask=m_v, other=0.).to(tl.float32)           # [BV]
-        if GATE == 1:
-            b_h *= tl.exp(tl.load(p_g, mask=live, other=0.).to(tl.float32))
-        if GATE == 2:
-            b_gk = tl.load(p_g, mask=m_k, other=0.).to(tl.float32)     # [BK]
-            b_h *= tl.exp(b_gk)[:, None]
-        if DELTA:
-            b_beta = tl.load(p_beta, mask=live, other=0.).to(tl.float32)
-            # β (v − S'ᵀ k): one number per value column
-            b_v = b_beta * (b_v - tl.sum(b_h * b_k[:, None], 0))
-        b_h += b_k[:, None] * b_v[None, :]
-        b_o = tl.sum(b_h * b_q[:, None], 0)                              # S_tᵀ (scale q_t): [BV]
+        if FUSED:
+            # one pass over S for both products, S read before its update:
+            #   a = S'ᵀ k,  b = S'ᵀ q,  u = β (v − a) (or v),  o = b + (kᵀq) u,  S_t = S' + k uᵀ
+            if GATE == 1:
+                b_d = tl.exp(tl.load(p_g, mask=live, other=0.).to(tl.float32))
+                b_kd, b_qd = b_k, b_q
+            elif GATE == 2:
+                b_dk = tl.exp(tl.load(p_g, mask=m_k, other=0.).to(tl.float32))   # [BK]
+                b_kd, b_qd = b_k * b_dk, b_q * b_dk
+            else:
+                b_kd, b_qd = b_k, b_q
+            if DELTA:
+                b_a = tl.sum(b_h * b_kd[:, None], 0)                         # [BV]
+                b_b = tl.sum(b_h * b_qd[:, None], 0)                         # [BV], independent of b_a
+                if GATE == 1:
+                    b_a *= b_d
+                    b_b *= b_d
+                b_beta = tl.load(p_beta, mask=live, other=0.).to(tl.float32)
+                b_u = b_beta * (b_v - b_a)
+            else:
+                b_b = tl.sum(b_h * b_qd[:, None], 0)
+                if GATE == 1:
+                    b_b *= b_d
+                b_u = b_v
+            b_o = b_b + tl.sum(b_k * b_q) * b_u                              # S_tᵀ (scale q_t): [BV]
+            if GATE == 1:
+                b_h = b_h * b_d + b_k[:, None] * b_u[None, :]
+            elif GATE == 2:
+                b_h = b_h * b_dk[:, None] + b_k[:, None] * b_u[None, :]
+            else:
+                b_h += b_k[:, None] * b_u[None, :]
+        else:
+            if GATE == 1:
+                b_h *= tl.exp(tl.load(p_g, mask=live, other=0.).to(tl.float32))
+            if GATE == 2:
+                b_gk = tl.load(p_g, mask=m_k, other=0.).to(tl.float32)     # [BK]
+                b_h *= tl.exp(b_gk)[:, None]
+            if DELTA:
+                b_beta = tl.load(p_beta, mask=live, other=0.).to(tl.float32)
+                # β (v − S'ᵀ k): one number per value column
+                b_v = b_beta * (b_v - tl.sum(b_h * b_k[:, None], 0))
+            b_h += b_k[:, None] * b_v[None, :]
+            b_o = tl.sum(b_h * b_q[:, None], 0)                              # S_tᵀ (scale q_t): [BV]
         tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=o_v < V)       # padding sequences: exact 0
 
         p_q += H * K
@@ -144,7 +181,10 @@ def recurrent_fwd_kernel(
     # S tile written once (in place into the pool when ht aliases h0)
     if STORE_HT:
         p_ht = ht + i_s * s_ht_n + i_hv * s_ht_h + o_k[:, None] * s_ht_k + o_v[None, :] * s_ht_v
-        tl.store(p_ht, b_h.to(p_ht.dtype.element_ty), mask=m_h)
+        if STREAM:
+            tl.store(p_ht, b_h.to(p_ht.dtype.element_ty), mask=m_h, cache_modifier=".cs")
+        else:
+            tl.store(p_ht, b_h.to(p_ht.dtype.element_ty), mask=m_h)
 
 
 @functools.lru_cache(maxsize=None)
@@ -173,7 +213,7 @@ def _launch_config(device: torch.device, NHV: int, K: int, V: int) -> tuple[int,
 
 def recurrent_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, *,
                   state_indices=None, transpose_state_layout=False, o=None, final_state=None,
-                  BV=None, num_warps=None):
+                  BV=None, num_warps=None, fused=True, stream=False):
     """Launcher of `recurrent_fwd_kernel` (no autograd).
 
     Args (canonical, already checked by the API):
@@ -232,7 +272,7 @@ def recurrent_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu
         *s_h0, *s_ht,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, GATE=gate, DELTA=beta is not None,
         USE_H0=h0 is not None, STORE_HT=ht is not None, IS_VARLEN=cu_seqlens is not None,
-        USE_INDICES=state_indices is not None, num_warps=num_warps, num_stages=1,
+        USE_INDICES=state_indices is not None, FUSED=fused, STREAM=stream, num_warps=num_warps, num_stages=1,
     )
     return o, ret
 
