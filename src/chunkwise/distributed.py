@@ -32,11 +32,11 @@ prefix products M_t = A_t ⋯ A_1 [K, K],
 where S⁰, o⁰ are the states and outputs from a zero incoming state, and P = M_e is the segment's
 transition (S_out = P · S_in + Q with Q = S⁰_e). Per rank:
 
-1. the local op runs the rank's slice from zero for the sequence that came in from the left
-   (every other sequence from its own initial_state): o⁰, and the final states;
-2. for the carried-in segment, the same op runs once more with v = 0 and initial state I [K, K]:
-   its states are exactly M_t, so it returns q̂ as its output and P as its final state (for simple
-   GLA both are closed forms, q̂_t = scale · e^{G_t} q_t and P = e^{G_e} I: no second call);
+1. the segment that came in from the left runs through the public op once with V + K value
+   columns, values [v | 0] from the state [0 | I]: the columns are independent, so its states are
+   [S⁰_t | M_t], its output [o⁰ | q̂] and its final state [Q | P] (two calls when V + K exceeds the
+   Triton head-dim limit; for simple GLA q̂_t = scale · e^{G_t} q_t and P = e^{G_e} I in closed form);
+2. the rest of the slice runs through the op as usual, every sequence from its own initial_state;
 3. every rank contributes [P̃ | Q̃] for the row it carries out (P̃ = P when the carried-out sequence
    also came in from the left, else 0; Q̃ = its local final state, else 0) to one all-gather; each
    rank folds the ranks before it, S ← P̃_j S + Q̃_j, from the last rank where its sequence began;
@@ -188,26 +188,38 @@ def plan_ranks(lengths: list[int], cu: list[int] | None, B: int) -> list[RankPla
 # the transition of the carried-in segment
 # ----------------------------------------------------------------------------------------------
 
-def _transition(fam: api.Family, q, k, g, beta, scale, chunk_size, backend, ct):
-    """q̂ = scale · M_tᵀ q_t [n, e, HV, K] and P = M_e [n, HV, K, K] (dtype ct) of n segments of e tokens.
+def _carried_segment(fam: api.Family, q, k, v, g, beta, scale, chunk_size, backend, ct):
+    """n segments of e tokens that came in from the left: their zero-state results and transitions.
 
-    M_t = A_t ⋯ A_1 is the product of the per-token transforms. In general: the chunk op from the
-    identity state with v = 0, whose states are exactly M_t (output q̂, final state P). Simple GLA:
-    A_t = e^{g_t} I, so q̂_t = scale · e^{G_t} q_t and P = e^{G_e} I with G the running sum of g.
+    Returns o⁰ [n, e, HV, V] (q's dtype) and Q = S⁰_e [n, HV, K, V], the outputs and final states from
+    a zero incoming state, and q̂ = scale · M_tᵀ q_t [n, e, HV, K] and P = M_e [n, HV, K, K] (dtype ct).
+
+    M_t = A_t ⋯ A_1. The op acts on the columns of (values, state) independently, so run from the
+    state [0 | I] with values [v | 0] its state is [S⁰_t | M_t]: one call with V + K value columns
+    gives o = [o⁰ | q̂] and final state [Q | P], sharing the WY form between the two (two calls when
+    V + K exceeds the Triton head-dim limit). Simple GLA: A_t = e^{g_t} I, so q̂_t = scale · e^{G_t} q_t
+    and P = e^{G_e} I in closed form (G the running sum of g).
     """
-    n, e, _, K = q.shape
-    HV = g.shape[2] if g is not None else beta.shape[2]
-    if not fam.delta and fam.gate == "scalar":
-        G = g.double().cumsum(1)                                                 # [n, e, HV]
-        decay = G.to(ct).exp()
+    n, e, HV, V = v.shape
+    K = q.shape[-1]
+    if not fam.delta:
+        o0, Q = api.run(fam, "chunk", q, k, v, g, beta, scale, None, True, None,
+                        chunk_size=chunk_size, backend=backend)
+        decay = g.double().cumsum(1).to(ct).exp()                                # [n, e, HV]
         q_hat = scale * expand_heads(q, HV).to(ct) * decay[..., None]           # [n, e, HV, K]
         P = torch.diag_embed(decay[:, -1, :, None].expand(n, HV, K))           # [n, HV, K, K]
-        return q_hat, P
-    v0 = q.new_zeros(n, e, HV, K)
-    eye = torch.eye(K, dtype=ct, device=q.device).expand(n, HV, K, K).contiguous()
-    q_hat, P = api.run(fam, "chunk", q, k, v0, g, beta, scale, eye, True, None,
+        return o0, Q.to(ct), q_hat, P
+    eye = torch.eye(K, dtype=ct, device=q.device).expand(n, HV, K, K)
+    if V + K <= api.TRITON_MAX_HEAD_DIM:
+        v_ext = torch.cat([v, v.new_zeros(n, e, HV, K)], dim=-1)                # [n, e, HV, V + K]
+        h_ext = torch.cat([eye.new_zeros(n, HV, K, V), eye], dim=-1)            # [n, HV, K, V + K]
+        o, ht = api.run(fam, "chunk", q, k, v_ext, g, beta, scale, h_ext, True, None,
+                        chunk_size=chunk_size, backend=backend)
+        return o[..., :V], ht[..., :V].to(ct), o[..., V:].to(ct), ht[..., V:].to(ct)
+    o0, Q = api.run(fam, "chunk", q, k, v, g, beta, scale, None, True, None, chunk_size=chunk_size, backend=backend)
+    q_hat, P = api.run(fam, "chunk", q, k, v.new_zeros(n, e, HV, K), g, beta, scale, eye.contiguous(), True, None,
                        chunk_size=chunk_size, backend=backend)
-    return q_hat.to(ct), P.to(ct)
+    return o0, Q.to(ct), q_hat.to(ct), P.to(ct)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -300,26 +312,28 @@ def chunk_cp(fam: api.Family, mode: str, q, k, v, g, beta, scale, initial_state,
     me = plans[rank]
     h0 = api._to_kv(initial_state, transpose_state_layout)
 
-    # 1. the local slice, the carried-in sequence from zero
-    if cu is None:
-        h0_local, cu_local, cu_local_cpu = (None if me.carry_in else h0), None, None
-    else:
-        h0_local = None
-        if h0 is not None:
-            rows = h0[list(me.seqs)]
-            h0_local = torch.cat([torch.zeros_like(rows[:1]), rows[1:]]) if me.carry_in else rows
-        cu_local_cpu = torch.tensor(me.local_cu, dtype=cu_seqlens.dtype)
-        cu_local = cu_local_cpu.to(cu_seqlens.device)
-    o0, ht0 = api.run(fam, "chunk", q, k, v, g, beta, scale, h0_local, True, cu_local,
-                      chunk_size=chunk_size, backend=backend, cu_seqlens_cpu=cu_local_cpu)
-    ht0 = ht0.to(ct)                                                             # [N_local, HV, K, V]
-
-    # 2. the carried-in segment's transition
+    # 1. the segment that came in from the left: from zero, with its transition
     rows = B if cu is None else 1                                               # carried rows
+    e = me.head
     if me.carry_in:
-        e = me.head
-        q_hat, P = _transition(fam, q[:, :e], k[:, :e], None if g is None else g[:, :e],
-                               None if beta is None else beta[:, :e], scale, chunk_size, backend, ct)
+        o_head0, Q_head, q_hat, P = _carried_segment(
+            fam, q[:, :e], k[:, :e], v[:, :e], None if g is None else g[:, :e],
+            None if beta is None else beta[:, :e], scale, chunk_size, backend, ct)
+    # 2. the rest of the slice: every sequence from its own initial state
+    rest = e < T
+    if rest:
+        if cu is None:
+            h0_rest, cu_rest, cu_rest_cpu = h0, None, None
+        else:
+            first = 1 if me.carry_in else 0
+            h0_rest = None if h0 is None else h0[list(me.seqs[first:])]
+            cu_rest_cpu = torch.tensor([c - e for c in me.local_cu[first:]], dtype=cu_seqlens.dtype)
+            cu_rest = cu_rest_cpu.to(cu_seqlens.device)
+        o_rest, ht_rest = api.run(fam, "chunk", q[:, e:], k[:, e:], v[:, e:], None if g is None else g[:, e:],
+                                  None if beta is None else beta[:, e:], scale, h0_rest, True, cu_rest,
+                                  chunk_size=chunk_size, backend=backend, cu_seqlens_cpu=cu_rest_cpu)
+        ht_rest = ht_rest.to(ct)                                                # [N_local (− 1), HV, K, V]
+    ht0 = torch.cat([Q_head, ht_rest]) if me.carry_in and rest else (Q_head if me.carry_in else ht_rest)
 
     # 3. exchange [P̃ | Q̃] and fold the ranks before this one
     P_out = P if me.through else ht0.new_zeros(rows, HV, K, K)
@@ -334,14 +348,14 @@ def chunk_cp(fam: api.Family, mode: str, q, k, v, g, beta, scale, initial_state,
         for j in range(j0 + 1, rank):
             S_in = gathered[j, ..., :K] @ S_in + gathered[j, ..., K:]           # [rows, HV, K, K] @ [rows, HV, K, V]
 
-    # 4. correct the carried-in tokens and final state
+        # 4. correct the carried-in tokens and final state
         corr = torch.einsum("bthk,bhkv->bthv", q_hat, S_in)                     # [rows, e, HV, V]
-        head = (o0[:, :e].to(ct) + corr).to(o0.dtype)
-        o = torch.cat([head, o0[:, e:]], dim=1) if e < T else head
-        ht_in = ht0[:rows] + P @ S_in                                           # [rows, HV, K, K] @ [rows, HV, K, V]
-        ht_local = torch.cat([ht_in, ht0[rows:]]) if ht0.shape[0] > rows else ht_in
+        head = (o_head0.to(ct) + corr).to(o_head0.dtype)
+        o = torch.cat([head, o_rest], dim=1) if rest else head
+        ht_in = Q_head + P @ S_in                                               # [rows, HV, K, K] @ [rows, HV, K, V]
+        ht_local = torch.cat([ht_in, ht_rest]) if rest else ht_in
     else:
-        o = _Tie.apply(o0, gathered)
+        o = _Tie.apply(o_rest, gathered)
         ht_local = ht0
     if not output_final_state:
         return o, None
