@@ -290,6 +290,9 @@ def chunk_cp(fam: api.Family, mode: str, q, k, v, g, beta, scale, initial_state,
     for i, what in enumerate(_SUMMARY[1:], 1):
         values = [row[i] for row in table]
         if len(set(values)) > 1:
+            if what.startswith("cu_seqlens"):     # show which ranks agree, not the checksums
+                values = [[r for r, x in enumerate(values) if x == y] for y in dict.fromkeys(values)]
+                what = "cu_seqlens (ranks that agree)"
             raise ValueError(f"the ranks of cp_group disagree on {what}: {values} (every rank passes its slice of "
                              f"the same batch: the whole batch's cu_seqlens, the same shapes and requires_grad)")
     lengths = [row[0] for row in table]
