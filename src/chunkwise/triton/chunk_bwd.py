@@ -543,16 +543,24 @@ def _bwd_dh_kernel(q, k, G, W, dRl, do, dht, dh, dR, dh0, cu_seqlens, chunk_offs
 # ------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _bwd_dv_kernel(v, beta, Tmat, R, dR, do, Pmat, Amat, dv, dbeta, cu_seqlens, chunk_indices, T, scale,
-                   HV: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DELTA: tl.constexpr,
+def _bwd_dv_kernel(q, k, v, beta, G, Tmat, h, R, dR, do, Pmat, Amat, dq, dv, dbeta, dG, cu_seqlens, chunk_indices,
+                   T, scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                   BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
                    IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
     """The value side of the gradients (no K-sized tile):
         dP = scale tril(dO Rᵀ) -> Pmat,   dv = β (Tᵀ dR), dβ = Σ_v V ⊙ Tᵀ dR -> dbeta (partial),
         dT_v = dR (β V)ᵀ -> Amat        (no delta rule: dv = dR)
+        dq = scale (dO Sᵀ) ⊙ e^G  (+ (dP ⊙ Γ) K for scalar / no gates: dq final, and the row sums
+        of q ⊙ dq -> dG as the start of dG; per channel dq stays partial, finished by the key side)
     Pmat, Amat: [B, T, HV, C] fp32 (their forward contents are no longer needed); dv in v's dtype."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
-    t0, L, _ = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
+    i_hk = i_h // (HV // H)
+    t0, L, i_g = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    p_h = (i_g * HV + i_h).to(tl.int64) * K * V
+    b_dqg = tl.zeros([C, BK], dtype=tl.float32)
     o_t = tl.arange(0, C)
     m_t = o_t < L
     rows = (t0 + o_t).to(tl.int64)
@@ -584,7 +592,29 @@ def _bwd_dv_kernel(v, beta, Tmat, R, dR, do, Pmat, Amat, dv, dbeta, cu_seqlens, 
             b_R = tl.load(v + p_tv, mask=m_tv, other=0.)
             tl.store(dv + p_tv, b_dR, mask=m_tv)
         b_dP += tl.dot(b_do, tl.trans(b_R), input_precision=PREC)                       # [C, BV] @ [BV, C]
-    tl.store(Pmat + p_cc, tl.where(o_t[:, None] >= o_t[None, :], b_dP * scale, 0.), mask=m_cc)
+        b_S = tl.load(h + p_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & (o_v < V)[None, :], other=0.)
+        b_dqg += tl.dot(b_do, tl.trans(b_S), input_precision=PREC)                      # [C, BV] @ [BV, BK]
+    b_dP = tl.where(o_t[:, None] >= o_t[None, :], b_dP * scale, 0.)
+    tl.store(Pmat + p_cc, b_dP, mask=m_cc)
+    m_tk = m_t[:, None] & m_k[None, :]
+    p_hk = (rows[:, None] * HV + i_h) * K + o_k[None, :]
+    if GATE > 0:
+        b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, GATE == 2)
+        b_eG, _ = _gate_factors(b_G, b_last, GATE)
+        b_dq = scale * b_dqg * b_eG
+    else:
+        b_dq = scale * b_dqg
+    if GATE == 2:
+        tl.store(dq + p_hk, b_dq, mask=m_tk)
+    else:
+        b_q = tl.load(q + (rows[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+        b_k = tl.load(k + (rows[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+        if GATE == 1:
+            b_dP = b_dP * tl.exp(tl.where(o_t[:, None] >= o_t[None, :], b_G[:, None] - b_G[None, :], float("-inf")))
+        b_dq += tl.dot(b_dP, b_k, input_precision=PREC)                                   # [C, C] @ [C, BK]
+        tl.store(dq + p_hk, b_dq, mask=m_tk)
+        if GATE == 1:
+            tl.store(dG + rows * HV + i_h, tl.sum(b_q * b_dq, axis=1), mask=m_t)
     if DELTA:
         tl.store(Amat + p_cc, b_dTv, mask=m_cc)
         tl.store(dbeta + rows * HV + i_h, b_db, mask=m_t)
@@ -617,7 +647,6 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
     m_cc = m_t[:, None] & m_t[None, :]
     p_cc = (rows[:, None] * HV + i_h) * C + o_t[None, :]
     p_ccT = (rows[None, :] * HV + i_h) * C + o_t[:, None]                                # element [j, i] of row i
-    b_dqg = tl.zeros([C, BK], dtype=tl.float32)
     b_dw = tl.zeros([C, BK], dtype=tl.float32)
     b_dkend = tl.zeros([C, BK], dtype=tl.float32)
     b_dgam = tl.zeros([BK], dtype=tl.float32)
@@ -631,17 +660,16 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
         p_tv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
         b_S = tl.load(h + p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
         b_dSn = tl.load(dh + p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
-        b_do = tl.load(do + p_tv, mask=m_tv, other=0.)
         if DELTA:
             b_R = tl.load(R + p_tv, mask=m_tv, other=0.)
             b_dR = tl.load(dR + p_tv, mask=m_tv, other=0.)
             b_dw -= tl.dot(b_dR, tl.trans(b_S), input_precision=PREC)                   # [C, BV] @ [BV, BK]
         else:
             b_R = tl.load(v + p_tv, mask=m_tv, other=0.)
-        b_dqg += tl.dot(b_do, tl.trans(b_S), input_precision=PREC)                      # [C, BV] @ [BV, BK]
         b_dkend += tl.dot(b_R, tl.trans(b_dSn), input_precision=PREC)                   # [C, BV] @ [BV, BK]
         b_dgam += tl.sum(b_S.to(tl.float32) * b_dSn.to(tl.float32), axis=1)
-    b_dP = tl.load(Pmat + p_cc, mask=m_cc & i_ge_j, other=0.)                              # dP [C, C]
+    if GATE == 2:
+        b_dP = tl.load(Pmat + p_cc, mask=m_cc & i_ge_j, other=0.)                          # dP [C, C]
     if DELTA:
         b_beta = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.).to(tl.float32)
         b_db = tl.load(dbeta + rows * HV + i_h, mask=m_t, other=0.)
@@ -657,24 +685,18 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
     # with tl.trans of a dot accumulator: that pattern is what triton 3.4-3.7.0 miscompiles on
     # Hopper (fla issue #640), and the round trip costs 2 x 16 KB per chunk.
 
-    # dq: through Qg = Q e^G and, for scalar / no gates, through P (finished here)
+    # dq: the value-side kernel left scale (dO Sᵀ) ⊙ e^G (+ the P part for scalar / no gates, then
+    # dq is final and dG holds the row sums of q ⊙ dq)
     if GATE > 0:
         b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, GATE == 2)
         b_eG, b_ekend = _gate_factors(b_G, b_last, GATE)
-        b_dq = scale * b_dqg * b_eG
-    else:
-        b_dq = scale * b_dqg
     if GATE == 2:
+        b_dq = tl.load(dq + p_hk, mask=m_tk, other=0.)
         b_dGm = b_q * b_dq
     else:
         if GATE == 1:
             b_gam = tl.exp(tl.where(i_ge_j, b_G[:, None] - b_G[None, :], float("-inf")))
-            b_dPg = b_dP * b_gam
-        else:
-            b_dPg = b_dP
-        b_dq += tl.dot(b_dPg, b_k, input_precision=PREC)                                  # [C, C] @ [C, BK]
-        b_dGr = tl.sum(b_q * b_dq, axis=1)                                                # [C]
-        tl.store(dq + p_hk, b_dq, mask=m_tk)
+            b_dGr = tl.load(dG + rows * HV + i_h, mask=m_t, other=0.)
 
     # dk through Kend = K e^{G_last − G}; γ = e^{G_last}
     if GATE > 0:
@@ -944,8 +966,9 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     dq, dk, dv = buf(B, T, HV, K, dtype=gdt), buf(B, T, HV, K, dtype=gdt), buf(B, T, HV, V, dtype=v.dtype)
     dbeta = buf(B, T, HV) if delta else None
     dG = buf(*g.shape) if gate else None
-    _bwd_dv_kernel[grid_c](v, beta, Tmat, R, dR, do, Pmat, Amat, dv, dbeta, scale=scale, HV=HV, V=V, BV=BV, C=C,
-                           DELTA=delta, IS_VARLEN=varlen, PREC=prec, num_warps=8, **common)
+    _bwd_dv_kernel[grid_c](q, k, v, beta, G, Tmat, h, R, dR, do, Pmat, Amat, dq, dv, dbeta, dG, scale=scale, H=H,
+                           HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
+                           num_warps=8, **common)
     _bwd_grad_kernel[grid_c](q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, dk, dbeta, dG,
                              scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, BC=BC, GATE=gate, DELTA=delta,
                              IS_VARLEN=varlen, PREC=prec, num_warps=8, **common)
