@@ -84,10 +84,7 @@ ERROR_CASES = {
 # ----------------------------------------------------------------------------------------------
 
 def _bounds(W):
-    b = [0]
-    for n in RANK_TOKENS[W]:
-        b.append(b[-1] + n)
-    return b
+    return _bounds_of(RANK_TOKENS[W])
 
 
 def _run_case(name, spec, W, rank):
@@ -308,16 +305,48 @@ def test_plan_ranks():
     plans = plan_ranks(RANK_TOKENS[4], cu(VARLEN[4]["middle"]), 1)     # boundaries 25, 56, 76
     assert [(p.carry_in, p.carry_out, p.through) for p in plans] == [
         (False, True, False), (True, True, False), (True, True, True), (True, False, False)]
-    assert [p.seqs for p in plans] == [(0, 1), (1, 2), (2,), (2, 3)]
+    assert [tuple(p.seqs) for p in plans] == [(0, 1), (1, 2), (2,), (2, 3)]
     assert [p.local_cu for p in plans] == [(0, 10, 25), (0, 5, 31), (0, 20), (0, 10, 27)]
     assert [p.head for p in plans] == [0, 5, 20, 10]
-    assert [p.ends for p in plans] == [(0,), (0,), (), (0, 1)]
+    assert [tuple(p.ends) for p in plans] == [(0,), (0,), (), (0, 1)]
 
     plans = plan_ranks(RANK_TOKENS[4], cu(VARLEN[4]["aligned"]), 1)    # zero-length sequences 1 and 6
-    assert [p.seqs for p in plans] == [(0,), (1, 2, 3), (3, 4), (4, 5, 6)]
+    assert [tuple(p.seqs) for p in plans] == [(0,), (1, 2, 3), (3, 4), (4, 5, 6)]
     assert plans[1].local_cu == (0, 0, 1, 31) and plans[3].local_cu == (0, 14, 27, 27)
-    assert [p.ends for p in plans] == [(0,), (0, 1), (0,), (0, 1, 2)]
+    assert [tuple(p.ends) for p in plans] == [(0,), (0, 1), (0,), (0, 1, 2)]
 
     plans = plan_ranks([3, 4, 5], None, 2)                              # dense: every row through every rank
-    assert [(p.carry_in, p.carry_out, p.through, p.head, p.ends) for p in plans] == [
+    assert [(p.carry_in, p.carry_out, p.through, p.head, tuple(p.ends)) for p in plans] == [
         (False, True, False, 0, ()), (True, True, True, 4, ()), (True, False, False, 5, (0, 1))]
+
+
+def test_plan_rank_matches_brute_force():
+    """The bisection plan against the definitions, on random splits with zero-length sequences."""
+    from chunkwise.distributed import _passes_through, plan_rank
+
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        W = int(torch.randint(1, 6, (1,), generator=gen))
+        lengths = (torch.randint(1, 9, (W,), generator=gen)).tolist()
+        T = sum(lengths)
+        cuts = sorted(torch.randint(0, T + 1, (int(torch.randint(0, 8, (1,), generator=gen)),), generator=gen).tolist())
+        cu = [0, *cuts, T]
+        bounds = _bounds_of(lengths)
+        for r in range(W):
+            a, b = bounds[r], bounds[r + 1]
+            seqs = [n for n in range(len(cu) - 1)
+                    if (cu[n] < cu[n + 1] and cu[n] < b and cu[n + 1] > a)
+                    or (cu[n] == cu[n + 1] and (a <= cu[n] < b or (cu[n] == T and r == W - 1)))]
+            p = plan_rank(r, lengths, cu, 1)
+            assert tuple(p.seqs) == tuple(seqs), (lengths, cu, r)
+            assert p.local_cu == tuple([min(max(cu[n] - a, 0), b - a) for n in seqs] + [min(cu[seqs[-1] + 1], b) - a])
+            assert p.carry_in == (cu[seqs[0]] < a) and p.carry_out == (cu[seqs[-1] + 1] > b)
+            assert tuple(p.ends) == tuple(i for i, n in enumerate(seqs) if cu[n + 1] <= b)
+            assert p.through == (p.carry_in and p.carry_out and len(seqs) == 1) == _passes_through(r, lengths, cu)
+
+
+def _bounds_of(lengths):
+    b = [0]
+    for n in lengths:
+        b.append(b[-1] + n)
+    return b

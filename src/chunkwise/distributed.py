@@ -21,7 +21,8 @@ Conventions (the same tensors a single-process call would take, cut along T):
   on each rank, the part of the gradient that flows through that rank: sum them over the group
   (as for any parameter replicated over a context-parallel group).
 - every rank must call the op, and in training every rank must run backward through o or
-  final_state (the backward holds one collective); requires_grad must agree across ranks.
+  final_state (the backward holds one collective). Argument errors on any rank, and ranks that
+  disagree on shapes, cu_seqlens or requires_grad, raise a ValueError on every rank (no hang).
 
 The math. Per sequence and value head the recurrence is affine in the state: over a segment of
 tokens 1..e with A_t = (I − β_t k_t k_tᵀ) diag(e^{g_t}) (simple GLA: A_t = e^{g_t} I) and the
@@ -48,6 +49,9 @@ gives the costs and what a fused kernel would do instead.
 """
 from __future__ import annotations
 
+import array
+import bisect
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -103,13 +107,10 @@ _SUMMARY = ("tokens", "B", "H", "HV", "K", "V", "cu_seqlens (a checksum)", "requ
 
 
 def _checksum(values: list[int] | None) -> int:
-    """A polynomial hash of cu_seqlens (-1 for None): ranks that pass different offsets disagree."""
+    """A 56-bit hash of cu_seqlens (-1 for None): ranks that pass different offsets disagree."""
     if values is None:
         return -1
-    h = len(values)
-    for x in values:
-        h = (h * 1000003 + int(x)) % (2 ** 61 - 1)
-    return h
+    return int.from_bytes(hashlib.blake2b(array.array("q", values).tobytes(), digest_size=7).digest(), "little")
 
 
 def _gather_summary(summary: list[int] | None, device: torch.device, group) -> list[list[int] | None]:
@@ -134,54 +135,68 @@ class RankPlan:
     """One rank's share of the batch.
 
     start, end: its global token range [start, end).
-    seqs: global ids of its local sequences, in order (dense: 0..B-1, all of them).
+    seqs: global ids of its local sequences, a contiguous range (dense: all B rows).
     local_cu: offsets of those sequences in its slice ([len(seqs) + 1]); None for a dense batch.
     carry_in: its first sequence(s) began on an earlier rank.
     carry_out: its last sequence(s) continue on a later rank.
     head: number of local tokens of the carried-in segment (0 without carry_in).
     through: the carried-in sequence is also the carried-out one (it covers the whole slice).
-    ends: positions in ``seqs`` of the sequences whose last token is here.
+    ends: positions in ``seqs`` of the sequences whose last token is here (all but a carried-out one).
     """
     start: int
     end: int
-    seqs: tuple[int, ...]
+    seqs: range
     local_cu: tuple[int, ...] | None
     carry_in: bool
     carry_out: bool
     head: int
     through: bool
-    ends: tuple[int, ...]
+    ends: range
 
 
-def plan_ranks(lengths: list[int], cu: list[int] | None, B: int) -> list[RankPlan]:
-    """The plan of every rank from the ranks' token counts and the global offsets (None: dense B rows)."""
-    W = len(lengths)
+def _bounds(lengths: list[int]) -> list[int]:
     bounds = [0]
     for n in lengths:
         bounds.append(bounds[-1] + n)
-    plans = []
-    for r in range(W):
-        a, b = bounds[r], bounds[r + 1]
-        if cu is None:
-            carry_in, carry_out = r > 0, r < W - 1
-            plans.append(RankPlan(a, b, tuple(range(B)), None, carry_in, carry_out, (b - a) if carry_in else 0,
-                                  carry_in and carry_out, tuple(range(B)) if r == W - 1 else ()))
-            continue
-        N, T = len(cu) - 1, bounds[-1]
-        seqs = []
-        for n in range(N):
-            if cu[n] < cu[n + 1]:
-                if cu[n] < b and cu[n + 1] > a:
-                    seqs.append(n)
-            elif a <= cu[n] < b or (cu[n] == T and r == W - 1):    # a zero-length sequence
-                seqs.append(n)
-        local_cu = [min(max(cu[n] - a, 0), b - a) for n in seqs] + [min(cu[seqs[-1] + 1] - a, b - a)]
-        carry_in = cu[seqs[0]] < a
-        carry_out = cu[seqs[-1] + 1] > b
-        ends = tuple(i for i, n in enumerate(seqs) if cu[n + 1] <= b)
-        plans.append(RankPlan(a, b, tuple(seqs), tuple(local_cu), carry_in, carry_out,
-                              local_cu[1] if carry_in else 0, carry_in and carry_out and len(seqs) == 1, ends))
-    return plans
+    return bounds
+
+
+def plan_rank(r: int, lengths: list[int], cu: list[int] | None, B: int) -> RankPlan:
+    """Rank r's plan from the ranks' token counts and the global offsets (None: a dense batch of B rows).
+
+    O(log N + local sequences) host work (bisection on the offsets). A zero-length sequence belongs
+    to the rank whose slice contains its offset, the last rank when it sits at the end.
+    """
+    W, bounds = len(lengths), _bounds(lengths)
+    a, b = bounds[r], bounds[r + 1]
+    if cu is None:
+        carry_in, carry_out = r > 0, r < W - 1
+        return RankPlan(a, b, range(B), None, carry_in, carry_out, (b - a) if carry_in else 0,
+                        carry_in and carry_out, range(B) if r == W - 1 else range(0))
+    N = len(cu) - 1
+    n_in = bisect.bisect_right(cu, a) - 1                   # the sequence holding token a
+    carry_in = cu[n_in] < a
+    first = n_in if carry_in else bisect.bisect_left(cu, a)    # (zero-length sequences at a come first)
+    last = N - 1 if r == W - 1 else bisect.bisect_right(cu, b - 1) - 1   # the sequence holding token b − 1
+    carry_out = cu[last + 1] > b
+    local_cu = tuple(min(max(c - a, 0), b - a) for c in cu[first:last + 2])
+    n_local = last + 1 - first
+    return RankPlan(a, b, range(first, last + 1), local_cu, carry_in, carry_out, local_cu[1] if carry_in else 0,
+                    carry_in and carry_out and n_local == 1, range(n_local - 1 if carry_out else n_local))
+
+
+def plan_ranks(lengths: list[int], cu: list[int] | None, B: int) -> list[RankPlan]:
+    """Every rank's plan (see `plan_rank`)."""
+    return [plan_rank(r, lengths, cu, B) for r in range(len(lengths))]
+
+
+def _passes_through(j: int, lengths: list[int], cu: list[int] | None) -> bool:
+    """Whether one sequence covers rank j's whole slice and continues on both sides."""
+    if cu is None:
+        return 0 < j < len(lengths) - 1
+    bounds = _bounds(lengths)
+    n = bisect.bisect_right(cu, bounds[j]) - 1
+    return cu[n] < bounds[j] and cu[n + 1] > bounds[j + 1]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -311,8 +326,7 @@ def chunk_cp(fam: api.Family, mode: str, q, k, v, g, beta, scale, initial_state,
     q, k, g, beta = api._prelude(fam, q, k, g, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
                                  use_gate_in_kernel, A_log, dt_bias, lower_bound)
     ct = api._compute_dtype(q, initial_state)
-    plans = plan_ranks(lengths, cu, B)
-    me = plans[rank]
+    me = plan_rank(rank, lengths, cu, B)
     h0 = api._to_kv(initial_state, transpose_state_layout)
 
     # 1. the segment that came in from the left: from zero, with its transition
@@ -329,7 +343,7 @@ def chunk_cp(fam: api.Family, mode: str, q, k, v, g, beta, scale, initial_state,
             h0_rest, cu_rest, cu_rest_cpu = h0, None, None
         else:
             first = 1 if me.carry_in else 0
-            h0_rest = None if h0 is None else h0[list(me.seqs[first:])]
+            h0_rest = None if h0 is None else h0[me.seqs.start + first:me.seqs.stop]
             cu_rest_cpu = torch.tensor([c - e for c in me.local_cu[first:]], dtype=cu_seqlens.dtype)
             cu_rest = cu_rest_cpu.to(cu_seqlens.device)
         o_rest, ht_rest = api.run(fam, "chunk", q[:, e:], k[:, e:], v[:, e:], None if g is None else g[:, e:],
@@ -346,7 +360,7 @@ def chunk_cp(fam: api.Family, mode: str, q, k, v, g, beta, scale, initial_state,
         X.requires_grad_()    # (zeros here) the all-gather must be in every rank's backward graph
     gathered = _AllGather.apply(X, cp_group)                                    # [W, rows, HV, K, K + V]
     if me.carry_in:
-        j0 = max(j for j in range(rank) if not plans[j].through)
+        j0 = next(j for j in range(rank - 1, -1, -1) if not _passes_through(j, lengths, cu))
         S_in = gathered[j0, ..., K:]
         for j in range(j0 + 1, rank):
             S_in = gathered[j, ..., :K] @ S_in + gathered[j, ..., K:]           # [rows, HV, K, K] @ [rows, HV, K, V]
@@ -362,10 +376,9 @@ def chunk_cp(fam: api.Family, mode: str, q, k, v, g, beta, scale, initial_state,
         ht_local = ht0
     if not output_final_state:
         return o, None
-    final = ht0.new_zeros(N, HV, K, V)
-    if me.ends:
-        index = torch.tensor([me.seqs[i] for i in me.ends], device=final.device)
-        final = final.index_copy(0, index, ht_local[list(me.ends)])
+    # rows seqs.start .. + len(ends) end here (a carried-out sequence is always the last local one)
+    n0, n1 = me.seqs.start, me.seqs.start + len(me.ends)
+    final = torch.cat([ht0.new_zeros(n0, HV, K, V), ht_local[:len(me.ends)], ht0.new_zeros(N - n1, HV, K, V)])
     final = _Tie.apply(final, gathered)
     if transpose_state_layout:
         final = final.transpose(-1, -2).contiguous()
