@@ -160,3 +160,16 @@ def test_real_size_grouped_varlen_bf16(fam):
                       device=DEVICE, gate="strong" if fam in GATED else "normal")
     o, ht = _run(inp, transpose=True)
     _check(inp, o, ht, TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("fam", ("delta", "gdn", "kda"))
+def test_correlated_keys_fp32(fam):
+    """Nearly parallel keys and β near 1: A's entries near −1, the worst case for the (I + A)⁻¹ products."""
+    inp = make_inputs(fam, B=1, T=T_LONG, H=1, HV=1, K=KS[0], V=VS[0], dtype=torch.float32, seed=17)
+    gen = torch.Generator().manual_seed(17)
+    base = torch.randn(1, 1, 1, KS[0], generator=gen, dtype=torch.float64)
+    k = base + 0.2 * torch.randn(*inp.k.shape, generator=gen, dtype=torch.float64)
+    inp.k = torch.nn.functional.normalize(k, dim=-1).to(inp.k)
+    inp.beta = (0.9 + 0.09 * torch.rand(*inp.beta.shape, generator=gen, dtype=torch.float64)).to(inp.beta)
+    o, ht = _run(inp)
+    _check(inp, o, ht, TOL[torch.float32])
