@@ -193,31 +193,33 @@ def main():
     del h0, pool
 
     # -- launch-configuration / variant sweep (kernel only, GDN pool in place)
-    #    fused: both products of S in one pass (o = S'ᵀq + (kᵀq)u); stream: evict-first load, .cs store
+    #    fused: both products of S in one pass (o = S'ᵀq + (kᵀq)u); stream: evict-first load, .cs store;
+    #    pipeline: num_stages of the token loop (0 = the while loop)
     if not args.quick:
         F32, BF16 = torch.float32, torch.bfloat16
-        plan = {  # (B, state dtype, fused, stream): [(BV, num_warps), ...]
-            (256, F32, True, False): [(16, 1), (32, 1), (32, 2), (32, 4), (64, 2), (64, 4), (128, 4), (128, 8)],
-            (256, F32, True, True): [(32, 2), (64, 2), (128, 8)],
-            (256, F32, False, False): [(32, 2), (64, 2)],
-            (256, BF16, True, False): [(32, 1), (32, 2), (64, 2), (64, 4), (128, 4)],
-            (256, BF16, True, True): [(32, 2), (64, 4)],
-            (1, F32, True, False): [(8, 1), (8, 2), (16, 1), (16, 2), (32, 2)],
-            (1, F32, False, False): [(8, 1), (16, 2)],
-            (1, BF16, True, False): [(8, 1), (16, 2)],
+        plan = {  # (B, state dtype, fused, stream, pipeline): [(BV, num_warps), ...]
+            (256, F32, False, False, 2): [(16, 1), (32, 1), (32, 2), (32, 4), (64, 2), (64, 4), (128, 8)],
+            (256, F32, False, False, 0): [(32, 2), (32, 4)],        # the while loop of the first measurement
+            (256, F32, True, False, 2): [(32, 2), (32, 4)],
+            (256, F32, False, True, 2): [(32, 4)],
+            (256, BF16, False, False, 2): [(32, 2), (32, 4), (64, 4)],
+            (1, F32, False, False, 2): [(8, 1), (16, 1), (16, 2)],
+            (1, F32, False, False, 0): [(8, 1)],
         }
-        for (B, sdt, fused, stream), cfgs in plan.items():
+        for (B, sdt, fused, stream, pipe), cfgs in plan.items():
             q, k, v, g, beta = inputs(B)
             pool = (torch.randn(B, HV, K, V, device=DEV) * 0.1).to(sdt)
             idx = torch.randperm(B, device=DEV).to(torch.int32)
             auto = _launch_config(q.device, B * HV, K, V)
             for BV, nw in cfgs:
                 fn = lambda: recurrent_fwd(q, k, v, g, beta, K ** -0.5, pool, False, None,  # noqa: E731
-                                           state_indices=idx, BV=BV, num_warps=nw, fused=fused, stream=stream)
+                                           state_indices=idx, BV=BV, num_warps=nw, fused=fused, stream=stream,
+                                           pipeline=pipe)
                 t = (graph_ms(fn, rep=30) if B == 1 else ms(fn, rep=30)) * 1e3
                 sweep.append(dict(B=B, state=str(sdt).split(".")[-1], BV=BV, num_warps=nw, fused=fused,
-                                  stream=stream, us=t, timing="graph" if B == 1 else "do_bench",
-                                  TBps=state_bytes(B, sdt, sdt) / (t * 1e-6) / 1e12, auto=(BV, nw) == auto[1:]))
+                                  stream=stream, pipeline=pipe, us=t, timing="graph" if B == 1 else "do_bench",
+                                  TBps=state_bytes(B, sdt, sdt) / (t * 1e-6) / 1e12,
+                                  auto=(BV, nw, fused, stream, pipe) == (*auto[1:], False, False, 2)))
             del pool
 
     # -- report
@@ -232,9 +234,10 @@ def main():
               f"{f('graph_us')} {f('TBps', '6.2f')} {(format(100 * r['of_copy'], '6.1f') if r.get('of_copy') else '-'):>6}"
               f" {f('fla_op_us')} {f('fla_graph_us')} {(format(r['vs_fla_o'], '9.1e') if r.get('vs_fla_o') else '-'):>9}")
     if sweep:
-        print("\nsweep (GDN pool in place; B=1 graph replay, B=256 do_bench): B state BV warps fused stream us TB/s %copy")
+        print("\nsweep (GDN pool in place; B=1 graph replay, B=256 do_bench): "
+              "B state BV warps fused stream pipeline us TB/s %copy default")
         for x in sweep:
-            print(f"  {x['B']:>4} {x['state']:9} {x['BV']:>3} {x['num_warps']:>2} {x['fused']:d} {x['stream']:d} "
+            print(f"  {x['B']:>4} {x['state']:9} {x['BV']:>3} {x['num_warps']:>2} {x['fused']:d} {x['stream']:d} {x['pipeline']} "
                   f"{x['us']:8.1f} {x['TBps']:6.2f} {100 * x['TBps'] / bw:6.1f} {'*' if x['auto'] else ''}")
 
     commit = os.environ.get("CHUNKWISE_COMMIT")

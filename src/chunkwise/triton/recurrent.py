@@ -20,6 +20,13 @@ pool slot ``state_indices[n]`` in place, in the pool's dtype; slot -1 is a paddi
 load of it is masked off, so its state stays 0, its outputs are written as exact zeros and nothing
 is stored to the pool.
 
+Speed (decode is a stream of the state through registers: read 4·K·V bytes, write them back): the
+token loop is a software-pipelined ``tl.range`` on the GPU, so the small loads of the first token
+(q, k, v, g, β) are issued with the state load instead of costing one global round trip each (their
+layout conversions otherwise serialise them); under the interpreter it is a while loop (triton 3.6
+with numpy 2 cannot take tensor loop bounds there). Launch configuration: `_launch_config`;
+measurements and the reasoning: benchmarks/NOTES-decode.md.
+
 Autograd: like fla's fused_recurrent, this kernel has no backward. When grad is enabled and an
 input requires it, `recurrent` runs the differentiable PyTorch token recurrence
 (chunkwise.reference.recurrent.recurrent_forward) in fp32 on the same device instead.
@@ -33,6 +40,56 @@ import triton
 import triton.language as tl
 
 GATE_NONE, GATE_SCALAR, GATE_CHANNEL = 0, 1, 2
+
+
+@triton.jit
+def _token_step(b_h, p_q, p_k, p_v, p_g, p_beta, m_k, m_v, live, scale,
+                GATE: tl.constexpr, DELTA: tl.constexpr, FUSED: tl.constexpr):
+    """One token on the state tile b_h [BK, BV] fp32. Returns (S_t tile, o_t block [BV] fp32)."""
+    b_q = tl.load(p_q, mask=m_k, other=0., eviction_policy="evict_last").to(tl.float32) * scale   # [BK]
+    b_k = tl.load(p_k, mask=m_k, other=0., eviction_policy="evict_last").to(tl.float32)           # [BK]
+    b_v = tl.load(p_v, mask=m_v, other=0., eviction_policy="evict_first").to(tl.float32)          # [BV]
+    if GATE == 1:
+        b_d = tl.exp(tl.load(p_g, mask=live, other=0.).to(tl.float32))                           # scalar
+    if GATE == 2:
+        b_dk = tl.exp(tl.load(p_g, mask=m_k, other=0.).to(tl.float32))                           # [BK]
+    if DELTA:
+        b_beta = tl.load(p_beta, mask=live, other=0.).to(tl.float32)                             # scalar
+    if FUSED:
+        # one pass over S for both products, S read before its update:
+        #   a = S'ᵀ k,  b = S'ᵀ q,  u = β (v − a) (or v),  o = b + (kᵀq) u,  S_t = S' + k uᵀ
+        if GATE == 2:
+            b_kd, b_qd = b_k * b_dk, b_q * b_dk
+        else:
+            b_kd, b_qd = b_k, b_q
+        b_b = tl.sum(b_h * b_qd[:, None], 0)                                 # [BV]
+        if GATE == 1:
+            b_b *= b_d
+        if DELTA:
+            b_a = tl.sum(b_h * b_kd[:, None], 0)                             # [BV], independent of b_b
+            if GATE == 1:
+                b_a *= b_d
+            b_u = b_beta * (b_v - b_a)
+        else:
+            b_u = b_v
+        b_o = b_b + tl.sum(b_k * b_q) * b_u                                  # S_tᵀ (scale q_t): [BV]
+        if GATE == 1:
+            b_h = b_h * b_d + b_k[:, None] * b_u[None, :]
+        elif GATE == 2:
+            b_h = b_h * b_dk[:, None] + b_k[:, None] * b_u[None, :]
+        else:
+            b_h += b_k[:, None] * b_u[None, :]
+    else:
+        # the recurrence as written: decay, delta correction, rank-1 update, read-out
+        if GATE == 1:
+            b_h *= b_d
+        if GATE == 2:
+            b_h *= b_dk[:, None]
+        if DELTA:
+            b_v = b_beta * (b_v - tl.sum(b_h * b_k[:, None], 0))             # β (v − S'ᵀ k): [BV]
+        b_h += b_k[:, None] * b_v[None, :]
+        b_o = tl.sum(b_h * b_q[:, None], 0)                                  # S_tᵀ (scale q_t): [BV]
+    return b_h, b_o
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -63,8 +120,9 @@ def recurrent_fwd_kernel(
     STORE_HT: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     USE_INDICES: tl.constexpr,
-    FUSED: tl.constexpr,
-    STREAM: tl.constexpr,
+    FUSED: tl.constexpr,            # both products of S in one pass (see _token_step)
+    STREAM: tl.constexpr,           # streaming cache hints on the state load / store
+    PIPELINE: tl.constexpr,         # num_stages of the pipelined token loop; 0: a while loop (interpreter)
 ):
     NV: tl.constexpr = (V + BV - 1) // BV
     i_nhv = tl.program_id(0).to(tl.int64)
@@ -109,74 +167,48 @@ def recurrent_fwd_kernel(
     p_o = o + (bos * HV + i_hv) * V + o_v
     if GATE == 1:
         p_g = g + bos * HV + i_hv
-    if GATE == 2:
+    elif GATE == 2:
         p_g = g + (bos * HV + i_hv) * K + o_k
+    else:
+        p_g = g             # None: never loaded
     if DELTA:
         p_beta = beta + bos * HV + i_hv
+    else:
+        p_beta = beta       # None: never loaded
 
-    # a while loop, not range(bos, eos): the triton 3.6 interpreter cannot take tensor range bounds
-    # under numpy 2 (it calls int() on a 1-element array)
-    i_t = bos
-    while i_t < eos:
-        b_q = tl.load(p_q, mask=m_k, other=0.).to(tl.float32) * scale   # [BK]
-        b_k = tl.load(p_k, mask=m_k, other=0.).to(tl.float32)           # [BK]
-        b_v = tl.load(p_v, mask=m_v, other=0.).to(tl.float32)           # [BV]
-        if FUSED:
-            # one pass over S for both products, S read before its update:
-            #   a = S'ᵀ k,  b = S'ᵀ q,  u = β (v − a) (or v),  o = b + (kᵀq) u,  S_t = S' + k uᵀ
+    # the token loop: a software-pipelined tl.range on the GPU (the loads of the first token are issued
+    # together, up front, instead of one global round trip per small load); a while loop under the
+    # interpreter (triton 3.6 with numpy 2 cannot take tensor range bounds there)
+    if PIPELINE > 0:
+        for _ in tl.range(bos, eos, num_stages=PIPELINE):
+            b_h, b_o = _token_step(b_h, p_q, p_k, p_v, p_g, p_beta, m_k, m_v, live, scale, GATE, DELTA, FUSED)
+            tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=o_v < V, eviction_policy="evict_first")
+            p_q += H * K
+            p_k += H * K
+            p_v += HV * V
+            p_o += HV * V
             if GATE == 1:
-                b_d = tl.exp(tl.load(p_g, mask=live, other=0.).to(tl.float32))
-                b_kd, b_qd = b_k, b_q
-            elif GATE == 2:
-                b_dk = tl.exp(tl.load(p_g, mask=m_k, other=0.).to(tl.float32))   # [BK]
-                b_kd, b_qd = b_k * b_dk, b_q * b_dk
-            else:
-                b_kd, b_qd = b_k, b_q
-            if DELTA:
-                b_a = tl.sum(b_h * b_kd[:, None], 0)                         # [BV]
-                b_b = tl.sum(b_h * b_qd[:, None], 0)                         # [BV], independent of b_a
-                if GATE == 1:
-                    b_a *= b_d
-                    b_b *= b_d
-                b_beta = tl.load(p_beta, mask=live, other=0.).to(tl.float32)
-                b_u = b_beta * (b_v - b_a)
-            else:
-                b_b = tl.sum(b_h * b_qd[:, None], 0)
-                if GATE == 1:
-                    b_b *= b_d
-                b_u = b_v
-            b_o = b_b + tl.sum(b_k * b_q) * b_u                              # S_tᵀ (scale q_t): [BV]
-            if GATE == 1:
-                b_h = b_h * b_d + b_k[:, None] * b_u[None, :]
-            elif GATE == 2:
-                b_h = b_h * b_dk[:, None] + b_k[:, None] * b_u[None, :]
-            else:
-                b_h += b_k[:, None] * b_u[None, :]
-        else:
-            if GATE == 1:
-                b_h *= tl.exp(tl.load(p_g, mask=live, other=0.).to(tl.float32))
+                p_g += HV
             if GATE == 2:
-                b_gk = tl.load(p_g, mask=m_k, other=0.).to(tl.float32)     # [BK]
-                b_h *= tl.exp(b_gk)[:, None]
+                p_g += HV * K
             if DELTA:
-                b_beta = tl.load(p_beta, mask=live, other=0.).to(tl.float32)
-                # β (v − S'ᵀ k): one number per value column
-                b_v = b_beta * (b_v - tl.sum(b_h * b_k[:, None], 0))
-            b_h += b_k[:, None] * b_v[None, :]
-            b_o = tl.sum(b_h * b_q[:, None], 0)                              # S_tᵀ (scale q_t): [BV]
-        tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=o_v < V)       # padding sequences: exact 0
-
-        p_q += H * K
-        p_k += H * K
-        p_v += HV * V
-        p_o += HV * V
-        if GATE == 1:
-            p_g += HV
-        if GATE == 2:
-            p_g += HV * K
-        if DELTA:
-            p_beta += HV
-        i_t += 1
+                p_beta += HV
+    else:
+        i_t = bos
+        while i_t < eos:
+            b_h, b_o = _token_step(b_h, p_q, p_k, p_v, p_g, p_beta, m_k, m_v, live, scale, GATE, DELTA, FUSED)
+            tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=o_v < V)   # padding sequences: exact 0
+            p_q += H * K
+            p_k += H * K
+            p_v += HV * V
+            p_o += HV * V
+            if GATE == 1:
+                p_g += HV
+            if GATE == 2:
+                p_g += HV * K
+            if DELTA:
+                p_beta += HV
+            i_t += 1
 
     # S tile written once (in place into the pool when ht aliases h0)
     if STORE_HT:
@@ -213,7 +245,7 @@ def _launch_config(device: torch.device, NHV: int, K: int, V: int) -> tuple[int,
 
 def recurrent_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, *,
                   state_indices=None, transpose_state_layout=False, o=None, final_state=None,
-                  BV=None, num_warps=None, fused=True, stream=False):
+                  BV=None, num_warps=None, fused=False, stream=False, pipeline=None):
     """Launcher of `recurrent_fwd_kernel` (no autograd).
 
     Args (canonical, already checked by the API):
@@ -223,7 +255,9 @@ def recurrent_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu
             [P, HV, K, V] ([.., V, K] with transpose_state_layout);
         cu_seqlens: None | [N + 1]; state_indices: None | [N] int (-1 = padding).
         o, final_state: optional preallocated outputs (tests pre-fill them with NaN).
-        BV, num_warps: override the launch configuration (benchmarks).
+        BV, num_warps, fused, stream, pipeline: override the launch configuration / kernel variant
+            (benchmarks): fused = both products of S in one pass, stream = streaming cache hints on
+            the state, pipeline = num_stages of the token loop (0: while loop; default 2 on CUDA).
     Returns:
         o [B, T, HV, V] in q's dtype; the final state: None, or a new fp32 [N, HV, K, V] (layout as
         chosen), or with state_indices the pool itself (updated in place whatever output_final_state
@@ -266,13 +300,16 @@ def recurrent_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu
     BK, BV_auto, nw_auto = _launch_config(q.device, N * HV, K, V)
     BV = BV or BV_auto
     num_warps = num_warps or nw_auto
+    if pipeline is None:
+        pipeline = 2 if q.device.type == "cuda" else 0
     grid = (N * HV * triton.cdiv(V, BV),)
     recurrent_fwd_kernel[grid](
         q, k, v, g, beta, o, h0, ht, cu_seqlens, state_indices, scale, T,
         *s_h0, *s_ht,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, GATE=gate, DELTA=beta is not None,
         USE_H0=h0 is not None, STORE_HT=ht is not None, IS_VARLEN=cu_seqlens is not None,
-        USE_INDICES=state_indices is not None, FUSED=fused, STREAM=stream, num_warps=num_warps, num_stages=1,
+        USE_INDICES=state_indices is not None, FUSED=fused, STREAM=stream,
+        PIPELINE=pipeline, num_warps=num_warps, num_stages=1,
     )
     return o, ret
 
