@@ -59,17 +59,26 @@ def test_opcheck_backward(form):
 
 def test_opcheck_pool():
     inp = make_inputs("gdn", B=3, T=1, H=2, K=8, V=8)
-    pool = torch.randn(5, 2, 8, 8)
-    idx = torch.tensor([4, -1, 0])
+    pool = torch.randn(5, 2, 8, 8, device=DEVICE)
+    idx = torch.tensor([4, -1, 0], device=DEVICE)
     torch.library.opcheck(_custom_ops.recurrent_pool_fwd,
                           (inp.q, inp.k, inp.v, inp.g, inp.beta, 0.3, pool, idx, None, False, 64, "torch"))
 
 
 @pytest.mark.skipif(not (ON_GPU or INTERPRET), reason="the triton backend needs a GPU or TRITON_INTERPRET=1")
-def test_opcheck_triton_recurrent():
-    inp = make_inputs("gdn", B=2, T=3, H=1, HV=2, K=16, V=16, requires_grad=True)
-    torch.library.opcheck(_custom_ops.recurrent_fwd, _op_args(inp, 0.25, True, False, backend="triton"),
+@pytest.mark.parametrize("form", ["chunk", "recurrent"])
+def test_opcheck_triton(form):
+    """The triton backend behind the same ops (interpreter on CPU: schema, fake tensors, autograd
+    registration; the AOT test, which runs forward and backward several times, is left to the torch backend)."""
+    inp = make_inputs("gdn", B=1, T=20 if form == "chunk" else 3, H=1, HV=2, K=16, V=16, requires_grad=True)
+    op = _custom_ops.chunk_fwd if form == "chunk" else _custom_ops.recurrent_fwd
+    torch.library.opcheck(op, _op_args(inp, 0.25, True, False, backend="triton"),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    bwd = _custom_ops.chunk_bwd if form == "chunk" else _custom_ops.recurrent_bwd
+    do, dht = torch.randn_like(inp.v), torch.randn_like(inp.h0)
+    torch.library.opcheck(bwd, (inp.q.detach(), inp.k.detach(), inp.v.detach(), inp.g.detach(), inp.beta.detach(),
+                                0.25, inp.h0.detach(), None, None, False, 16, "triton", do, dht, [True] * 6),
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 def _grads(out, tensors):
@@ -108,9 +117,9 @@ def test_compile_fullgraph_public_ops(fam, form):
 def test_compile_varlen_and_gate_in_kernel():
     """Varlen under compile: cu_seqlens values are not read on the host while tracing (shapes only)."""
     inp = make_inputs("kda", lengths=[7, 1, 13], H=2, K=8, V=8, requires_grad=True)
-    a = torch.randn(1, 21, 2, 8, requires_grad=True)
-    A_log = torch.randn(2, requires_grad=True)
-    dt_bias = torch.randn(16, requires_grad=True)
+    a = torch.randn(1, 21, 2, 8, device=DEVICE, requires_grad=True)
+    A_log = torch.randn(2, device=DEVICE, requires_grad=True)
+    dt_bias = torch.randn(16, device=DEVICE, requires_grad=True)
 
     def f(q, k, v, a, beta, A_log, dt_bias, h0, cu):
         return chunkwise.chunk_kda(q, k, v, a, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
@@ -178,3 +187,51 @@ def test_compile_inductor_model():
     assert rel_err(y, y_eager) < 1e-5
     for a, b in zip(gw, gw_eager):
         assert rel_err(a, b) < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_compile_fullgraph_layers(kind):
+    """The nn.Module layers under torch.compile(fullgraph=True): a padded training batch (forward and
+    backward) and a decode step that reads and updates a static cache in place."""
+    from chunkwise.layers import GatedDeltaNet, KimiDeltaAttention, LinearAttentionCache
+    torch.manual_seed(0)
+    if kind == "gdn":
+        layer = GatedDeltaNet(32, num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8, chunk_size=8,
+                              backend="torch")
+    else:
+        layer = KimiDeltaAttention(32, num_heads=2, head_dim=8, chunk_size=8, backend="torch")
+    layer = layer.to(DEVICE)
+    x = torch.randn(2, 13, 32, device=DEVICE)
+    mask = torch.ones(2, 13, dtype=torch.long, device=DEVICE)
+    mask[1, :4] = 0
+
+    def train_step(x, mask):
+        return layer(x, attention_mask=mask)[0]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(train_step, fullgraph=True, backend="aot_eager")
+    y_eager, y_comp = train_step(x, mask), compiled(x, mask)
+    g_eager = torch.autograd.grad(y_eager.square().sum(), list(layer.parameters()))
+    g_comp = torch.autograd.grad(y_comp.square().sum(), list(layer.parameters()))
+    assert rel_err(y_comp, y_eager) < 1e-6
+    for a, b in zip(g_comp, g_eager):
+        assert rel_err(a, b) < 1e-5
+
+    layer.eval()
+    static = LinearAttentionCache.allocate([layer], 2, device=DEVICE)
+    dynamic = LinearAttentionCache()
+    with torch.no_grad():
+        layer(x, cache=static)
+        layer(x, cache=dynamic)
+
+        def decode(t):
+            return layer(t, cache=static)[0]
+
+        step = torch.compile(decode, fullgraph=True, backend="aot_eager")
+        for i in range(3):
+            t = torch.randn(2, 1, 32, device=DEVICE)
+            y_step = step(t)
+            y_ref, dynamic = layer(t, cache=dynamic)
+            assert rel_err(y_step, y_ref) < 1e-6
+    assert rel_err(static.get(0).recurrent_state, dynamic.get(0).recurrent_state) < 1e-6
+    assert rel_err(static.get(0).conv_state, dynamic.get(0).conv_state) < 1e-6

@@ -157,7 +157,7 @@ def test_gdn_layer_matches_token_recurrence_float64():
     from chunkwise.api import l2norm
     from chunkwise.reference.recurrent import recurrent_forward
     import torch.nn.functional as F
-    layer = make_layer("gdn", chunk_size=8, mode="chunk").double()
+    layer = make_layer("gdn", chunk_size=8, mode="chunk", backend="torch").double()
     x = hidden(2, 19).double()
     with torch.no_grad():
         y, _ = layer(x)
