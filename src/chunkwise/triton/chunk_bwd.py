@@ -677,7 +677,8 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
     else:
         b_beta = tl.zeros([C], dtype=tl.float32)
         b_db = tl.zeros([C], dtype=tl.float32)
-    b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
+    if GATE != 2:   # (per channel q is loaded late: fewer live registers there, more here)
+        b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
     b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
     m_ccT = m_t[:, None] & m_t[None, :]
     # Gradients of G are kept as a [C, BK] matrix per channel, as row sums [C] for a scalar gate
@@ -691,8 +692,7 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
         b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, GATE == 2)
         b_eG, b_ekend = _gate_factors(b_G, b_last, GATE)
     if GATE == 2:
-        b_dq = tl.load(dq + p_hk, mask=m_tk, other=0.)
-        b_dGm = b_q * b_dq
+        b_dGm = tl.zeros([C, BK], dtype=tl.float32)
     else:
         if GATE == 1:
             b_gam = tl.exp(tl.where(i_ge_j, b_G[:, None] - b_G[None, :], float("-inf")))
@@ -737,6 +737,7 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
     # through the pairwise products P (q, k) and A (βk, k)
     b_dkb = tl.zeros([C, BK], dtype=tl.float32)
     if GATE == 2:
+        b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
         if DELTA:
             tl.debug_barrier()      # every thread has read dT_v from Amat
             tl.store(Amat + p_cc, b_dA, mask=m_cc)
@@ -757,8 +758,8 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
             if DELTA:
                 b_dkb += tl.dot(b_dA, b_kr, input_precision=PREC) * b_left                 # [C, C] @ [C, BK]
                 b_dkp += tl.dot(b_dAt, b_kb * b_left, input_precision=PREC) * b_right     # [C, C] @ [C, BK]
-        b_dGm += b_q * b_dqp + b_kb * b_dkb - b_k * b_dkp
-        b_dq += b_dqp
+        b_dq = tl.load(dq + p_hk, mask=m_tk, other=0.) + b_dqp
+        b_dGm += b_q * b_dq + b_kb * b_dkb - b_k * b_dkp
         tl.store(dq + p_hk, b_dq, mask=m_tk)
     else:
         if DELTA:
