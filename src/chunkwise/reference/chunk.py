@@ -126,7 +126,8 @@ def chunk_forward(
     S = (q.new_zeros(B, HV, q.shape[-1], v.shape[-1], dtype=dtype) if initial_state is None
          else initial_state.to(dtype))                                     # [B, HV, K, V]
     eyes: dict[int, torch.Tensor] = {}
-    outputs = []
+    masks: dict[int, torch.Tensor] = {}
+    o = v.new_empty(B, T, HV, v.shape[-1], dtype=dtype)
     for s in range(0, T, C):
         e = min(s + C, T)
         c = e - s
@@ -143,11 +144,23 @@ def chunk_forward(
             else:
                 e_G, e_end = _exp(G, dtype)[..., None], _exp(G[..., -1:] - G, dtype)[..., None]
             q_g, k_end, k_g = q_c * e_G, k_c * e_end, k_c * e_G
-        P = pairwise(q_c, k_c, G, True)                                      # [B, HV, c, c]
+        if per_channel:
+            P = pairwise(q_c, k_c, G, True)                                  # [B, HV, c, c]
+        else:   # one decay matrix Γ_ij = exp(G_i − G_j) (j ≤ i) for both P and A
+            if c not in masks:
+                masks[c] = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+            D = None if G is None else (G[..., :, None] - G[..., None, :]).to(dtype).masked_fill(
+                ~masks[c], float("-inf")).exp()                               # [B, HV, c, c]
+            P = q_c @ k_c.transpose(-1, -2)                                  # [B, HV, c, K] @ [B, HV, K, c]
+            P = P.tril() if D is None else P * D
 
         if beta is not None:
             b = beta[:, s:e].transpose(1, 2).to(dtype)[..., None]           # [B, HV, c, 1]
-            A = pairwise(b * k_c, k_c, G, False)                             # strict lower
+            if per_channel:
+                A = pairwise(b * k_c, k_c, G, False)                         # strict lower
+            else:
+                A = (b * k_c) @ k_c.transpose(-1, -2)                        # [B, HV, c, K] @ [B, HV, K, c]
+                A = (A if D is None else A * D).tril(-1)
             if c not in eyes:
                 eyes[c] = torch.eye(c, dtype=dtype, device=q.device)
             # T = (I + A)⁻¹; then R = U − W S = T (β V − (β e^G K) S)
@@ -157,13 +170,13 @@ def chunk_forward(
             o_inter = reads[..., c:, :]
         else:
             R, o_inter = v_c, q_g @ S                                        # [B, HV, c, K] @ [B, HV, K, V]
-        outputs.append((scale * (o_inter + P @ R)).transpose(1, 2))          # [B, c, HV, V]
+        o[:, s:e] = (scale * torch.baddbmm(o_inter.flatten(0, 1), P.flatten(0, 1), R.flatten(0, 1))
+                     ).view(B, HV, c, -1).transpose(1, 2)                     # o_inter + P R
         if G is not None:
             last = _exp(G[..., -1, :], dtype)[..., None] if per_channel else _exp(G[..., -1], dtype)[..., None, None]
             S = S * last                                                     # diag(e^{G_last}) S
-        S = S + k_end.transpose(-1, -2) @ R                                  # [B, HV, K, c] @ [B, HV, c, V]
+        S = torch.baddbmm(S.flatten(0, 1), k_end.transpose(-1, -2).flatten(0, 1), R.flatten(0, 1)).view(S.shape)
 
-    o = torch.cat(outputs, dim=1) if outputs else v.new_zeros(B, T, HV, v.shape[-1], dtype=dtype)
     if index is not None:
         o = unpad_varlen(o, index)
     return o, S
