@@ -60,6 +60,7 @@ def _cases():
     cases["kda-fp32-dense"] = dict(fam="kda", dtype="float32")
     cases["gdn-inference"] = dict(fam="gdn", varlen="cross", grad="none")            # under torch.no_grad
     cases["kda-only-v-requires-grad-dense"] = dict(fam="kda", grad="v")
+    cases["gdn-single-rank-groups"] = dict(fam="gdn", varlen="cross", single=True)   # each rank its own group
     # the Triton backend (under the interpreter on the CPU: slow, so two processes and two families)
     small = dict(H=1, HV=1, K=8, V=12)
     cases["gdn-triton"] = dict(fam="gdn", varlen="cross", dtype="float32", backend="triton", worlds=(2,), shape=small)
@@ -87,13 +88,18 @@ def _bounds(W):
     return _bounds_of(RANK_TOKENS[W])
 
 
+_SINGLE_GROUP = {}      # this rank's one-member group (set by _worker)
+
+
 def _run_case(name, spec, W, rank):
     """One case on this rank: {quantity: relative error} plus the ownership check of the final states."""
-    bounds = _bounds(W)
+    group, bounds = dist.group.WORLD, _bounds(W)
+    lengths = VARLEN[W][spec["varlen"]] if "varlen" in spec else None
+    if spec.get("single"):          # a group of one: the whole batch on this rank
+        group, bounds, W, rank = _SINGLE_GROUP["group"], [0, bounds[-1]], 1, 0
     a, b = bounds[rank], bounds[rank + 1]
     fam = spec["fam"]
     dtype = getattr(torch, spec.get("dtype", "float64"))
-    lengths = VARLEN[W][spec["varlen"]] if "varlen" in spec else None
     shape = spec.get("shape", SHAPE)
     inp = make_inputs(fam, B=2, T=bounds[-1], dtype=dtype, device="cpu", gate=spec.get("gate", "normal"),
                       h0=spec.get("h0", True), lengths=lengths, seed=zlib.crc32(name.encode()) % 1000, requires_grad=True,
@@ -137,7 +143,7 @@ def _run_case(name, spec, W, rank):
     h0_cp = None if h0 is None else h0.detach().clone().requires_grad_(grad == "all")
     cp_params = {n: p.clone().requires_grad_(grad == "all") for n, p in params.items()}
     with torch.set_grad_enabled(grad != "none"):
-        o_cp, ht_cp = op(*local, initial_state=h0_cp, cu_seqlens=inp.cu_seqlens, cp_group=dist.group.WORLD,
+        o_cp, ht_cp = op(*local, initial_state=h0_cp, cu_seqlens=inp.cu_seqlens, cp_group=group,
                          backend=spec.get("backend", "torch"), **cp_params, **kwargs)
     if grad != "none":
         loss = (o_cp * do[:, a:b]).sum()
@@ -149,7 +155,7 @@ def _run_case(name, spec, W, rank):
 
     def summed(x):
         x = x.detach().clone()
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=group)
         return x
 
     res = {"o": rel_err(o_cp, o.detach()[:, a:b]), "o_nan": bool(torch.isnan(o_cp).any())}
@@ -220,6 +226,7 @@ def _worker(rank, W, port, out_dir):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=W,
                             timeout=datetime.timedelta(seconds=120))
     results = {}
+    _SINGLE_GROUP["group"] = [dist.new_group([r]) for r in range(W)][rank]
     try:
         for name, spec in CASES.items():
             if W not in spec.get("worlds", WORLD_SIZES):
@@ -276,7 +283,7 @@ def test_context_parallel_matches_single_process(case, W):
 def test_context_parallel_final_state_owners(W):
     """Every final state is returned by exactly one rank (the one holding the sequence's last token)."""
     for case, spec in CASES.items():
-        if not spec.get("final", True) or W not in spec.get("worlds", WORLD_SIZES):
+        if not spec.get("final", True) or W not in spec.get("worlds", WORLD_SIZES) or spec.get("single"):
             continue
         counts = [res["owned rows"] for res in _results(W)[case]]
         N = len(VARLEN[W][spec["varlen"]]) if "varlen" in spec else 2
