@@ -13,7 +13,7 @@ import torch
 from chunkwise.api import _torch_pool_step
 from chunkwise.reference.recurrent import recurrent_forward
 from chunkwise.triton.recurrent import recurrent, recurrent_fwd
-from helpers import DEVICE, FAMILIES, ON_GPU, RECURRENT_OPS, TOL, make_inputs, reference, rel_err
+from helpers import DEVICE, FAMILIES, INTERPRET, ON_GPU, RECURRENT_OPS, TOL, make_inputs, reference, rel_err
 
 FAMS = list(FAMILIES)
 
@@ -112,6 +112,46 @@ def test_low_precision_initial_state_is_read_not_downcast():
     assert ht.dtype == torch.float32
     assert rel_err(o, ro) < TOL[torch.float32]
     assert rel_err(ht, rht) < TOL[torch.float32]
+
+
+@pytest.fixture
+def loop_bounds_from_tensors(monkeypatch):
+    """The GPU path's pipelined `tl.range(bos, eos)` token loop under the interpreter: triton 3.6's
+    interpreter calls int() on a 1-element array for tensor loop bounds, which numpy 2 refuses;
+    patch that one conversion for the test (on the GPU nothing is patched)."""
+    if INTERPRET:
+        import triton.runtime.interpreter as interp
+        orig = interp._patch_lang_tensor
+
+        def patched(tensor, scope):
+            orig(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+        monkeypatch.setattr(interp, "_patch_lang_tensor", patched)
+
+
+@pytest.mark.parametrize("fam", FAMS)
+@pytest.mark.parametrize("fused", [False, True])
+def test_gpu_loop_and_fused_variants(fam, fused, loop_bounds_from_tensors):
+    """The pipelined token loop (the GPU default) and the one-pass `fused` step, on fixed-length and
+    varlen batches (with an empty sequence) and on a pool with a padding slot."""
+    for kw in (dict(B=2, T=3), dict(lengths=[3, 1, 0, 4])):
+        inp = make_inputs(fam, H=1, HV=2, K=20, V=12, gate="strong", seed=50, **kw)
+        o, ht = _nan_outputs(inp)
+        recurrent_fwd(*_canonical(inp), 20 ** -0.5, inp.h0, True, inp.cu_seqlens, o=o, final_state=ht, BV=8,
+                      fused=fused, pipeline=2)
+        ro, rht = reference(inp)
+        assert rel_err(o, ro) < TOL[torch.float32] and rel_err(ht, rht) < TOL[torch.float32]
+    inp, pool, idx = _pool_case(fam, 2, torch.float32, False, False, seed=51)
+    before = pool.clone()
+    o, _ = recurrent_fwd(*_canonical(inp), 24 ** -0.5, pool, False, None, state_indices=idx, fused=fused, pipeline=2)
+    live = (idx >= 0).cpu()
+    inp.h0 = before.cpu()[idx.long().clamp_min(0).cpu()] * live[:, None, None, None]
+    ro, rht = reference(inp)
+    assert torch.equal(o[1], torch.zeros_like(o[1]))
+    assert rel_err(o[live.to(o.device)], ro[live]) < TOL[torch.float32]
+    assert rel_err(pool[idx[live.to(idx.device)].long()], rht[live]) < TOL[torch.float32]
+    untouched = [s for s in range(pool.shape[0]) if s not in set(idx.tolist())]
+    assert torch.equal(pool[untouched], before[untouched])
 
 
 # ----------------------------------------------------------------------------------------------
