@@ -94,10 +94,10 @@ def test_compile_fullgraph_public_ops(fam, form):
     """torch.compile(fullgraph=True) over each public op (with the in-op preludes): no graph
     break, outputs and gradients equal eager, and both equal the float64 recurrence."""
     op = (CHUNK_OPS if form == "chunk" else RECURRENT_OPS)[fam]
-    inp = make_inputs(fam, B=2, T=19, H=1, HV=2, K=8, V=8, dtype=torch.float32, requires_grad=True)
+    inp = make_inputs(fam, B=2, T=19, H=1, HV=2, K=16, V=16, dtype=torch.float32, requires_grad=True)
 
     def f(*args):
-        return op(*args, initial_state=inp.h0, output_final_state=True, chunk_size=8, backend="torch")
+        return op(*args, initial_state=inp.h0, output_final_state=True, chunk_size=8, backend="auto")
 
     torch._dynamo.reset()
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
@@ -116,15 +116,15 @@ def test_compile_fullgraph_public_ops(fam, form):
 
 def test_compile_varlen_and_gate_in_kernel():
     """Varlen under compile: cu_seqlens values are not read on the host while tracing (shapes only)."""
-    inp = make_inputs("kda", lengths=[7, 1, 13], H=2, K=8, V=8, requires_grad=True)
-    a = torch.randn(1, 21, 2, 8, device=DEVICE, requires_grad=True)
+    inp = make_inputs("kda", lengths=[7, 1, 13], H=2, K=16, V=16, requires_grad=True)
+    a = torch.randn(1, 21, 2, 16, device=DEVICE, requires_grad=True)
     A_log = torch.randn(2, device=DEVICE, requires_grad=True)
-    dt_bias = torch.randn(16, device=DEVICE, requires_grad=True)
+    dt_bias = torch.randn(32, device=DEVICE, requires_grad=True)
 
     def f(q, k, v, a, beta, A_log, dt_bias, h0, cu):
         return chunkwise.chunk_kda(q, k, v, a, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
                                    use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log,
-                                   dt_bias=dt_bias, chunk_size=8, backend="torch")
+                                   dt_bias=dt_bias, chunk_size=8, backend="auto")
 
     args = (inp.q, inp.k, inp.v, a, inp.beta, A_log, dt_bias, inp.h0, inp.cu_seqlens)
     tensors = [inp.q, inp.k, inp.v, a, inp.beta, A_log, dt_bias, inp.h0]
@@ -161,7 +161,7 @@ def test_compile_inductor_model():
     torch.manual_seed(0)
 
     class Tiny(torch.nn.Module):
-        def __init__(self, d=16, H=2, K=8):
+        def __init__(self, d=32, H=2, K=16):
             super().__init__()
             self.H, self.K = H, K
             self.proj = torch.nn.Linear(d, 3 * H * K + 2 * H)
@@ -173,11 +173,11 @@ def test_compile_inductor_model():
             q, k, v = (t.reshape(B, T, self.H, self.K) for t in (q, k, v))
             g = -torch.nn.functional.softplus(a)
             o, _ = chunkwise.chunk_gated_delta_rule(q, k, v, g, b, use_qk_l2norm_in_kernel=True,
-                                                    use_beta_sigmoid_in_kernel=True, chunk_size=8, backend="torch")
+                                                    use_beta_sigmoid_in_kernel=True, chunk_size=8, backend="auto")
             return self.out(o.reshape(B, T, -1))
 
     model = Tiny().to(DEVICE)
-    x = torch.randn(2, 24, 16, device=DEVICE)
+    x = torch.randn(2, 24, 32, device=DEVICE)
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True)
     y_eager = model(x)
@@ -196,10 +196,10 @@ def test_compile_fullgraph_layers(kind):
     from chunkwise.layers import GatedDeltaNet, KimiDeltaAttention, LinearAttentionCache
     torch.manual_seed(0)
     if kind == "gdn":
-        layer = GatedDeltaNet(32, num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8, chunk_size=8,
-                              backend="torch")
+        layer = GatedDeltaNet(32, num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16, chunk_size=8,
+                              backend="auto")
     else:
-        layer = KimiDeltaAttention(32, num_heads=2, head_dim=8, chunk_size=8, backend="torch")
+        layer = KimiDeltaAttention(32, num_heads=2, head_dim=16, chunk_size=8, backend="auto")
     layer = layer.to(DEVICE)
     x = torch.randn(2, 13, 32, device=DEVICE)
     mask = torch.ones(2, 13, dtype=torch.long, device=DEVICE)

@@ -21,9 +21,9 @@ TOL = 1e-5   # fp32 layer against fp32 layer: only the order of float operations
 def make_layer(kind, seed=0, **kw):
     torch.manual_seed(seed)
     if kind == "gdn":
-        layer = GatedDeltaNet(D, num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8, layer_idx=3, **kw)
+        layer = GatedDeltaNet(D, num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16, layer_idx=3, **kw)
     else:
-        layer = KimiDeltaAttention(D, num_heads=2, head_dim=8, num_v_heads=4, layer_idx=3, **kw)
+        layer = KimiDeltaAttention(D, num_heads=2, head_dim=16, num_v_heads=4, layer_idx=3, **kw)
     with torch.no_grad():   # stronger gates than the init, so that decay matters over a few tokens
         layer.A_log.uniform_(-1.0, 0.5)
     return layer.to(DEVICE).eval()
@@ -163,11 +163,11 @@ def test_gdn_layer_matches_token_recurrence_float64():
         y, _ = layer(x)
         q, k, v, z, b, a = layer._split(layer.in_proj_qkvz(x), layer.in_proj_ba(x))
         qkv, _ = layer.conv1d(torch.cat([q, k, v], -1))
-        q, k, v = qkv.split([16, 16, 32], -1)
-        q, k = l2norm(q.reshape(2, 19, 2, 8)), l2norm(k.reshape(2, 19, 2, 8))
+        q, k, v = qkv.split([layer.key_dim, layer.key_dim, layer.value_dim], -1)
+        q, k = l2norm(q.reshape(2, 19, 2, 16)), l2norm(k.reshape(2, 19, 2, 16))
         g = -layer.A_log.exp() * F.softplus(a + layer.dt_bias)
-        o, _ = recurrent_forward(q, k, v.reshape(2, 19, 4, 8), g, b.sigmoid(), 8 ** -0.5, dtype=torch.float64)
-        want = layer.out_proj(layer.norm(o, z).reshape(2, 19, 32))
+        o, _ = recurrent_forward(q, k, v.reshape(2, 19, 4, 16), g, b.sigmoid(), 16 ** -0.5, dtype=torch.float64)
+        want = layer.out_proj(layer.norm(o, z).reshape(2, 19, layer.value_dim))
     assert rel_err(y, want) < 1e-12
 
 
