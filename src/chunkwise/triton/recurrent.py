@@ -229,7 +229,11 @@ def _launch_config(device: torch.device, NHV: int, K: int, V: int) -> tuple[int,
 
     Split V finely enough that N·HV·cdiv(V, BV) programs fill the GPU several times over (batch 1
     is latency bound: many small programs), but keep tiles large when there are programs to spare
-    (fewer re-reads of q and k, fewer tiny stores). num_warps keeps ~32 state values per thread.
+    (fewer re-reads of q and k, fewer tiny stores). num_warps keeps ~64 state values per thread:
+    then each thread's share of a 16-bit K-vector (q, k) is >= 4 bytes, which lets the pipelined
+    token loop fetch it with cp.async alongside the state load (with 4 warps at BV = 32 it falls to
+    2 bytes and two small loads stay serialized; see benchmarks/decode_sass.py). BV = 32 / 2 warps was
+    also the fastest configuration at batch 256 in the first H200 measurement (NOTES-decode.md).
     """
     BK = max(16, triton.next_power_of_2(K))
     BV = min(max(8, triton.next_power_of_2(V)), 32 if BK <= 128 else 16)
@@ -239,7 +243,7 @@ def _launch_config(device: torch.device, NHV: int, K: int, V: int) -> tuple[int,
     n_sm = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     while BV > 8 and NHV * triton.cdiv(V, BV) < 8 * n_sm:
         BV //= 2
-    num_warps = max(1, min(8, BK * BV // 1024))
+    num_warps = max(1, min(8, BK * BV // 2048))
     return BK, BV, num_warps
 
 
