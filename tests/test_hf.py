@@ -10,7 +10,6 @@ import inspect
 import pytest
 import torch
 
-import chunkwise
 import chunkwise.hf as cwhf
 from chunkwise import _custom_ops
 from chunkwise.layers import GatedDeltaNet, LinearAttentionCache
@@ -137,3 +136,23 @@ def test_gated_deltanet_layer_loads_transformers_weights():
             steps.append(y)
     assert isinstance(cache, LinearAttentionCache)
     assert rel_err(torch.cat(steps, 1), want) < 1e-5
+
+
+def test_drop_in_packed_sequences_with_cu_seqlens():
+    """transformers passes ``cu_seqlens`` through **kwargs for packed sequences (B = 1): each sequence
+    then starts from its own state, as if run alone through transformers' function."""
+    gen = torch.Generator().manual_seed(5)
+    lengths, H, HV, K, V = [9, 1, 30], 2, 4, 16, 8
+    T = sum(lengths)
+    q, k = torch.randn(1, T, H, K, generator=gen), torch.randn(1, T, H, K, generator=gen)
+    v = torch.randn(1, T, HV, V, generator=gen)
+    g, beta = -torch.rand(1, T, HV, generator=gen) * 0.3, torch.rand(1, T, HV, generator=gen)
+    cu = torch.tensor([0, 9, 10, 40], dtype=torch.int32)
+    o, ht = cwhf.torch_chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                              cu_seqlens=cu)
+    assert ht.shape == (3, HV, K, V)
+    for n, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        o_n, h_n = _original("torch_chunk_gated_delta_rule")(
+            q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], output_final_state=True,
+            use_qk_l2norm_in_kernel=True)
+        assert rel_err(o[:, s:e], o_n) < 1e-5 and rel_err(ht[n], h_n[0]) < 1e-5

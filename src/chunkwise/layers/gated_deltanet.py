@@ -11,7 +11,6 @@ as it is.
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
