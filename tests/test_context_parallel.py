@@ -58,6 +58,8 @@ def _cases():
     cases["gla-no-initial-state-dense"] = dict(fam="gla", h0=False)
     cases["gdn-fp32"] = dict(fam="gdn", varlen="cross", dtype="float32")
     cases["kda-fp32-dense"] = dict(fam="kda", dtype="float32")
+    cases["gdn-bf16"] = dict(fam="gdn", varlen="cross", dtype="bfloat16")
+    cases["delta-fp16-dense"] = dict(fam="delta", dtype="float16")
     cases["gdn-inference"] = dict(fam="gdn", varlen="cross", grad="none")            # under torch.no_grad
     cases["kda-only-v-requires-grad-dense"] = dict(fam="kda", grad="v")
     cases["gdn-single-rank-groups"] = dict(fam="gdn", varlen="cross", single=True)   # each rank its own group
