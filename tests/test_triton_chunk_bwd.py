@@ -106,6 +106,13 @@ def test_grads_fp16(fam):
     _compare(inp, TOL[torch.float16], dtype=torch.float16)
 
 
+def test_wide_keys_clear_error():
+    """K > 128 has no triton backward (shared memory): a clear error naming K and the way out."""
+    inp = make_inputs("gdn", B=1, T=20, H=1, K=160, V=16, seed=6)
+    with pytest.raises(NotImplementedError, match="K=160"):
+        _grads(inp, "triton", torch.float32)
+
+
 @pytest.mark.parametrize("fam", ("gdn", "kda"))
 def test_grads_in_op_preludes(fam):
     """In-op L2 norm of q, k, beta sigmoid, gate from A_log / dt_bias: gradients of the raw inputs."""

@@ -40,6 +40,7 @@ import triton.language as tl
 
 CHUNK = 64
 SUB = 16
+MAX_K = 128   # the key-side gradient kernel needs 224 KB of shared memory at K = 128 (sm_90: 227 KB)
 GATE_FLOOR = 40.0
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -872,10 +873,14 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     beta: None | [B, T, HV]; initial_state: None | [N, HV, K, V] ([N, HV, V, K] transposed);
     dht: None | like the final state (fp32, same layout); cu_seqlens: None | [N + 1] (B == 1).
     Returns (dq, dk, dv, dg, dbeta, dh0), each in its input's dtype and layout (None where the
-    input is None).
+    input is None). K > MAX_K raises NotImplementedError.
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
+    if K > MAX_K:
+        raise NotImplementedError(
+            f"the triton chunk backward supports head dims K <= {MAX_K} (got K={K}): its key-side kernel would "
+            f"need more shared memory than one SM has; use backend='torch' to train with K={K}")
     C, BC = CHUNK, SUB
     dev = q.device
     varlen = cu_seqlens is not None
