@@ -46,7 +46,7 @@ class Config:
     heads: int = 2
     head_dim: int = 32
     batch: int = 64
-    steps: int = 350
+    steps: int = 700
     lr: float = 5e-3
     weight_decay: float = 0.1
     warmup: int = 30
