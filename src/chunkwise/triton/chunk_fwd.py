@@ -272,18 +272,26 @@ def _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, 
     o_t = tl.arange(0, BTc)
     t0 = i_t * BTc
     if DELTA:
-        b_w = tl.load(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK), (1, 0)), boundary_check=(0, 1))
-        b_u = tl.load(tl.make_block_ptr(u + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, i_v * BV), (BTc, BV), (1, 0)), boundary_check=(0, 1))
+        b_w = tl.load(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK), (1, 0)),
+                      boundary_check=(0, 1))
+        b_u = tl.load(tl.make_block_ptr(u + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, i_v * BV), (BTc, BV),
+                                        (1, 0)),
+                      boundary_check=(0, 1))
         b_R = b_u.to(tl.float32) - tl.dot(b_w, S.to(b_w.dtype), input_precision=DOT_PREC)   # [BT, BK] @ [BK, BV]
     else:
-        b_R = tl.load(tl.make_block_ptr(v + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, i_v * BV), (BTc, BV), (1, 0)), boundary_check=(0, 1)).to(tl.float32)
+        b_R = tl.load(tl.make_block_ptr(v + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, i_v * BV), (BTc, BV),
+                                        (1, 0)), boundary_check=(0, 1)).to(tl.float32)
     if GATE == 2:
-        b_qd = tl.load(tl.make_block_ptr(qg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK), (1, 0)), boundary_check=(0, 1))
-        b_kd = tl.load(tl.make_block_ptr(kg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK), (1, 0)), boundary_check=(0, 1))
+        b_qd = tl.load(tl.make_block_ptr(qg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK), (1, 0)),
+                       boundary_check=(0, 1))
+        b_kd = tl.load(tl.make_block_ptr(kg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK), (1, 0)),
+                       boundary_check=(0, 1))
         b_dl = tl.load(glast + ((slot0 + i_t) * HV + i_h) * K + o_k, mask=o_k < K, other=0.)[:, None]
     else:
-        b_q = tl.load(tl.make_block_ptr(q + (bos * H + i_hk) * K, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)), boundary_check=(0, 1))
-        b_k = tl.load(tl.make_block_ptr(k + (bos * H + i_hk) * K, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)), boundary_check=(0, 1))
+        b_q = tl.load(tl.make_block_ptr(q + (bos * H + i_hk) * K, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
+                      boundary_check=(0, 1))
+        b_k = tl.load(tl.make_block_ptr(k + (bos * H + i_hk) * K, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
+                      boundary_check=(0, 1))
         if GATE == 1:
             gv = tl.load(g + (bos + t0 + o_t) * HV + i_h, mask=t0 + o_t < T_seq, other=0.).to(tl.float32)
             Gc = tl.cumsum(tl.where(gv < g_floor, g_floor, gv), 0)                 # [BT]
@@ -292,7 +300,9 @@ def _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, 
         b_qd = b_q
         b_kd = b_k
     if P_IN:
-        b_P = tl.load(tl.make_block_ptr(p + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0), (BTc, BTc), (1, 0)), boundary_check=(0, 1))
+        b_P = tl.load(tl.make_block_ptr(p + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0), (BTc, BTc),
+                                        (1, 0)),
+                      boundary_check=(0, 1))
     else:
         b_P = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)              # [BT, BK] @ [BK, BT]
         if GATE == 1:
@@ -367,11 +377,13 @@ def chunk_state_output_kernel(
     if LOOP_WHILE:      # the triton 3.6 interpreter cannot take a tensor bound in range()
         i_t = 0
         while i_t < n_chunks:
-            S = _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, T_seq, slot0, i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, DOT_PREC, g_floor)
+            S = _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, T_seq, slot0, i_h,
+                                   i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, DOT_PREC, g_floor)
             i_t += 1
     else:               # compiled: a for loop, so that the loads of later chunks are pipelined
         for i_t in range(n_chunks):
-            S = _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, T_seq, slot0, i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, DOT_PREC, g_floor)
+            S = _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, T_seq, slot0, i_h,
+                                   i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, DOT_PREC, g_floor)
 
     if STORE_HT:
         p_ht = ht + i_n * s_htn + i_h * s_hth + o_k[:, None] * s_htk + o_v[None, :] * s_htv
