@@ -372,14 +372,14 @@ def chunk_cp(fam: api.Family, mode: str, q, k, v, g, beta, scale, initial_state,
         ht_in = Q_head + P @ S_in                                               # [rows, HV, K, K] @ [rows, HV, K, V]
         ht_local = torch.cat([ht_in, ht_rest]) if rest else ht_in
     else:
-        o = _Tie.apply(o_rest, gathered)
+        o = _Tie.apply(o_rest, gathered) if needs_grad else o_rest
         ht_local = ht0
     if not output_final_state:
         return o, None
     # rows seqs.start .. + len(ends) end here (a carried-out sequence is always the last local one)
     n0, n1 = me.seqs.start, me.seqs.start + len(me.ends)
     final = torch.cat([ht0.new_zeros(n0, HV, K, V), ht_local[:len(me.ends)], ht0.new_zeros(N - n1, HV, K, V)])
-    final = _Tie.apply(final, gathered)
+    final = _Tie.apply(final, gathered) if needs_grad else final
     if transpose_state_layout:
         final = final.transpose(-1, -2).contiguous()
     return o, final
