@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from helpers import CHUNK_OPS, TOL, make_inputs, rel_err
+from helpers import CHUNK_OPS, INTERPRET, TOL, make_inputs, rel_err
 
 WORLD_SIZES = (2, 4)
 RANK_TOKENS = {2: [45, 38], 4: [25, 31, 20, 27]}        # tokens per rank (global T = 83 / 103)
@@ -63,10 +63,12 @@ def _cases():
     cases["gdn-inference"] = dict(fam="gdn", varlen="cross", grad="none")            # under torch.no_grad
     cases["kda-only-v-requires-grad-dense"] = dict(fam="kda", grad="v")
     cases["gdn-single-rank-groups"] = dict(fam="gdn", varlen="cross", single=True)   # each rank its own group
-    # the Triton backend (under the interpreter on the CPU: slow, so two processes and two families)
-    small = dict(H=1, HV=1, K=8, V=12)
-    cases["gdn-triton"] = dict(fam="gdn", varlen="cross", dtype="float32", backend="triton", worlds=(2,), shape=small)
-    cases["kda-triton"] = dict(fam="kda", varlen="cross", dtype="float32", backend="triton", worlds=(2,), shape=small)
+    if INTERPRET:   # the Triton backend on CPU tensors (the interpreter: slow, so two processes and two families)
+        small = dict(H=1, HV=1, K=8, V=12)
+        cases["gdn-triton"] = dict(fam="gdn", varlen="cross", dtype="float32", backend="triton", worlds=(2,),
+                                   shape=small)
+        cases["kda-triton"] = dict(fam="kda", varlen="cross", dtype="float32", backend="triton", worlds=(2,),
+                                   shape=small)
     return cases
 
 
