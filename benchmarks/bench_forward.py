@@ -2,6 +2,11 @@
 
     PYTHONPATH=src python3 benchmarks/bench_forward.py [--out DIR] [--variants] [--families gdn,kda,delta,gla]
 
+On the device, compile first in parallel (Triton caches on disk), then time:
+
+    for f in gdn kda delta gla; do python3 benchmarks/bench_forward.py --warm --variants --families $f & done; wait
+    python3 benchmarks/bench_forward.py --variants --out $OUT
+
 Shapes (K = V = 128, bf16): B1-T32768-H32, B8-T4096-H32, B4-T8192-H16/HV32, and a varlen batch of
 16 sequences of random lengths totalling 32768 tokens (H = 32). Times are triton.testing.do_bench
 medians (ms) of the public op (backend="triton", varlen with cu_seqlens_cpu and a precomputed
@@ -21,7 +26,7 @@ import torch.nn.functional as F
 import triton
 
 import chunkwise
-from chunkwise.triton.chunk_fwd import chunk_fwd
+from chunkwise.triton.chunk_fwd import chunk_fwd, chunk_prepare
 
 FAMILIES = ("gdn", "kda", "delta", "gla")
 OURS = {"gdn": chunkwise.chunk_gated_delta_rule, "kda": chunkwise.chunk_kda,
@@ -150,6 +155,9 @@ def main():
             finite = bool(torch.isfinite(o_chk).all())
             t_ours, (o, ht) = bench(lambda: run_ours(fam, x))
             row = dict(shape=s["name"], family=fam, ours_ms=t_ours, all_finite=finite)
+            if x["beta"] is not None:       # stage 1 alone (the rest of ours_ms is stage 2)
+                row["stage1_ms"] = bench(lambda: chunk_prepare(x["q"], x["k"], x["v"], x["g"], x["beta"], x["cu"],
+                                                               x["chunk_indices"]))[0]
             f = fla_fn(fam)
             if f is not None:
                 try:
@@ -192,10 +200,11 @@ def main():
         json.dump(dict(meta=meta, results=results), fh, indent=1)
 
     print(f"\n{meta['gpu']}  torch {meta['torch']}  triton {meta['triton']}  fla {meta['fla']}  commit {str(commit)[:10]}")
-    print(f"{'shape':22s} {'fam':6s} {'ours ms':>8s} {'fla ms':>8s} {'x fla':>6s} {'o~fla':>8s} finite")
+    print(f"{'shape':22s} {'fam':6s} {'ours ms':>8s} {'stage1':>7s} {'fla ms':>8s} {'x fla':>6s} {'o~fla':>8s} finite")
     for r in results:
-        print(f"{r['shape']:22s} {r['family']:6s} {r['ours_ms']:8.3f} {r.get('fla_ms', float('nan')):8.3f} "
-              f"{r.get('speedup', float('nan')):6.2f} {r.get('o_vs_fla', float('nan')):8.1e} {r['all_finite']}")
+        print(f"{r['shape']:22s} {r['family']:6s} {r['ours_ms']:8.3f} {r.get('stage1_ms', float('nan')):7.3f} "
+              f"{r.get('fla_ms', float('nan')):8.3f} {r.get('speedup', float('nan')):6.2f} "
+              f"{r.get('o_vs_fla', float('nan')):8.1e} {r['all_finite']}")
     try:
         import matplotlib
         matplotlib.use("Agg")
