@@ -2,8 +2,9 @@
 
 Every case runs the same op twice on every rank: once single-process on the whole batch, once with
 ``cp_group`` on the rank's slice of the tokens (slices of unequal lengths), and compares outputs,
-final states and the gradients of every input (float64: to rounding; one fp32 case). One spawned
-group per world size runs all cases; the test functions read its results.
+final states and the gradients of every input (float64 to rounding; fp32, bf16, fp16 and the Triton
+backend under the interpreter to their dtype's tolerance). One spawned group per world size runs all
+cases; the test functions read its results.
 """
 from __future__ import annotations
 
