@@ -167,51 +167,62 @@ def chunk_prepare_kernel(
     b_beta = tl.load(beta + bos * HV + i_h + (t0 + o_t) * HV, mask=t0 + o_t < T_seq, other=0.).to(tl.float32)
 
     if GATE == 2:
-        # per-channel gate: factor every e^{G_i − G_j} around a block end or block start (both factors ≤ 1)
-        b_g = tl.load(tl.make_block_ptr(g + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK),
-                                        (1, 0)), boundary_check=(0, 1)).to(tl.float32)
+        # per-channel gate: factor every e^{G_i − G_j} around a block end or block start (both factors ≤ 1).
+        # Few [BT, BK] fp32 tiles stay live (x is folded into β k and q at once): 8 warps then fit.
+        g_base = g + (bos * HV + i_h) * K
+        b_g = tl.load(tl.make_block_ptr(g_base, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK), (1, 0)),
+                      boundary_check=(0, 1)).to(tl.float32)
         b_G = tl.cumsum(tl.where(b_g < g_floor, g_floor, b_g), 0)                       # [BT, BK]
         e0 = _row_of(b_G, BCc - 1, BTc)                                                 # G at each block end
         e1 = _row_of(b_G, 2 * BCc - 1, BTc)
         e2 = _row_of(b_G, 3 * BCc - 1, BTc)
         e3 = _row_of(b_G, 4 * BCc - 1, BTc)
         zero = tl.zeros_like(e0)
-        s_rows = _by_block(zero[None, :], e0[None, :], e1[None, :], e2[None, :], BTc, BCc)   # G before the block
-        e_rows = _by_block(e0[None, :], e1[None, :], e2[None, :], e3[None, :], BTc, BCc)     # G at the block end
-        kf = b_k.to(tl.float32)
-        qf = b_q.to(tl.float32)
-        bk = kf * b_beta[:, None]
-        x = tl.exp(b_G - s_rows)                         # e^{G_i − s_b} ≤ 1
-        ky = kf * tl.exp(e_rows - b_G)                   # k_j e^{e_c − G_j}, ≤ 1 factor
-        # off-diagonal blocks, column block c, rows of block b > c: e^{G_i − e_c} = x_i e^{s_b − e_c}
-        # (one column block at a time, so that few [BT, BK] fp32 tiles are live at once)
         one = tl.full([BK], 1., tl.float32)
-        r = x * _by_block(zero[None, :], one[None, :], tl.exp(e1 - e0)[None, :], tl.exp(e2 - e0)[None, :], BTc, BCc)
-        c = tl.trans(tl.where((blk == 0)[:, None], ky, 0.))
-        A = tl.dot(bk * r, c, input_precision=MM_PREC)                                   # [BT, BK] @ [BK, BT]
-        P = tl.dot(qf * r, c, input_precision=MM_PREC)                                   # [BT, BK] @ [BK, BT]
-        r = x * _by_block(zero[None, :], zero[None, :], one[None, :], tl.exp(e2 - e1)[None, :], BTc, BCc)
-        c = tl.trans(tl.where((blk == 1)[:, None], ky, 0.))
-        A += tl.dot(bk * r, c, input_precision=MM_PREC)                                  # [BT, BK] @ [BK, BT]
-        P += tl.dot(qf * r, c, input_precision=MM_PREC)                                  # [BT, BK] @ [BK, BT]
-        r = tl.where((blk == 3)[:, None], x, 0.)
-        c = tl.trans(tl.where((blk == 2)[:, None], ky, 0.))
-        A += tl.dot(bk * r, c, input_precision=MM_PREC)                                  # [BT, BK] @ [BK, BT]
-        P += tl.dot(qf * r, c, input_precision=MM_PREC)                                  # [BT, BK] @ [BK, BT]
-        # diagonal blocks: around the block start when the block's gates sum above -span_max, else exact
+        s_rows = _by_block(zero[None, :], e0[None, :], e1[None, :], e2[None, :], BTc, BCc)   # G before the block
         worst = tl.min(tl.min(b_G - s_rows, 1), 0)
+        x = tl.exp(b_G - s_rows)                                                         # e^{G_i − s_b} ≤ 1
+        ky = b_k.to(tl.float32) * tl.exp(
+            _by_block(e0[None, :], e1[None, :], e2[None, :], e3[None, :], BTc, BCc) - b_G)  # k_j e^{e_c − G_j}
+        bkx = b_k.to(tl.float32) * b_beta[:, None] * x                                   # β_i k_i e^{G_i − s_b}
+        qx = b_q.to(tl.float32) * x                                                      # q_i e^{G_i − s_b}
+        # off-diagonal blocks, column block c, rows of block b > c: e^{G_i − e_c} = x_i e^{s_b − e_c}
+        f = _by_block(zero[None, :], one[None, :], tl.exp(e1 - e0)[None, :], tl.exp(e2 - e0)[None, :], BTc, BCc)
+        c = tl.trans(tl.where((blk == 0)[:, None], ky, 0.))
+        A = tl.dot(bkx * f, c, input_precision=MM_PREC)                                  # [BT, BK] @ [BK, BT]
+        P = tl.dot(qx * f, c, input_precision=MM_PREC)                                   # [BT, BK] @ [BK, BT]
+        f = _by_block(zero[None, :], zero[None, :], one[None, :], tl.exp(e2 - e1)[None, :], BTc, BCc)
+        c = tl.trans(tl.where((blk == 1)[:, None], ky, 0.))
+        A += tl.dot(bkx * f, c, input_precision=MM_PREC)                                 # [BT, BK] @ [BK, BT]
+        P += tl.dot(qx * f, c, input_precision=MM_PREC)                                  # [BT, BK] @ [BK, BT]
+        f = tl.where((blk == 3)[:, None], 1., 0.)
+        c = tl.trans(tl.where((blk == 2)[:, None], ky, 0.))
+        A += tl.dot(bkx * f, c, input_precision=MM_PREC)                                 # [BT, BK] @ [BK, BT]
+        P += tl.dot(qx * f, c, input_precision=MM_PREC)                                  # [BT, BK] @ [BK, BT]
+        # diagonal blocks: around the block start when the block's gates sum above -span_max, else exact
         if worst > -span_max:
-            kinv = kf * tl.exp(s_rows - b_G)                                             # ≤ e^{span_max}
-            Ad = tl.dot(bk * x, tl.trans(kinv), input_precision=MM_PREC)                 # [BT, BK] @ [BK, BT]
-            Pd = tl.dot(qf * x, tl.trans(kinv), input_precision=MM_PREC)                 # [BT, BK] @ [BK, BT]
+            # k_j e^{s_b − G_j} = ky_j e^{s_b − e_b}, at most e^{span_max}
+            kinv = ky * tl.exp(_by_block(-e0[None, :], (e0 - e1)[None, :], (e1 - e2)[None, :], (e2 - e3)[None, :],
+                                         BTc, BCc))
+            Ad = tl.dot(bkx, tl.trans(kinv), input_precision=MM_PREC)                    # [BT, BK] @ [BK, BT]
+            Pd = tl.dot(qx, tl.trans(kinv), input_precision=MM_PREC)                     # [BT, BK] @ [BK, BT]
         else:
+            # rare: reload the chunk and form each column j exactly from e^{G_i − G_j}, i ≥ j
+            kf = tl.load(tl.make_block_ptr(k + (bos * H + i_hk) * K, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK),
+                                           (1, 0)), boundary_check=(0, 1)).to(tl.float32)
+            qf = tl.load(tl.make_block_ptr(q + (bos * H + i_hk) * K, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK),
+                                           (1, 0)), boundary_check=(0, 1)).to(tl.float32)
+            gf = tl.load(tl.make_block_ptr(g_base, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK), (1, 0)),
+                         boundary_check=(0, 1)).to(tl.float32)
+            Gf = tl.cumsum(tl.where(gf < g_floor, g_floor, gf), 0)
+            bk = kf * b_beta[:, None]
             Ad = tl.zeros([BTc, BTc], dtype=tl.float32)
             Pd = tl.zeros([BTc, BTc], dtype=tl.float32)
             for j in range(BTc):            # a loop, not unrolled: this path is rare
                 k_j = tl.sum(tl.where((o_t == j)[:, None], kf, 0.), 0)                  # [BK]
-                G_j = tl.sum(tl.where((o_t == j)[:, None], b_G, 0.), 0)                 # [BK]
+                G_j = tl.sum(tl.where((o_t == j)[:, None], Gf, 0.), 0)                  # [BK]
                 keep = (o_t >= j) & (blk == j // BCc)
-                e = tl.exp(tl.where(keep[:, None], b_G - G_j[None, :], float("-inf")))  # e^{G_i − G_j}, i ≥ j
+                e = tl.exp(tl.where(keep[:, None], Gf - G_j[None, :], float("-inf")))   # e^{G_i − G_j}, i ≥ j
                 a_col = tl.sum(bk * e * k_j[None, :], 1)                                 # [BT]
                 p_col = tl.sum(qf * e * k_j[None, :], 1)
                 Ad = tl.where((o_t == j)[None, :], a_col[:, None], Ad)
@@ -219,16 +230,16 @@ def chunk_prepare_kernel(
         A = tl.where(same, tl.where(strict, Ad, 0.), A)
         P = tl.where(same, tl.where(incl, Pd, 0.), P)
         # q e^G, k e^{G_last − G} for stage 2 (e^G = x e^{s_b}, e^{G_last − G} = e^{e_b − G} e^{G_last − e_b})
-        eg = x * _by_block(one[None, :], tl.exp(e0)[None, :], tl.exp(e1)[None, :], tl.exp(e2)[None, :], BTc, BCc)
+        es = _by_block(one[None, :], tl.exp(e0)[None, :], tl.exp(e1)[None, :], tl.exp(e2)[None, :], BTc, BCc)
         tl.store(tl.make_block_ptr(qg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK), (1, 0)),
-                 (qf * eg).to(qg.dtype.element_ty), boundary_check=(0, 1))
+                 (qx * es).to(qg.dtype.element_ty), boundary_check=(0, 1))
         kgl = ky * _by_block(tl.exp(e3 - e0)[None, :], tl.exp(e3 - e1)[None, :], tl.exp(e3 - e2)[None, :],
                              one[None, :], BTc, BCc)
         tl.store(tl.make_block_ptr(kg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK), (1, 0)),
                  kgl.to(kg.dtype.element_ty), boundary_check=(0, 1))
         o_k = tl.arange(0, BK)
         tl.store(glast + (slot * HV + i_h) * K + o_k, tl.exp(e3), mask=o_k < K)
-        Xk = bk * eg                                                                     # β e^G k
+        Xk = bkx * es                                                                    # β e^G k
     else:
         KK = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PREC)                       # [BT, BK] @ [BK, BT]
         QK = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)                       # [BT, BK] @ [BK, BT]
