@@ -235,3 +235,25 @@ def test_compile_fullgraph_layers(kind):
             assert rel_err(y_step, y_ref) < 1e-6
     assert rel_err(static.get(0).recurrent_state, dynamic.get(0).recurrent_state) < 1e-6
     assert rel_err(static.get(0).conv_state, dynamic.get(0).conv_state) < 1e-6
+
+
+def test_compile_fullgraph_state_pool_decode():
+    """The in-place state-pool decode (a mutating custom op) under torch.compile(fullgraph=True)."""
+    inp = make_inputs("gdn", B=3, T=1, H=2, HV=4, K=16, V=16, h0=False)
+    pool = torch.randn(6, 4, 16, 16, device=DEVICE)
+    slots = torch.tensor([5, -1, 2], device=DEVICE)
+
+    def step(q, k, v, g, beta, pool, slots):
+        return chunkwise.fused_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=pool, state_indices=slots,
+                                                          use_qk_l2norm_in_kernel=True, backend="auto")[0]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    pool_eager, pool_before = pool.clone(), pool.clone()
+    o_comp = compiled(inp.q, inp.k, inp.v, inp.g, inp.beta, pool, slots)
+    o_eager = step(inp.q, inp.k, inp.v, inp.g, inp.beta, pool_eager, slots)
+    assert rel_err(o_comp, o_eager) < 1e-6 and rel_err(pool, pool_eager) < 1e-6
+    assert o_comp[1].abs().sum() == 0                                     # the padding slot
+    untouched = [0, 1, 3, 4]
+    assert torch.equal(pool[untouched], pool_before[untouched])          # only the live slots were written
+    assert rel_err(pool[5], pool_before[5]) > 1e-3 and rel_err(pool[2], pool_before[2]) > 1e-3
