@@ -51,7 +51,7 @@ def _check(inp, o, ht, tol, final=True):
 if ON_GPU:
     KS, VS, T_LONG = (100, 128), (60, 128), 300
 else:
-    KS, VS, T_LONG = (32, 40), (32, 48), 100
+    KS, VS, T_LONG = (32, 80), (32, 48), 100     # K = 80: two 64-channel chunks in KDA stage 1
 
 CASES = {
     # name: (make_inputs kwargs, run kwargs)

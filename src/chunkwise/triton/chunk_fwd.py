@@ -132,7 +132,7 @@ def chunk_prepare_kernel(
     qg, kg, glast,               # out (GATE == 2): [B,T,HV,K] [B,T,HV,K] input dtype, [slots,HV,K] fp32
     cu_seqlens, chunk_indices,   # varlen: [N+1], [NT_total, 2] (sequence, chunk in sequence)
     T, NT, H, HV, K, V,
-    BTc: tl.constexpr, BCc: tl.constexpr, BK: tl.constexpr, BVf: tl.constexpr,
+    BTc: tl.constexpr, BCc: tl.constexpr, BK: tl.constexpr, BVf: tl.constexpr, BKC: tl.constexpr,
     GATE: tl.constexpr,          # 0 none, 1 scalar, 2 per channel
     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, MM_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
     g_floor: tl.constexpr, span_max: tl.constexpr,
@@ -160,87 +160,89 @@ def chunk_prepare_kernel(
     incl = o_t[:, None] >= o_t[None, :]
     same = blk[:, None] == blk[None, :]
 
-    b_q = tl.load(tl.make_block_ptr(q + (bos * H + i_hk) * K, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
-                  boundary_check=(0, 1))
-    b_k = tl.load(tl.make_block_ptr(k + (bos * H + i_hk) * K, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
-                  boundary_check=(0, 1))
     b_beta = tl.load(beta + bos * HV + i_h + (t0 + o_t) * HV, mask=t0 + o_t < T_seq, other=0.).to(tl.float32)
+    q_base = q + (bos * H + i_hk) * K
+    k_base = k + (bos * H + i_hk) * K
 
     if GATE == 2:
-        # per-channel gate: factor every e^{G_i − G_j} around a block end or block start (both factors ≤ 1).
-        # Few [BT, BK] fp32 tiles stay live (x is folded into β k and q at once): 8 warps then fit.
+        # per-channel gate, in column chunks of BKC channels (A and P are sums over channels, every
+        # channel's gate is independent): few [BT, BKC] fp32 tiles live, shared memory bounded for K = 256.
+        # Each e^{G_i − G_j} is factored around a block end or a block start, both factors ≤ 1.
         g_base = g + (bos * HV + i_h) * K
-        b_g = tl.load(tl.make_block_ptr(g_base, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK), (1, 0)),
-                      boundary_check=(0, 1)).to(tl.float32)
-        b_G = tl.cumsum(tl.where(b_g < g_floor, g_floor, b_g), 0)                       # [BT, BK]
-        e0 = _row_of(b_G, BCc - 1, BTc)                                                 # G at each block end
-        e1 = _row_of(b_G, 2 * BCc - 1, BTc)
-        e2 = _row_of(b_G, 3 * BCc - 1, BTc)
-        e3 = _row_of(b_G, 4 * BCc - 1, BTc)
-        zero = tl.zeros_like(e0)
-        one = tl.full([BK], 1., tl.float32)
-        s_rows = _by_block(zero[None, :], e0[None, :], e1[None, :], e2[None, :], BTc, BCc)   # G before the block
-        worst = tl.min(tl.min(b_G - s_rows, 1), 0)
-        x = tl.exp(b_G - s_rows)                                                         # e^{G_i − s_b} ≤ 1
-        ky = b_k.to(tl.float32) * tl.exp(
-            _by_block(e0[None, :], e1[None, :], e2[None, :], e3[None, :], BTc, BCc) - b_G)  # k_j e^{e_c − G_j}
-        bkx = b_k.to(tl.float32) * b_beta[:, None] * x                                   # β_i k_i e^{G_i − s_b}
-        qx = b_q.to(tl.float32) * x                                                      # q_i e^{G_i − s_b}
-        # off-diagonal blocks, column block c, rows of block b > c: e^{G_i − e_c} = x_i e^{s_b − e_c}
-        f = _by_block(zero[None, :], one[None, :], tl.exp(e1 - e0)[None, :], tl.exp(e2 - e0)[None, :], BTc, BCc)
-        c = tl.trans(tl.where((blk == 0)[:, None], ky, 0.))
-        A = tl.dot(bkx * f, c, input_precision=MM_PREC)                                  # [BT, BK] @ [BK, BT]
-        P = tl.dot(qx * f, c, input_precision=MM_PREC)                                   # [BT, BK] @ [BK, BT]
-        f = _by_block(zero[None, :], zero[None, :], one[None, :], tl.exp(e2 - e1)[None, :], BTc, BCc)
-        c = tl.trans(tl.where((blk == 1)[:, None], ky, 0.))
-        A += tl.dot(bkx * f, c, input_precision=MM_PREC)                                 # [BT, BK] @ [BK, BT]
-        P += tl.dot(qx * f, c, input_precision=MM_PREC)                                  # [BT, BK] @ [BK, BT]
-        f = tl.where((blk == 3)[:, None], 1., 0.)
-        c = tl.trans(tl.where((blk == 2)[:, None], ky, 0.))
-        A += tl.dot(bkx * f, c, input_precision=MM_PREC)                                 # [BT, BK] @ [BK, BT]
-        P += tl.dot(qx * f, c, input_precision=MM_PREC)                                  # [BT, BK] @ [BK, BT]
-        # diagonal blocks: around the block start when the block's gates sum above -span_max, else exact
-        if worst > -span_max:
-            # k_j e^{s_b − G_j} = ky_j e^{s_b − e_b}, at most e^{span_max}
-            kinv = ky * tl.exp(_by_block(-e0[None, :], (e0 - e1)[None, :], (e1 - e2)[None, :], (e2 - e3)[None, :],
-                                         BTc, BCc))
-            Ad = tl.dot(bkx, tl.trans(kinv), input_precision=MM_PREC)                    # [BT, BK] @ [BK, BT]
-            Pd = tl.dot(qx, tl.trans(kinv), input_precision=MM_PREC)                     # [BT, BK] @ [BK, BT]
-        else:
-            # rare: reload the chunk and form each column j exactly from e^{G_i − G_j}, i ≥ j
-            kf = tl.load(tl.make_block_ptr(k + (bos * H + i_hk) * K, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK),
-                                           (1, 0)), boundary_check=(0, 1)).to(tl.float32)
-            qf = tl.load(tl.make_block_ptr(q + (bos * H + i_hk) * K, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK),
-                                           (1, 0)), boundary_check=(0, 1)).to(tl.float32)
-            gf = tl.load(tl.make_block_ptr(g_base, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK), (1, 0)),
+        A = tl.zeros([BTc, BTc], dtype=tl.float32)
+        P = tl.zeros([BTc, BTc], dtype=tl.float32)
+        for i_kc in range(BK // BKC):
+            kc0 = i_kc * BKC
+            kf = tl.load(tl.make_block_ptr(k_base, (T_seq, K), (H * K, 1), (t0, kc0), (BTc, BKC), (1, 0)),
                          boundary_check=(0, 1)).to(tl.float32)
-            Gf = tl.cumsum(tl.where(gf < g_floor, g_floor, gf), 0)
-            bk = kf * b_beta[:, None]
-            Ad = tl.zeros([BTc, BTc], dtype=tl.float32)
-            Pd = tl.zeros([BTc, BTc], dtype=tl.float32)
-            for j in range(BTc):            # a loop, not unrolled: this path is rare
-                k_j = tl.sum(tl.where((o_t == j)[:, None], kf, 0.), 0)                  # [BK]
-                G_j = tl.sum(tl.where((o_t == j)[:, None], Gf, 0.), 0)                  # [BK]
-                keep = (o_t >= j) & (blk == j // BCc)
-                e = tl.exp(tl.where(keep[:, None], Gf - G_j[None, :], float("-inf")))   # e^{G_i − G_j}, i ≥ j
-                a_col = tl.sum(bk * e * k_j[None, :], 1)                                 # [BT]
-                p_col = tl.sum(qf * e * k_j[None, :], 1)
-                Ad = tl.where((o_t == j)[None, :], a_col[:, None], Ad)
-                Pd = tl.where((o_t == j)[None, :], p_col[:, None], Pd)
-        A = tl.where(same, tl.where(strict, Ad, 0.), A)
-        P = tl.where(same, tl.where(incl, Pd, 0.), P)
-        # q e^G, k e^{G_last − G} for stage 2 (e^G = x e^{s_b}, e^{G_last − G} = e^{e_b − G} e^{G_last − e_b})
-        es = _by_block(one[None, :], tl.exp(e0)[None, :], tl.exp(e1)[None, :], tl.exp(e2)[None, :], BTc, BCc)
-        tl.store(tl.make_block_ptr(qg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK), (1, 0)),
-                 (qx * es).to(qg.dtype.element_ty), boundary_check=(0, 1))
-        kgl = ky * _by_block(tl.exp(e3 - e0)[None, :], tl.exp(e3 - e1)[None, :], tl.exp(e3 - e2)[None, :],
-                             one[None, :], BTc, BCc)
-        tl.store(tl.make_block_ptr(kg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK), (1, 0)),
-                 kgl.to(kg.dtype.element_ty), boundary_check=(0, 1))
-        o_k = tl.arange(0, BK)
-        tl.store(glast + (slot * HV + i_h) * K + o_k, tl.exp(e3), mask=o_k < K)
-        Xk = bkx * es                                                                    # β e^G k
+            qf = tl.load(tl.make_block_ptr(q_base, (T_seq, K), (H * K, 1), (t0, kc0), (BTc, BKC), (1, 0)),
+                         boundary_check=(0, 1)).to(tl.float32)
+            b_g = tl.load(tl.make_block_ptr(g_base, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC), (1, 0)),
+                          boundary_check=(0, 1)).to(tl.float32)
+            b_G = tl.cumsum(tl.where(b_g < g_floor, g_floor, b_g), 0)                   # [BT, BKC]
+            e0 = _row_of(b_G, BCc - 1, BTc)                                             # G at each block end
+            e1 = _row_of(b_G, 2 * BCc - 1, BTc)
+            e2 = _row_of(b_G, 3 * BCc - 1, BTc)
+            e3 = _row_of(b_G, 4 * BCc - 1, BTc)
+            zero = tl.zeros_like(e0)
+            one = tl.full([BKC], 1., tl.float32)
+            s_rows = _by_block(zero[None, :], e0[None, :], e1[None, :], e2[None, :], BTc, BCc)   # G before the block
+            worst = tl.min(tl.min(b_G - s_rows, 1), 0)
+            x = tl.exp(b_G - s_rows)                                                     # e^{G_i − s_b} ≤ 1
+            ky = kf * tl.exp(_by_block(e0[None, :], e1[None, :], e2[None, :], e3[None, :], BTc, BCc) - b_G)
+            bkx = kf * b_beta[:, None] * x                                               # β_i k_i e^{G_i − s_b}
+            qx = qf * x                                                                  # q_i e^{G_i − s_b}
+            # off-diagonal blocks, column block c, rows of block b > c: e^{G_i − e_c} = x_i e^{s_b − e_c}
+            f = _by_block(zero[None, :], one[None, :], tl.exp(e1 - e0)[None, :], tl.exp(e2 - e0)[None, :], BTc, BCc)
+            c = tl.trans(tl.where((blk == 0)[:, None], ky, 0.))
+            A += tl.dot(bkx * f, c, input_precision=MM_PREC)                             # [BT, BKC] @ [BKC, BT]
+            P += tl.dot(qx * f, c, input_precision=MM_PREC)                              # [BT, BKC] @ [BKC, BT]
+            f = _by_block(zero[None, :], zero[None, :], one[None, :], tl.exp(e2 - e1)[None, :], BTc, BCc)
+            c = tl.trans(tl.where((blk == 1)[:, None], ky, 0.))
+            A += tl.dot(bkx * f, c, input_precision=MM_PREC)                             # [BT, BKC] @ [BKC, BT]
+            P += tl.dot(qx * f, c, input_precision=MM_PREC)                              # [BT, BKC] @ [BKC, BT]
+            f = tl.where((blk == 3)[:, None], 1., 0.)
+            c = tl.trans(tl.where((blk == 2)[:, None], ky, 0.))
+            A += tl.dot(bkx * f, c, input_precision=MM_PREC)                             # [BT, BKC] @ [BKC, BT]
+            P += tl.dot(qx * f, c, input_precision=MM_PREC)                              # [BT, BKC] @ [BKC, BT]
+            # diagonal blocks: around the block start when the block's gates sum above -span_max, else exact
+            if worst > -span_max:
+                # k_j e^{s_b − G_j} = ky_j e^{s_b − e_b}, at most e^{span_max}
+                kinv = ky * tl.exp(_by_block(-e0[None, :], (e0 - e1)[None, :], (e1 - e2)[None, :],
+                                             (e2 - e3)[None, :], BTc, BCc))
+                Ad = tl.dot(bkx, tl.trans(kinv), input_precision=MM_PREC)                # [BT, BKC] @ [BKC, BT]
+                Pd = tl.dot(qx, tl.trans(kinv), input_precision=MM_PREC)                 # [BT, BKC] @ [BKC, BT]
+            else:
+                # rare: each column j exactly from e^{G_i − G_j}, i ≥ j
+                bk = kf * b_beta[:, None]
+                Ad = tl.zeros([BTc, BTc], dtype=tl.float32)
+                Pd = tl.zeros([BTc, BTc], dtype=tl.float32)
+                for j in range(BTc):            # a loop, not unrolled: this path is rare
+                    k_j = tl.sum(tl.where((o_t == j)[:, None], kf, 0.), 0)              # [BKC]
+                    G_j = tl.sum(tl.where((o_t == j)[:, None], b_G, 0.), 0)             # [BKC]
+                    keep = (o_t >= j) & (blk == j // BCc)
+                    e = tl.exp(tl.where(keep[:, None], b_G - G_j[None, :], float("-inf")))   # e^{G_i − G_j}
+                    a_col = tl.sum(bk * e * k_j[None, :], 1)                             # [BT]
+                    p_col = tl.sum(qf * e * k_j[None, :], 1)
+                    Ad = tl.where((o_t == j)[None, :], a_col[:, None], Ad)
+                    Pd = tl.where((o_t == j)[None, :], p_col[:, None], Pd)
+            A += tl.where(same & strict, Ad, 0.)
+            P += tl.where(same & incl, Pd, 0.)
+            # q e^G, k e^{G_last − G} for stage 2 (e^G = x e^{s_b}, e^{G_last − G} = e^{e_b − G} e^{G_last − e_b})
+            es = _by_block(one[None, :], tl.exp(e0)[None, :], tl.exp(e1)[None, :], tl.exp(e2)[None, :], BTc, BCc)
+            tl.store(tl.make_block_ptr(qg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
+                                       (1, 0)), (qx * es).to(qg.dtype.element_ty), boundary_check=(0, 1))
+            kgl = ky * _by_block(tl.exp(e3 - e0)[None, :], tl.exp(e3 - e1)[None, :], tl.exp(e3 - e2)[None, :],
+                                 one[None, :], BTc, BCc)
+            tl.store(tl.make_block_ptr(kg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
+                                       (1, 0)), kgl.to(kg.dtype.element_ty), boundary_check=(0, 1))
+            o_k = kc0 + tl.arange(0, BKC)
+            tl.store(glast + (slot * HV + i_h) * K + o_k, tl.exp(e3), mask=o_k < K)
     else:
+        b_q = tl.load(tl.make_block_ptr(q_base, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
+                      boundary_check=(0, 1))
+        b_k = tl.load(tl.make_block_ptr(k_base, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
+                      boundary_check=(0, 1))
         KK = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PREC)                       # [BT, BK] @ [BK, BT]
         QK = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)                       # [BT, BK] @ [BK, BT]
         if GATE == 1:
@@ -258,9 +260,23 @@ def chunk_prepare_kernel(
              P.to(p.dtype.element_ty), boundary_check=(0, 1))
 
     Tm = _solve_unit_lower(A, SOLVE_PREC, BTc, BCc)                                      # (I + A)^-1
-    b_w = tl.dot(Tm, Xk, input_precision=MM_PREC)                                        # [BT, BT] @ [BT, BK]
-    tl.store(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK), (1, 0)),
-             b_w.to(w.dtype.element_ty), boundary_check=(0, 1))
+    if GATE == 2:
+        # W = T (β e^G K), the right-hand side formed again per column chunk (e^G ≤ 1)
+        for i_kc in range(BK // BKC):
+            kc0 = i_kc * BKC
+            kf = tl.load(tl.make_block_ptr(k_base, (T_seq, K), (H * K, 1), (t0, kc0), (BTc, BKC), (1, 0)),
+                         boundary_check=(0, 1)).to(tl.float32)
+            b_g = tl.load(tl.make_block_ptr(g + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
+                                            (1, 0)), boundary_check=(0, 1)).to(tl.float32)
+            b_G = tl.cumsum(tl.where(b_g < g_floor, g_floor, b_g), 0)
+            Xk = kf * b_beta[:, None] * tl.exp(b_G)
+            b_w = tl.dot(Tm, Xk, input_precision=MM_PREC)                                # [BT, BT] @ [BT, BKC]
+            tl.store(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
+                                       (1, 0)), b_w.to(w.dtype.element_ty), boundary_check=(0, 1))
+    else:
+        b_w = tl.dot(Tm, Xk, input_precision=MM_PREC)                                    # [BT, BT] @ [BT, BK]
+        tl.store(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK), (1, 0)),
+                 b_w.to(w.dtype.element_ty), boundary_check=(0, 1))
     Xv = tl.load(tl.make_block_ptr(v + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf), (1, 0)),
                  boundary_check=(0, 1)).to(tl.float32) * b_beta[:, None]
     b_u = tl.dot(Tm, Xv, input_precision=MM_PREC)                                        # [BT, BT] @ [BT, BV]
@@ -456,7 +472,7 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None):
     if n_chunks > 0:
         chunk_prepare_kernel[(n_chunks, B * HV)](
             q, k, v, g, beta, w, u, p, qg, kg, glast, cu_seqlens, chunk_indices, T, NT,
-            H=H, HV=HV, K=K, V=V, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), GATE=gate,
+            H=H, HV=HV, K=K, V=V, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(64, _dim(K)), GATE=gate,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=solve_prec,
             g_floor=G_FLOOR, span_max=SPAN_MAX, num_warps=8, num_stages=1)
     return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast)
