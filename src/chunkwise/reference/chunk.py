@@ -139,7 +139,7 @@ def chunk_forward(
         q_c, k_c, v_c = heads(q, s, e), heads(k, s, e), heads(v, s, e)     # [BH, c, K|V]
         if g is None:
             G = None
-            q_g, k_end, k_g = q_c * scale, k_c, k_c                          # no decay
+            e_G, q_g, k_end = None, q_c * scale, k_c                         # no decay
         else:
             # G in float64: after a hard reset (g = -1e4) the cumulative sums are large and their
             # differences, the only thing ever exponentiated, would lose ~3 digits in float32.
@@ -150,7 +150,7 @@ def chunk_forward(
             else:
                 e_G, e_end = _exp(G, dtype)[..., None], _exp(G[..., -1:] - G, dtype)[..., None]
                 last = _exp(G[..., -1], dtype)[..., None, None]              # [BH, 1, 1]
-            q_g, k_end, k_g = q_c * (scale * e_G), k_c * e_end, k_c * e_G
+            q_g, k_end = q_c * (scale * e_G), k_c * e_end
         if per_channel:
             P = pairwise(q_c, k_c, G, True)                                  # [BH, c, c]
         else:   # one decay matrix Γ_ij = exp(G_i − G_j) (j ≤ i) for both P and A
@@ -167,12 +167,14 @@ def chunk_forward(
                 A = pairwise(b * k_c, k_c, G, False)                         # strict lower
             else:
                 A = (b * k_c) @ k_c.transpose(-1, -2)                        # [BH, c, K] @ [BH, K, c]
-                A = (A if D is None else A * D).tril(-1)
+                A = A if D is None else A * D    # only its strict lower triangle is read below
             if c not in eyes:
                 eyes[c] = torch.eye(c, dtype=dtype, device=q.device)
-            # T = (I + A)⁻¹; then R = U − W S = T (β V − (β e^G K) S)
-            Tinv = torch.linalg.solve_triangular(A + eyes[c], eyes[c], upper=False, unitriangular=True)
-            R = Tinv @ torch.baddbmm(b * v_c, b * k_g, S, alpha=-1)          # [BH, c, c] @ [BH, c, V]
+            # T = (I + A)⁻¹ (unitriangular: the diagonal and upper triangle of A are not read, and
+            # autograd gives A a strictly lower gradient); then R = U − W S = T (β V − (β e^G K) S)
+            Tinv = torch.linalg.solve_triangular(A, eyes[c], upper=False, unitriangular=True)
+            b_k = k_c * (b if e_G is None else b * e_G)                      # β ⊙ e^G ⊙ K
+            R = Tinv @ torch.baddbmm(b * v_c, b_k, S, alpha=-1)              # [BH, c, c] @ [BH, c, V]
         else:
             R = v_c
         o_c = torch.baddbmm(q_g @ S, P, R, alpha=scale)                      # scale ((Q e^G) S + P R)
