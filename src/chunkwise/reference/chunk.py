@@ -130,6 +130,11 @@ def chunk_forward(
 
     S = (q.new_zeros(BH, K, V, dtype=dtype) if initial_state is None
          else initial_state.to(dtype).reshape(BH, K, V))                    # [B·HV, K, V]
+    # without autograd, S is updated in place (a fresh 1 MB state per chunk costs page faults)
+    in_place = not (torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)))
+    if in_place and initial_state is not None:
+        S = S.clone()
     eyes: dict[int, torch.Tensor] = {}
     masks: dict[int, torch.Tensor] = {}
     o = v.new_empty(B, T, HV, V, dtype=dtype)
@@ -179,7 +184,10 @@ def chunk_forward(
             R = v_c
         o_c = torch.baddbmm(q_g @ S, P, R, alpha=scale)                      # scale ((Q e^G) S + P R)
         o[:, s:e] = o_c.view(B, HV, c, V).transpose(1, 2)
-        S = torch.baddbmm(S if G is None else S * last, k_end.transpose(-1, -2), R)  # diag(e^{G_last}) S + K_endᵀ R
+        if in_place:                                                         # diag(e^{G_last}) S + K_endᵀ R
+            (S if G is None else S.mul_(last)).baddbmm_(k_end.transpose(-1, -2), R)
+        else:
+            S = torch.baddbmm(S if G is None else S * last, k_end.transpose(-1, -2), R)
 
     if index is not None:
         o = unpad_varlen(o, index)
