@@ -18,7 +18,7 @@ Without the delta rule (simple GLA) W = 0 and U = V. The loop runs over chunks w
 sequence and head batched, so each intermediate is one chunk's [B, HV, C, ·] and stays in cache.
 Inside a chunk, T = (I + A)⁻¹ comes from one batched triangular solve and R = T (β ⊙ V − (β ⊙ e^G ⊙ K) S)
 (W is never formed); the products that add into a result are fused (baddbmm), and the output is
-written in place. Per chunk of 64 tokens this is 6 batched matrix products and ~15 elementwise
+written in place. Per chunk of 64 tokens this is 6 batched matrix products and ~12 elementwise
 passes over [B·HV, C, ·] tensors: at B = 1, T = 4096, HV = 16, K = V = 128 most of the time is in
 the matrix products (3·K·V multiply-adds per token for the state, ≈ 4·C·K for the chunk).
 
