@@ -4,7 +4,7 @@ loads / barriers in its SASS, for a few launch configurations and kernel variant
 Compiles `recurrent_fwd_kernel` with `triton.compile(..., target=GPUTarget("cuda", 90, 32))` (the
 pointers and row strides marked 16-divisible, as the JIT specialises them for K = V = 128), then
 runs the ptxas / nvdisasm that ship with triton. Each global load that is followed by a barrier
-before the next load costs one dependent DRAM round trip per program (see NOTES-decode.md).
+before the next load costs one dependent DRAM round trip per program (see benchmarks/NOTES.md, Decode).
 
 Usage: python benchmarks/decode_sass.py      (CPU only; ~1 s per configuration)
 """

@@ -480,7 +480,7 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None):
 
 def _pick_bv(V: int, K: int, programs: int) -> int:
     """Value split of stage 2: BV = 64 while that still gives >= 128 programs (one per SM of an
-    H200's 132), else 32. Measured on the H200 (NOTES-forward.md): at B1-H32 BV = 32 (128 programs)
+    H200's 132), else 32. Measured on the H200 (benchmarks/NOTES.md, Forward): at B1-H32 BV = 32 (128 programs)
     beat 16 and 64; at 256+ heads BV = 64 beat 32."""
     env = os.environ.get("CHUNKWISE_FWD_BV")
     if env:

@@ -25,7 +25,7 @@ token loop is a software-pipelined ``tl.range`` on the GPU, so the small loads o
 (q, k, v, g, β) are issued with the state load instead of costing one global round trip each (their
 layout conversions otherwise serialise them); under the interpreter it is a while loop (triton 3.6
 with numpy 2 cannot take tensor loop bounds there). Launch configuration: `_launch_config`;
-measurements and the reasoning: benchmarks/NOTES-decode.md.
+measurements and the reasoning: benchmarks/NOTES.md (Decode).
 
 Autograd: like fla's fused_recurrent, this kernel has no backward. When grad is enabled and an
 input requires it, `recurrent` runs the differentiable PyTorch token recurrence
@@ -233,7 +233,7 @@ def _launch_config(device: torch.device, NHV: int, K: int, V: int) -> tuple[int,
     then each thread's share of a 16-bit K-vector (q, k) is >= 4 bytes, which lets the pipelined
     token loop fetch it with cp.async alongside the state load (with 4 warps at BV = 32 it falls to
     2 bytes and two small loads stay serialized; see benchmarks/decode_sass.py). BV = 32 / 2 warps was
-    also the fastest configuration at batch 256 in the first H200 measurement (NOTES-decode.md).
+    also the fastest configuration at batch 256 in the first H200 measurement (benchmarks/NOTES.md, Decode).
     """
     BK = max(16, triton.next_power_of_2(K))
     BV = min(max(8, triton.next_power_of_2(V)), 32 if BK <= 128 else 16)
