@@ -44,7 +44,7 @@ transition (S_out = P · S_in + Q with Q = S⁰_e). Per rank:
 4. o = o⁰ + q̂ S_in on the carried-in tokens, final state = Q + P S_in.
 
 Everything is torch autograd over the public op (the Triton kernels on CUDA tensors) and one
-differentiable all-gather (`_AllGather`: reduce-scatter in backward); docs/context_parallel.md
+differentiable all-gather (`_AllGather`: reduce-scatter in backward); README.md (Context parallelism)
 gives the costs and what a fused kernel would do instead.
 """
 from __future__ import annotations
