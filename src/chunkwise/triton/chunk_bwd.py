@@ -865,6 +865,17 @@ def _bwd_diag_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbeta, dG, cu_seqlens, c
 # launcher
 # ------------------------------------------------------------------------------------------------
 
+def _num_stages(dtype: torch.dtype, BK: int) -> int:
+    """Software-pipeline depth of every backward kernel.
+
+    3 (Triton's default: the measured bf16 path) except fp32 inputs with BK = 128, which take 2: their
+    sm_90 builds at 3 stages need more shared memory than one H200 block may use (232448 B):
+    _bwd_dh_kernel 246792 B (GDN) / 345088 B (KDA), _fwd_h_kernel 254976 B (KDA); at 2 stages
+    _bwd_dh_kernel needs 131588 / 205312 B (compiled off the device with triton 3.6 for sm_90).
+    """
+    return 2 if dtype == torch.float32 and BK > 64 else 3
+
+
 def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, chunk_indices=None,
               transpose_state_layout=False):
     """Gradients of the chunk op (see the module docstring for the equations).
@@ -906,6 +917,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     BK = max(16, triton.next_power_of_2(K))
     BV = min(32, max(16, triton.next_power_of_2(V)))
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    ns = _num_stages(q.dtype, BK)
     q, k, v, do = (x.contiguous() for x in (q, k, v, do))
     if do.dtype != q.dtype:
         do = do.to(q.dtype)
@@ -934,22 +946,22 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     if gate:
         G = buf(*g.shape)
         _gate_cumsum_kernel[grid_c](g, G, floor=GATE_FLOOR, HV=HV, K=K, BK=BK, C=C, PER_CHANNEL=gate == 2,
-                                    IS_VARLEN=varlen, num_warps=nw, **common)
+                                    IS_VARLEN=varlen, num_warps=nw, num_stages=ns, **common)
     Amat = buf(B, T, HV, C) if delta else None
     Pmat = buf(B, T, HV, C)
     _intra_kernel[grid_c](q, k, beta, G, Amat, Pmat, H=H, HV=HV, K=K, BK=BK, C=C, BC=BC, GATE=gate, DELTA=delta,
-                          IS_VARLEN=varlen, PREC=prec, num_warps=8, **common)
+                          IS_VARLEN=varlen, PREC=prec, num_warps=8, num_stages=ns, **common)
     if gate == 2:
         _intra_diag_kernel[grid_c](q, k, beta, G, Amat, Pmat, H=H, HV=HV, K=K, BK=BK, C=C, BC=BC, DELTA=delta,
-                                   IS_VARLEN=varlen, num_warps=nw, **common)
+                                   IS_VARLEN=varlen, num_warps=nw, num_stages=ns, **common)
     Tmat = W = U = R = None
     if delta:
         Tmat = buf(B, T, HV, C)
-        _solve_kernel[grid_c](Amat, Tmat, HV=HV, C=C, BC=BC, IS_VARLEN=varlen, PREC=prec, num_warps=nw, **common)
+        _solve_kernel[grid_c](Amat, Tmat, HV=HV, C=C, BC=BC, IS_VARLEN=varlen, PREC=prec, num_warps=nw, num_stages=ns, **common)
         W, U = buf(B, T, HV, K, dtype=sdt), buf(B, T, HV, V, dtype=sdt)
     dRl = buf(B, T, HV, V, dtype=sdt)
     _wu_kernel[grid_c](k, v, beta, G, Tmat, Pmat, do, W, U, dRl, scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
-                       C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec, num_warps=8, **common)
+                       C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec, num_warps=8, num_stages=ns, **common)
 
     h = buf(NC, HV, K, V, dtype=sdt)
     if delta:
@@ -957,13 +969,13 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     seq = dict(cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, T=T)
     _fwd_h_kernel[grid_s](k, v, G, W, U, h0, h, R, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate,
                           DELTA=delta, HAS_H0=has_h0, TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen,
-                          PREC=prec, LOOP_WHILE=_INTERPRET, num_warps=8, **seq)
+                          PREC=prec, LOOP_WHILE=_INTERPRET, num_warps=8, num_stages=ns, **seq)
     dh = buf(NC, HV, K, V, dtype=sdt)
     dR = buf(B, T, HV, V, dtype=sdt)
     dh0 = buf(*h0.shape) if has_h0 else None
     _bwd_dh_kernel[grid_s](q, k, G, W, dRl, do, dht, dh, dR, dh0, scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
                            C=C, GATE=gate, DELTA=delta, HAS_DHT=dht is not None, HAS_H0=has_h0,
-                           TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen, PREC=prec, LOOP_WHILE=_INTERPRET, num_warps=8, **seq)
+                           TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen, PREC=prec, LOOP_WHILE=_INTERPRET, num_warps=8, num_stages=ns, **seq)
     del dRl
 
     # gradients go out in the input dtype directly unless they are summed over head groups or
@@ -974,13 +986,13 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     dG = buf(*g.shape) if gate else None
     _bwd_dv_kernel[grid_c](q, k, v, beta, G, Tmat, h, R, dR, do, Pmat, Amat, dq, dv, dbeta, dG, scale=scale, H=H,
                            HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
-                           num_warps=8, **common)
+                           num_warps=8, num_stages=ns, **common)
     _bwd_grad_kernel[grid_c](q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, dk, dbeta, dG,
                              scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, BC=BC, GATE=gate, DELTA=delta,
-                             IS_VARLEN=varlen, PREC=prec, num_warps=8, **common)
+                             IS_VARLEN=varlen, PREC=prec, num_warps=8, num_stages=ns, **common)
     if gate == 2:
         _bwd_diag_kernel[grid_c](q, k, beta, G, Pmat, Amat, dq, dk, dbeta, dG, H=H, HV=HV, K=K, BK=BK, C=C, BC=BC,
-                                 DELTA=delta, IS_VARLEN=varlen, num_warps=8, **common)
+                                 DELTA=delta, IS_VARLEN=varlen, num_warps=8, num_stages=ns, **common)
     if HV != H:
         dq = dq.view(B, T, H, HV // H, K).sum(3)
         dk = dk.view(B, T, H, HV // H, K).sum(3)
