@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chunkwise.api import _torch_pool_step
 from chunkwise.reference.recurrent import recurrent_forward
 from chunkwise.triton.recurrent import recurrent, recurrent_fwd
 from helpers import DEVICE, FAMILIES, INTERPRET, ON_GPU, RECURRENT_OPS, TOL, make_inputs, reference, rel_err

@@ -309,8 +309,8 @@ def recurrent_pool_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Opt
                       transpose_state_layout=transpose_state_layout)
     else:
         from .api import _torch_pool_step
-        o, _ = _torch_pool_step(None, "recurrent", q, k, v, g, beta, scale, pool, False, cu_seqlens, state_indices,
-                                transpose_state_layout, chunk_size, _compute_dtype(q, pool))
+        o, _ = _torch_pool_step(q, k, v, g, beta, scale, pool, False, cu_seqlens, state_indices,
+                                transpose_state_layout, _compute_dtype(q, pool))
     return _not_an_alias(o, q, k, v)
 
 

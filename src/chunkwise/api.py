@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .reference.chunk import chunk_forward
 from .reference.recurrent import recurrent_forward
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -291,16 +290,15 @@ def run(fam: Family, mode: str, q, k, v, g, beta, scale, initial_state, output_f
                                chunk_indices, transpose_state_layout, chunk_size, which)
 
 
-def _torch_pool_step(fam, mode, q, k, v, g, beta, scale, pool, output_final_state, cu_seqlens,
-                     state_indices, transpose_state_layout, chunk_size, ct):
-    """vLLM-style state pool: sequence n reads and writes pool[state_indices[n]] in place; -1 skips."""
+def _torch_pool_step(q, k, v, g, beta, scale, pool, output_final_state, cu_seqlens, state_indices,
+                     transpose_state_layout, ct):
+    """Token recurrence over a vLLM-style state pool: sequence n reads and writes pool[state_indices[n]]
+    in place; -1 skips (zero output, slot untouched). ct: the arithmetic dtype."""
     idx = state_indices.long()
     live = idx >= 0
     h0 = _to_kv(pool, transpose_state_layout)[idx.clamp_min(0)]
     h0 = torch.where(live[:, None, None, None], h0, torch.zeros_like(h0))
-    fn = chunk_forward if mode == "chunk" else recurrent_forward
-    kwargs = {"chunk_size": chunk_size} if mode == "chunk" else {}
-    o, ht = fn(q, k, v, g, beta, scale, h0, cu_seqlens, dtype=ct, **kwargs)
+    o, ht = recurrent_forward(q, k, v, g, beta, scale, h0, cu_seqlens, dtype=ct)
     # outputs of skipped (padding) sequences are zero
     if cu_seqlens is None:
         o = o * live[:, None, None, None]

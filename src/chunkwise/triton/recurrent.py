@@ -328,8 +328,8 @@ def _recurrent_autograd(q, k, v, g, beta, scale, initial_state, output_final_sta
     from ..api import _torch_pool_step
     from ..reference.recurrent import recurrent_forward
     if state_indices is not None:
-        return _torch_pool_step(None, "recurrent", q, k, v, g, beta, scale, initial_state, output_final_state,
-                                cu_seqlens, state_indices, transpose_state_layout, 64, torch.float32)
+        return _torch_pool_step(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                state_indices, transpose_state_layout, torch.float32)
     h0 = None if initial_state is None else (
         initial_state.transpose(-1, -2) if transpose_state_layout else initial_state)
     o, ht = recurrent_forward(q, k, v, g, beta, scale, h0, cu_seqlens, dtype=torch.float32)
