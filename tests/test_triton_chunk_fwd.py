@@ -173,3 +173,18 @@ def test_correlated_keys_fp32(fam):
     inp.beta = (0.9 + 0.09 * torch.rand(*inp.beta.shape, generator=gen, dtype=torch.float64)).to(inp.beta)
     o, ht = _run(inp)
     _check(inp, o, ht, TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("fam", FAMS)
+def test_unaligned_head_dims(fam, dtype):
+    """Rows that are not whole 16-byte units (fp32 K = 18 / V = 10; fp16 K = 100 / V = 60 on the GPU,
+    36 / 20 under the interpreter) run zero-padded (triton/align.py) and are cut back: both state
+    layouts, a carried-in state, output and final state against the float64 recurrence."""
+    K, V = (18, 10) if dtype == torch.float32 else ((100, 60) if ON_GPU else (36, 20))
+    from chunkwise.triton.align import padded_dims
+    inp = make_inputs(fam, B=1, T=T_LONG, H=1, HV=2, K=K, V=V, dtype=dtype, seed=21)
+    assert padded_dims(inp.q, inp.v) != (K, V)
+    for transpose in (False, True):
+        o, ht = _run(inp, transpose=transpose)
+        _check(inp, o, ht, TOL[dtype])

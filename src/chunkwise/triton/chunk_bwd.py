@@ -38,6 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .align import cut_state, pad_last, pad_state, padded_dims
+
 CHUNK = 64
 SUB = 16
 MAX_K = 128   # the key-side gradient kernel needs 224 KB of shared memory at K = 128 (sm_90: 227 KB)
@@ -884,8 +886,26 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     beta: None | [B, T, HV]; initial_state: None | [N, HV, K, V] ([N, HV, V, K] transposed);
     dht: None | like the final state (fp32, same layout); cu_seqlens: None | [N + 1] (B == 1).
     Returns (dq, dk, dv, dg, dbeta, dh0), each in its input's dtype and layout (None where the
-    input is None). K > MAX_K raises NotImplementedError.
+    input is None). K > MAX_K raises NotImplementedError. Head dims whose rows are not
+    whole 16-byte units run zero-padded (triton/align.py).
     """
+    K, V = q.shape[-1], v.shape[-1]
+    Kp, Vp = padded_dims(q, v)
+    if (Kp, Vp) != (K, V) and K <= MAX_K:
+        tr = transpose_state_layout
+        dq, dk, dv, dg, dbeta, dh0 = _chunk_bwd(
+            pad_last(q, Kp), pad_last(k, Kp), pad_last(v, Vp), g if g is None or g.dim() == 3 else pad_last(g, Kp),
+            beta, scale, pad_state(initial_state, Kp, Vp, tr), pad_last(do, Vp), pad_state(dht, Kp, Vp, tr),
+            cu_seqlens, chunk_indices=chunk_indices, transpose_state_layout=tr)
+        cut = lambda x, n: None if x is None else x[..., :n].contiguous()  # noqa: E731
+        return (cut(dq, K), cut(dk, K), cut(dv, V), dg if dg is None or dg.dim() == 3 else cut(dg, K), dbeta,
+                cut_state(dh0, K, V, tr))
+    return _chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, chunk_indices=chunk_indices,
+                      transpose_state_layout=transpose_state_layout)
+
+
+def _chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, chunk_indices=None,
+               transpose_state_layout=False):
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if K > MAX_K:

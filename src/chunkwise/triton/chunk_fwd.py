@@ -48,6 +48,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .align import cut_state, pad_last, pad_state, padded_dims
+
 BT = 64          # chunk length
 BC = 16          # sub-block of the triangular solve and of the per-channel factorisation
 G_FLOOR = -40.0  # per-token gate clamp (see the module docstring)
@@ -503,8 +505,24 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     """The chunk forward of all four families (canonical inputs: see chunkwise.triton).
 
     Returns (o [B,T,HV,V] in q's dtype, final state fp32 [N,HV,K,V] ([N,HV,V,K] transposed) or None).
-    ``p_in`` / ``bv`` / ``num_stages`` override the tuned defaults (benchmarks).
+    ``p_in`` / ``bv`` / ``num_stages`` override the tuned defaults (benchmarks). Head dims whose rows
+    are not whole 16-byte units run zero-padded (triton/align.py).
     """
+    K, V = q.shape[-1], v.shape[-1]
+    Kp, Vp = padded_dims(q, v)
+    if (Kp, Vp) != (K, V):
+        o, ht = _chunk_fwd(pad_last(q, Kp), pad_last(k, Kp), pad_last(v, Vp), g if g is None or g.dim() == 3
+                           else pad_last(g, Kp), beta, scale, pad_state(initial_state, Kp, Vp, transpose_state_layout),
+                           output_final_state, cu_seqlens, chunk_indices=chunk_indices,
+                           transpose_state_layout=transpose_state_layout, p_in=p_in, bv=bv, num_stages=num_stages)
+        return o[..., :V].contiguous(), cut_state(ht, K, V, transpose_state_layout)
+    return _chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                      chunk_indices=chunk_indices, transpose_state_layout=transpose_state_layout, p_in=p_in,
+                      bv=bv, num_stages=num_stages)
+
+
+def _chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, *,
+               chunk_indices=None, transpose_state_layout=False, p_in=None, bv=None, num_stages=None):
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
