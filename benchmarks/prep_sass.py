@@ -1,0 +1,76 @@
+"""Inspect stage 1 of the chunk forward (chunk_prepare_kernel) for Hopper without a GPU: registers,
+spill bytes and SASS instruction counts (tensor-core ops, shuffles, barriers, shared-memory traffic)
+of its variants, compiled with `triton.compile(..., target=GPUTarget("cuda", 90, 32))`.
+
+Usage: python benchmarks/prep_sass.py [--fams gdn,kda]     (CPU only; ~10-60 s per variant)
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from chunkwise.triton.chunk_fwd import BC, BT, G_FLOOR, SPAN_MAX, chunk_prepare_kernel as KERNEL
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+GATES = {"gdn": 1, "kda": 2, "delta": 0}
+
+
+def compile_variant(fam="gdn", solve_rows=1, wu_lowp=0, num_warps=8, K=128, V=128):
+    gate = GATES[fam]
+    sig = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "g": "*fp32", "beta": "*bf16", "w": "*bf16", "u": "*bf16",
+           "p": "*bf16", "qg": "*bf16", "kg": "*bf16", "glast": "*fp32", "T": "i32", "NT": "i32", "H": "i32",
+           "HV": "i32"}
+    consts = dict(cu_seqlens=None, chunk_indices=None, K=K, V=V, BTc=BT, BCc=BC, BK=K, BVf=V, BKC=min(64, K),
+                  GATE=gate, IS_VARLEN=False, DOT_PREC="tf32", MM_PREC="tf32", SOLVE_PREC="tf32", g_floor=G_FLOOR,
+                  span_max=SPAN_MAX, SOLVE_ROWS=solve_rows, WU_LOWP=wu_lowp)
+    absent = [] if gate == 2 else ["qg", "kg", "glast"]
+    if gate == 0:
+        absent.append("g")
+    for name in absent:
+        del sig[name]
+        consts[name] = None
+    sig.update({name: "constexpr" for name in consts})
+    attrs = {(KERNEL.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if sig[a].startswith("*")}
+    return triton.compile(ASTSource(KERNEL, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=1))
+
+
+def summary(compiled) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        ptx, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
+        with open(ptx, "w") as fh:
+            fh.write(compiled.asm["ptx"])
+        info = subprocess.run([os.path.join(BIN, "ptxas"), "-v", "--gpu-name=sm_90a", ptx, "-o", cubin],
+                              capture_output=True, text=True, check=True).stderr
+        sass = subprocess.run([os.path.join(BIN, "nvdisasm"), cubin], capture_output=True, text=True,
+                              check=True).stdout
+    spill = re.search(r"(\d+) bytes spill stores", info)
+    ops = re.findall(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
+    count = lambda *names: sum(1 for o in ops if o.split(".")[0] in names)  # noqa: E731
+    return dict(regs=int(re.search(r"Used (\d+) registers", info).group(1)), spill=int(spill.group(1)) if spill else 0,
+                smem=compiled.metadata.shared, instrs=len(ops), mma=count("HMMA", "HGMMA"), shfl=count("SHFL"),
+                bar=count("BAR"), lds=count("LDS", "LDSM"), sts=count("STS"))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--fams", default="gdn,kda")
+    args = ap.parse_args()
+    print(f"{'fam':4s} {'rows':>4s} {'lowp':>4s} {'warps':>5s} {'regs':>4s} {'spill':>5s} {'smem':>6s} {'instrs':>6s} "
+          f"{'mma':>5s} {'shfl':>5s} {'bar':>4s} {'lds':>5s} {'sts':>5s}")
+    for fam, rows, lowp, warps in itertools.product(args.fams.split(","), (0, 1), (0, 1), (4, 8)):
+        s = summary(compile_variant(fam, rows, lowp, warps))
+        print(f"{fam:4s} {rows:4d} {lowp:4d} {warps:5d} {s['regs']:4d} {s['spill']:5d} {s['smem']:6d} {s['instrs']:6d} "
+              f"{s['mma']:5d} {s['shfl']:5d} {s['bar']:4d} {s['lds']:5d} {s['sts']:5d}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
