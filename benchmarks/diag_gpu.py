@@ -8,7 +8,7 @@ import itertools
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 CASE = r"""
 import sys, torch
@@ -42,10 +42,11 @@ def main():
         err = [ln for ln in out if "Error" in ln]
         return out[-1] if p.returncode == 0 else f"rc={p.returncode} {(err or out or [''])[-1][:120]}"
 
-    with ThreadPoolExecutor(args.jobs) as pool:
-        results = dict(zip(cases, pool.map(one, cases)))
-    for c in cases:
-        print(f"{c[0]:5s} {c[1]:8s} K={c[2]:>3s} V={c[3]:>3s} {c[6]:5s} {results[c]}")
+    with ThreadPoolExecutor(args.jobs) as pool:         # each line as its case finishes
+        futures = {pool.submit(one, c): c for c in cases}
+        for f in as_completed(futures):
+            c = futures[f]
+            print(f"{c[0]:5s} {c[1]:8s} K={c[2]:>3s} V={c[3]:>3s} {c[6]:5s} {f.result()}", flush=True)
 
 
 if __name__ == "__main__":

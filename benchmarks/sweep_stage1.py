@@ -1,8 +1,9 @@
 """Stage-1 sweep of the chunk forward (chunk_prepare_kernel) on the GPU: every variant of
-(register-level diagonal solve, W/U products in the 16-bit dtype, num_warps), timed at
+(W/U products in the 16-bit dtype, num_warps), timed at
 B1-T32768-H32 (K = V = 128, bf16), each with the whole forward's error against the float64
 recurrence at B1-T1024-H4 (and fla's on the same inputs). Picks, per gate kind, the fastest variant
-whose error is no larger than fla's (or than 1.1x the most accurate variant's without fla) and prints it
+whose error is at most 1.05x fla's (the bound of the GPU tests; without fla, 1.1x the most accurate
+variant's) and prints it
 as CHUNKWISE_PREP_CONFIG (also written to OUT/prep_config.txt).
 
     python benchmarks/sweep_stage1.py --warm --fams gdn --warps 4 &   # compile in parallel, time nothing
@@ -25,9 +26,8 @@ from chunkwise.triton.chunk_fwd import chunk_fwd, chunk_prepare
 GATE = {"delta": 0, "gdn": 1, "kda": 2}
 
 
-def set_variant(rows, lowp, warps):
-    os.environ.update(CHUNKWISE_PREP_SOLVE_ROWS=str(rows), CHUNKWISE_PREP_WU_LOWP=str(lowp),
-                      CHUNKWISE_PREP_WARPS=str(warps))
+def set_variant(lowp, warps):
+    os.environ.update(CHUNKWISE_PREP_WU_LOWP=str(lowp), CHUNKWISE_PREP_WARPS=str(warps))
 
 
 def err_vs_f64(fam, x):
@@ -68,8 +68,8 @@ def main():
             ref_cache["ref"] = ref
             fla_err = ((o_f.double().cpu() - ref).norm() / ref.norm()).item()
         res = []
-        for rows, lowp, warps in itertools.product((0, 1), (0, 1), [int(w) for w in a.warps.split(",")]):
-            set_variant(rows, lowp, warps)
+        for lowp, warps in itertools.product((0, 1), [int(w) for w in a.warps.split(",")]):
+            set_variant(lowp, warps)
             fn = lambda: chunk_prepare(x["q"], x["k"], x["v"], x["g"], x["beta"])  # noqa: E731
             fn()
             if a.warm:
@@ -78,24 +78,24 @@ def main():
             torch.cuda.synchronize()
             ms = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
             err = err_vs_f64(fam, xs)
-            r = dict(family=fam, rows=rows, lowp=lowp, warps=warps, stage1_ms=ms, err=err, fla_err=fla_err)
+            r = dict(family=fam, lowp=lowp, warps=warps, stage1_ms=ms, err=err, fla_err=fla_err)
             res.append(r)
             print(json.dumps(r), flush=True)
-        for k in ("CHUNKWISE_PREP_SOLVE_ROWS", "CHUNKWISE_PREP_WU_LOWP", "CHUNKWISE_PREP_WARPS"):
+        for k in ("CHUNKWISE_PREP_WU_LOWP", "CHUNKWISE_PREP_WARPS"):
             os.environ.pop(k, None)
         if res:
-            bound = fla_err if fla_err is not None else 1.1 * min(r["err"] for r in res)
+            bound = 1.05 * fla_err if fla_err is not None else 1.1 * min(r["err"] for r in res)
             ok = [r for r in res if r["err"] <= bound] or res
             best = min(ok, key=lambda r: r["stage1_ms"])
-            picks[GATE[fam]] = (best["rows"], best["lowp"], best["warps"])
+            picks[GATE[fam]] = (best["lowp"], best["warps"])
             rows_out += res
         del x, xs
         torch.cuda.empty_cache()
     if a.warm:
         return
-    print(f"\n{'fam':6s} {'rows':>4s} {'lowp':>4s} {'warps':>5s} {'stage1 ms':>9s} {'o err':>8s} {'fla err':>8s}")
+    print(f"\n{'fam':6s} {'lowp':>4s} {'warps':>5s} {'stage1 ms':>9s} {'o err':>8s} {'fla err':>8s}")
     for r in rows_out:
-        print(f"{r['family']:6s} {r['rows']:4d} {r['lowp']:4d} {r['warps']:5d} {r['stage1_ms']:9.3f} {r['err']:8.2e} "
+        print(f"{r['family']:6s} {r['lowp']:4d} {r['warps']:5d} {r['stage1_ms']:9.3f} {r['err']:8.2e} "
               f"{r['fla_err'] if r['fla_err'] is None else format(r['fla_err'], '8.2e')}")
     cfg = ";".join(f"{g}:{','.join(map(str, v))}" for g, v in sorted(picks.items()))
     print(f"CHUNKWISE_PREP_CONFIG={cfg}")

@@ -178,8 +178,9 @@ def test_correlated_keys_fp32(fam):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("fam", FAMS)
 def test_unaligned_head_dims(fam, dtype):
-    """Rows that are not whole 16-byte units (fp32 K = 18 / V = 10; fp16 K = 100 / V = 60 on the GPU,
-    36 / 20 under the interpreter) run zero-padded (triton/align.py) and are cut back: both state
+    """Head dims the kernels do not take as they are (fp32 K = 18 / V = 10: rows not whole 16-byte units;
+    fp16 K = 100 / V = 60 on the GPU, 36 / 20 under the interpreter: not powers of two) run zero-padded
+    (triton/align.py) and are cut back: both state
     layouts, a carried-in state, output and final state against the float64 recurrence."""
     K, V = (18, 10) if dtype == torch.float32 else ((100, 60) if ON_GPU else (36, 20))
     from chunkwise.triton.align import padded_dims

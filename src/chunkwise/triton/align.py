@@ -1,11 +1,14 @@
-"""Zero-padding of head dims whose rows are not whole 16-byte units.
+"""Zero-padding of head dims the chunk kernels cannot take as they are.
 
-On the H200 with triton 3.6 the chunk kernels gave wrong outputs (fp16, K = 100, V = 60: 0.17
-relative error) or an illegal memory access for rows of 200 / 120 bytes, while the same shapes in
-fp32 (400- / 240-byte rows) were right (benchmarks/NOTES.md, "GPU test status"). So a head dim
-whose rows are not a multiple of 16 bytes is padded with zeros up to one that is, and the results
-are cut back. Zero channels change nothing: q·k is unchanged, the state's extra rows and columns
-stay zero, a zero gate is e^0 = 1, and the gradients of the padded channels are dropped.
+Measured on the H200 with triton 3.6 (benchmarks/diag_gpu.py, one subprocess per case, forward vs the
+float64 recurrence): with bf16 or fp16 inputs, K = 100 / V = 60 gave wrong outputs (GDN: 0.24-0.61
+relative error) or an illegal memory access (simple GLA), also after padding to 104 / 64 (whole 16-byte
+rows), while K, V in {64, 128} were right (3e-3 bf16, 5e-4 fp16), and so were fp32 inputs with
+K = 100 / V = 60 (2e-7). So with 16-bit inputs a head dim that is not a power of two is padded up to
+the next one (the kernels' tile width BK / BV then equals the dim: no masked channels); with fp32 a
+head dim whose rows are not whole 16-byte units is padded to one that is. The results are cut back.
+Zero channels change nothing: q·k is unchanged, the state's extra rows and columns stay zero, a
+zero gate is e^0 = 1, and the gradients of the padded channels are dropped.
 """
 from __future__ import annotations
 
@@ -13,7 +16,10 @@ import torch.nn.functional as F
 
 
 def aligned_dim(n: int, element_size: int) -> int:
-    """n rounded up so that n elements are a whole number of 16-byte units."""
+    """The head dim the kernels run with for n channels of element_size bytes: the next power of two
+    (at least 16) for 16-bit inputs, else n rounded up to whole 16-byte units."""
+    if element_size <= 2:
+        return max(16, 1 << (n - 1).bit_length())
     unit = max(1, 16 // element_size)
     return -(-n // unit) * unit
 

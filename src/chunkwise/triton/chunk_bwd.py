@@ -886,8 +886,8 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     beta: None | [B, T, HV]; initial_state: None | [N, HV, K, V] ([N, HV, V, K] transposed);
     dht: None | like the final state (fp32, same layout); cu_seqlens: None | [N + 1] (B == 1).
     Returns (dq, dk, dv, dg, dbeta, dh0), each in its input's dtype and layout (None where the
-    input is None). K > MAX_K raises NotImplementedError. Head dims whose rows are not
-    whole 16-byte units run zero-padded (triton/align.py).
+    input is None). K > MAX_K raises NotImplementedError. Head dims
+    the kernels do not take as they are run zero-padded (triton/align.py).
     """
     K, V = q.shape[-1], v.shape[-1]
     Kp, Vp = padded_dims(q, v)

@@ -90,29 +90,13 @@ def _by_block(v0, v1, v2, v3, BTc: tl.constexpr, BCc: tl.constexpr):
 
 
 @triton.jit
-def _diag_inverse_rows(Dd, BCc: tl.constexpr):
-    """(I + D_b)⁻¹ for the NB strictly lower 16×16 blocks Dd [NB, BC, BC] at once, by forward
-    substitution in registers: row i of X becomes e_i − Σ_{m<i} D_im X_m (rows m < i final, D_im = 0
-    for m ≥ i). BC − 1 unrolled steps of a row extraction and a row-times-block product, each a
-    reduction over one axis of an [NB, BC, BC] tile; no dot, no layout change between steps."""
-    o_c = tl.arange(0, BCc)
-    row = o_c[None, :, None]                                                            # [1, BC, 1]
-    X = tl.where(row == o_c[None, None, :], 1., 0.) + tl.zeros_like(Dd)                 # I per block
-    for i in tl.static_range(1, BCc):
-        d_i = tl.sum(tl.where(row == i, Dd, 0.), 1)                                    # [NB, BC]: row i of D_b
-        upd = tl.sum(d_i[:, :, None] * X, 1)                                           # [NB, BC]: Σ_m D_im X_m
-        X = tl.where(row == i, X - upd[:, None, :], X)
-    return X
-
-
-@triton.jit
-def _solve_unit_lower(A, PREC: tl.constexpr, BTc: tl.constexpr, BCc: tl.constexpr, ROWS: tl.constexpr = 1):
+def _solve_unit_lower(A, PREC: tl.constexpr, BTc: tl.constexpr, BCc: tl.constexpr):
     """T = (I + A)⁻¹ for A [BT, BT] fp32 strictly lower triangular (BT = 4 BC). Returns [BT, BT] fp32.
 
     With D the 16×16 diagonal blocks of A and L = A − D (strictly block-lower):
         I + A = (I + D)(I + M),   M = (I + D)⁻¹ L,   M⁴ = 0
-        (I + D)⁻¹: forward substitution on the 4 blocks at once, in registers (ROWS, the default:
-                   _diag_inverse_rows) or as BC − 1 batched dots X ← I − D X ([4, 16, 16])
+        (I + D)⁻¹: BC − 1 steps of X ← I − D X (batched over the 4 blocks, [4, 16, 16]; a register-level
+                   row-by-row substitution measured 1.2-1.5x slower on the H200: benchmarks/NOTES.md)
         (I + M)⁻¹ = (I − M)(I + M²)
         T = (I + M)⁻¹ (I + D)⁻¹
     X ← I − D X is forward substitution done on all rows at once: after step n, rows 0..n are final,
@@ -131,13 +115,10 @@ def _solve_unit_lower(A, PREC: tl.constexpr, BTc: tl.constexpr, BCc: tl.constexp
     on_diag = (o_b[:, None] == o_b[None, :])[:, :, None, None]                          # [NB, NB, 1, 1]
     A4 = tl.permute(tl.reshape(A, [NB, BCc, NB, BCc]), (0, 2, 1, 3))                   # [b, c, i, j]
     Dd = tl.sum(tl.where(on_diag, A4, 0.), 1)                                          # [NB, BC, BC]
-    if ROWS:
-        X = _diag_inverse_rows(Dd, BCc)
-    else:
-        eye_b = tl.where(o_c[:, None] == o_c[None, :], 1., 0.)[None, :, :]
-        X = eye_b - Dd
-        for _ in range(BCc - 2):
-            X = eye_b - tl.dot(Dd, X, input_precision=PREC)                            # [NB, BC, BC] @ [NB, BC, BC]
+    eye_b = tl.where(o_c[:, None] == o_c[None, :], 1., 0.)[None, :, :]
+    X = eye_b - Dd
+    for _ in range(BCc - 2):
+        X = eye_b - tl.dot(Dd, X, input_precision=PREC)                                # [NB, BC, BC] @ [NB, BC, BC]
     Dinv = tl.reshape(tl.permute(tl.where(on_diag, tl.expand_dims(X, 1), 0.), (0, 2, 1, 3)), [BTc, BTc])
     L = tl.where(same, 0., A)
     M = tl.dot(Dinv, L, input_precision=PREC)                                          # [BT, BT] @ [BT, BT]
@@ -157,7 +138,7 @@ def chunk_prepare_kernel(
     BTc: tl.constexpr, BCc: tl.constexpr, BK: tl.constexpr, BVf: tl.constexpr, BKC: tl.constexpr,
     GATE: tl.constexpr,          # 0 none, 1 scalar, 2 per channel
     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, MM_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
-    g_floor: tl.constexpr, span_max: tl.constexpr, SOLVE_ROWS: tl.constexpr = 1, WU_LOWP: tl.constexpr = 0,
+    g_floor: tl.constexpr, span_max: tl.constexpr, WU_LOWP: tl.constexpr = 0,
 ):
     """One chunk of one value head: see the module docstring (stage 1). Grid (chunks, B·HV)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
@@ -281,7 +262,7 @@ def chunk_prepare_kernel(
     tl.store(tl.make_block_ptr(p + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0), (BTc, BTc), (1, 0)),
              P.to(p.dtype.element_ty), boundary_check=(0, 1))
 
-    Tm = _solve_unit_lower(A, SOLVE_PREC, BTc, BCc, SOLVE_ROWS)                          # (I + A)^-1
+    Tm = _solve_unit_lower(A, SOLVE_PREC, BTc, BCc)                                      # (I + A)^-1
     if WU_LOWP:         # W, U products in the input dtype (tensor cores at the 16-bit rate), as fla does
         Tm = Tm.to(w.dtype.element_ty)
     if GATE == 2:
@@ -463,26 +444,26 @@ def _dot_prec(dtype) -> tuple[str, str, str]:
     return "tf32", "tf32", ("tf32x3" if dtype == torch.float16 else "tf32")
 
 
-# Stage-1 variant per gate kind (0 none, 1 scalar, 2 per channel): (register-level diagonal solve,
-# W/U products in the 16-bit input dtype, num_warps). Chosen by the stage-1 sweep of
-# benchmarks/bench_forward.py on the H200 (benchmarks/NOTES.md, Forward).
-PREP_CONFIG = {0: (1, 0, 8), 1: (1, 0, 8), 2: (1, 0, 8)}
+# Stage-1 launch per gate kind (0 none, 1 scalar, 2 per channel): (W/U products in the 16-bit input
+# dtype, num_warps). From the stage-1 sweep on the H200 (benchmarks/sweep_stage1.py, benchmarks/NOTES.md):
+# the fastest variant whose bf16 output error against the float64 recurrence is at most 1.05x fla's.
+PREP_CONFIG = {0: (1, 4), 1: (1, 4), 2: (1, 4)}
 
 
-def prep_config(gate: int) -> tuple[int, int, int]:
-    """The stage-1 variant of a gate kind: PREP_CONFIG, overridden by CHUNKWISE_PREP_CONFIG
-    ("gate:rows,lowp,warps;..." as the sweep prints it) and then by CHUNKWISE_PREP_SOLVE_ROWS /
-    CHUNKWISE_PREP_WU_LOWP / CHUNKWISE_PREP_WARPS (the sweep's single knobs)."""
+def prep_config(gate: int) -> tuple[int, int]:
+    """The stage-1 launch of a gate kind: PREP_CONFIG, overridden by CHUNKWISE_PREP_CONFIG
+    ("gate:lowp,warps;..." as the sweep prints it) and then by CHUNKWISE_PREP_WU_LOWP /
+    CHUNKWISE_PREP_WARPS (the sweep's single knobs)."""
     cfg = list(PREP_CONFIG[gate])
     for item in filter(None, os.environ.get("CHUNKWISE_PREP_CONFIG", "").split(";")):
         key, vals = item.split(":")
         if int(key) == gate:
             cfg = [int(x) for x in vals.split(",")]
-    for i, name in enumerate(("SOLVE_ROWS", "WU_LOWP", "WARPS")):
+    for i, name in enumerate(("WU_LOWP", "WARPS")):
         env = os.environ.get(f"CHUNKWISE_PREP_{name}")
         if env:
             cfg[i] = int(env)
-    return cfg[0], cfg[1], cfg[2]
+    return cfg[0], cfg[1]
 
 
 def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None):
@@ -515,13 +496,13 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None):
     else:
         qg = kg = glast = None
     dot_prec, mm_prec, solve_prec = _dot_prec(dt)
-    solve_rows, wu_lowp, warps = prep_config(gate)
+    wu_lowp, warps = prep_config(gate)
     if n_chunks > 0:
         chunk_prepare_kernel[(n_chunks, B * HV)](
             q, k, v, g, beta, w, u, p, qg, kg, glast, cu_seqlens, chunk_indices, T, NT,
             H=H, HV=HV, K=K, V=V, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(64, _dim(K)), GATE=gate,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=solve_prec,
-            g_floor=G_FLOOR, span_max=SPAN_MAX, SOLVE_ROWS=solve_rows, WU_LOWP=bool(wu_lowp) and dt != torch.float32,
+            g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and dt != torch.float32,
             num_warps=warps, num_stages=1)
     return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast)
 
@@ -551,8 +532,8 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     """The chunk forward of all four families (canonical inputs: see chunkwise.triton).
 
     Returns (o [B,T,HV,V] in q's dtype, final state fp32 [N,HV,K,V] ([N,HV,V,K] transposed) or None).
-    ``p_in`` / ``bv`` / ``num_stages`` override the tuned defaults (benchmarks). Head dims whose rows
-    are not whole 16-byte units run zero-padded (triton/align.py).
+    ``p_in`` / ``bv`` / ``num_stages`` override the tuned defaults (benchmarks). Head dims
+    the kernels do not take as they are run zero-padded (triton/align.py).
     """
     K, V = q.shape[-1], v.shape[-1]
     Kp, Vp = padded_dims(q, v)
