@@ -240,7 +240,7 @@ def main():
             print(f"  {x['B']:>4} {x['state']:9} {x['BV']:>3} {x['num_warps']:>2} {x['fused']:d} {x['stream']:d} {x['pipeline']} "
                   f"{x['us']:8.1f} {x['TBps']:6.2f} {100 * x['TBps'] / bw:6.1f} {'*' if x['auto'] else ''}")
 
-    commit = os.environ.get("CHUNKWISE_COMMIT")
+    commit = os.environ.get("GIT_COMMIT") or os.environ.get("CHUNKWISE_COMMIT")
     if not commit:
         try:
             commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,

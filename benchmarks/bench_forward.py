@@ -187,10 +187,12 @@ def main():
             return __import__(mod).__version__
         except Exception:  # noqa: BLE001
             return None
-    try:
-        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
-    except Exception:  # noqa: BLE001
-        commit = os.environ.get("GIT_COMMIT")
+    commit = os.environ.get("GIT_COMMIT")     # the device's copy may carry a stale .git: the caller's word first
+    if not commit:
+        try:
+            commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+        except Exception:  # noqa: BLE001
+            commit = None
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 fla=version("fla"), commit=commit, dirty=os.environ.get("GIT_DIRTY"), dtype="bfloat16", K=128, V=128)
     if a.warm:

@@ -91,10 +91,12 @@ def main():
         meta["fla"] = fla.__version__
     except Exception:  # noqa: BLE001
         meta["fla"] = None
-    try:
-        meta["commit"] = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
-    except Exception:  # noqa: BLE001
-        meta["commit"] = os.environ.get("GIT_COMMIT")
+    meta["commit"] = os.environ.get("GIT_COMMIT")     # the device's copy may carry a stale .git
+    if not meta["commit"]:
+        try:
+            meta["commit"] = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+        except Exception:  # noqa: BLE001
+            meta["commit"] = None
     os.makedirs(a.out, exist_ok=True)
     first = True
     sel = [s for s in shapes() if not a.shapes or s["name"] in a.shapes.split(",")]
