@@ -81,6 +81,17 @@ def _pairwise_channel(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, diagona
     return torch.cat(columns, dim=-1)
 
 
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """A persistent pool of ``workers`` threads: fresh threads per call cost ~10 ms at T = 4096
+    (each new thread's first matrix products set up their BLAS buffers again)."""
+    if workers not in _POOLS:
+        _POOLS[workers] = ThreadPoolExecutor(workers, thread_name_prefix="chunkwise-cpu")
+    return _POOLS[workers]
+
+
 def _needs_grad(*xs) -> bool:
     return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
 
@@ -113,10 +124,11 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, 
 
     threads = torch.get_num_threads()
     try:
-        with ThreadPoolExecutor(workers) as pool:
-            results = list(pool.map(part, range(workers)))
+        results = list(_pool(workers).map(part, range(workers)))
     finally:
         torch.set_num_threads(threads)      # the MKL / OpenMP setting is process-wide: restore it
+    # (the parts are concatenated here: workers writing their heads into one shared output
+    # measured 4-6 % slower, the two threads faulting in the same fresh pages)
     return torch.cat([o for o, _ in results], 2), torch.cat([S for _, S in results], 1)
 
 
@@ -217,7 +229,9 @@ def _chunk_forward(
                 eyes[c] = torch.eye(c, dtype=dtype, device=q.device)
             # T = (I + A)⁻¹ (unitriangular: the diagonal and upper triangle of A are not read, and
             # autograd gives A a strictly lower gradient); then R = U − W S = T (β V − (β e^G K) S)
-            Tinv = torch.linalg.solve_triangular(A, eyes[c], upper=False, unitriangular=True)
+            # (solved as X (I + A) = I: the same two-sided inverse, 1.7-2x faster than the left solve
+            # for [16, 64, 64] in torch 2.13's CPU LAPACK path)
+            Tinv = torch.linalg.solve_triangular(A, eyes[c], upper=False, unitriangular=True, left=False)
             b_k = k_c * (b if e_G is None else b * e_G)                      # β ⊙ e^G ⊙ K
             R = Tinv @ torch.baddbmm(b * v_c, b_k, S, alpha=-1)              # [BH, c, c] @ [BH, c, V]
         else:
