@@ -34,3 +34,29 @@ def test_autograd_takes_the_single_thread_path(threads):
     o, s = chunk_forward(inp.q, inp.k, inp.v, inp.g, inp.beta, 0.3, inp.h0, None, chunk_size=16, dtype=torch.float64)
     (o.sum() + s.sum()).backward()
     assert inp.q.grad is not None and torch.isfinite(inp.q.grad).all()
+
+
+def _child_run(queue):
+    torch.set_num_threads(2)
+    inp = make_inputs("gdn", B=1, T=40, H=2, HV=2, K=8, V=8, device="cpu")
+    o, _ = chunk_forward(inp.q, inp.k, inp.v, inp.g, inp.beta, 0.3, inp.h0, None, chunk_size=16)
+    queue.put(bool(torch.isfinite(o).all()))
+
+
+def test_forked_child_gets_its_own_thread_pool(threads):
+    """The head split keeps a thread pool across calls; a forked child (a DataLoader worker) must not
+    hand work to the parent's threads, which it does not have (that would hang)."""
+    import multiprocessing as mp
+    torch.set_num_threads(2)
+    inp = make_inputs("gdn", B=1, T=40, H=2, HV=2, K=8, V=8, device="cpu")
+    chunk_forward(inp.q, inp.k, inp.v, inp.g, inp.beta, 0.3, inp.h0, None, chunk_size=16)   # parent's pool
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child_run, args=(queue,))
+    child.start()
+    child.join(60)
+    hung = child.is_alive()
+    if hung:
+        child.kill()
+    assert not hung, "the forked child hung on the parent's thread pool"
+    assert child.exitcode == 0 and queue.get(timeout=5)

@@ -27,6 +27,7 @@ Exponentials are only ever taken of differences G_i − G_j with i ≥ j (or of 
 """
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -82,10 +83,12 @@ def _pairwise_channel(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, diagona
 
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}
+# a forked child (a DataLoader worker, say) inherits the dict but not the threads: start afresh there
+os.register_at_fork(after_in_child=_POOLS.clear)
 
 
 def _pool(workers: int) -> ThreadPoolExecutor:
-    """A persistent pool of ``workers`` threads: fresh threads per call cost ~10 ms at T = 4096
+    """A persistent pool of ``workers`` threads: fresh threads per call cost ~15 ms at T = 4096
     (each new thread's first matrix products set up their BLAS buffers again)."""
     if workers not in _POOLS:
         _POOLS[workers] = ThreadPoolExecutor(workers, thread_name_prefix="chunkwise-cpu")
