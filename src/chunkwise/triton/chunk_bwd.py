@@ -878,6 +878,23 @@ def _num_stages(dtype: torch.dtype, BK: int) -> int:
     return 2 if dtype == torch.float32 and BK > 64 else 3
 
 
+# Warps per program of each backward kernel. 8 where a kernel holds [C, K] fp32 tiles (fewer registers
+# per thread, no spills at K = 128 for GDN, offline sm_90 builds), 4 for the small ones. Not yet swept on
+# the GPU: the forward's stage 1 ran 1.4-1.5x faster at 4 warps than at 8 (two programs per SM), so
+# benchmarks/sweep_bwd.py times both settings per kernel; CHUNKWISE_BWD_WARPS="wu:4,bwd_grad:4"
+# overrides entries (the sweep's knob).
+BWD_WARPS = {"gate_cumsum": 4, "intra": 8, "intra_diag": 4, "solve": 4, "wu": 8, "fwd_h": 8, "bwd_dh": 8,
+             "bwd_dv": 8, "bwd_grad": 8, "bwd_diag": 8}
+
+
+def _warps(name: str) -> int:
+    for item in filter(None, os.environ.get("CHUNKWISE_BWD_WARPS", "").split(",")):
+        key, val = item.split(":")
+        if key == name or key == "all":
+            return int(val)
+    return BWD_WARPS[name]
+
+
 def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, chunk_indices=None,
               transpose_state_layout=False):
     """Gradients of the chunk op (see the module docstring for the equations).
@@ -960,28 +977,27 @@ def _chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, c
     common = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T)
     grid_c = (NT, B * HV)
     grid_s = (triton.cdiv(V, BV), N * HV)
-    nw = 4  # warps per program; the kernels with [C, K] fp32 tiles take 8 (no register spills for sm_90)
 
     G = None
     if gate:
         G = buf(*g.shape)
         _gate_cumsum_kernel[grid_c](g, G, floor=GATE_FLOOR, HV=HV, K=K, BK=BK, C=C, PER_CHANNEL=gate == 2,
-                                    IS_VARLEN=varlen, num_warps=nw, num_stages=ns, **common)
+                                    IS_VARLEN=varlen, num_warps=_warps("gate_cumsum"), num_stages=ns, **common)
     Amat = buf(B, T, HV, C) if delta else None
     Pmat = buf(B, T, HV, C)
     _intra_kernel[grid_c](q, k, beta, G, Amat, Pmat, H=H, HV=HV, K=K, BK=BK, C=C, BC=BC, GATE=gate, DELTA=delta,
-                          IS_VARLEN=varlen, PREC=prec, num_warps=8, num_stages=ns, **common)
+                          IS_VARLEN=varlen, PREC=prec, num_warps=_warps("intra"), num_stages=ns, **common)
     if gate == 2:
         _intra_diag_kernel[grid_c](q, k, beta, G, Amat, Pmat, H=H, HV=HV, K=K, BK=BK, C=C, BC=BC, DELTA=delta,
-                                   IS_VARLEN=varlen, num_warps=nw, num_stages=ns, **common)
+                                   IS_VARLEN=varlen, num_warps=_warps("intra_diag"), num_stages=ns, **common)
     Tmat = W = U = R = None
     if delta:
         Tmat = buf(B, T, HV, C)
-        _solve_kernel[grid_c](Amat, Tmat, HV=HV, C=C, BC=BC, IS_VARLEN=varlen, PREC=prec, num_warps=nw, num_stages=ns, **common)
+        _solve_kernel[grid_c](Amat, Tmat, HV=HV, C=C, BC=BC, IS_VARLEN=varlen, PREC=prec, num_warps=_warps("solve"), num_stages=ns, **common)
         W, U = buf(B, T, HV, K, dtype=sdt), buf(B, T, HV, V, dtype=sdt)
     dRl = buf(B, T, HV, V, dtype=sdt)
     _wu_kernel[grid_c](k, v, beta, G, Tmat, Pmat, do, W, U, dRl, scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
-                       C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec, num_warps=8, num_stages=ns, **common)
+                       C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec, num_warps=_warps("wu"), num_stages=ns, **common)
 
     h = buf(NC, HV, K, V, dtype=sdt)
     if delta:
@@ -989,13 +1005,13 @@ def _chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, c
     seq = dict(cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, T=T)
     _fwd_h_kernel[grid_s](k, v, G, W, U, h0, h, R, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate,
                           DELTA=delta, HAS_H0=has_h0, TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen,
-                          PREC=prec, LOOP_WHILE=_INTERPRET, num_warps=8, num_stages=ns, **seq)
+                          PREC=prec, LOOP_WHILE=_INTERPRET, num_warps=_warps("fwd_h"), num_stages=ns, **seq)
     dh = buf(NC, HV, K, V, dtype=sdt)
     dR = buf(B, T, HV, V, dtype=sdt)
     dh0 = buf(*h0.shape) if has_h0 else None
     _bwd_dh_kernel[grid_s](q, k, G, W, dRl, do, dht, dh, dR, dh0, scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
                            C=C, GATE=gate, DELTA=delta, HAS_DHT=dht is not None, HAS_H0=has_h0,
-                           TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen, PREC=prec, LOOP_WHILE=_INTERPRET, num_warps=8, num_stages=ns, **seq)
+                           TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen, PREC=prec, LOOP_WHILE=_INTERPRET, num_warps=_warps("bwd_dh"), num_stages=ns, **seq)
     del dRl
 
     # gradients go out in the input dtype directly unless they are summed over head groups or
@@ -1006,13 +1022,13 @@ def _chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, c
     dG = buf(*g.shape) if gate else None
     _bwd_dv_kernel[grid_c](q, k, v, beta, G, Tmat, h, R, dR, do, Pmat, Amat, dq, dv, dbeta, dG, scale=scale, H=H,
                            HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
-                           num_warps=8, num_stages=ns, **common)
+                           num_warps=_warps("bwd_dv"), num_stages=ns, **common)
     _bwd_grad_kernel[grid_c](q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, dk, dbeta, dG,
                              scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, BC=BC, GATE=gate, DELTA=delta,
-                             IS_VARLEN=varlen, PREC=prec, num_warps=8, num_stages=ns, **common)
+                             IS_VARLEN=varlen, PREC=prec, num_warps=_warps("bwd_grad"), num_stages=ns, **common)
     if gate == 2:
         _bwd_diag_kernel[grid_c](q, k, beta, G, Pmat, Amat, dq, dk, dbeta, dG, H=H, HV=HV, K=K, BK=BK, C=C, BC=BC,
-                                 DELTA=delta, IS_VARLEN=varlen, num_warps=8, num_stages=ns, **common)
+                                 DELTA=delta, IS_VARLEN=varlen, num_warps=_warps("bwd_diag"), num_stages=ns, **common)
     if HV != H:
         dq = dq.view(B, T, H, HV // H, K).sum(3)
         dk = dk.view(B, T, H, HV // H, K).sum(3)

@@ -1,0 +1,109 @@
+"""Warps sweep of the Triton chunk backward on the GPU: for each family, one fwd+bwd at
+B1-T32768-H32 (K = V = 128, bf16) with every backward kernel at 8 warps and again at 4, each kernel's
+time from torch.profiler, then the per-kernel pick (the faster setting of each) timed once more.
+Prints the pick as CHUNKWISE_BWD_WARPS (the knob of triton/chunk_bwd.py's BWD_WARPS) and writes
+sweep_bwd.json to --out. Gradients of every configuration are checked finite (NaN-poisoned buffers)
+and against the 8-warp configuration's.
+
+    python benchmarks/sweep_bwd.py --warm --fams gdn --warps 4 &    # compile, time nothing
+    python benchmarks/sweep_bwd.py --out $OUT
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_forward import make, run_ours, shapes  # noqa: E402
+from bench_train import bench, fwd_bwd, leaves, profile  # noqa: E402
+
+# profiler names of the backward kernels -> BWD_WARPS keys
+KERNELS = {"_gate_cumsum_kernel": "gate_cumsum", "_intra_kernel": "intra", "_intra_diag_kernel": "intra_diag",
+           "_solve_kernel": "solve", "_wu_kernel": "wu", "_fwd_h_kernel": "fwd_h", "_bwd_dh_kernel": "bwd_dh",
+           "_bwd_dv_kernel": "bwd_dv", "_bwd_grad_kernel": "bwd_grad", "_bwd_diag_kernel": "bwd_diag"}
+
+
+def kernel_times(prof_rows):
+    out = {}
+    for name, ms in prof_rows.items():
+        for kname, key in KERNELS.items():
+            if name.startswith(kname):
+                out[key] = out.get(key, 0.0) + ms
+    return out
+
+
+def run_config(fam, x, do, env, warm):
+    os.environ["CHUNKWISE_BWD_WARPS"] = env
+    grads = leaves(x)
+    f = fwd_bwd(lambda: run_ours(fam, x), do)
+    os.environ["CHUNKWISE_POISON"] = "1"
+    f()
+    os.environ["CHUNKWISE_POISON"] = "0"
+    got = [t.grad.detach().float().clone() for t in grads]
+    if warm:
+        return None, None, got
+    ms = bench(f, grads)
+    per = kernel_times(profile(f))
+    return ms, per, got
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--fams", default="gdn,delta,kda")
+    ap.add_argument("--warps", default="8,4", help="the settings to compare (warm: compile these)")
+    ap.add_argument("--warm", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    shape = shapes(64 if a.warm else 1)[0]
+    settings = [int(w) for w in a.warps.split(",")]
+    results, picks = [], {}
+    for fam in a.fams.split(","):
+        x = make(fam, shape)
+        do = torch.randn_like(x["v"])
+        row = dict(family=fam, shape=shape["name"], configs={})
+        base = None
+        for w in settings:
+            ms, per, got = run_config(fam, x, do, f"all:{w}", a.warm)
+            finite = all(bool(torch.isfinite(t).all()) for t in got)
+            diff = None if base is None else max(((t - b).norm() / b.norm()).item() for t, b in zip(got, base))
+            base = base or got
+            row["configs"][f"all:{w}"] = dict(fwd_bwd_ms=ms, kernels=per, finite=finite, grad_rel_diff=diff)
+        if not a.warm:
+            pick = {}
+            for key in KERNELS.values():
+                times = {w: row["configs"][f"all:{w}"]["kernels"].get(key) for w in settings}
+                if all(t is not None for t in times.values()):
+                    pick[key] = min(times, key=times.get)
+            env = ",".join(f"{k}:{w}" for k, w in pick.items())
+            ms, per, got = run_config(fam, x, do, env, False)
+            diff = max(((t - b).norm() / b.norm()).item() for t, b in zip(got, base))
+            row["configs"]["pick"] = dict(env=env, fwd_bwd_ms=ms, kernels=per,
+                                          finite=all(bool(torch.isfinite(t).all()) for t in got), grad_rel_diff=diff)
+            picks[fam] = env
+            print(json.dumps(row), flush=True)
+        results.append(row)
+        del x, do
+        torch.cuda.empty_cache()
+    os.environ.pop("CHUNKWISE_BWD_WARPS", None)
+    if a.warm:
+        return
+    for r in results:
+        print(f"\n{r['family']} {r['shape']}: fwd+bwd ms " +
+              "  ".join(f"{c}: {v['fwd_bwd_ms']:.2f}" for c, v in r["configs"].items()))
+        keys = sorted({k for v in r["configs"].values() for k in v["kernels"]})
+        for k in keys:
+            print(f"  {k:12s} " + "  ".join(f"{c}: {v['kernels'].get(k, float('nan')):.3f}" for c, v in r["configs"].items()))
+        print(f"  pick CHUNKWISE_BWD_WARPS={picks[r['family']]}  grad diff vs all:{settings[0]}: "
+              f"{r['configs']['pick']['grad_rel_diff']:.1e}")
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "sweep_bwd.json"), "w") as fh:
+        json.dump(results, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
