@@ -133,7 +133,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--families", default=",".join(FAMILIES))
-    ap.add_argument("--variants", action="store_true", help="also time stage-2 variants (BV, P in stage 1 or 2)")
+    ap.add_argument("--variants", action="store_true", help="also time stage-2 variants (BV 16/32/64 x 4/8 warps x 2/3 stages)")
     ap.add_argument("--shapes", default="")
     ap.add_argument("--warm", action="store_true", help="compile everything on tiny inputs, time nothing")
     a = ap.parse_args()
@@ -168,12 +168,12 @@ def main():
                     row["fla_error"] = repr(e)[:300]
             if a.variants:
                 var = {}
-                for bv in (32, 64):
-                    for p_in in ((True, False) if fam in ("gdn", "delta") else (None,)):
-                        for ns in ((2, 3) if p_in is not False else (2,)):
-                            key = f"bv{bv}-{'pin' if p_in else 'p2' if p_in is False else 'def'}-ns{ns}"
+                for bv in (16, 32, 64):
+                    for nw in (4, 8):
+                        for ns in (2, 3):
+                            key = f"bv{bv}-nw{nw}-ns{ns}"
                             try:
-                                var[key] = bench(lambda: run_variant(fam, x, bv=bv, p_in=p_in, num_stages=ns))[0]
+                                var[key] = bench(lambda: run_variant(fam, x, bv=bv, num_warps=nw, num_stages=ns))[0]
                             except Exception as e:  # noqa: BLE001
                                 var[key] = repr(e)[:120]
                 row["variants"] = var

@@ -1,0 +1,101 @@
+"""Registers, spills and shared memory of the backward kernels for Hopper, without a GPU: each kernel
+compiled for sm_90 with `triton.compile(..., target=GPUTarget("cuda", 90, 32))` as chunk_bwd launches it
+at B·T·HV-independent settings (bf16 inputs, K = V = 128, H = HV, no varlen), then `ptxas -v`.
+
+Usage: python benchmarks/bwd_sass.py [--kernels bwd_grad,bwd_dh] [--fams gdn,kda,delta] [--warps 4,8]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from chunkwise.triton import chunk_bwd as cb
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+GATES = {"delta": 0, "gdn": 1, "kda": 2, "gla": 1}
+
+# per kernel: pointer arguments -> dtype ("in": the input dtype, "s": 16-bit storage, "g": gradient dtype),
+# then its scalar arguments and its constexprs (beyond the common ones)
+KERNELS = {
+    "bwd_grad": ("_bwd_grad_kernel",
+                 dict(q="in", k="in", v="in", beta="in", G="fp32", Tmat="fp32", Pmat="fp32", Amat="fp32", h="s",
+                      dh="s", R="s", dR="s", do="in", dq="g", dk="g", dbeta="fp32", dG="fp32"),
+                 dict(T="i32", scale="fp32"), dict(BC=cb.SUB)),
+    "bwd_dv": ("_bwd_dv_kernel",
+               dict(q="in", k="in", v="in", beta="in", G="fp32", Tmat="fp32", h="s", R="s", dR="s", do="in",
+                    Pmat="fp32", Amat="fp32", dq="g", dv="in", dbeta="fp32", dG="fp32"),
+               dict(T="i32", scale="fp32"), {}),
+    "bwd_dh": ("_bwd_dh_kernel",
+               dict(q="in", k="in", G="fp32", W="s", dRl="s", do="in", dht="fp32", dh="s", dR="s", dh0="fp32"),
+               dict(T="i32", scale="fp32"), dict(HAS_DHT=True, HAS_H0=True, TRANSPOSE=False, LOOP_WHILE=False,
+                                                 chunk_offsets=None)),
+    "fwd_h": ("_fwd_h_kernel",
+              dict(k="in", v="in", G="fp32", W="s", U="s", h0="fp32", h="s", R="s"),
+              dict(T="i32"), dict(HAS_H0=True, TRANSPOSE=False, LOOP_WHILE=False, chunk_offsets=None)),
+    "wu": ("_wu_kernel",
+           dict(k="in", v="in", beta="in", G="fp32", Tmat="fp32", Pmat="fp32", do="in", W="s", U="s", dRl="s"),
+           dict(T="i32", scale="fp32"), {}),
+}
+
+
+def compile_kernel(name, fam="gdn", num_warps=8, K=128, V=128):
+    kname, ptrs, scalars, extra = KERNELS[name]
+    kernel = getattr(cb, kname)
+    gate, delta = GATES[fam], fam != "gla"
+    gdt = "bf16" if gate != 2 else "fp32"
+    sig, consts = {}, dict(cu_seqlens=None, chunk_indices=None)
+    for arg, kind in ptrs.items():
+        absent = (arg == "G" and not gate) or (arg in ("beta", "Tmat", "W", "U", "R", "dbeta") and not delta) or \
+                 (arg == "Amat" and not delta) or (arg == "dG" and not gate)
+        if absent:
+            consts[arg] = None
+        else:
+            sig[arg] = "*" + {"in": "bf16", "s": "bf16", "g": gdt, "fp32": "fp32"}[kind]
+    sig.update(scalars)
+    params = dict(H=32, HV=32, K=K, V=V, BK=K, BV=32, C=cb.CHUNK, GATE=gate, DELTA=delta, IS_VARLEN=False, PREC="tf32")
+    params.update(extra)
+    consts.update({p: v for p, v in params.items() if p in kernel.arg_names})
+    for arg in list(consts):
+        if arg not in kernel.arg_names:
+            del consts[arg]
+    sig.update({n: "constexpr" for n in consts})
+    sig = {n: sig[n] for n in kernel.arg_names if n in sig}
+    attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items() if t.startswith("*")}
+    return triton.compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=3))
+
+
+def ptxas(compiled):
+    with tempfile.TemporaryDirectory() as d:
+        ptx = os.path.join(d, "k.ptx")
+        with open(ptx, "w") as fh:
+            fh.write(compiled.asm["ptx"])
+        info = subprocess.run([os.path.join(BIN, "ptxas"), "-v", "--gpu-name=sm_90a", ptx, "-o",
+                               os.path.join(d, "k.cubin")], capture_output=True, text=True, check=True).stderr
+    spill = re.search(r"(\d+) bytes spill stores", info)
+    return int(re.search(r"Used (\d+) registers", info).group(1)), int(spill.group(1)) if spill else 0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--kernels", default="bwd_grad")
+    ap.add_argument("--fams", default="gdn,kda,delta")
+    ap.add_argument("--warps", default="4,8")
+    a = ap.parse_args()
+    print(f"{'kernel':10s} {'fam':6s} {'warps':>5s} {'regs':>5s} {'spill B':>8s} {'smem B':>8s}")
+    for name, fam, w in itertools.product(a.kernels.split(","), a.fams.split(","), map(int, a.warps.split(","))):
+        c = compile_kernel(name, fam, w)
+        regs, spill = ptxas(c)
+        print(f"{name:10s} {fam:6s} {w:5d} {regs:5d} {spill:8d} {c.metadata.shared:8d}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
