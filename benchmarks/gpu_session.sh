@@ -49,5 +49,5 @@ if has fwd; then
 fi
 if has bwd; then
   TAILN=40 step 150 sweep_bwd python3 benchmarks/sweep_bwd.py --out "$OUT"
-  TAILN=12 step 200 bench_train python3 benchmarks/bench_train.py --families gdn,delta,kda --shapes B1-T32768-H32 --out "$OUT"
+  TAILN=12 step 200 bench_train python3 benchmarks/bench_train.py --families gdn,delta,kda --shapes B1-T32768-H32 --profile --out "$OUT"
 fi
