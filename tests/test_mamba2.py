@@ -252,6 +252,29 @@ def test_cu_seqlens_equals_separate_sequences():
         assert_close(ht[i:i + 1], h_ref, TOL[F64], f"final state of sequence {i}")
 
 
+def test_return_varlen_states():
+    """mamba_ssm's return_varlen_states: every packed sequence's final state, after y (and after the final
+    states when both are asked for); with seq_idx one per sequence, not per row; an error without packing."""
+    lengths = [1, 50, 33]
+    pieces = _pieces(lengths, G=2)
+    kw = _pack(pieces)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    y, vs = run(kw, cu_seqlens=cu, dt_softplus=True, return_varlen_states=True)
+    y2, ht, vs2 = run(kw, cu_seqlens=cu, dt_softplus=True, return_final_states=True, return_varlen_states=True)
+    assert vs.shape == (len(lengths), 4, 16, 8) and torch.equal(vs, vs2) and torch.equal(y, y2)
+    for i in range(len(lengths)):
+        y_ref, h_ref = ssd_reference(**pieces[i], dt_softplus=True)
+        assert_close(vs[i:i + 1], h_ref, TOL[F64], f"varlen state of sequence {i}")
+    # seq_idx on two rows: final states per row (its last sequence), varlen states per sequence
+    row = dict(kw, initial_states=None)
+    seq_idx = torch.tensor([[i for i, n in enumerate(lengths) for _ in range(n)]], dtype=torch.int32)
+    _, ht_s, vs_s = run(row, seq_idx=seq_idx, dt_softplus=True, return_final_states=True, return_varlen_states=True)
+    assert ht_s.shape == (1, 4, 16, 8) and vs_s.shape == (3, 4, 16, 8)
+    assert torch.equal(ht_s[0], vs_s[-1])
+    with pytest.raises(ValueError, match="return_varlen_states"):
+        run(make(l=20), return_varlen_states=True)
+
+
 def test_seq_idx_resets_the_state_and_matches_cu_seqlens():
     """seq_idx (mamba_ssm's packing): the state restarts wherever it changes; rows are independent."""
     lengths = [[30, 1, 39], [70]]

@@ -118,6 +118,7 @@ def mamba_chunk_scan_combined(
     dt_softplus: bool = False,
     dt_limit: tuple[float, float] = (0.0, float("inf")),
     return_final_states: bool = False,
+    return_varlen_states: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     backend: str = "auto",
 ):
@@ -142,13 +143,19 @@ def mamba_chunk_scan_combined(
         dt_limit: (dt_min, dt_max) clamp applied after the softplus (mamba_ssm always clamps, default (0, inf)).
         return_final_states: also return the final state of each sequence (of each row's last sequence with
             seq_idx), [batch or num_sequences, nheads, headdim, dstate] fp32.
+        return_varlen_states: also return the final state of every packed sequence, [num_sequences, nheads,
+            headdim, dstate] fp32 (as mamba_ssm; needs cu_seqlens or seq_idx).
         cu_seqlens: [num_sequences + 1] int offsets of sequences packed along seqlen (batch must be 1), as in
             FlashAttention's varlen API; each sequence starts from its own initial state.
         backend: "auto", "torch" or "triton" (see `chunk_simple_gla`).
 
     Returns:
-        y: [batch, seqlen, nheads, headdim] in x's dtype; with return_final_states, (y, final_states).
+        y: [batch, seqlen, nheads, headdim] in x's dtype; with return_final_states, (y, final_states); with
+        return_varlen_states, (y, varlen_states) or (y, final_states, varlen_states), mamba_ssm's order.
     """
+    if return_varlen_states and cu_seqlens is None and seq_idx is None:
+        raise ValueError("return_varlen_states=True needs cu_seqlens (or seq_idx): the packed sequences whose "
+                         "final states it returns")
     b, l, h, p, G, n = _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_limit,
                               cu_seqlens)
     last, cu_cpu = None, None
@@ -179,10 +186,12 @@ def mamba_chunk_scan_combined(
     if seq_idx is not None and last is not None:  # rows of packed sequences -> one varlen batch
         q, k, v, g = (t.reshape(1, b * l, *t.shape[2:]) for t in (q, k, v, g))
     y, final = chunk_simple_gla(q, k, v, g, scale=1.0, initial_state=initial_states,
-                                output_final_state=return_final_states, cu_seqlens=cu_seqlens,
+                                output_final_state=return_final_states or return_varlen_states,
+                                cu_seqlens=cu_seqlens,
                                 transpose_state_layout=True, chunk_size=chunk_size, backend=backend,
                                 cu_seqlens_cpu=cu_cpu)
     y = y.reshape(b, l, h, p)
+    varlen_states = final                         # one per packed sequence (with cu_seqlens or seq_idx)
     if final is not None and last is not None:
         final = final[last.to(final.device)]
 
@@ -193,4 +202,7 @@ def mamba_chunk_scan_combined(
         if z is not None:
             y = y * F.silu(z.to(ct))
     y = y.to(x.dtype)
-    return (y, final) if return_final_states else y
+    out = (y, final) if return_final_states else (y,)
+    if return_varlen_states:
+        out = out + (varlen_states,)
+    return out if len(out) > 1 else y

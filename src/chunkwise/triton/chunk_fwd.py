@@ -445,25 +445,28 @@ def _dot_prec(dtype) -> tuple[str, str, str]:
 
 
 # Stage-1 launch per gate kind (0 none, 1 scalar, 2 per channel): (W/U products in the 16-bit input
-# dtype, num_warps). From the stage-1 sweep on the H200 (benchmarks/sweep_stage1.py, benchmarks/NOTES.md):
-# the fastest variant whose bf16 output error against the float64 recurrence is at most 1.05x fla's.
-PREP_CONFIG = {0: (1, 4), 1: (1, 4), 2: (1, 4)}
+# dtype, num_warps, column chunk BKC of the per-channel gate). From the stage-1 sweep on the H200
+# (benchmarks/sweep_stage1.py, benchmarks/NOTES.md): the fastest variant whose bf16 output error against
+# the float64 recurrence is at most 1.05x fla's. KDA's BKC = 32 is not yet measured on the GPU: offline
+# (benchmarks/prep_sass.py, sm_90) it spills 196 B per thread at 4 warps where BKC = 64 spills 968 B.
+PREP_CONFIG = {0: (1, 4, 64), 1: (1, 4, 64), 2: (1, 4, 32)}
 
 
-def prep_config(gate: int) -> tuple[int, int]:
+def prep_config(gate: int) -> tuple[int, int, int]:
     """The stage-1 launch of a gate kind: PREP_CONFIG, overridden by CHUNKWISE_PREP_CONFIG
-    ("gate:lowp,warps;..." as the sweep prints it) and then by CHUNKWISE_PREP_WU_LOWP /
-    CHUNKWISE_PREP_WARPS (the sweep's single knobs)."""
+    ("gate:lowp,warps[,bkc];..." as the sweep prints it) and then by CHUNKWISE_PREP_WU_LOWP /
+    CHUNKWISE_PREP_WARPS / CHUNKWISE_PREP_BKC (the sweep's single knobs)."""
     cfg = list(PREP_CONFIG[gate])
     for item in filter(None, os.environ.get("CHUNKWISE_PREP_CONFIG", "").split(";")):
         key, vals = item.split(":")
         if int(key) == gate:
-            cfg = [int(x) for x in vals.split(",")]
-    for i, name in enumerate(("WU_LOWP", "WARPS")):
+            vals = [int(x) for x in vals.split(",")]
+            cfg[:len(vals)] = vals
+    for i, name in enumerate(("WU_LOWP", "WARPS", "BKC")):
         env = os.environ.get(f"CHUNKWISE_PREP_{name}")
         if env:
             cfg[i] = int(env)
-    return cfg[0], cfg[1]
+    return cfg[0], cfg[1], cfg[2]
 
 
 def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None):
@@ -496,11 +499,11 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None):
     else:
         qg = kg = glast = None
     dot_prec, mm_prec, solve_prec = _dot_prec(dt)
-    wu_lowp, warps = prep_config(gate)
+    wu_lowp, warps, bkc = prep_config(gate)
     if n_chunks > 0:
         chunk_prepare_kernel[(n_chunks, B * HV)](
             q, k, v, g, beta, w, u, p, qg, kg, glast, cu_seqlens, chunk_indices, T, NT,
-            H=H, HV=HV, K=K, V=V, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(64, _dim(K)), GATE=gate,
+            H=H, HV=HV, K=K, V=V, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)), GATE=gate,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=solve_prec,
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and dt != torch.float32,
             num_warps=warps, num_stages=1)
