@@ -35,7 +35,7 @@ if has tests; then
     has bwd && warm_bwd; wait ) &
   ( [ "${SKIP_TRAIN:-0}" = 1 ] || timeout 190 python3 examples/train_mqar.py --config gpu --backend triton \
       --plot "$OUT/mqar_loss_gpu.png" --json "$OUT/mqar_gpu.json" > "$OUT/mqar_gpu.log" 2>&1 ) &
-  TAILN=4 step 190 tests python3 -m pytest -q -n 6 -p no:cacheprovider -o addopts="" --tb=line -rf \
+  TAILN=4 step 190 tests python3 -m pytest -q -n 6 --max-worker-restart 32 -p no:cacheprovider -o addopts="" --tb=line -rf \
     ${TESTS:-tests/test_compile.py tests/test_triton_chunk_fwd.py tests/test_triton_chunk_bwd.py -k "fp16 or unaligned or real_size or grads or compile or opcheck or hopper or wide or gradients"}
   wait
   echo "== mqar"; tail -n 2 "$OUT/mqar_gpu.log"

@@ -10,13 +10,27 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# a CUDA error that leaves the context unusable: every later test in the process would fail with it
+_FATAL_CUDA = ("illegal memory access", "CUDA error: an illegal instruction", "unspecified launch failure",
+               "misaligned address")
+_poisoned = []
+
+
 def pytest_runtest_logreport(report):
     """With CHUNKWISE_FAILLOG=<file>, append each failure's report to it as it happens.
 
     On the GPU machine a run can be cut by a time limit before pytest prints its summary (and xdist
     holds the messages until then); this keeps every failure message that happened so far.
+
+    Under xdist, a test that broke the CUDA context (an illegal memory access, say) ends its worker
+    after the test's teardown, so that xdist starts a fresh one (pass --max-worker-restart) instead of
+    failing every later test of that worker with the same error.
     """
     path = os.environ.get("CHUNKWISE_FAILLOG")
     if path and report.failed:
         with open(path, "a") as f:
             f.write(f"=== {report.nodeid} [{report.when}]\n{report.longreprtext[-3000:]}\n")
+    if report.failed and any(m in report.longreprtext for m in _FATAL_CUDA):
+        _poisoned.append(report.nodeid)
+    if report.when == "teardown" and _poisoned and os.environ.get("PYTEST_XDIST_WORKER"):
+        os._exit(3)
