@@ -3,7 +3,8 @@ B1-T32768-H32 (K = V = 128, bf16) with every backward kernel at 8 warps and agai
 time from torch.profiler, then the per-kernel pick (the faster setting of each) timed once more.
 Prints the pick as CHUNKWISE_BWD_WARPS (the knob of triton/chunk_bwd.py's BWD_WARPS) and writes
 sweep_bwd.json to --out. Gradients of every configuration are checked finite (NaN-poisoned buffers)
-and against the 8-warp configuration's.
+and against the 8-warp configuration's. Each setting is also timed with the key side in two 64-wide
+column blocks (CHUNKWISE_BWD_KSPLIT=64, `_bwd_grad_split_kernel`).
 
     python benchmarks/sweep_bwd.py --warm --fams gdn --warps 4 &    # compile, time nothing
     python benchmarks/sweep_bwd.py --out $OUT
@@ -24,7 +25,8 @@ from bench_train import bench, fwd_bwd, leaves, profile  # noqa: E402
 # profiler names of the backward kernels -> BWD_WARPS keys
 KERNELS = {"_gate_cumsum_kernel": "gate_cumsum", "_intra_kernel": "intra", "_intra_diag_kernel": "intra_diag",
            "_solve_kernel": "solve", "_wu_kernel": "wu", "_fwd_h_kernel": "fwd_h", "_bwd_dh_kernel": "bwd_dh",
-           "_bwd_dv_kernel": "bwd_dv", "_bwd_grad_kernel": "bwd_grad", "_bwd_diag_kernel": "bwd_diag"}
+           "_bwd_dv_kernel": "bwd_dv", "_bwd_grad_kernel": "bwd_grad", "_bwd_grad_split_kernel": "bwd_grad",
+           "_bwd_diag_kernel": "bwd_diag"}
 
 
 def kernel_times(prof_rows):
@@ -36,8 +38,9 @@ def kernel_times(prof_rows):
     return out
 
 
-def run_config(fam, x, do, env, warm):
+def run_config(fam, x, do, env, warm, ksplit=0):
     os.environ["CHUNKWISE_BWD_WARPS"] = env
+    os.environ["CHUNKWISE_BWD_KSPLIT"] = str(ksplit)
     grads = leaves(x)
     f = fwd_bwd(lambda: run_ours(fam, x), do)
     os.environ["CHUNKWISE_POISON"] = "1"
@@ -73,6 +76,11 @@ def main():
             diff = None if base is None else max(((t - b).norm() / b.norm()).item() for t, b in zip(got, base))
             base = base or got
             row["configs"][f"all:{w}"] = dict(fwd_bwd_ms=ms, kernels=per, finite=finite, grad_rel_diff=diff)
+            # the key side in two 64-wide column blocks (_bwd_grad_split_kernel), same warps
+            ms, per, got = run_config(fam, x, do, f"all:{w}", a.warm, ksplit=64)
+            row["configs"][f"all:{w}+ksplit"] = dict(
+                fwd_bwd_ms=ms, kernels=per, finite=all(bool(torch.isfinite(t).all()) for t in got),
+                grad_rel_diff=max(((t - b).norm() / b.norm()).item() for t, b in zip(got, base)))
         if not a.warm:
             pick = {}
             for key in KERNELS.values():
@@ -90,6 +98,7 @@ def main():
         del x, do
         torch.cuda.empty_cache()
     os.environ.pop("CHUNKWISE_BWD_WARPS", None)
+    os.environ.pop("CHUNKWISE_BWD_KSPLIT", None)
     if a.warm:
         return
     for r in results:

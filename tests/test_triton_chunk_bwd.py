@@ -219,3 +219,12 @@ def test_grads_unaligned_head_dims(fam, transpose):
     gradients of the real channels, including the initial state's, equal the reference's."""
     inp = make_inputs(fam, B=1, T=70, H=1, HV=2, K=18, V=10, seed=4)
     _compare(inp, TOL[torch.float32], transpose=transpose)
+
+
+@pytest.mark.parametrize("fam", FAMS)
+def test_grads_key_side_in_column_blocks(fam, monkeypatch):
+    """The key-side kernel's column-block variant (CHUNKWISE_BWD_KSPLIT = block width; here 16 of K = 40,
+    three blocks, the last partial): every gradient equals the reference's, varlen and grouped heads."""
+    monkeypatch.setenv("CHUNKWISE_BWD_KSPLIT", "16")
+    inp = make_inputs(fam, lengths=[1, 70, 30], H=1, HV=2, K=40, V=24, seed=6)
+    _compare(inp, TOL[torch.float32])

@@ -798,6 +798,194 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
 
 
 @triton.jit
+def _load_gate_cols(G, t0, L, i_h, o_k, m_k, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr):
+    """Columns o_k of a per-channel chunk gate: (G [C, BKH] with rows past L = G_last, G_last [BKH])."""
+    o_t = tl.arange(0, C)
+    m_t = o_t < L
+    p = ((t0 + o_t).to(tl.int64)[:, None] * HV + i_h) * K + o_k[None, :]
+    b_G = tl.load(G + p, mask=m_t[:, None] & m_k[None, :], other=0.)
+    b_last = tl.load(G + ((t0 + L - 1).to(tl.int64) * HV + i_h) * K + o_k, mask=m_k, other=0.)
+    return tl.where(m_t[:, None], b_G, b_last[None, :]), b_last
+
+
+@triton.jit
+def _bwd_grad_split_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, dk, dbeta, dG,
+                           cu_seqlens, chunk_indices, T, scale,
+                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                           BKH: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+                           GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
+    """`_bwd_grad_kernel` in column blocks of BKH key channels: the same gradients, with [C, BKH] tiles
+    instead of [C, BK] (fewer registers, less shared memory per program). Everything on the key side is
+    row-local in the channels except dT = dT_v + dW Xᵀ (summed over channels) and the dA it feeds, so:
+
+        pass 1, per column block: the V loop (dW, dK_end, dγ), dX = Tᵀ dW, dT += dW Xᵀ, the row-local
+                 parts of dk (-> dk), of dG (-> dG per channel, row sums for a scalar gate) and of dβ;
+        dA = −Tᵀ dT Tᵀ (strict lower) -> Amat;
+        pass 2, per column block: the pairwise products P (q, k) and A (βk, k): dq (per channel), dk,
+                 dβ and dG completed from what pass 1 left in dk / dG.
+    The V loop runs once per column block: R and dR are read K / BKH times."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // HV, i_bh % HV
+    i_hk = i_h // (HV // H)
+    t0, L, i_g = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
+    o_t = tl.arange(0, C)
+    m_t = o_t < L
+    rows = (t0 + o_t).to(tl.int64)
+    i_ge_j = o_t[:, None] >= o_t[None, :]
+    m_cc = m_t[:, None] & m_t[None, :]
+    p_cc = (rows[:, None] * HV + i_h) * C + o_t[None, :]
+    p_ccT = (rows[None, :] * HV + i_h) * C + o_t[:, None]                                # element [j, i] of row i
+    p_h = (i_g * HV + i_h).to(tl.int64) * K * V
+    if DELTA:
+        b_beta = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.).to(tl.float32)
+        b_db = tl.load(dbeta + rows * HV + i_h, mask=m_t, other=0.)
+        b_T = tl.load(Tmat + p_cc, mask=m_cc & i_ge_j, other=0.)
+        b_dT = tl.load(Amat + p_cc, mask=m_cc, other=0.)                                  # dT_v, + dW Xᵀ below
+    else:
+        b_beta = tl.zeros([C], dtype=tl.float32)
+        b_db = tl.zeros([C], dtype=tl.float32)
+    if GATE == 1:
+        b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
+        b_eG, b_ekend = _gate_factors(b_G, b_last, GATE)
+        b_dGr = tl.load(dG + rows * HV + i_h, mask=m_t, other=0.)
+        b_dlast = tl.sum(tl.zeros([C], dtype=tl.float32), axis=0)
+
+    # pass 1
+    for i_k in range(tl.cdiv(K, BKH)):
+        o_k = i_k * BKH + tl.arange(0, BKH)
+        m_k = o_k < K
+        m_tk = m_t[:, None] & m_k[None, :]
+        p_tk = (rows[:, None] * H + i_hk) * K + o_k[None, :]
+        p_hk = (rows[:, None] * HV + i_h) * K + o_k[None, :]
+        b_dw = tl.zeros([C, BKH], dtype=tl.float32)
+        b_dkend = tl.zeros([C, BKH], dtype=tl.float32)
+        b_dgam = tl.zeros([BKH], dtype=tl.float32)
+        for i_v in range(tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = o_v < V
+            m_kv = m_k[:, None] & m_v[None, :]
+            m_tv = m_t[:, None] & m_v[None, :]
+            p_tv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
+            b_S = tl.load(h + p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+            b_dSn = tl.load(dh + p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+            if DELTA:
+                b_R = tl.load(R + p_tv, mask=m_tv, other=0.)
+                b_dR = tl.load(dR + p_tv, mask=m_tv, other=0.)
+                b_dw -= tl.dot(b_dR, tl.trans(b_S), input_precision=PREC)               # [C, BV] @ [BV, BKH]
+            else:
+                b_R = tl.load(v + p_tv, mask=m_tv, other=0.)
+            b_dkend += tl.dot(b_R, tl.trans(b_dSn), input_precision=PREC)               # [C, BV] @ [BV, BKH]
+            b_dgam += tl.sum(b_S.to(tl.float32) * b_dSn.to(tl.float32), axis=1)
+        b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
+        if GATE == 2:
+            b_Gh, b_lasth = _load_gate_cols(G, t0, L, i_h, o_k, m_k, HV, K, C)
+            b_eGh, b_ekendh = _gate_factors(b_Gh, b_lasth, GATE)
+            b_dk = b_dkend * b_ekendh
+            b_dGm = -b_k * b_dk
+            b_dlasth = tl.sum(b_k * b_dk, axis=0) + tl.exp(b_lasth) * b_dgam            # [BKH]
+        elif GATE == 1:
+            b_eGh = b_eG
+            b_dk = b_dkend * b_ekend
+            b_kdk = tl.sum(b_k * b_dk, axis=1)
+            b_dGr -= b_kdk
+            b_dlast += tl.sum(b_kdk, axis=0) + tl.exp(b_last) * tl.sum(b_dgam, axis=0)
+        else:
+            b_dk = b_dkend
+        if DELTA:
+            if GATE > 0:
+                b_ke = b_k * b_eGh
+            else:
+                b_ke = b_k
+            b_x = b_ke * b_beta[:, None]
+            b_dx = tl.dot(tl.trans(b_T), b_dw, input_precision=PREC)                     # [C, C] @ [C, BKH]
+            b_dT += tl.dot(b_dw, tl.trans(b_x), input_precision=PREC)                    # [C, BKH] @ [BKH, C]
+            if GATE > 0:
+                b_dk += b_beta[:, None] * b_eGh * b_dx
+            else:
+                b_dk += b_beta[:, None] * b_dx
+            b_db += tl.sum(b_ke * b_dx, axis=1)
+            if GATE == 2:
+                b_dGm += b_x * b_dx
+            elif GATE == 1:
+                b_dGr += tl.sum(b_x * b_dx, axis=1)
+        tl.store(dk + p_hk, b_dk, mask=m_tk)
+        if GATE == 2:
+            b_dGm += tl.where((o_t == L - 1)[:, None], b_dlasth[None, :], 0.)
+            tl.store(dG + p_hk, b_dGm, mask=m_tk)
+
+    # dA = −Tᵀ dT Tᵀ (strict lower), then its transpose and dPᵀ through memory (never tl.trans of a
+    # dot accumulator: fla #640)
+    tl.debug_barrier()          # every thread has read dT_v from Amat and written its dk / dG columns
+    if DELTA:
+        b_dA = tl.dot(tl.dot(tl.trans(b_T), b_dT, input_precision=PREC), tl.trans(b_T), input_precision=PREC)  # [C, C] @ [C, C] @ [C, C]
+        b_dA = tl.where(m_cc & (o_t[:, None] > o_t[None, :]), -b_dA, 0.)
+        if GATE == 1:
+            b_dA = b_dA * tl.exp(tl.where(i_ge_j, b_G[:, None] - b_G[None, :], float("-inf")))
+        tl.store(Amat + p_cc, b_dA, mask=m_cc)
+    tl.debug_barrier()
+    m_ccT = m_t[:, None] & m_t[None, :]
+    if GATE == 2:
+        b_dP = tl.load(Pmat + p_cc, mask=m_cc & i_ge_j, other=0.)                          # dP [C, C]
+        b_dPt = tl.load(Pmat + p_ccT, mask=m_ccT, other=0.)                                # dPᵀ
+        if DELTA:
+            b_dAt = tl.load(Amat + p_ccT, mask=m_ccT, other=0.)                            # dAᵀ
+    else:
+        b_dPt = tl.load(Pmat + p_ccT, mask=m_ccT & (o_t[None, :] >= o_t[:, None]), other=0.)
+        if GATE == 1:
+            b_dPt *= tl.exp(tl.where(o_t[None, :] >= o_t[:, None], b_G[None, :] - b_G[:, None], float("-inf")))
+        if DELTA:
+            b_dAt = tl.load(Amat + p_ccT, mask=m_ccT, other=0.)
+
+    # pass 2
+    for i_k in range(tl.cdiv(K, BKH)):
+        o_k = i_k * BKH + tl.arange(0, BKH)
+        m_k = o_k < K
+        m_tk = m_t[:, None] & m_k[None, :]
+        p_tk = (rows[:, None] * H + i_hk) * K + o_k[None, :]
+        p_hk = (rows[:, None] * HV + i_h) * K + o_k[None, :]
+        b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
+        b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
+        b_kb = b_k * b_beta[:, None]
+        b_dkb = tl.zeros([C, BKH], dtype=tl.float32)
+        if GATE == 2:
+            b_Gh, b_lasth = _load_gate_cols(G, t0, L, i_h, o_k, m_k, HV, K, C)
+            b_dqp = tl.zeros([C, BKH], dtype=tl.float32)
+            b_dkp = tl.zeros([C, BKH], dtype=tl.float32)
+            for jb in tl.static_range(C // BC - 1):
+                r = jb * BC + BC - 1
+                b_Gr = tl.sum(tl.where((o_t == r)[:, None], b_Gh, 0.), axis=0)              # [BKH]
+                b_left = tl.exp(tl.where((o_t > r)[:, None], b_Gh - b_Gr[None, :], float("-inf")))
+                b_right = tl.exp(tl.where(((o_t // BC) == jb)[:, None], b_Gr[None, :] - b_Gh, float("-inf")))
+                b_kr = b_k * b_right
+                b_dqp += tl.dot(b_dP, b_kr, input_precision=PREC) * b_left                 # [C, C] @ [C, BKH]
+                b_dkp += tl.dot(b_dPt, b_q * b_left, input_precision=PREC) * b_right      # [C, C] @ [C, BKH]
+                if DELTA:
+                    b_dkb += tl.dot(b_dA, b_kr, input_precision=PREC) * b_left             # [C, C] @ [C, BKH]
+                    b_dkp += tl.dot(b_dAt, b_kb * b_left, input_precision=PREC) * b_right # [C, C] @ [C, BKH]
+            b_dq = tl.load(dq + p_hk, mask=m_tk, other=0.) + b_dqp
+            tl.store(dq + p_hk, b_dq, mask=m_tk)
+            b_dGm = tl.load(dG + p_hk, mask=m_tk, other=0.) + b_q * b_dq + b_kb * b_dkb - b_k * b_dkp
+            tl.store(dG + p_hk, b_dGm, mask=m_tk)
+        else:
+            b_dkp = tl.dot(b_dPt, b_q, input_precision=PREC)                               # [C, C] @ [C, BKH]
+            if DELTA:
+                b_dkb = tl.dot(b_dA, b_k, input_precision=PREC)                            # [C, C] @ [C, BKH]
+                b_dkp += tl.dot(b_dAt, b_kb, input_precision=PREC)                         # [C, C] @ [C, BKH]
+            if GATE == 1:
+                b_dGr += tl.sum(b_kb * b_dkb - b_k * b_dkp, axis=1)
+        b_dk = tl.load(dk + p_hk, mask=m_tk, other=0.) + b_dkp + b_beta[:, None] * b_dkb
+        tl.store(dk + p_hk, b_dk, mask=m_tk)
+        b_db += tl.sum(b_k * b_dkb, axis=1)
+
+    if DELTA:
+        tl.store(dbeta + rows * HV + i_h, b_db, mask=m_t)
+    if GATE == 1:
+        b_dGs = b_dGr + tl.where(o_t == L - 1, b_dlast, 0.)
+        b_dg = tl.sum(b_dGs, axis=0) - tl.cumsum(b_dGs, axis=0) + b_dGs                     # reverse cumsum
+        tl.store(dG + rows * HV + i_h, b_dg, mask=m_t)
+
+
+@triton.jit
 def _bwd_diag_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbeta, dG, cu_seqlens, chunk_indices, T,
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
                      BC: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr):
@@ -1023,9 +1211,16 @@ def _chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, c
     _bwd_dv_kernel[grid_c](q, k, v, beta, G, Tmat, h, R, dR, do, Pmat, Amat, dq, dv, dbeta, dG, scale=scale, H=H,
                            HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
                            num_warps=_warps("bwd_dv"), num_stages=ns, **common)
-    _bwd_grad_kernel[grid_c](q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, dk, dbeta, dG,
-                             scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, BC=BC, GATE=gate, DELTA=delta,
-                             IS_VARLEN=varlen, PREC=prec, num_warps=_warps("bwd_grad"), num_stages=ns, **common)
+    bkh = int(os.environ.get("CHUNKWISE_BWD_KSPLIT", "0"))   # variant: key side in column blocks of bkh (sweep_bwd.py)
+    if 16 <= bkh < BK:
+        _bwd_grad_split_kernel[grid_c](q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, dk, dbeta, dG,
+                                       scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BKH=bkh, BV=BV, C=C, BC=BC, GATE=gate,
+                                       DELTA=delta, IS_VARLEN=varlen, PREC=prec, num_warps=_warps("bwd_grad"),
+                                       num_stages=ns, **common)
+    else:
+        _bwd_grad_kernel[grid_c](q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, dk, dbeta, dG,
+                                 scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, BC=BC, GATE=gate, DELTA=delta,
+                                 IS_VARLEN=varlen, PREC=prec, num_warps=_warps("bwd_grad"), num_stages=ns, **common)
     if gate == 2:
         _bwd_diag_kernel[grid_c](q, k, beta, G, Pmat, Amat, dq, dk, dbeta, dG, H=H, HV=HV, K=K, BK=BK, C=C, BC=BC,
                                  DELTA=delta, IS_VARLEN=varlen, num_warps=_warps("bwd_diag"), num_stages=ns, **common)
