@@ -257,3 +257,41 @@ def test_compile_fullgraph_state_pool_decode():
     untouched = [0, 1, 3, 4]
     assert torch.equal(pool[untouched], pool_before[untouched])          # only the live slots were written
     assert rel_err(pool[5], pool_before[5]) > 1e-3 and rel_err(pool[2], pool_before[2]) > 1e-3
+
+
+@pytest.mark.parametrize("form", ["chunk", "recurrent", "pool"])
+def test_eager_fast_path_equals_the_custom_op(form, monkeypatch):
+    """Plain eager calls without gradients skip the custom op's dispatch (_custom_ops._eager_plain) and give
+    bit-identically what the custom op gives; a fake-tensor trace and inputs wanting gradients still go
+    through the op (its fake implementation and its registered autograd)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    inp = make_inputs("gdn", B=2, T=9 if form != "pool" else 1, H=1, HV=2, K=16, V=8, device="cpu")
+    fn = chunkwise.chunk_gated_delta_rule if form == "chunk" else chunkwise.fused_recurrent_gated_delta_rule
+    if form == "pool":
+        pool = torch.randn(5, 2, 16, 8)
+        kw = dict(initial_state=pool, state_indices=torch.tensor([3, 0]))
+        mk = lambda: dict(kw, initial_state=pool.clone())  # noqa: E731
+    else:
+        mk = lambda: dict(initial_state=inp.h0)  # noqa: E731
+    calls = {"op": 0}
+    real = {name: getattr(_custom_ops, name) for name in ("chunk_fwd", "recurrent_fwd", "recurrent_pool_fwd")}
+    for name, op in real.items():
+        monkeypatch.setattr(_custom_ops, name, lambda *a, _op=op: (calls.__setitem__("op", calls["op"] + 1), _op(*a))[1])
+    fast = fn(*inp.args(), output_final_state=True, backend="torch", **mk())
+    assert calls["op"] == 0, "the eager call went through the custom op"
+    monkeypatch.setattr(_custom_ops, "_eager_plain", lambda *t: False)
+    slow = fn(*inp.args(), output_final_state=True, backend="torch", **mk())
+    assert calls["op"] == 1
+    assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
+    monkeypatch.undo()
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:                # the op's fake implementation
+        fake_args = [mode.from_tensor(x) for x in inp.args()]
+        o, _ = fn(*fake_args, output_final_state=True, backend="torch",
+                  **{k: (mode.from_tensor(v) if isinstance(v, torch.Tensor) else v) for k, v in mk().items()})
+        assert o.shape == inp.v.shape
+    q = inp.q.clone().requires_grad_(True)                                  # autograd: through the op
+    o, _ = fn(q, *inp.args()[1:], output_final_state=True, backend="torch", **mk())
+    if form != "pool":
+        o.sum().backward()
+        assert q.grad is not None and torch.isfinite(q.grad).all()

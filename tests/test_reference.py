@@ -551,3 +551,27 @@ def test_output_dtypes(fam, form, dtype):
     assert ht2.dtype == ht.dtype and o2.dtype == dtype
     _, none = call(op, inp, final=False)
     assert none is None
+
+
+@pytest.mark.parametrize("form", ["chunk", "recurrent"])
+@pytest.mark.parametrize("only", ["q", "k", "v", "g", "beta", "initial_state"])
+def test_gradient_of_one_input_alone(form, only):
+    """Only one input wants a gradient (a frozen projection, a LoRA-style adapter on q, ...): it gets the
+    same gradient as when every input does, through the op's registered backward. With only q, the final
+    state depends on nothing that wants a gradient (an output without a graph, once a crash)."""
+    inp = make_inputs("gdn", B=2, T=40, H=1, HV=2, K=12, V=10, dtype=F64, seed=8)
+    op = CHUNK_OPS["gdn"] if form == "chunk" else RECURRENT_OPS["gdn"]
+    gen = torch.Generator().manual_seed(9)
+    w_o, w_h = rnd(gen, inp.v.shape), rnd(gen, inp.h0.shape)
+
+    def grad_of(names):
+        leaves = {n: getattr(inp, "h0" if n == "initial_state" else n).detach().clone().requires_grad_(n in names)
+                  for n in ("q", "k", "v", "g", "beta", "initial_state")}
+        o, ht = op(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], scale=0.4,
+                   initial_state=leaves["initial_state"], output_final_state=True, backend="torch")
+        ((o * w_o).sum() + (ht * w_h).sum()).backward()
+        return leaves[only].grad
+
+    alone, together = grad_of({only}), grad_of({"q", "k", "v", "g", "beta", "initial_state"})
+    assert alone is not None and alone.norm() > 0
+    assert_close(alone, together, 1e-12, f"d{only} alone vs with every input")
