@@ -8,18 +8,15 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
-import re
-import subprocess
-import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from sass_util import assemble
+
 from chunkwise.triton import chunk_bwd as cb
 
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 GATES = {"delta": 0, "gdn": 1, "kda": 2, "gla": 1}
 
 # per kernel: pointer arguments -> dtype ("in": the input dtype, "s": 16-bit storage, "g": gradient dtype),
@@ -78,14 +75,8 @@ def compile_kernel(name, fam="gdn", num_warps=8, K=128, V=128):
 
 
 def ptxas(compiled):
-    with tempfile.TemporaryDirectory() as d:
-        ptx = os.path.join(d, "k.ptx")
-        with open(ptx, "w") as fh:
-            fh.write(compiled.asm["ptx"])
-        info = subprocess.run([os.path.join(BIN, "ptxas"), "-v", "--gpu-name=sm_90a", ptx, "-o",
-                               os.path.join(d, "k.cubin")], capture_output=True, text=True, check=True).stderr
-    spill = re.search(r"(\d+) bytes spill stores", info)
-    return int(re.search(r"Used (\d+) registers", info).group(1)), int(spill.group(1)) if spill else 0
+    regs, spill, _ = assemble(compiled, sass=False)
+    return regs, spill
 
 
 def main():

@@ -10,18 +10,16 @@ Usage: python benchmarks/decode_sass.py      (CPU only; ~1 s per configuration)
 """
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from sass_util import assemble
+
 from chunkwise.triton.recurrent import recurrent_fwd_kernel as KERNEL
 
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 FAMILIES = {"gdn": (1, True), "kda": (2, True), "delta": (0, True), "gla": (1, False)}
 
 
@@ -48,16 +46,7 @@ def compile_variant(fam="gdn", BV=32, num_warps=4, pool=True, state="fp32", fuse
 
 def sass_summary(compiled) -> tuple[int, int, str]:
     """(registers, spill bytes, compressed sequence of global loads/stores and barriers)."""
-    with tempfile.TemporaryDirectory() as d:
-        ptx, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
-        with open(ptx, "w") as fh:
-            fh.write(compiled.asm["ptx"])
-        info = subprocess.run([os.path.join(BIN, "ptxas"), "-v", "--gpu-name=sm_90a", ptx, "-o", cubin],
-                              capture_output=True, text=True, check=True).stderr
-        sass = subprocess.run([os.path.join(BIN, "nvdisasm"), cubin], capture_output=True, text=True,
-                              check=True).stdout
-    regs = int(re.search(r"Used (\d+) registers", info).group(1))
-    spill = re.search(r"(\d+) bytes spill stores", info)
+    regs, spill, sass = assemble(compiled)
     ops = []
     for line in sass.splitlines():
         m = re.search(r"\*/\s+(@!?U?P\w+\s+)?((LDGSTS|LDG|STG|BAR|DEPBAR)\b)", line)
@@ -69,7 +58,7 @@ def sass_summary(compiled) -> tuple[int, int, str]:
             seq[-1][1] += 1
         else:
             seq.append([op, 1])
-    return regs, int(spill.group(1)) if spill else 0, " ".join(f"{op}x{n}" for op, n in seq)
+    return regs, spill, " ".join(f"{op}x{n}" for op, n in seq)
 
 
 def main():

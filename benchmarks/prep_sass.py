@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import re
-import subprocess
-import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from sass_util import assemble
+
 from chunkwise.triton.chunk_fwd import BC, BT, G_FLOOR, SPAN_MAX, chunk_prepare_kernel as KERNEL
 
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 GATES = {"gdn": 1, "kda": 2, "delta": 0}
 
 
@@ -44,19 +42,10 @@ def compile_variant(fam="gdn", wu_lowp=0, num_warps=4, K=128, V=128, BKC=64):
 
 
 def summary(compiled) -> dict:
-    with tempfile.TemporaryDirectory() as d:
-        ptx, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
-        with open(ptx, "w") as fh:
-            fh.write(compiled.asm["ptx"])
-        info = subprocess.run([os.path.join(BIN, "ptxas"), "-v", "--gpu-name=sm_90a", ptx, "-o", cubin],
-                              capture_output=True, text=True, check=True).stderr
-        sass = subprocess.run([os.path.join(BIN, "nvdisasm"), cubin], capture_output=True, text=True,
-                              check=True).stdout
-    spill = re.search(r"(\d+) bytes spill stores", info)
+    regs, spill, sass = assemble(compiled)
     ops = re.findall(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
     count = lambda *names: sum(1 for o in ops if o.split(".")[0] in names)  # noqa: E731
-    return dict(regs=int(re.search(r"Used (\d+) registers", info).group(1)), spill=int(spill.group(1)) if spill else 0,
-                smem=compiled.metadata.shared, instrs=len(ops), mma=count("HMMA", "HGMMA"), shfl=count("SHFL"),
+    return dict(regs=regs, spill=spill, smem=compiled.metadata.shared, instrs=len(ops), mma=count("HMMA", "HGMMA"), shfl=count("SHFL"),
                 bar=count("BAR"), lds=count("LDS", "LDSM"), sts=count("STS"))
 
 

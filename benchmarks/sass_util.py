@@ -1,0 +1,27 @@
+"""Shared by the offline inspection scripts (decode_sass.py, prep_sass.py, bwd_sass.py): assemble a kernel
+compiled for sm_90 with the ptxas that ships with triton and read back registers, spills and SASS."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def assemble(compiled, sass: bool = True) -> tuple[int, int, str]:
+    """(registers per thread, spill-store bytes per thread, the SASS text or "") of a kernel that
+    `triton.compile(..., target=GPUTarget("cuda", 90, 32))` returned."""
+    with tempfile.TemporaryDirectory() as d:
+        ptx, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
+        with open(ptx, "w") as fh:
+            fh.write(compiled.asm["ptx"])
+        info = subprocess.run([os.path.join(BIN, "ptxas"), "-v", "--gpu-name=sm_90a", ptx, "-o", cubin],
+                              capture_output=True, text=True, check=True).stderr
+        text = subprocess.run([os.path.join(BIN, "nvdisasm"), cubin], capture_output=True, text=True,
+                              check=True).stdout if sass else ""
+    spill = re.search(r"(\d+) bytes spill stores", info)
+    return int(re.search(r"Used (\d+) registers", info).group(1)), int(spill.group(1)) if spill else 0, text
