@@ -624,6 +624,59 @@ def _bwd_dv_kernel(q, k, v, beta, G, Tmat, h, R, dR, do, Pmat, Amat, dq, dv, dbe
 
 
 @triton.jit
+def _key_side_vloop(h, dh, R, dR, v, p_h, rows, i_h, o_k, m_k, m_t, HV: tl.constexpr, V: tl.constexpr,
+                    C: tl.constexpr, BKW: tl.constexpr, BV: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr):
+    """The key side's loop over value blocks, for the key channels o_k [BKW]:
+    dW = −dR Sᵀ, dK_end = R dS'ᵀ ([C, BKW] each) and dγ = Σ_v S ⊙ dS' ([BKW]); operands as stored
+    (16-bit for 16-bit inputs: exact), fp32 accumulation."""
+    b_dw = tl.zeros([C, BKW], dtype=tl.float32)
+    b_dkend = tl.zeros([C, BKW], dtype=tl.float32)
+    b_dgam = tl.zeros([BKW], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_kv = m_k[:, None] & m_v[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_tv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
+        b_S = tl.load(h + p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+        b_dSn = tl.load(dh + p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+        if DELTA:
+            b_R = tl.load(R + p_tv, mask=m_tv, other=0.)
+            b_dR = tl.load(dR + p_tv, mask=m_tv, other=0.)
+            b_dw -= tl.dot(b_dR, tl.trans(b_S), input_precision=PREC)                   # [C, BV] @ [BV, BKW]
+        else:
+            b_R = tl.load(v + p_tv, mask=m_tv, other=0.)
+        b_dkend += tl.dot(b_R, tl.trans(b_dSn), input_precision=PREC)                   # [C, BV] @ [BV, BKW]
+        b_dgam += tl.sum(b_S.to(tl.float32) * b_dSn.to(tl.float32), axis=1)
+    return b_dw, b_dkend, b_dgam
+
+
+@triton.jit
+def _pairwise_grads_channel(b_dP, b_dPt, b_dA, b_dAt, b_q, b_k, b_kb, b_G, C: tl.constexpr, BC: tl.constexpr,
+                            DELTA: tl.constexpr, PREC: tl.constexpr):
+    """Per-channel gate: the gradients through P = tril(⟨q_i, Γ_ij k_j⟩) and A = strict_tril(⟨βk_i, Γ_ij k_j⟩)
+    off the 16×16 diagonal blocks, for the channels of b_q, b_k, b_kb, b_G [C, BKW]: (dq, dk from P and
+    from A's right side, dk from A's left side, that is d(βk)). Column block J (last token r) factors
+    Γ_ij = e^{G_i − G_r} e^{G_r − G_j}, both ≤ 1."""
+    o_t = tl.arange(0, C)
+    b_dqp = tl.zeros_like(b_q)
+    b_dkp = tl.zeros_like(b_q)
+    b_dkb = tl.zeros_like(b_q)
+    for jb in tl.static_range(C // BC - 1):
+        r = jb * BC + BC - 1
+        b_Gr = tl.sum(tl.where((o_t == r)[:, None], b_G, 0.), axis=0)                       # [BKW]
+        b_left = tl.exp(tl.where((o_t > r)[:, None], b_G - b_Gr[None, :], float("-inf")))
+        b_right = tl.exp(tl.where(((o_t // BC) == jb)[:, None], b_Gr[None, :] - b_G, float("-inf")))
+        b_kr = b_k * b_right
+        b_dqp += tl.dot(b_dP, b_kr, input_precision=PREC) * b_left                         # [C, C] @ [C, BKW]
+        b_dkp += tl.dot(b_dPt, b_q * b_left, input_precision=PREC) * b_right              # [C, C] @ [C, BKW]
+        if DELTA:
+            b_dkb += tl.dot(b_dA, b_kr, input_precision=PREC) * b_left                     # [C, C] @ [C, BKW]
+            b_dkp += tl.dot(b_dAt, b_kb * b_left, input_precision=PREC) * b_right         # [C, C] @ [C, BKW]
+    return b_dqp, b_dkp, b_dkb
+
+
+@triton.jit
 def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, dk, dbeta, dG,
                      cu_seqlens, chunk_indices, T, scale,
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
@@ -650,27 +703,9 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
     m_cc = m_t[:, None] & m_t[None, :]
     p_cc = (rows[:, None] * HV + i_h) * C + o_t[None, :]
     p_ccT = (rows[None, :] * HV + i_h) * C + o_t[:, None]                                # element [j, i] of row i
-    b_dw = tl.zeros([C, BK], dtype=tl.float32)
-    b_dkend = tl.zeros([C, BK], dtype=tl.float32)
-    b_dgam = tl.zeros([BK], dtype=tl.float32)
     p_h = (i_g * HV + i_h).to(tl.int64) * K * V
-    # operands as stored (16-bit for 16-bit inputs: exact), fp32 accumulation
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        m_kv = m_k[:, None] & m_v[None, :]
-        m_tv = m_t[:, None] & m_v[None, :]
-        p_tv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
-        b_S = tl.load(h + p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
-        b_dSn = tl.load(dh + p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
-        if DELTA:
-            b_R = tl.load(R + p_tv, mask=m_tv, other=0.)
-            b_dR = tl.load(dR + p_tv, mask=m_tv, other=0.)
-            b_dw -= tl.dot(b_dR, tl.trans(b_S), input_precision=PREC)                   # [C, BV] @ [BV, BK]
-        else:
-            b_R = tl.load(v + p_tv, mask=m_tv, other=0.)
-        b_dkend += tl.dot(b_R, tl.trans(b_dSn), input_precision=PREC)                   # [C, BV] @ [BV, BK]
-        b_dgam += tl.sum(b_S.to(tl.float32) * b_dSn.to(tl.float32), axis=1)
+    b_dw, b_dkend, b_dgam = _key_side_vloop(h, dh, R, dR, v, p_h, rows, i_h, o_k, m_k, m_t, HV, V, C, BK, BV, DELTA,
+                                            PREC)
     if GATE == 2:
         b_dP = tl.load(Pmat + p_cc, mask=m_cc & i_ge_j, other=0.)                          # dP [C, C]
     if DELTA:
@@ -748,19 +783,8 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
         b_dPt = tl.load(Pmat + p_ccT, mask=m_ccT, other=0.)                                # dPᵀ [C, C]
         if DELTA:
             b_dAt = tl.load(Amat + p_ccT, mask=m_ccT, other=0.)                            # dAᵀ [C, C]
-        b_dqp = tl.zeros([C, BK], dtype=tl.float32)
-        b_dkp = tl.zeros([C, BK], dtype=tl.float32)
-        for jb in tl.static_range(C // BC - 1):
-            r = jb * BC + BC - 1
-            b_Gr = tl.sum(tl.where((o_t == r)[:, None], b_G, 0.), axis=0)                   # [BK]
-            b_left = tl.exp(tl.where((o_t > r)[:, None], b_G - b_Gr[None, :], float("-inf")))
-            b_right = tl.exp(tl.where(((o_t // BC) == jb)[:, None], b_Gr[None, :] - b_G, float("-inf")))
-            b_kr = b_k * b_right
-            b_dqp += tl.dot(b_dP, b_kr, input_precision=PREC) * b_left                     # [C, C] @ [C, BK]
-            b_dkp += tl.dot(b_dPt, b_q * b_left, input_precision=PREC) * b_right          # [C, C] @ [C, BK]
-            if DELTA:
-                b_dkb += tl.dot(b_dA, b_kr, input_precision=PREC) * b_left                 # [C, C] @ [C, BK]
-                b_dkp += tl.dot(b_dAt, b_kb * b_left, input_precision=PREC) * b_right     # [C, C] @ [C, BK]
+        b_dqp, b_dkp, b_dkb = _pairwise_grads_channel(b_dP, b_dPt, b_dA if DELTA else b_dP, b_dAt if DELTA else b_dPt,
+                                                      b_q, b_k, b_kb, b_G, C, BC, DELTA, PREC)
         b_dq = tl.load(dq + p_hk, mask=m_tk, other=0.) + b_dqp
         b_dGm += b_q * b_dq + b_kb * b_dkb - b_k * b_dkp
         tl.store(dq + p_hk, b_dq, mask=m_tk)
@@ -857,25 +881,8 @@ def _bwd_grad_split_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do,
         m_tk = m_t[:, None] & m_k[None, :]
         p_tk = (rows[:, None] * H + i_hk) * K + o_k[None, :]
         p_hk = (rows[:, None] * HV + i_h) * K + o_k[None, :]
-        b_dw = tl.zeros([C, BKH], dtype=tl.float32)
-        b_dkend = tl.zeros([C, BKH], dtype=tl.float32)
-        b_dgam = tl.zeros([BKH], dtype=tl.float32)
-        for i_v in range(tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            m_v = o_v < V
-            m_kv = m_k[:, None] & m_v[None, :]
-            m_tv = m_t[:, None] & m_v[None, :]
-            p_tv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
-            b_S = tl.load(h + p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
-            b_dSn = tl.load(dh + p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
-            if DELTA:
-                b_R = tl.load(R + p_tv, mask=m_tv, other=0.)
-                b_dR = tl.load(dR + p_tv, mask=m_tv, other=0.)
-                b_dw -= tl.dot(b_dR, tl.trans(b_S), input_precision=PREC)               # [C, BV] @ [BV, BKH]
-            else:
-                b_R = tl.load(v + p_tv, mask=m_tv, other=0.)
-            b_dkend += tl.dot(b_R, tl.trans(b_dSn), input_precision=PREC)               # [C, BV] @ [BV, BKH]
-            b_dgam += tl.sum(b_S.to(tl.float32) * b_dSn.to(tl.float32), axis=1)
+        b_dw, b_dkend, b_dgam = _key_side_vloop(h, dh, R, dR, v, p_h, rows, i_h, o_k, m_k, m_t, HV, V, C, BKH, BV,
+                                                DELTA, PREC)
         b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
         if GATE == 2:
             b_Gh, b_lasth = _load_gate_cols(G, t0, L, i_h, o_k, m_k, HV, K, C)
@@ -949,19 +956,9 @@ def _bwd_grad_split_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do,
         b_dkb = tl.zeros([C, BKH], dtype=tl.float32)
         if GATE == 2:
             b_Gh, b_lasth = _load_gate_cols(G, t0, L, i_h, o_k, m_k, HV, K, C)
-            b_dqp = tl.zeros([C, BKH], dtype=tl.float32)
-            b_dkp = tl.zeros([C, BKH], dtype=tl.float32)
-            for jb in tl.static_range(C // BC - 1):
-                r = jb * BC + BC - 1
-                b_Gr = tl.sum(tl.where((o_t == r)[:, None], b_Gh, 0.), axis=0)              # [BKH]
-                b_left = tl.exp(tl.where((o_t > r)[:, None], b_Gh - b_Gr[None, :], float("-inf")))
-                b_right = tl.exp(tl.where(((o_t // BC) == jb)[:, None], b_Gr[None, :] - b_Gh, float("-inf")))
-                b_kr = b_k * b_right
-                b_dqp += tl.dot(b_dP, b_kr, input_precision=PREC) * b_left                 # [C, C] @ [C, BKH]
-                b_dkp += tl.dot(b_dPt, b_q * b_left, input_precision=PREC) * b_right      # [C, C] @ [C, BKH]
-                if DELTA:
-                    b_dkb += tl.dot(b_dA, b_kr, input_precision=PREC) * b_left             # [C, C] @ [C, BKH]
-                    b_dkp += tl.dot(b_dAt, b_kb * b_left, input_precision=PREC) * b_right # [C, C] @ [C, BKH]
+            b_dqp, b_dkp, b_dkb = _pairwise_grads_channel(b_dP, b_dPt, b_dA if DELTA else b_dP,
+                                                          b_dAt if DELTA else b_dPt, b_q, b_k, b_kb, b_Gh, C, BC,
+                                                          DELTA, PREC)
             b_dq = tl.load(dq + p_hk, mask=m_tk, other=0.) + b_dqp
             tl.store(dq + p_hk, b_dq, mask=m_tk)
             b_dGm = tl.load(dG + p_hk, mask=m_tk, other=0.) + b_q * b_dq + b_kb * b_dkb - b_k * b_dkp
