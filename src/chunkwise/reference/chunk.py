@@ -216,18 +216,19 @@ def _chunk_forward(
         else:   # one decay matrix Γ_ij = exp(G_i − G_j) (j ≤ i) for both P and A
             if c not in masks:
                 masks[c] = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-            D = None if G is None else (G[..., :, None] - G[..., None, :]).to(dtype).masked_fill(
-                ~masks[c], float("-inf")).exp()                               # [BH, c, c]
+            D = None
+            if G is not None:
+                D = torch.sub(G[..., :, None], G[..., None, :]).to(dtype)
+                D = D.masked_fill_(~masks[c], float("-inf")).exp_()          # [BH, c, c]
             P = q_c @ k_c.transpose(-1, -2)                                  # [BH, c, K] @ [BH, K, c]
-            P = P.tril() if D is None else P * D
+            P = P.tril_() if D is None else P.mul_(D)
 
         if beta is not None:
             b = beta[:, s:e].transpose(1, 2).flatten(0, 1).to(dtype)[..., None]  # [BH, c, 1]
             if per_channel:
                 A = pairwise(b * k_c, k_c, G, False)                         # strict lower
-            else:
-                A = (b * k_c) @ k_c.transpose(-1, -2)                        # [BH, c, K] @ [BH, K, c]
-                A = A if D is None else A * D    # only its strict lower triangle is read below
+            else:               # β_i ⟨k_i, k_j⟩ Γ_ij: β scales the rows of the [c, c] product, not k
+                A = (k_c @ k_c.transpose(-1, -2)).mul_(b if D is None else D * b)   # [BH, c, K] @ [BH, K, c]
             if c not in eyes:
                 eyes[c] = torch.eye(c, dtype=dtype, device=q.device)
             # T = (I + A)⁻¹ (unitriangular: the diagonal and upper triangle of A are not read, and
@@ -235,11 +236,12 @@ def _chunk_forward(
             # (solved as X (I + A) = I: the same two-sided inverse, 1.7-2x faster than the left solve
             # for [16, 64, 64] in torch 2.13's CPU LAPACK path)
             Tinv = torch.linalg.solve_triangular(A, eyes[c], upper=False, unitriangular=True, left=False)
-            b_k = k_c * (b if e_G is None else b * e_G)                      # β ⊙ e^G ⊙ K
-            R = Tinv @ torch.baddbmm(b * v_c, b_k, S, alpha=-1)              # [BH, c, c] @ [BH, c, V]
+            # R = U − W S = T (β V − (β e^G K) S) = (T diag(β)) (V − (e^G K) S): β scales T's columns
+            k_g = k_c if e_G is None else k_c * e_G                          # e^G ⊙ K
+            R = (Tinv * b.transpose(-1, -2)) @ torch.baddbmm(v_c, k_g, S, alpha=-1)   # [BH, c, c] @ [BH, c, V]
         else:
             R = v_c
-        o_c = torch.baddbmm(q_g @ S, P, R, alpha=scale)                      # scale ((Q e^G) S + P R)
+        o_c = (q_g @ S).baddbmm_(P, R, alpha=scale)                          # scale ((Q e^G) S + P R)
         o[:, s:e] = o_c.view(B, HV, c, V).transpose(1, 2)
         if in_place:                                                         # diag(e^{G_last}) S + K_endᵀ R
             (S if G is None else S.mul_(last)).baddbmm_(k_end.transpose(-1, -2), R)
