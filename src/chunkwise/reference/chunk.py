@@ -193,17 +193,35 @@ def _chunk_forward(
     eyes: dict[int, torch.Tensor] = {}
     masks: dict[int, torch.Tensor] = {}
     o = v.new_empty(B, T, HV, V, dtype=dtype)
+    # the per-token scalars of every chunk at once (few, small tensors; the chunk loop only slices
+    # them): the chunk-local cumulative gate G in float64 -- after a hard reset (g = -1e4) the
+    # cumulative sums are large and their differences, the only thing ever exponentiated, would lose
+    # ~3 digits in float32 -- and its three exponentials, and β
+    NT = -(-T // C)
+    scalars = g is not None and not per_channel
+    if scalars:
+        g_all = torch.nn.functional.pad(g.transpose(1, 2).flatten(0, 1).double(), (0, NT * C - T))
+        G_all = g_all.view(BH, NT, C).cumsum(2)                              # [BH, NT, C] (padding: g = 0)
+        last_idx = torch.tensor([min(C, T - n * C) - 1 for n in range(NT)], device=q.device)
+        G_last = G_all.gather(2, last_idx.expand(BH, NT)[..., None])         # [BH, NT, 1]
+        eG_all, eend_all = _exp(G_all, dtype), _exp(G_last - G_all, dtype)   # [BH, NT, C]
+        last_all = _exp(G_last, dtype)                                       # [BH, NT, 1]
+    if beta is not None:
+        b_all = beta.transpose(1, 2).flatten(0, 1).to(dtype)                 # [BH, T]
     for s in range(0, T, C):
         e = min(s + C, T)
-        c = e - s
+        c, n = e - s, s // C
         q_c, k_c, v_c = heads(q, s, e), heads(k, s, e), heads(v, s, e)     # [BH, c, K|V]
         if g is None:
             G = None
             e_G, q_g, k_end = None, q_c * scale, k_c                         # no decay
+        elif scalars:
+            G = G_all[:, n, :c]                                              # [BH, c]
+            e_G, e_end = eG_all[:, n, :c, None], eend_all[:, n, :c, None]
+            last = last_all[:, n, :, None]                                   # [BH, 1, 1]
+            q_g, k_end = q_c * (scale * e_G), k_c * e_end
         else:
-            # G in float64: after a hard reset (g = -1e4) the cumulative sums are large and their
-            # differences, the only thing ever exponentiated, would lose ~3 digits in float32.
-            G = g[:, s:e].transpose(1, 2).flatten(0, 1).double().cumsum(1)  # [BH, c] or [BH, c, K]
+            G = g[:, s:e].transpose(1, 2).flatten(0, 1).double().cumsum(1)  # [BH, c, K]
             if per_channel:
                 e_G, e_end = _exp(G, dtype), _exp(G[..., -1:, :] - G, dtype)
                 last = _exp(G[..., -1, :], dtype)[..., None]                 # [BH, K, 1]
@@ -224,7 +242,7 @@ def _chunk_forward(
             P = P.tril_() if D is None else P.mul_(D)
 
         if beta is not None:
-            b = beta[:, s:e].transpose(1, 2).flatten(0, 1).to(dtype)[..., None]  # [BH, c, 1]
+            b = b_all[:, s:e, None]                                          # [BH, c, 1]
             if per_channel:
                 A = pairwise(b * k_c, k_c, G, False)                         # strict lower
             else:               # β_i ⟨k_i, k_j⟩ Γ_ij: β scales the rows of the [c, c] product, not k
