@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls that test and time everything on the GPU (H200); logs packed into $OUT/run.tgz.
 # Usage (device tool, carry .whl for fla):
-#   GIT_COMMIT=<sha> bash benchmarks/gpu_session.sh [fwd] [tests] [bwd]      (default: fwd tests; ~9 min)
+#   GIT_COMMIT=<sha> bash benchmarks/gpu_session.sh [fwd] [tests] [bwd]      (default: fwd tests; <= 9.6 min)
 #   fwd:   stage-1 sweep (picks CHUNKWISE_PREP_CONFIG), forward benchmark vs fla
 #   tests: GPU tests (TESTS="<pytest args>" overrides the selection) and the MQAR example (SKIP_TRAIN=1 skips it)
 #   bwd:   backward warps sweep, fwd+bwd benchmark vs fla (~6 min)
@@ -26,7 +26,7 @@ if has fwd; then
   ( for f in gdn kda delta; do for w in 4 8; do
       timeout 100 python3 benchmarks/sweep_stage1.py --warm --fams $f --warps $w > "$OUT/warm_s1_${f}_$w.log" 2>&1 & done; done
     wait )
-  TAILN=20 step 80 sweep_stage1 python3 benchmarks/sweep_stage1.py --out "$OUT"
+  TAILN=20 step 70 sweep_stage1 python3 benchmarks/sweep_stage1.py --out "$OUT"
   [ -s "$OUT/prep_config.txt" ] && export CHUNKWISE_PREP_CONFIG=$(cat "$OUT/prep_config.txt") && echo "CHUNKWISE_PREP_CONFIG=$CHUNKWISE_PREP_CONFIG"
 fi
 if has tests; then
@@ -39,7 +39,7 @@ if has tests; then
     ${TESTS:-tests/test_compile.py tests/test_triton_chunk_fwd.py tests/test_triton_chunk_bwd.py -k "fp16 or unaligned or real_size or grads or compile or opcheck or hopper or wide or gradients"}
   wait
   echo "== mqar"; tail -n 2 "$OUT/mqar_gpu.log"
-  TAILN=14 step 150 chunkwise_check python3 -m chunkwise check      # the README's main job, on the GPU
+X
   [ -s "$OUT/failures.txt" ] && { echo "== failures"; grep "^===" "$OUT/failures.txt" | sort -u | head -20; grep "^E " "$OUT/failures.txt" | sort | uniq -c | sort -rn | head -8; }
 elif has bwd; then
   warm_bwd
