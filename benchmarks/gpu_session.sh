@@ -39,7 +39,7 @@ if has tests; then
     ${TESTS:-tests/test_compile.py tests/test_triton_chunk_fwd.py tests/test_triton_chunk_bwd.py -k "fp16 or unaligned or real_size or grads or compile or opcheck or hopper or wide or gradients"}
   wait
   echo "== mqar"; tail -n 2 "$OUT/mqar_gpu.log"
-X
+  TAILN=14 step 90 chunkwise_check python3 -m chunkwise check      # the README's main job, on the GPU
   [ -s "$OUT/failures.txt" ] && { echo "== failures"; grep "^===" "$OUT/failures.txt" | sort -u | head -20; grep "^E " "$OUT/failures.txt" | sort | uniq -c | sort -rn | head -8; }
 elif has bwd; then
   warm_bwd
