@@ -315,7 +315,7 @@ def test_gradients_chunk_equal_recurrence(fam, case):
     lengths = opts.pop("lengths", None)
     gate = opts.pop("gate", "normal")
     inp = make_inputs(fam, B=2, T=40, H=1, HV=2, K=12, V=10, dtype=F64, lengths=lengths, gate=gate, seed=3)
-    B, T, HV, K = inp.v.shape[0], inp.v.shape[1], inp.v.shape[2], inp.q.shape[3]
+    HV, K = inp.v.shape[2], inp.q.shape[3]
     h0 = inp.h0.transpose(-1, -2).contiguous() if opts.get("transpose_state_layout") else inp.h0
     leaves = dict(q=inp.q, k=inp.k, v=inp.v, initial_state=h0)
     if opts.get("use_qk_l2norm_in_kernel"):                       # raw, unnormalised q and k

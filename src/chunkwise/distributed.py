@@ -256,7 +256,7 @@ def chunk_cp(fam: api.Family, mode: str, q, k, v, g, beta, scale, initial_state,
         raise ValueError("state_indices (a decode-time state pool) cannot be combined with cp_group")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("cp_group is given but torch.distributed is not initialized")
-    W, rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
+    rank = dist.get_rank(cp_group)
     if rank < 0:
         raise ValueError("this process is not a member of cp_group")
 

@@ -168,7 +168,6 @@ def _chunk_forward(
     """
     C = chunk_size
     HV = v.shape[2]
-    H = q.shape[2]
 
     # varlen -> a zero-padded batch: padded tokens (k = v = g = β = 0) leave the state alone
     index = None

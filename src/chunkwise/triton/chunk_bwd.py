@@ -428,7 +428,6 @@ def _fwd_h_kernel(k, v, G, W, U, h0, h, R, cu_seqlens, chunk_offsets, T,
     i_n, i_h = i_nh // HV, i_nh % HV
     i_hk = i_h // (HV // H)
     bos, eos, boh, NTs = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, C, IS_VARLEN)
-    o_t = tl.arange(0, C)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
@@ -514,7 +513,6 @@ def _bwd_dh_kernel(q, k, G, W, dRl, do, dht, dh, dR, dh0, cu_seqlens, chunk_offs
     i_n, i_h = i_nh // HV, i_nh % HV
     i_hk = i_h // (HV // H)
     bos, eos, boh, NTs = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, C, IS_VARLEN)
-    o_t = tl.arange(0, C)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K

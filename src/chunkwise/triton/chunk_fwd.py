@@ -398,7 +398,6 @@ def chunk_state_output_kernel(
     o_base = o + (bos * HV + i_h) * V
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    o_t = tl.arange(0, BTc)
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
 
     S = tl.zeros([BK, BV], dtype=tl.float32)
