@@ -27,7 +27,7 @@ def compile_variant(fam="gdn", BV=32, num_warps=4, pool=True, state="fp32", fuse
     """Compile the kernel for sm_90 as the launcher would launch it (fixed-length batch, [K, V] state)."""
     gate, delta = FAMILIES[fam]
     sig = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "g": "*fp32", "beta": "*bf16", "o": "*bf16",
-           "h0": f"*{state}", "ht": f"*{state}", "state_indices": "*i32", "scale": "fp32", "T": "i32",
+           "h0": f"*{state}", "ht": f"*{state}", "state_indices": "*i32", "n_slots": "i32", "scale": "fp32", "T": "i32",
            "s_h0_n": "i32", "s_h0_h": "i32", "s_h0_k": "i32", "s_ht_n": "i32", "s_ht_h": "i32", "s_ht_k": "i32"}
     consts = dict(cu_seqlens=None, s_h0_v=1, s_ht_v=1, H=32, HV=32, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV,
                   GATE=gate, DELTA=delta, USE_H0=True, STORE_HT=True, IS_VARLEN=False, USE_INDICES=pool,

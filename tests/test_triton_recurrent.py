@@ -306,3 +306,32 @@ def test_gpu_pool_decode_real_size(pool_dtype, transpose):
     assert rel_err(kv(pool)[idx[live].long()], rht[live.cpu()]) < TOL[torch.bfloat16]
     assert torch.equal(o[~live], torch.zeros_like(o[~live]))
     assert rel_err(o[live], ro[live.cpu()]) < TOL[torch.bfloat16]
+
+
+def test_state_pool_index_out_of_range():
+    """An index outside [-1, P): the public op refuses CPU indices with a ValueError naming state_indices;
+    the kernel itself (whose GPU callers get no host-side check: it would cost a sync per step) treats
+    it as padding, so it never writes outside the pool, and the other sequences are unaffected."""
+    inp, pool, idx = _pool_case("gdn", 1, torch.float32, False, False, seed=30)
+    if not ON_GPU:
+        for bad in (7, -2):
+            wrong = idx.clone()
+            wrong[2] = bad
+            with pytest.raises(ValueError, match="state_indices must lie in"):
+                RECURRENT_OPS["gdn"](*inp.args(), initial_state=pool.clone(), state_indices=wrong, backend="triton")
+    wrong = idx.clone()
+    wrong[2] = 7                                                      # P = 7: one past the end
+    guard = torch.cat([pool.clone(), torch.full_like(pool[:1], 123.)])  # a slot right after the pool
+    pool_view = guard[:7]
+    before = pool_view.clone()
+    o = torch.full_like(inp.v, float("nan"))
+    recurrent_fwd(*_canonical(inp), 24 ** -0.5, pool_view, True, None, state_indices=wrong, o=o)
+    assert torch.equal(guard[7], torch.full_like(guard[7], 123.)), "a write past the pool"
+    assert torch.equal(pool_view[0], before[0]), "the out-of-range sequence changed a slot"
+    assert torch.equal(o[2], torch.zeros_like(o[2])), "the out-of-range sequence got an output"
+    o_ok = torch.full_like(inp.v, float("nan"))
+    pool_ok = before.clone()
+    recurrent_fwd(*_canonical(inp), 24 ** -0.5, pool_ok, True, None, state_indices=idx, o=o_ok)
+    for n in (0, 3):
+        assert torch.equal(o[n], o_ok[n])
+        assert torch.equal(pool_view[idx[n]], pool_ok[idx[n]])

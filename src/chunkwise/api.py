@@ -79,6 +79,11 @@ def check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B: int, T: int):
     return host
 
 
+def _python_dispatch_mode():
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    return _get_current_dispatch_mode()
+
+
 def _check_inputs(fam: Family, q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
                   transpose_state_layout, backend, use_gate_in_kernel, A_log, dt_bias, lower_bound,
                   state_indices=None):
@@ -167,6 +172,14 @@ def _check_inputs(fam: Family, q, k, v, g, beta, scale, initial_state, cu_seqlen
             raise ValueError(f"state_indices must have one entry per sequence (N={N}), got {_shape(state_indices)}")
         if initial_state is None:
             raise ValueError("state_indices needs initial_state: the state pool [P, HV, K, V]")
+        if (state_indices.device.type == "cpu" and state_indices.numel() and type(state_indices) is torch.Tensor
+                and not torch.compiler.is_compiling() and _python_dispatch_mode() is None):
+            # (on a GPU this check would cost a host sync per decode step: there the kernel treats an
+            # index outside [0, P) as padding and never writes outside the pool)
+            lo, hi = int(state_indices.min()), int(state_indices.max())
+            if lo < -1 or hi >= initial_state.shape[0]:
+                raise ValueError(f"state_indices must lie in [-1, P) = [-1, {initial_state.shape[0]}) for the pool "
+                                 f"initial_state {_shape(initial_state)}, got values from {lo} to {hi}")
 
     if initial_state is not None:
         _check_tensor("initial_state", initial_state, 4)

@@ -92,7 +92,7 @@ def _token_step(b_h, p_q, p_k, p_v, p_g, p_beta, m_k, m_v, live, scale,
     return b_h, b_o
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "n_slots"])
 def recurrent_fwd_kernel(
     q,              # [B, T, H, K]  contiguous, fp16/bf16/fp32
     k,              # [B, T, H, K]
@@ -104,6 +104,7 @@ def recurrent_fwd_kernel(
     ht,             # None | state written, logical [N or P, HV, K, V] through strides s_ht_* (may alias h0)
     cu_seqlens,     # None | [N + 1] int
     state_indices,  # None | [N] int, -1 = padding sequence
+    n_slots,        # pool size P (with state_indices): an index outside [0, P) is treated as padding
     scale,
     T,
     s_h0_n, s_h0_h, s_h0_k, s_h0_v,
@@ -140,8 +141,8 @@ def recurrent_fwd_kernel(
     # which state slot: the sequence's own, or its pool slot (-1: padding, everything masked off)
     if USE_INDICES:
         i_s = tl.load(state_indices + i_n).to(tl.int64)
-        live = i_s >= 0
-        i_s = tl.maximum(i_s, 0)
+        live = (i_s >= 0) & (i_s < n_slots)         # out of range: never a write outside the pool
+        i_s = tl.where(live, i_s, 0)
     else:
         i_s = i_n
         live = i_n >= 0  # always true
@@ -308,7 +309,8 @@ def recurrent_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu
         pipeline = 2 if q.device.type == "cuda" else 0
     grid = (N * HV * triton.cdiv(V, BV),)
     recurrent_fwd_kernel[grid](
-        q, k, v, g, beta, o, h0, ht, cu_seqlens, state_indices, scale, T,
+        q, k, v, g, beta, o, h0, ht, cu_seqlens, state_indices,
+        initial_state.shape[0] if state_indices is not None else 0, scale, T,
         *s_h0, *s_ht,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, GATE=gate, DELTA=beta is not None,
         USE_H0=h0 is not None, STORE_HT=ht is not None, IS_VARLEN=cu_seqlens is not None,
