@@ -5,6 +5,7 @@
 #   fwd:   stage-1 sweep (picks CHUNKWISE_PREP_CONFIG), forward benchmark vs fla
 #   tests: GPU tests (TESTS="<pytest args>" overrides the selection) and the MQAR example (SKIP_TRAIN=1 skips it)
 #   bwd:   backward warps sweep, fwd+bwd benchmark vs fla (~6 min)
+#   variants: stage-2 launch variants (BV x warps x stages) of GLA and GDN at B1 / B8 (~3 min)
 set -u
 PARTS=${*:-fwd tests}
 has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
@@ -51,4 +52,16 @@ fi
 if has bwd; then
   TAILN=40 step 150 sweep_bwd python3 benchmarks/sweep_bwd.py --out "$OUT"
   TAILN=12 step 200 bench_train python3 benchmarks/bench_train.py --families gdn,delta,kda --shapes B1-T32768-H32 --profile --out "$OUT"
+fi
+if has variants; then
+  ( for f in gla gdn; do timeout 150 python3 benchmarks/bench_forward.py --warm --variants --families $f \
+      --shapes B1-T32768-H32,B8-T4096-H32 > "$OUT/warm_var_$f.log" 2>&1 & done; wait )
+  TAILN=4 step 120 bench_variants python3 benchmarks/bench_forward.py --variants --families gla,gdn \
+    --shapes B1-T32768-H32,B8-T4096-H32 --out "$OUT/variants"
+  grep -h '"variants"' "$OUT/bench_variants.log" | python3 -c "
+import json, sys
+for line in sys.stdin:
+    r = json.loads(line); v = {k: x for k, x in r['variants'].items() if isinstance(x, float)}
+    best = sorted(v.items(), key=lambda kv: kv[1])[:3]
+    print(r['shape'], r['family'], 'default %.3f' % r['ours_ms'], 'best', ', '.join('%s %.3f' % kv for kv in best))"
 fi
