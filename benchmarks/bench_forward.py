@@ -133,7 +133,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--families", default=",".join(FAMILIES))
-    ap.add_argument("--variants", action="store_true", help="also time stage-2 variants (BV 16/32/64 x 4/8 warps x 2/3 stages)")
+    ap.add_argument("--variants", action="store_true", help="also time stage-2 variants (BV 16/32/64 x 4/8 warps x 2/3 stages; GLA also with P from its own kernel)")
     ap.add_argument("--shapes", default="")
     ap.add_argument("--warm", action="store_true", help="compile everything on tiny inputs, time nothing")
     a = ap.parse_args()
@@ -176,6 +176,13 @@ def main():
                                 var[key] = bench(lambda: run_variant(fam, x, bv=bv, num_warps=nw, num_stages=ns))[0]
                             except Exception as e:  # noqa: BLE001
                                 var[key] = repr(e)[:120]
+                    if fam == "gla":            # P formed once per chunk by its own kernel (chunk_p_kernel)
+                        key = f"bv{bv}-nw4-ns3-pin"
+                        try:
+                            var[key] = bench(lambda: run_variant(fam, x, bv=bv, num_warps=4, num_stages=3,
+                                                                 p_in=True))[0]
+                        except Exception as e:  # noqa: BLE001
+                            var[key] = repr(e)[:120]
                 row["variants"] = var
             results.append(row)
             print(json.dumps(row), flush=True)

@@ -189,3 +189,22 @@ def test_unaligned_head_dims(fam, dtype):
     for transpose in (False, True):
         o, ht = _run(inp, transpose=transpose)
         _check(inp, o, ht, TOL[dtype])
+
+
+@pytest.mark.parametrize("case", ["T_not_multiple_grouped_h0", "varlen_len1_h0", "odd_dims_no_final"])
+@pytest.mark.parametrize("gate", ["normal", "none"])
+def test_gla_with_p_from_its_own_kernel(case, gate):
+    """Simple GLA's variant with P formed once per chunk by chunk_p_kernel and read by stage 2 (p_in=True),
+    also without a gate: equal to the float64 recurrence, as the default (P formed in stage 2)."""
+    from chunkwise.triton.chunk_fwd import chunk_fwd
+    mk, run = CASES[case]
+    inp = make_inputs("gla", dtype=torch.float32, seed=31, **mk)
+    if gate == "none":
+        inp.g = torch.zeros_like(inp.g)
+    K = inp.q.shape[-1]
+    final = run.get("final", True)
+    g = None if gate == "none" else inp.g
+    o, ht = chunk_fwd(inp.q, inp.k, inp.v, g, None, K ** -0.5, inp.h0, final, inp.cu_seqlens, p_in=True)
+    o2, ht2 = chunk_fwd(inp.q, inp.k, inp.v, g, None, K ** -0.5, inp.h0, final, inp.cu_seqlens, p_in=False)
+    _check(inp, o, ht, TOL[torch.float32], final=final)
+    assert rel_err(o, o2) <= TOL[torch.float32]

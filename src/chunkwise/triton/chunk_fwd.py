@@ -289,6 +289,44 @@ def chunk_prepare_kernel(
              b_u.to(u.dtype.element_ty), boundary_check=(0, 1))
 
 
+@triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
+def chunk_p_kernel(q, k, g, p, cu_seqlens, chunk_indices, T, NT, H, HV, K,
+                   BTc: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr, IS_VARLEN: tl.constexpr,
+                   DOT_PREC: tl.constexpr, g_floor: tl.constexpr):
+    """P = tril(⟨q_i, k_j⟩ e^{G_i − G_j}) of one chunk of one value head, for simple GLA (no stage 1
+    otherwise): stage 2 then reads P instead of forming it once per value block (``P_IN``). Grid
+    (chunks, B·HV); scalar gate or none."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // HV, i_bh % HV
+    i_hk = i_h // (HV // H)
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int64)
+        i_c = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    else:
+        i_c = i_t.to(tl.int64)
+        bos = i_b.to(tl.int64) * T
+        eos = bos + T
+    T_seq = (eos - bos).to(tl.int32)
+    t0 = (i_c * BTc).to(tl.int32)
+    o_t = tl.arange(0, BTc)
+    incl = o_t[:, None] >= o_t[None, :]
+    b_q = tl.load(tl.make_block_ptr(q + (bos * H + i_hk) * K, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
+                  boundary_check=(0, 1))
+    b_k = tl.load(tl.make_block_ptr(k + (bos * H + i_hk) * K, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
+                  boundary_check=(0, 1))
+    P = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)                            # [BT, BK] @ [BK, BT]
+    if GATE == 1:
+        b_g = tl.load(g + bos * HV + i_h + (t0 + o_t) * HV, mask=t0 + o_t < T_seq, other=0.).to(tl.float32)
+        Gc = tl.cumsum(tl.where(b_g < g_floor, g_floor, b_g), 0)                        # [BT]
+        P = P * tl.exp(tl.where(incl, Gc[:, None] - Gc[None, :], float("-inf")))       # e^{G_i − G_j}, i ≥ j
+    else:
+        P = tl.where(incl, P, 0.)
+    tl.store(tl.make_block_ptr(p + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0), (BTc, BTc), (1, 0)),
+             P.to(p.dtype.element_ty), boundary_check=(0, 1))
+
+
 # ------------------------------------------------------------------------------------------------
 # 2. state + output: serial over the chunks of one sequence
 # ------------------------------------------------------------------------------------------------
@@ -509,6 +547,20 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None):
     return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast)
 
 
+def chunk_p(q, k, g, v_heads, cu_seqlens=None, chunk_indices=None):
+    """P [B, T, HV, 64] (q's dtype) alone, for simple GLA run with ``p_in=True`` (see chunk_p_kernel)."""
+    B, T, H, K = q.shape
+    HV = v_heads
+    NT = triton.cdiv(T, BT)
+    p = _alloc((B, T, HV, BT), q.dtype, q.device)
+    n_chunks = chunk_indices.shape[0] if cu_seqlens is not None else NT
+    if n_chunks > 0:
+        chunk_p_kernel[(n_chunks, B * HV)](
+            q, k, g, p, cu_seqlens, chunk_indices, T, NT, H, HV, K, BTc=BT, BK=_dim(K), GATE=_gate_kind(g),
+            IS_VARLEN=cu_seqlens is not None, DOT_PREC=_dot_prec(q.dtype)[0], g_floor=G_FLOOR, num_warps=4)
+    return p
+
+
 def _pick_bv(V: int, K: int, programs: int) -> int:
     """Value split of stage 2: BV = 64 while that still gives >= 128 programs (one per SM of an
     H200's 132), else 32. Measured on the H200 (benchmarks/NOTES.md, Forward): at B1-H32 BV = 32 (128 programs)
@@ -561,17 +613,19 @@ def _chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_se
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g = None if g is None else g.float().contiguous()
     beta = None if beta is None else beta.contiguous()
-    if cu_seqlens is not None and chunk_indices is None and delta:
-        from ..api import prepare_chunk_indices
-        chunk_indices = prepare_chunk_indices(cu_seqlens, BT)
-    NT = triton.cdiv(T, BT)
-
     if p_in is None:
         p_in = delta                      # simple GLA has no prepare stage: it forms P itself
     if gate == 2:
         p_in = True
+    if cu_seqlens is not None and chunk_indices is None and (delta or p_in):
+        from ..api import prepare_chunk_indices
+        chunk_indices = prepare_chunk_indices(cu_seqlens, BT)
+    NT = triton.cdiv(T, BT)
+
     stage1 = chunk_prepare(q, k, v, g, beta, cu_seqlens, chunk_indices) if delta else \
         dict(w=None, u=None, p=None, qg=None, kg=None, glast=None)
+    if p_in and not delta:                # simple GLA with P formed once per chunk (a variant)
+        stage1["p"] = chunk_p(q, k, g, HV, cu_seqlens, chunk_indices)
     if not p_in:
         stage1["p"] = None
 
