@@ -37,7 +37,7 @@ if has tests; then
   ( [ "${SKIP_TRAIN:-0}" = 1 ] || timeout 190 python3 examples/train_mqar.py --config gpu --backend triton \
       --plot "$OUT/mqar_loss_gpu.png" --json "$OUT/mqar_gpu.json" > "$OUT/mqar_gpu.log" 2>&1 ) &
   TAILN=4 step 190 tests python3 -m pytest -q -n 6 --max-worker-restart 32 -p no:cacheprovider -o addopts="" --tb=line -rf \
-    ${TESTS:-tests/test_compile.py tests/test_triton_chunk_fwd.py tests/test_triton_chunk_bwd.py -k "fp16 or unaligned or real_size or grads or compile or opcheck or hopper or wide or gradients"}
+    ${TESTS:-tests/test_compile.py tests/test_triton_chunk_fwd.py tests/test_triton_chunk_bwd.py tests/test_layers.py -k "fp16 or unaligned or real_size or grads or compile or opcheck or hopper or wide or gradients or cuda_graph or decode_step or prefill"}
   wait
   echo "== mqar"; tail -n 2 "$OUT/mqar_gpu.log"
   TAILN=14 step 90 chunkwise_check python3 -m chunkwise check      # the README's main job, on the GPU
