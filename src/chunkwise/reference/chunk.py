@@ -200,9 +200,8 @@ def _chunk_forward(
     scalars = g is not None and not per_channel
     if scalars:
         g_all = torch.nn.functional.pad(g.transpose(1, 2).flatten(0, 1).double(), (0, NT * C - T))
-        G_all = g_all.view(BH, NT, C).cumsum(2)                              # [BH, NT, C] (padding: g = 0)
-        last_idx = torch.tensor([min(C, T - n * C) - 1 for n in range(NT)], device=q.device)
-        G_last = G_all.gather(2, last_idx.expand(BH, NT)[..., None])         # [BH, NT, 1]
+        G_all = g_all.view(BH, NT, C).cumsum(2)                              # [BH, NT, C]
+        G_last = G_all[..., -1:]            # [BH, NT, 1]: the padding (g = 0) adds nothing after the last token
         eG_all, eend_all = _exp(G_all, dtype), _exp(G_last - G_all, dtype)   # [BH, NT, C]
         last_all = _exp(G_last, dtype)                                       # [BH, NT, 1]
     if beta is not None:
