@@ -44,6 +44,7 @@ import contextlib
 from typing import Optional, Sequence
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _dispatch_mode
 
 from .reference.chunk import chunk_forward
 from .reference.recurrent import recurrent_forward
@@ -346,11 +347,6 @@ def _eager_plain(*tensors) -> bool:
         if t is not None and (type(t) is not torch.Tensor or (grad and t.requires_grad)):
             return False
     return True
-
-
-def _dispatch_mode():
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-    return _get_current_dispatch_mode()
 
 
 def forward(mode: str, q, k, v, g, beta, scale: float, initial_state, output_final_state: bool, cu_seqlens,

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ._custom_ops import _eager_plain
 from .reference.recurrent import recurrent_forward
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -77,11 +78,6 @@ def check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B: int, T: int):
     if int(host[-1]) != T:
         raise ValueError(f"cu_seqlens must end at T={T} (the packed length of q), got {int(host[-1])}")
     return host
-
-
-def _python_dispatch_mode():
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-    return _get_current_dispatch_mode()
 
 
 def _check_inputs(fam: Family, q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
@@ -172,8 +168,7 @@ def _check_inputs(fam: Family, q, k, v, g, beta, scale, initial_state, cu_seqlen
             raise ValueError(f"state_indices must have one entry per sequence (N={N}), got {_shape(state_indices)}")
         if initial_state is None:
             raise ValueError("state_indices needs initial_state: the state pool [P, HV, K, V]")
-        if (state_indices.device.type == "cpu" and state_indices.numel() and type(state_indices) is torch.Tensor
-                and not torch.compiler.is_compiling() and _python_dispatch_mode() is None):
+        if state_indices.device.type == "cpu" and state_indices.numel() and _eager_plain(state_indices):
             # (on a GPU this check would cost a host sync per decode step: there the kernel treats an
             # index outside [0, P) as padding and never writes outside the pool)
             lo, hi = int(state_indices.min()), int(state_indices.max())
