@@ -1089,23 +1089,14 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     input is None). K > MAX_K raises NotImplementedError. Head dims
     the kernels do not take as they are run zero-padded (triton/align.py).
     """
-    K, V = q.shape[-1], v.shape[-1]
+    K0, V0 = q.shape[-1], v.shape[-1]
     Kp, Vp = padded_dims(q, v)
-    if (Kp, Vp) != (K, V) and K <= MAX_K:
-        tr = transpose_state_layout
-        dq, dk, dv, dg, dbeta, dh0 = _chunk_bwd(
-            pad_last(q, Kp), pad_last(k, Kp), pad_last(v, Vp), g if g is None or g.dim() == 3 else pad_last(g, Kp),
-            beta, scale, pad_state(initial_state, Kp, Vp, tr), pad_last(do, Vp), pad_state(dht, Kp, Vp, tr),
-            cu_seqlens, chunk_indices=chunk_indices, transpose_state_layout=tr)
-        cut = lambda x, n: None if x is None else x[..., :n].contiguous()  # noqa: E731
-        return (cut(dq, K), cut(dk, K), cut(dv, V), dg if dg is None or dg.dim() == 3 else cut(dg, K), dbeta,
-                cut_state(dh0, K, V, tr))
-    return _chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, chunk_indices=chunk_indices,
-                      transpose_state_layout=transpose_state_layout)
-
-
-def _chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, chunk_indices=None,
-               transpose_state_layout=False):
+    padded = (Kp, Vp) != (K0, V0) and K0 <= MAX_K
+    tr = transpose_state_layout
+    if padded:
+        q, k, v, do = pad_last(q, Kp), pad_last(k, Kp), pad_last(v, Vp), pad_last(do, Vp)
+        g = g if g is None or g.dim() == 3 else pad_last(g, Kp)
+        initial_state, dht = pad_state(initial_state, Kp, Vp, tr), pad_state(dht, Kp, Vp, tr)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if K > MAX_K:
@@ -1222,7 +1213,11 @@ def _chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, c
     if HV != H:
         dq = dq.view(B, T, H, HV // H, K).sum(3)
         dk = dk.view(B, T, H, HV // H, K).sum(3)
-    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
-            None if dG is None else dG.to(g.dtype),
-            None if dbeta is None else dbeta.to(beta.dtype),
-            None if dh0 is None else dh0.to(initial_state.dtype))
+    dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    dG = None if dG is None else dG.to(g.dtype)
+    dh0 = None if dh0 is None else dh0.to(initial_state.dtype)
+    if padded:
+        dq, dk, dv = dq[..., :K0].contiguous(), dk[..., :K0].contiguous(), dv[..., :V0].contiguous()
+        dG = dG if dG is None or dG.dim() == 3 else dG[..., :K0].contiguous()
+        dh0 = cut_state(dh0, K0, V0, tr)
+    return dq, dk, dv, dG, None if dbeta is None else dbeta.to(beta.dtype), dh0

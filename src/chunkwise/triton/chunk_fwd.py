@@ -589,22 +589,13 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     ``p_in`` / ``bv`` / ``num_stages`` / ``num_warps`` (stage 2) override the tuned defaults (benchmarks). Head dims
     the kernels do not take as they are run zero-padded (triton/align.py).
     """
-    K, V = q.shape[-1], v.shape[-1]
+    K0, V0 = q.shape[-1], v.shape[-1]
     Kp, Vp = padded_dims(q, v)
-    if (Kp, Vp) != (K, V):
-        o, ht = _chunk_fwd(pad_last(q, Kp), pad_last(k, Kp), pad_last(v, Vp), g if g is None or g.dim() == 3
-                           else pad_last(g, Kp), beta, scale, pad_state(initial_state, Kp, Vp, transpose_state_layout),
-                           output_final_state, cu_seqlens, chunk_indices=chunk_indices,
-                           transpose_state_layout=transpose_state_layout, p_in=p_in, bv=bv, num_stages=num_stages,
-                           num_warps=num_warps)
-        return o[..., :V].contiguous(), cut_state(ht, K, V, transpose_state_layout)
-    return _chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                      chunk_indices=chunk_indices, transpose_state_layout=transpose_state_layout, p_in=p_in,
-                      bv=bv, num_stages=num_stages, num_warps=num_warps)
-
-
-def _chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, *,
-               chunk_indices=None, transpose_state_layout=False, p_in=None, bv=None, num_stages=None, num_warps=4):
+    padded = (Kp, Vp) != (K0, V0)
+    if padded:
+        q, k, v = pad_last(q, Kp), pad_last(k, Kp), pad_last(v, Vp)
+        g = g if g is None or g.dim() == 3 else pad_last(g, Kp)
+        initial_state = pad_state(initial_state, Kp, Vp, transpose_state_layout)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -653,4 +644,6 @@ def _chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_se
         H=H, HV=HV, K=K, V=V, BTc=BT, BK=_dim(K), BV=bv, GATE=gate, DELTA=delta, P_IN=p_in,
         USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=cu_seqlens is not None,
         DOT_PREC=dot_prec, g_floor=G_FLOOR, LOOP_WHILE=_INTERPRET, num_warps=num_warps, num_stages=num_stages)
+    if padded:
+        o, ht = o[..., :V0].contiguous(), cut_state(ht, K0, V0, transpose_state_layout)
     return o, ht
