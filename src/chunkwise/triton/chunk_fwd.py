@@ -128,6 +128,34 @@ def _solve_unit_lower(A, PREC: tl.constexpr, BTc: tl.constexpr, BCc: tl.constexp
     return tl.dot(Y, Dinv, input_precision=PREC)                                       # [BT, BT] @ [BT, BT]
 
 
+@triton.jit
+def _chunk_span(i_t, i_b, cu_seqlens, chunk_indices, T, NT, BTc: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Program i_t of batch row i_b of the chunk-parallel kernels -> (bos, T_seq, t0, slot): the
+    sequence's first token row, its length, the chunk's first token in it, and the chunk's slot in
+    per-chunk buffers (n·NT + i, or n + start_token // 64 with cu_seqlens)."""
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int64)
+        i_c = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        slot = i_n + (bos + i_c * BTc) // BTc
+    else:
+        i_c = i_t.to(tl.int64)
+        bos = i_b.to(tl.int64) * T
+        eos = bos + T
+        slot = i_b.to(tl.int64) * NT + i_c
+    return bos, (eos - bos).to(tl.int32), (i_c * BTc).to(tl.int32), slot
+
+
+@triton.jit
+def _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc: tl.constexpr, g_floor: tl.constexpr):
+    """G [BT] fp32: the chunk-local cumulative scalar gate of value head i_h, each token's gate clamped
+    at g_floor (rows past the sequence end add 0)."""
+    o_t = tl.arange(0, BTc)
+    b_g = tl.load(g + (bos + t0 + o_t) * HV + i_h, mask=t0 + o_t < T_seq, other=0.).to(tl.float32)
+    return tl.cumsum(tl.where(b_g < g_floor, g_floor, b_g), 0)
+
+
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
 def chunk_prepare_kernel(
     q, k, v, g, beta,            # [B,T,H,K] [B,T,H,K] [B,T,HV,V] None|[B,T,HV]|[B,T,HV,K] fp32, [B,T,HV]
@@ -144,19 +172,7 @@ def chunk_prepare_kernel(
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
     i_hk = i_h // (HV // H)
-    if IS_VARLEN:
-        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int64)
-        i_c = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-        slot = i_n + (bos + i_c * BTc) // BTc
-    else:
-        i_c = i_t.to(tl.int64)
-        bos = i_b.to(tl.int64) * T
-        eos = bos + T
-        slot = i_b.to(tl.int64) * NT + i_c
-    T_seq = (eos - bos).to(tl.int32)
-    t0 = (i_c * BTc).to(tl.int32)
+    bos, T_seq, t0, slot = _chunk_span(i_t, i_b, cu_seqlens, chunk_indices, T, NT, BTc, IS_VARLEN)
     o_t = tl.arange(0, BTc)
     blk = o_t // BCc
     strict = o_t[:, None] > o_t[None, :]
@@ -249,8 +265,7 @@ def chunk_prepare_kernel(
         KK = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PREC)                       # [BT, BK] @ [BK, BT]
         QK = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)                       # [BT, BK] @ [BK, BT]
         if GATE == 1:
-            b_g = tl.load(g + bos * HV + i_h + (t0 + o_t) * HV, mask=t0 + o_t < T_seq, other=0.).to(tl.float32)
-            Gc = tl.cumsum(tl.where(b_g < g_floor, g_floor, b_g), 0)                    # [BT]
+            Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor)                  # [BT]
             dec = tl.exp(tl.where(incl, Gc[:, None] - Gc[None, :], float("-inf")))     # e^{G_i − G_j}, i ≥ j
             A = tl.where(strict, KK * dec, 0.) * b_beta[:, None]
             P = QK * dec
@@ -275,7 +290,7 @@ def chunk_prepare_kernel(
                                             (1, 0)), boundary_check=(0, 1)).to(tl.float32)
             b_G = tl.cumsum(tl.where(b_g < g_floor, g_floor, b_g), 0)
             Xk = kf * b_beta[:, None] * tl.exp(b_G)
-            b_w = tl.dot(Tm, Xk.to(Tm.dtype), input_precision=MM_PREC)                                # [BT, BT] @ [BT, BKC]
+            b_w = tl.dot(Tm, Xk.to(Tm.dtype), input_precision=MM_PREC)                   # [BT, BT] @ [BT, BKC]
             tl.store(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
                                        (1, 0)), b_w.to(w.dtype.element_ty), boundary_check=(0, 1))
     else:
@@ -284,7 +299,7 @@ def chunk_prepare_kernel(
                  b_w.to(w.dtype.element_ty), boundary_check=(0, 1))
     Xv = tl.load(tl.make_block_ptr(v + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf), (1, 0)),
                  boundary_check=(0, 1)).to(tl.float32) * b_beta[:, None]
-    b_u = tl.dot(Tm, Xv.to(Tm.dtype), input_precision=MM_PREC)                                        # [BT, BT] @ [BT, BV]
+    b_u = tl.dot(Tm, Xv.to(Tm.dtype), input_precision=MM_PREC)                           # [BT, BT] @ [BT, BV]
     tl.store(tl.make_block_ptr(u + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf), (1, 0)),
              b_u.to(u.dtype.element_ty), boundary_check=(0, 1))
 
@@ -299,17 +314,7 @@ def chunk_p_kernel(q, k, g, p, cu_seqlens, chunk_indices, T, NT, H, HV, K,
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
     i_hk = i_h // (HV // H)
-    if IS_VARLEN:
-        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int64)
-        i_c = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    else:
-        i_c = i_t.to(tl.int64)
-        bos = i_b.to(tl.int64) * T
-        eos = bos + T
-    T_seq = (eos - bos).to(tl.int32)
-    t0 = (i_c * BTc).to(tl.int32)
+    bos, T_seq, t0, _ = _chunk_span(i_t, i_b, cu_seqlens, chunk_indices, T, NT, BTc, IS_VARLEN)
     o_t = tl.arange(0, BTc)
     incl = o_t[:, None] >= o_t[None, :]
     b_q = tl.load(tl.make_block_ptr(q + (bos * H + i_hk) * K, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
@@ -318,8 +323,7 @@ def chunk_p_kernel(q, k, g, p, cu_seqlens, chunk_indices, T, NT, H, HV, K,
                   boundary_check=(0, 1))
     P = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)                            # [BT, BK] @ [BK, BT]
     if GATE == 1:
-        b_g = tl.load(g + bos * HV + i_h + (t0 + o_t) * HV, mask=t0 + o_t < T_seq, other=0.).to(tl.float32)
-        Gc = tl.cumsum(tl.where(b_g < g_floor, g_floor, b_g), 0)                        # [BT]
+        Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor)                      # [BT]
         P = P * tl.exp(tl.where(incl, Gc[:, None] - Gc[None, :], float("-inf")))       # e^{G_i − G_j}, i ≥ j
     else:
         P = tl.where(incl, P, 0.)
@@ -363,8 +367,7 @@ def _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, 
         b_k = tl.load(tl.make_block_ptr(k + (bos * H + i_hk) * K, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
                       boundary_check=(0, 1))
         if GATE == 1:
-            gv = tl.load(g + (bos + t0 + o_t) * HV + i_h, mask=t0 + o_t < T_seq, other=0.).to(tl.float32)
-            Gc = tl.cumsum(tl.where(gv < g_floor, g_floor, gv), 0)                 # [BT]
+            Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor)            # [BT]
             G_last = tl.sum(tl.where(o_t == BTc - 1, Gc, 0.), 0)
             b_dl = tl.exp(G_last)
         b_qd = b_q
