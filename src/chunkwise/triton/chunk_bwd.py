@@ -112,6 +112,17 @@ def _gate_cumsum_kernel(g, G, cu_seqlens, chunk_indices, T, floor,
 
 
 @triton.jit
+def _load_gate_cols(G, t0, L, i_h, o_k, m_k, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr):
+    """Columns o_k of a per-channel chunk gate: (G [C, BKH] with rows past L = G_last, G_last [BKH])."""
+    o_t = tl.arange(0, C)
+    m_t = o_t < L
+    p = ((t0 + o_t).to(tl.int64)[:, None] * HV + i_h) * K + o_k[None, :]
+    b_G = tl.load(G + p, mask=m_t[:, None] & m_k[None, :], other=0.)
+    b_last = tl.load(G + ((t0 + L - 1).to(tl.int64) * HV + i_h) * K + o_k, mask=m_k, other=0.)
+    return tl.where(m_t[:, None], b_G, b_last[None, :]), b_last
+
+
+@triton.jit
 def _load_gate(G, t0, L, i_h, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
                PER_CHANNEL: tl.constexpr):
     """The chunk's cumulative gate, rows past L filled with G_last (what g = 0 padding gives).
@@ -121,11 +132,7 @@ def _load_gate(G, t0, L, i_h, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexp
     m_t = o_t < L
     if PER_CHANNEL:
         o_k = tl.arange(0, BK)
-        m_k = o_k < K
-        p = ((t0 + o_t).to(tl.int64)[:, None] * HV + i_h) * K + o_k[None, :]
-        b_G = tl.load(G + p, mask=m_t[:, None] & m_k[None, :], other=0.)
-        b_last = tl.load(G + ((t0 + L - 1).to(tl.int64) * HV + i_h) * K + o_k, mask=m_k, other=0.)
-        b_G = tl.where(m_t[:, None], b_G, b_last[None, :])
+        b_G, b_last = _load_gate_cols(G, t0, L, i_h, o_k, o_k < K, HV, K, C)
     else:
         b_G = tl.load(G + (t0 + o_t).to(tl.int64) * HV + i_h, mask=m_t, other=0.)
         b_last = tl.load(G + (t0 + L - 1).to(tl.int64) * HV + i_h)
@@ -817,17 +824,6 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
         b_dG = b_dGr + tl.where(o_t == L - 1, b_dlast, 0.)
         b_dg = tl.sum(b_dG, axis=0) - tl.cumsum(b_dG, axis=0) + b_dG                       # reverse cumsum
         tl.store(dG + rows * HV + i_h, b_dg, mask=m_t)
-
-
-@triton.jit
-def _load_gate_cols(G, t0, L, i_h, o_k, m_k, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr):
-    """Columns o_k of a per-channel chunk gate: (G [C, BKH] with rows past L = G_last, G_last [BKH])."""
-    o_t = tl.arange(0, C)
-    m_t = o_t < L
-    p = ((t0 + o_t).to(tl.int64)[:, None] * HV + i_h) * K + o_k[None, :]
-    b_G = tl.load(G + p, mask=m_t[:, None] & m_k[None, :], other=0.)
-    b_last = tl.load(G + ((t0 + L - 1).to(tl.int64) * HV + i_h) * K + o_k, mask=m_k, other=0.)
-    return tl.where(m_t[:, None], b_G, b_last[None, :]), b_last
 
 
 @triton.jit
