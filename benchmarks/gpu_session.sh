@@ -2,6 +2,7 @@
 # Device calls that test and time everything on the GPU (H200); logs packed into $OUT/run.tgz.
 # Usage (device tool, carry .whl for fla):
 #   GIT_COMMIT=<sha> bash benchmarks/gpu_session.sh [fwd] [tests] [bwd]      (default: fwd tests; <= 9.6 min)
+#   env: TESTS_T / TRAIN_T step timeouts (s), NPROC xdist workers, SKIP_TRAIN=1 skips the MQAR example
 #   fwd:   stage-1 sweep (picks CHUNKWISE_PREP_CONFIG), forward benchmark vs fla
 #   tests: GPU tests (TESTS="<pytest args>" overrides the selection) and the MQAR example (SKIP_TRAIN=1 skips it)
 #   bwd:   backward warps sweep, fwd+bwd benchmark vs fla (~6 min)
@@ -32,11 +33,11 @@ if has fwd; then
 fi
 if has tests; then
   # GPU tests and the MQAR example while the forward benchmark (and the backward sweep) compile
-  ( for f in gdn kda delta gla; do timeout 190 python3 benchmarks/bench_forward.py --warm --families $f > "$OUT/warm_$f.log" 2>&1 & done
+  ( has fwd && for f in gdn kda delta gla; do timeout 190 python3 benchmarks/bench_forward.py --warm --families $f > "$OUT/warm_$f.log" 2>&1 & done
     has bwd && warm_bwd; wait ) &
   ( [ "${SKIP_TRAIN:-0}" = 1 ] || timeout 190 python3 examples/train_mqar.py --config gpu --backend triton \
       --plot "$OUT/mqar_loss_gpu.png" --json "$OUT/mqar_gpu.json" > "$OUT/mqar_gpu.log" 2>&1 ) &
-  TAILN=4 step 190 tests python3 -m pytest -q -n 6 --max-worker-restart 32 -p no:cacheprovider -o addopts="" --tb=line -rf \
+  TAILN=4 step ${TESTS_T:-190} tests python3 -m pytest -q -n ${NPROC:-6} --max-worker-restart 32 -p no:cacheprovider -o addopts="" --tb=line -rf \
     ${TESTS:-tests/test_compile.py tests/test_triton_chunk_fwd.py tests/test_triton_chunk_bwd.py tests/test_layers.py -k "fp16 or unaligned or real_size or grads or compile or opcheck or hopper or wide or gradients or cuda_graph or decode_step or prefill"}
   wait
   echo "== mqar"; tail -n 2 "$OUT/mqar_gpu.log"
@@ -51,7 +52,7 @@ if has fwd; then
 fi
 if has bwd; then
   TAILN=40 step 150 sweep_bwd python3 benchmarks/sweep_bwd.py --out "$OUT"
-  TAILN=12 step 200 bench_train python3 benchmarks/bench_train.py --families gdn,delta,kda --shapes B1-T32768-H32 --profile --out "$OUT"
+  TAILN=12 step ${TRAIN_T:-200} bench_train python3 benchmarks/bench_train.py --families gdn,delta,kda --shapes B1-T32768-H32 --profile --out "$OUT"
 fi
 if has variants; then
   ( for f in gla gdn; do timeout 150 python3 benchmarks/bench_forward.py --warm --variants --families $f \

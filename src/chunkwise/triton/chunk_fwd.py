@@ -486,10 +486,10 @@ def _dot_prec(dtype) -> tuple[str, str, str]:
 
 # Stage-1 launch per gate kind (0 none, 1 scalar, 2 per channel): (W/U products in the 16-bit input
 # dtype, num_warps, column chunk BKC of the per-channel gate). From the stage-1 sweep on the H200
-# (benchmarks/sweep_stage1.py, benchmarks/NOTES.md): the fastest variant whose bf16 output error against
-# the float64 recurrence is at most 1.05x fla's. KDA's BKC = 32 is not yet measured on the GPU: offline
-# (benchmarks/prep_sass.py, sm_90) it spills 196 B per thread at 4 warps where BKC = 64 spills 968 B.
-PREP_CONFIG = {0: (1, 4, 64), 1: (1, 4, 64), 2: (1, 4, 32)}
+# (benchmarks/sweep_stage1.py, benchmarks/NOTES.md, run of 0dcbe37): the fastest variant whose bf16 output
+# error against the float64 recurrence is at most 1.05x fla's. KDA keeps its W/U products in tf32: with
+# bf16 products and BKC = 32 its output error was 4.0e-2 (fla 3.7e-3; BKC = 64: 3.8e-3), see NOTES.
+PREP_CONFIG = {0: (1, 4, 64), 1: (1, 4, 64), 2: (0, 4, 32)}
 
 
 def prep_config(gate: int) -> tuple[int, int, int]:
