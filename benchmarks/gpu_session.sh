@@ -6,6 +6,7 @@
 #   fwd:   stage-1 sweep (picks CHUNKWISE_PREP_CONFIG), forward benchmark vs fla
 #   tests: GPU tests (TESTS="<pytest args>" overrides the selection) and the MQAR example (SKIP_TRAIN=1 skips it)
 #   bwd:   backward warps sweep, fwd+bwd benchmark vs fla (~6 min)
+#   train: fwd+bwd benchmark vs fla alone (FAMS=delta,kda,gdn)
 #   variants: stage-2 launch variants (BV x warps x stages) of GLA and GDN at B1 / B8 (~3 min)
 set -u
 PARTS=${*:-fwd tests}
@@ -37,7 +38,10 @@ if has tests; then
     has bwd && warm_bwd; wait ) &
   ( [ "${SKIP_TRAIN:-0}" = 1 ] || timeout 190 python3 examples/train_mqar.py --config gpu --backend triton \
       --plot "$OUT/mqar_loss_gpu.png" --json "$OUT/mqar_gpu.json" > "$OUT/mqar_gpu.log" 2>&1 ) &
-  TAILN=4 step ${TESTS_T:-190} tests python3 -m pytest -q -n ${NPROC:-6} --max-worker-restart 32 -p no:cacheprovider -o addopts="" --tb=line -rf \
+  # TESTS_FIRST="<pytest args>": a selection run to completion before the rest (its own step, TESTS_FIRST_T)
+  [ -n "${TESTS_FIRST:-}" ] && TAILN=4 step ${TESTS_FIRST_T:-150} tests_first python3 -m pytest -v -n ${NPROC:-6} \
+    --max-worker-restart 32 -p no:cacheprovider -o addopts="" --tb=line -rf --durations=15 $TESTS_FIRST
+  TAILN=4 step ${TESTS_T:-190} tests python3 -m pytest -v -n ${NPROC:-6} --max-worker-restart 32 -p no:cacheprovider -o addopts="" --tb=line -rf \
     ${TESTS:-tests/test_compile.py tests/test_triton_chunk_fwd.py tests/test_triton_chunk_bwd.py tests/test_layers.py -k "fp16 or unaligned or real_size or grads or compile or opcheck or hopper or wide or gradients or cuda_graph or decode_step or prefill"}
   wait
   echo "== mqar"; tail -n 2 "$OUT/mqar_gpu.log"
@@ -53,6 +57,10 @@ fi
 if has bwd; then
   TAILN=40 step 150 sweep_bwd python3 benchmarks/sweep_bwd.py --out "$OUT"
   TAILN=12 step ${TRAIN_T:-200} bench_train python3 benchmarks/bench_train.py --families gdn,delta,kda --shapes B1-T32768-H32 --profile --out "$OUT"
+fi
+if has train; then     # fwd+bwd against fla alone (FAMS, default delta,kda,gdn)
+  TAILN=12 step ${TRAIN_T:-200} bench_train python3 benchmarks/bench_train.py --families ${FAMS:-delta,kda,gdn} \
+    --shapes B1-T32768-H32 --profile --out "$OUT"
 fi
 if has variants; then
   ( for f in gla gdn; do timeout 150 python3 benchmarks/bench_forward.py --warm --variants --families $f \

@@ -1057,20 +1057,25 @@ def _num_stages(dtype: torch.dtype, BK: int) -> int:
     return 2 if dtype == torch.float32 and BK > 64 else 3
 
 
-# Warps per program of each backward kernel. 8 where a kernel holds [C, K] fp32 tiles (fewer registers
-# per thread, no spills at K = 128 for GDN, offline sm_90 builds), 4 for the small ones. Not yet swept on
-# the GPU: the forward's stage 1 ran 1.4-1.5x faster at 4 warps than at 8 (two programs per SM), so
-# benchmarks/sweep_bwd.py times both settings per kernel; CHUNKWISE_BWD_WARPS="wu:4,bwd_grad:4"
-# overrides entries (the sweep's knob).
-BWD_WARPS = {"gate_cumsum": 4, "intra": 8, "intra_diag": 4, "solve": 4, "wu": 8, "fwd_h": 8, "bwd_dh": 8,
-             "bwd_dv": 8, "bwd_grad": 8, "bwd_diag": 8}
+# Warps per program of each backward kernel, and the key side's column block, from the H200 sweep
+# (benchmarks/sweep_bwd.py, B1-T32768-H32 bf16 fwd+bwd, run of 51c42ee; table in benchmarks/NOTES.md):
+# each kernel at the faster of 4 and 8 warps. The key side (dq, dk, dβ, dG) runs in 64-wide column
+# blocks (_bwd_grad_split_kernel) wherever K > 64: 3.10 vs 3.65 ms (GDN, 4 warps), 2.08 vs 2.78
+# (DeltaNet), 12.1 vs 13.7 (KDA, 8 warps). CHUNKWISE_BWD_WARPS="wu:4,bwd_grad:4" ("all:N" for every
+# kernel) and CHUNKWISE_BWD_KSPLIT (0: one block) override these (the sweep's knobs).
+BWD_WARPS = {"gate_cumsum": 4, "intra": 4, "intra_diag": 4, "solve": 4, "wu": 4, "fwd_h": 4, "bwd_dh": 8,
+             "bwd_dv": 4, "bwd_grad": 4, "bwd_diag": 4}
+BWD_WARPS_PER_CHANNEL = {"fwd_h": 8, "bwd_grad": 8}     # KDA (per-channel gate): 2.02 vs 2.25, 12.1 vs 20.7 ms
+BWD_KSPLIT = 64
 
 
-def _warps(name: str) -> int:
+def _warps(name: str, gate: int = 0) -> int:
     for item in filter(None, os.environ.get("CHUNKWISE_BWD_WARPS", "").split(",")):
         key, val = item.split(":")
         if key == name or key == "all":
             return int(val)
+    if gate == 2 and name in BWD_WARPS_PER_CHANNEL:
+        return BWD_WARPS_PER_CHANNEL[name]
     return BWD_WARPS[name]
 
 
@@ -1175,7 +1180,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     seq = dict(cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, T=T)
     _fwd_h_kernel[grid_s](k, v, G, W, U, h0, h, R, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate,
                           DELTA=delta, HAS_H0=has_h0, TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen,
-                          PREC=prec, LOOP_WHILE=_INTERPRET, num_warps=_warps("fwd_h"), num_stages=ns, **seq)
+                          PREC=prec, LOOP_WHILE=_INTERPRET, num_warps=_warps("fwd_h", gate), num_stages=ns, **seq)
     dh = buf(NC, HV, K, V, dtype=sdt)
     dR = buf(B, T, HV, V, dtype=sdt)
     dh0 = buf(*h0.shape) if has_h0 else None
@@ -1193,16 +1198,16 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     _bwd_dv_kernel[grid_c](q, k, v, beta, G, Tmat, h, R, dR, do, Pmat, Amat, dq, dv, dbeta, dG, scale=scale, H=H,
                            HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
                            num_warps=_warps("bwd_dv"), num_stages=ns, **common)
-    bkh = int(os.environ.get("CHUNKWISE_BWD_KSPLIT", "0"))   # variant: key side in column blocks of bkh (sweep_bwd.py)
+    bkh = int(os.environ.get("CHUNKWISE_BWD_KSPLIT", BWD_KSPLIT))   # key side in column blocks of bkh
     if 16 <= bkh < BK:
         _bwd_grad_split_kernel[grid_c](q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, dk, dbeta, dG,
                                        scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BKH=bkh, BV=BV, C=C, BC=BC, GATE=gate,
-                                       DELTA=delta, IS_VARLEN=varlen, PREC=prec, num_warps=_warps("bwd_grad"),
+                                       DELTA=delta, IS_VARLEN=varlen, PREC=prec, num_warps=_warps("bwd_grad", gate),
                                        num_stages=ns, **common)
     else:
         _bwd_grad_kernel[grid_c](q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, dk, dbeta, dG,
                                  scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, BC=BC, GATE=gate, DELTA=delta,
-                                 IS_VARLEN=varlen, PREC=prec, num_warps=_warps("bwd_grad"), num_stages=ns, **common)
+                                 IS_VARLEN=varlen, PREC=prec, num_warps=_warps("bwd_grad", gate), num_stages=ns, **common)
     if gate == 2:
         _bwd_diag_kernel[grid_c](q, k, beta, G, Pmat, Amat, dq, dk, dbeta, dG, H=H, HV=HV, K=K, BK=BK, C=C, BC=BC,
                                  DELTA=delta, IS_VARLEN=varlen, num_warps=_warps("bwd_diag"), num_stages=ns, **common)
