@@ -4,7 +4,7 @@
 #   GIT_COMMIT=<sha> bash benchmarks/gpu_session.sh [fwd] [tests] [bwd]      (default: fwd tests; <= 9.6 min)
 #   env: TESTS_T / TRAIN_T step timeouts (s), NPROC xdist workers, SKIP_TRAIN=1 skips the MQAR example
 #   fwd:   stage-1 sweep (picks CHUNKWISE_PREP_CONFIG), forward benchmark vs fla
-#   tests: GPU tests (TESTS="<pytest args>" overrides the selection) and the MQAR example (SKIP_TRAIN=1 skips it)
+#   tests: GPU tests (TESTS="<files>" and TESTS_K="<-k expr>" override the selection) and the MQAR example (SKIP_TRAIN=1 skips it)
 #   bwd:   backward warps sweep, fwd+bwd benchmark vs fla (~6 min)
 #   train: fwd+bwd benchmark vs fla alone (FAMS=delta,kda,gdn)
 #   variants: stage-2 launch variants (BV x warps x stages) of GLA and GDN at B1 / B8 (~3 min)
@@ -42,7 +42,8 @@ if has tests; then
   [ -n "${TESTS_FIRST:-}" ] && TAILN=4 step ${TESTS_FIRST_T:-150} tests_first python3 -m pytest -v -n ${NPROC:-6} \
     --max-worker-restart 32 -p no:cacheprovider -o addopts="" --tb=line -rf --durations=15 $TESTS_FIRST
   TAILN=4 step ${TESTS_T:-190} tests python3 -m pytest -v -n ${NPROC:-6} --max-worker-restart 32 -p no:cacheprovider -o addopts="" --tb=line -rf \
-    ${TESTS:-tests/test_compile.py tests/test_triton_chunk_fwd.py tests/test_triton_chunk_bwd.py tests/test_layers.py -k "fp16 or unaligned or real_size or grads or compile or opcheck or hopper or wide or gradients or cuda_graph or decode_step or prefill"}
+    ${TESTS:-tests/test_compile.py tests/test_triton_chunk_fwd.py tests/test_triton_chunk_bwd.py tests/test_layers.py} \
+    -k "${TESTS_K:-fp16 or unaligned or real_size or grads or compile or opcheck or hopper or wide or gradients or cuda_graph or decode_step or prefill}"
   wait
   echo "== mqar"; tail -n 2 "$OUT/mqar_gpu.log"
   TAILN=14 step 90 chunkwise_check python3 -m chunkwise check      # the README's main job, on the GPU
