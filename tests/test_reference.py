@@ -575,3 +575,29 @@ def test_gradient_of_one_input_alone(form, only):
     alone, together = grad_of({only}), grad_of({"q", "k", "v", "g", "beta", "initial_state"})
     assert alone is not None and alone.norm() > 0
     assert_close(alone, together, 1e-12, f"d{only} alone vs with every input")
+
+
+@pytest.mark.parametrize("fam", FAMS)
+@pytest.mark.parametrize("lengths", [None, [1, 70, 99]], ids=["batch", "varlen"])
+def test_blocks_of_chunks(fam, lengths):
+    """The CPU chunk loop batches the state-independent work of `block` chunks at a time: 170 tokens in
+    chunks of 16 run as blocks of 3, 3, 3, 1 chunks and a partial chunk of 10. Every block size gives
+    the float64 recurrence, forward and (through autograd) gradients."""
+    from chunkwise.reference.chunk import _chunk_forward
+    inp = make_inputs(fam, B=2, T=170, H=2, HV=4, K=16, V=8, dtype=torch.float64, lengths=lengths,
+                      gate="strong" if fam != "delta" else "normal", requires_grad=True)
+    o_ref, h_ref = reference(inp)
+    grads = {}
+    run = lambda block: _chunk_forward(inp.q, inp.k, inp.v, inp.g, inp.beta, 16 ** -0.5, inp.h0,  # noqa: E731
+                                       inp.cu_seqlens, chunk_size=16, dtype=torch.float64, block=block)
+    for block in (1, 3, 64):
+        for grad in (False, True):          # no autograd: the state and outputs are updated in place
+            with torch.set_grad_enabled(grad):
+                o, ht = run(block)
+            assert_close(o, o_ref, TOL[torch.float64], f"o, block={block}, autograd={grad}")
+            assert_close(ht, h_ref, TOL[torch.float64], f"final state, block={block}, autograd={grad}")
+        leaves = [x for x in (inp.q, inp.k, inp.v, inp.g, inp.beta, inp.h0) if x is not None]
+        grads[block] = torch.autograd.grad((o * o_ref).sum() + (ht * h_ref).sum(), leaves)
+    for block in (3, 64):
+        for a, b in zip(grads[block], grads[1]):
+            assert_close(a, b, TOL[torch.float64], f"gradient, block={block} vs 1")

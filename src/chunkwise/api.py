@@ -260,7 +260,7 @@ def _to_kv(state, transpose_state_layout):
 
 def run(fam: Family, mode: str, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, *,
         use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, use_gate_in_kernel=False,
-        A_log=None, dt_bias=None, lower_bound=None, transpose_state_layout=False, chunk_size=64,
+        A_log=None, dt_bias=None, lower_bound=None, transpose_state_layout=False, chunk_size=32,
         backend="auto", cu_seqlens_cpu=None, chunk_indices=None, state_indices=None, cp_group=None):
     """The one path behind every public op. mode: "chunk" or "recurrent"."""
     if cp_group is not None:   # context parallelism: cu_seqlens/initial_state describe the whole batch; checked there

@@ -243,7 +243,7 @@ def _carried_segment(fam: api.Family, q, k, v, g, beta, scale, chunk_size, backe
 
 def chunk_cp(fam: api.Family, mode: str, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, *,
              cp_group, use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, use_gate_in_kernel=False,
-             A_log=None, dt_bias=None, lower_bound=None, transpose_state_layout=False, chunk_size=64,
+             A_log=None, dt_bias=None, lower_bound=None, transpose_state_layout=False, chunk_size=32,
              backend="auto", cu_seqlens_cpu=None, chunk_indices=None, state_indices=None):
     """`api.run` for a call with ``cp_group``: the module docstring gives the conventions and the math.
 

@@ -65,13 +65,14 @@ def torch_chunk_gated_delta_rule(
 
     query, key: [B, T, H, K]; value: [B, T, HV, V]; g: [B, T, HV] log-decay (≤ 0); beta: [B, T, HV];
     initial_state: None | [B, HV, K, V]. Output scale K^-½. Returns (o [B, T, HV, V] in query's dtype,
-    final state [B, HV, K, V] fp32 or None). ``kwargs``: see `_options`.
+    final state [B, HV, K, V] fp32 or None). ``kwargs``: see `_options`. ``chunk_size`` is accepted for
+    the signature and not used: chunkwise's result does not depend on it, and its CPU path is fastest at
+    its own default (32).
     """
     cu_seqlens, backend = _options(kwargs)
     return chunk_gated_delta_rule(query, key, value, g, beta, initial_state=initial_state,
                                   output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size,
-                                  backend=backend)
+                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, backend=backend)
 
 
 def torch_recurrent_gated_delta_rule(

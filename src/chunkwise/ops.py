@@ -30,7 +30,8 @@ _COMMON = """
             FlashAttention's varlen API. Each sequence starts from its own initial state.
         use_qk_l2norm_in_kernel: L2-normalise q and k over K inside the op (x / sqrt(Σx² + 1e-6)).
 {beta_sigmoid}{gate_args}        transpose_state_layout: states as [N, HV, V, K] (vLLM / FlashInfer layout) instead of [N, HV, K, V].
-        chunk_size: chunk length of the torch backend's chunk algorithm (64); the result does not depend on it.
+        chunk_size: chunk length of the torch backend's chunk algorithm (32: the fastest on the CPU,
+            README "CPU performance"); the result does not depend on it. The triton kernels use 64.
         backend: "auto" (triton for CUDA tensors when triton is installed, torch otherwise), "torch" or "triton".
         cu_seqlens_cpu: optional host copy of cu_seqlens: lets the op check and plan without a device sync.
         chunk_indices: optional `prepare_chunk_indices(cu_seqlens)` computed once per batch (triton varlen).
@@ -77,7 +78,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                            use_qk_l2norm_in_kernel: bool = False, use_beta_sigmoid_in_kernel: bool = False,
                            use_gate_in_kernel: bool = False, A_log: torch.Tensor | None = None,
                            dt_bias: torch.Tensor | None = None, transpose_state_layout: bool = False,
-                           chunk_size: int = 64, backend: str = "auto", cu_seqlens_cpu: torch.Tensor | None = None,
+                           chunk_size: int = 32, backend: str = "auto", cu_seqlens_cpu: torch.Tensor | None = None,
                            chunk_indices: torch.Tensor | None = None,
                            cp_group=None):
     return run(GDN, "chunk", q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
@@ -93,7 +94,7 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
                                      cu_seqlens: torch.Tensor | None = None, *, use_qk_l2norm_in_kernel: bool = False,
                                      use_beta_sigmoid_in_kernel: bool = False, use_gate_in_kernel: bool = False,
                                      A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
-                                     transpose_state_layout: bool = False, chunk_size: int = 64,
+                                     transpose_state_layout: bool = False, chunk_size: int = 32,
                                      backend: str = "auto", cu_seqlens_cpu: torch.Tensor | None = None,
                                      chunk_indices: torch.Tensor | None = None,
                                      state_indices: torch.Tensor | None = None):
@@ -118,7 +119,7 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
               output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None, *,
               use_qk_l2norm_in_kernel: bool = False, use_beta_sigmoid_in_kernel: bool = False,
               use_gate_in_kernel: bool = False, A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
-              lower_bound: float | None = None, transpose_state_layout: bool = False, chunk_size: int = 64,
+              lower_bound: float | None = None, transpose_state_layout: bool = False, chunk_size: int = 32,
               backend: str = "auto", cu_seqlens_cpu: torch.Tensor | None = None,
               chunk_indices: torch.Tensor | None = None,
               cp_group=None):
@@ -135,7 +136,7 @@ def fused_recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
                         use_qk_l2norm_in_kernel: bool = False, use_beta_sigmoid_in_kernel: bool = False,
                         use_gate_in_kernel: bool = False, A_log: torch.Tensor | None = None,
                         dt_bias: torch.Tensor | None = None, lower_bound: float | None = None,
-                        transpose_state_layout: bool = False, chunk_size: int = 64, backend: str = "auto",
+                        transpose_state_layout: bool = False, chunk_size: int = 32, backend: str = "auto",
                         cu_seqlens_cpu: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None,
                         state_indices: torch.Tensor | None = None):
     return run(KDA, "recurrent", q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
@@ -157,7 +158,7 @@ def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: to
                      scale: float | None = None, initial_state: torch.Tensor | None = None,
                      output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None, *,
                      use_qk_l2norm_in_kernel: bool = False, use_beta_sigmoid_in_kernel: bool = False,
-                     transpose_state_layout: bool = False, chunk_size: int = 64, backend: str = "auto",
+                     transpose_state_layout: bool = False, chunk_size: int = 32, backend: str = "auto",
                      cu_seqlens_cpu: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None,
                      cp_group=None):
     return run(DELTA, "chunk", q, k, v, None, beta, scale, initial_state, output_final_state, cu_seqlens,
@@ -170,7 +171,7 @@ def fused_recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                scale: float | None = None, initial_state: torch.Tensor | None = None,
                                output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None, *,
                                use_qk_l2norm_in_kernel: bool = False, use_beta_sigmoid_in_kernel: bool = False,
-                               transpose_state_layout: bool = False, chunk_size: int = 64, backend: str = "auto",
+                               transpose_state_layout: bool = False, chunk_size: int = 32, backend: str = "auto",
                                cu_seqlens_cpu: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None,
                                state_indices: torch.Tensor | None = None):
     return run(DELTA, "recurrent", q, k, v, None, beta, scale, initial_state, output_final_state, cu_seqlens,
@@ -191,7 +192,7 @@ def chunk_simple_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                      output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None, *,
                      use_qk_l2norm_in_kernel: bool = False, use_gate_in_kernel: bool = False,
                      A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
-                     transpose_state_layout: bool = False, chunk_size: int = 64, backend: str = "auto",
+                     transpose_state_layout: bool = False, chunk_size: int = 32, backend: str = "auto",
                      cu_seqlens_cpu: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None,
                      cp_group=None):
     return run(GLA, "chunk", q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens,
@@ -205,7 +206,7 @@ def fused_recurrent_simple_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None, *,
                                use_qk_l2norm_in_kernel: bool = False, use_gate_in_kernel: bool = False,
                                A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
-                               transpose_state_layout: bool = False, chunk_size: int = 64, backend: str = "auto",
+                               transpose_state_layout: bool = False, chunk_size: int = 32, backend: str = "auto",
                                cu_seqlens_cpu: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None,
                                state_indices: torch.Tensor | None = None):
     return run(GLA, "recurrent", q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens,

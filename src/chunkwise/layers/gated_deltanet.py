@@ -35,7 +35,7 @@ class GatedDeltaNet(DeltaRuleLayer):
 
     def __init__(self, hidden_size: int, num_k_heads: int = 4, num_v_heads: int | None = None, head_k_dim: int = 64,
                  head_v_dim: int | None = None, conv_size: int = 4, norm_eps: float = 1e-6, layer_idx: int = 0,
-                 mode: str = "auto", backend: str = "auto", recurrent_max_len: int = 64, chunk_size: int = 64):
+                 mode: str = "auto", backend: str = "auto", recurrent_max_len: int = 64, chunk_size: int = 32):
         super().__init__()
         num_v_heads = num_v_heads or num_k_heads
         head_v_dim = head_v_dim or head_k_dim

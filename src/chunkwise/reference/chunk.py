@@ -35,6 +35,7 @@ import torch
 from .utils import expand_heads, pad_varlen, unpad_varlen, varlen_pad_index
 
 SUB = 16  # sub-block of the per-channel pairwise products
+BLOCK_TOKENS = 256  # tokens per block of chunks whose state-independent work is batched (_chunk_forward)
 
 
 def _exp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -99,7 +100,7 @@ def _needs_grad(*xs) -> bool:
     return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
 
 
-def chunk_forward(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, chunk_size=64,
+def chunk_forward(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, chunk_size=32,
                   dtype=torch.float32):
     """The chunk algorithm (see `_chunk_forward` for the shapes), differentiable through autograd.
 
@@ -130,8 +131,8 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, 
         results = list(_pool(workers).map(part, range(workers)))
     finally:
         torch.set_num_threads(threads)      # the MKL / OpenMP setting is process-wide: restore it
-    # (the parts are concatenated here: workers writing their heads into one shared output
-    # measured 4-6 % slower, the two threads faulting in the same fresh pages)
+    # (the parts are concatenated here: workers writing their heads into one shared output measured
+    # 4-6 % slower with one chunk per step, equal with blocks of chunks: 114.5 vs 116.1 ms)
     return torch.cat([o for o, _ in results], 2), torch.cat([S for _, S in results], 1)
 
 
@@ -144,8 +145,9 @@ def _chunk_forward(
     scale: float,
     initial_state: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
-    chunk_size: int = 64,
+    chunk_size: int = 32,
     dtype: torch.dtype = torch.float32,
+    block: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunk algorithm, differentiable through autograd.
 
@@ -157,14 +159,19 @@ def _chunk_forward(
         initial_state: None or [N, HV, K, V]
         cu_seqlens: None or [N + 1] (then B == 1)
         dtype: arithmetic dtype (float32, or float64 for tests)
+        block: chunks per block (default BLOCK_TOKENS // chunk_size)
 
     Returns:
         o: [B, T, HV, V] in ``dtype``; final_state: [N, HV, K, V] in ``dtype``.
 
-    One chunk at a time, all sequences and heads batched: every intermediate is [B, HV, C, ·]
-    (512 KB at HV = 16, C = 64, K = V = 128, fp32), so it stays in cache and is reused by the
-    allocator. Materialising them for all chunks at once ([B, HV, T/C, C, ·], tens of MB each) made
-    the CPU backend memory- and page-fault-bound: 3-10x slower at T = 4096.
+    Two loops. Over blocks of a few chunks, everything that does not depend on the state, for all the
+    block's chunks in one batch of [nb·B·HV, C, ·] tensors: P, A, T = (I + A)⁻¹ diag(β), Q e^G, K e^G,
+    K e^{G_last − G}. Then over the block's chunks, the state hand-over: five products per chunk
+    (R = T diag(β) (V − (e^G K) S): W and U are never formed, which would cost C²K more per chunk). Every intermediate is a block's (~1 MB at HV = 8, C = 64, K = V = 128, fp32),
+    so it stays in cache and is reused by the allocator; materialising them for the whole sequence
+    ([B, HV, T/C, C, ·], tens of MB each) made the CPU backend memory- and page-fault-bound (3-10x
+    slower at T = 4096). Batching the chunks of a block cuts the Python calls per token, which is what
+    limits two threads sharing the GIL (benchmarks/bench_cpu.py; README, CPU performance).
     """
     C = chunk_size
     HV = v.shape[2]
@@ -176,12 +183,9 @@ def _chunk_forward(
         q, k, v, g, beta = (pad_varlen(x, index, N, T_pad) for x in (q, k, v, g, beta))
     B, T = q.shape[:2]
     per_channel = g is not None and g.dim() == 4
-    pairwise = _pairwise_channel if per_channel else _pairwise_scalar
     K, V = q.shape[-1], v.shape[-1]
     BH = B * HV
-
-    def heads(x, s, e):  # x[:, s:e]: [B, c, H|HV, ...] -> [B·HV, c, ...] in the arithmetic dtype
-        return expand_heads(x[:, s:e], HV).transpose(1, 2).flatten(0, 1).to(dtype)
+    NB = block or max(1, BLOCK_TOKENS // C)
 
     S = (q.new_zeros(BH, K, V, dtype=dtype) if initial_state is None
          else initial_state.to(dtype).reshape(BH, K, V))                    # [B·HV, K, V]
@@ -189,80 +193,96 @@ def _chunk_forward(
     in_place = not _needs_grad(q, k, v, g, beta, initial_state)
     if in_place and initial_state is not None:
         S = S.clone()
-    eyes: dict[int, torch.Tensor] = {}
-    masks: dict[int, torch.Tensor] = {}
+    consts: dict[tuple, torch.Tensor] = {}
+
+    def const(kind, c):
+        if (kind, c) not in consts:
+            ones = torch.ones(c, c, dtype=torch.bool, device=q.device)
+            consts[kind, c] = torch.eye(c, dtype=dtype, device=q.device) if kind == "eye" else ones.tril()
+        return consts[kind, c]
+
     o = v.new_empty(B, T, HV, V, dtype=dtype)
-    # the per-token scalars of every chunk at once (few, small tensors; the chunk loop only slices
+    # the per-token scalars of every chunk at once (few, small tensors; the block loop only slices
     # them): the chunk-local cumulative gate G in float64 -- after a hard reset (g = -1e4) the
     # cumulative sums are large and their differences, the only thing ever exponentiated, would lose
-    # ~3 digits in float32 -- and its three exponentials, and β
+    # ~3 digits in float32 -- and its exponentials, and β
     NT = -(-T // C)
     scalars = g is not None and not per_channel
+
+    def chunk_major(x, pad_dtype):   # [B, T, HV] -> [NT, B·HV, C] (zero-padded past T)
+        x = torch.nn.functional.pad(x.permute(0, 2, 1).reshape(BH, T).to(pad_dtype), (0, NT * C - T))
+        return x.view(BH, NT, C).transpose(0, 1).contiguous()
+
     if scalars:
-        g_all = torch.nn.functional.pad(g.transpose(1, 2).flatten(0, 1).double(), (0, NT * C - T))
-        G_all = g_all.view(BH, NT, C).cumsum(2)                              # [BH, NT, C]
-        G_last = G_all[..., -1:]            # [BH, NT, 1]: the padding (g = 0) adds nothing after the last token
-        eG_all, eend_all = _exp(G_all, dtype), _exp(G_last - G_all, dtype)   # [BH, NT, C]
-        last_all = _exp(G_last, dtype)                                       # [BH, NT, 1]
+        G_all = chunk_major(g, torch.float64).cumsum(2)                      # [NT, BH, C]
+        G_last = G_all[..., -1:]            # [NT, BH, 1]: the padding (g = 0) adds nothing after the last token
+        eG_all, eend_all = _exp(G_all, dtype), _exp(G_last - G_all, dtype)   # [NT, BH, C]
+        last_all = _exp(G_last, dtype)                                       # [NT, BH, 1]
     if beta is not None:
-        b_all = beta.transpose(1, 2).flatten(0, 1).to(dtype)                 # [BH, T]
-    for s in range(0, T, C):
-        e = min(s + C, T)
-        c, n = e - s, s // C
-        q_c, k_c, v_c = heads(q, s, e), heads(k, s, e), heads(v, s, e)     # [BH, c, K|V]
+        b_all = chunk_major(beta, dtype)                                     # [NT, BH, C]
+
+    def blocked(x, s, nb, c):
+        """x[:, s : s + nb·c] ([B, ·, H|HV, ...]) -> [nb·B·HV, c, ...] (chunk-major) in the arithmetic dtype."""
+        x = expand_heads(x[:, s:s + nb * c], HV).unflatten(1, (nb, c))      # [B, nb, c, HV, ...]
+        return x.transpose(2, 3).transpose(0, 1).reshape(nb * BH, c, *x.shape[4:]).to(dtype)
+
+    # blocks of NB whole chunks, then the partial last chunk alone
+    spans = [(s, min(NB, (T - s) // C), C) for s in range(0, T - T % C, NB * C)]
+    if T % C:
+        spans.append((T - T % C, 1, T % C))
+    for s, nb, c in spans:
+        n0 = s // C
+        q_c, k_c, v_c = blocked(q, s, nb, c), blocked(k, s, nb, c), blocked(v, s, nb, c)   # [nb·BH, c, K|V]
         if g is None:
-            G = None
-            e_G, q_g, k_end = None, q_c * scale, k_c                         # no decay
+            G = e_G = None
+            q_g, k_end = q_c * scale, k_c                                    # no decay
         elif scalars:
-            G = G_all[:, n, :c]                                              # [BH, c]
-            e_G, e_end = eG_all[:, n, :c, None], eend_all[:, n, :c, None]
-            last = last_all[:, n, :, None]                                   # [BH, 1, 1]
+            G = G_all[n0:n0 + nb, :, :c].flatten(0, 1)                      # [nb·BH, c]
+            e_G = eG_all[n0:n0 + nb, :, :c].flatten(0, 1)[..., None]        # [nb·BH, c, 1]
+            e_end = eend_all[n0:n0 + nb, :, :c].flatten(0, 1)[..., None]
+            last = last_all[n0:n0 + nb].flatten(0, 1)[..., None]            # [nb·BH, 1, 1]
             q_g, k_end = q_c * (scale * e_G), k_c * e_end
         else:
-            G = g[:, s:e].transpose(1, 2).flatten(0, 1).double().cumsum(1)  # [BH, c, K]
-            if per_channel:
-                e_G, e_end = _exp(G, dtype), _exp(G[..., -1:, :] - G, dtype)
-                last = _exp(G[..., -1, :], dtype)[..., None]                 # [BH, K, 1]
-            else:
-                e_G, e_end = _exp(G, dtype)[..., None], _exp(G[..., -1:] - G, dtype)[..., None]
-                last = _exp(G[..., -1], dtype)[..., None, None]              # [BH, 1, 1]
+            G = blocked(g, s, nb, c).double().cumsum(1)                      # [nb·BH, c, K]
+            e_G, e_end = _exp(G, dtype), _exp(G[..., -1:, :] - G, dtype)
+            last = _exp(G[..., -1, :], dtype)[..., None]                     # [nb·BH, K, 1]
             q_g, k_end = q_c * (scale * e_G), k_c * e_end
         if per_channel:
-            P = pairwise(q_c, k_c, G, True)                                  # [BH, c, c]
+            P = _pairwise_channel(q_c, k_c, G, True)                         # [nb·BH, c, c]
         else:   # one decay matrix Γ_ij = exp(G_i − G_j) (j ≤ i) for both P and A
-            if c not in masks:
-                masks[c] = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
             D = None
             if G is not None:
                 D = torch.sub(G[..., :, None], G[..., None, :]).to(dtype)
-                D = D.masked_fill_(~masks[c], float("-inf")).exp_()          # [BH, c, c]
-            P = q_c @ k_c.transpose(-1, -2)                                  # [BH, c, K] @ [BH, K, c]
+                D = D.masked_fill_(~const("tril", c), float("-inf")).exp_()  # [nb·BH, c, c]
+            P = q_c @ k_c.transpose(-1, -2)                                  # [nb·BH, c, K] @ [nb·BH, K, c]
             P = P.tril_() if D is None else P.mul_(D)
-
         if beta is not None:
-            b = b_all[:, s:e, None]                                          # [BH, c, 1]
+            b = b_all[n0:n0 + nb, :, :c].flatten(0, 1)[..., None]           # [nb·BH, c, 1]
             if per_channel:
-                A = pairwise(b * k_c, k_c, G, False)                         # strict lower
+                A = _pairwise_channel(b * k_c, k_c, G, False)                # strict lower
             else:               # β_i ⟨k_i, k_j⟩ Γ_ij: β scales the rows of the [c, c] product, not k
-                A = (k_c @ k_c.transpose(-1, -2)).mul_(b if D is None else D * b)   # [BH, c, K] @ [BH, K, c]
-            if c not in eyes:
-                eyes[c] = torch.eye(c, dtype=dtype, device=q.device)
+                A = (k_c @ k_c.transpose(-1, -2)).mul_(b if D is None else D * b)   # [nb·BH, c, K] @ [nb·BH, K, c]
             # T = (I + A)⁻¹ (unitriangular: the diagonal and upper triangle of A are not read, and
-            # autograd gives A a strictly lower gradient); then R = U − W S = T (β V − (β e^G K) S)
-            # (solved as X (I + A) = I: the same two-sided inverse, 1.7-2x faster than the left solve
-            # for [16, 64, 64] in torch 2.13's CPU LAPACK path)
-            Tinv = torch.linalg.solve_triangular(A, eyes[c], upper=False, unitriangular=True, left=False)
-            # R = U − W S = T (β V − (β e^G K) S) = (T diag(β)) (V − (e^G K) S): β scales T's columns
+            # autograd gives A a strictly lower gradient), solved as X (I + A) = I: the same two-sided
+            # inverse, 1.7-2x faster than the left solve for [16, 64, 64] in torch 2.13's CPU LAPACK path
+            Tinv = torch.linalg.solve_triangular(A, const("eye", c), upper=False, unitriangular=True, left=False)
+            Tb = Tinv * b.transpose(-1, -2)                                  # T diag(β)
             k_g = k_c if e_G is None else k_c * e_G                          # e^G ⊙ K
-            R = (Tinv * b.transpose(-1, -2)) @ torch.baddbmm(v_c, k_g, S, alpha=-1)   # [BH, c, c] @ [BH, c, V]
-        else:
-            R = v_c
-        o_c = (q_g @ S).baddbmm_(P, R, alpha=scale)                          # scale ((Q e^G) S + P R)
-        o[:, s:e] = o_c.view(B, HV, c, V).transpose(1, 2)
-        if in_place:                                                         # diag(e^{G_last}) S + K_endᵀ R
-            (S if G is None else S.mul_(last)).baddbmm_(k_end.transpose(-1, -2), R)
-        else:
-            S = torch.baddbmm(S if G is None else S * last, k_end.transpose(-1, -2), R)
+        # the state hand-over, chunk by chunk: R = U − W S = (T diag(β)) (V − (e^G K) S)
+        chunks = zip(*(x.unflatten(0, (nb, BH)).unbind(0) for x in (q_g, k_end, P, v_c)))
+        Ts = zip(*(x.unflatten(0, (nb, BH)).unbind(0) for x in (Tb, k_g))) if beta is not None else [None] * nb
+        lasts = last.unflatten(0, (nb, BH)).unbind(0) if G is not None else [None] * nb
+        o_b = v_c.new_empty(nb, BH, c, V) if in_place else []
+        for j, ((q_j, k_j, P_j, v_j), T_j, l_j) in enumerate(zip(chunks, Ts, lasts)):
+            R = v_j if T_j is None else T_j[0] @ torch.baddbmm(v_j, T_j[1], S, alpha=-1)   # [BH, c, c] @ [BH, c, V]
+            if in_place:                                                     # scale ((Q e^G) S + P R)
+                torch.bmm(q_j, S, out=o_b[j]).baddbmm_(P_j, R, alpha=scale)
+                (S if l_j is None else S.mul_(l_j)).baddbmm_(k_j.transpose(-1, -2), R)
+            else:
+                o_b.append(torch.baddbmm(q_j @ S, P_j, R, alpha=scale))
+                S = torch.baddbmm(S if l_j is None else S * l_j, k_j.transpose(-1, -2), R)
+        o_b = o_b if in_place else torch.stack(o_b)                          # [nb, BH, c, V]
+        o[:, s:s + nb * c].unflatten(1, (nb, c)).copy_(o_b.view(nb, B, HV, c, V).permute(1, 0, 3, 2, 4))
 
     if index is not None:
         o = unpad_varlen(o, index)
