@@ -14,13 +14,14 @@ and across chunks, with S the state entering the chunk::
     O   = scale · ((Q ⊙ e^G) S + P R)
     S  ← diag(e^{G_last}) S + (K ⊙ e^{G_last − G})ᵀ R
 
-Without the delta rule (simple GLA) W = 0 and U = V. The loop runs over chunks with every
-sequence and head batched, so each intermediate is one chunk's [B, HV, C, ·] and stays in cache.
-Inside a chunk, T = (I + A)⁻¹ comes from one batched triangular solve and R = T (β ⊙ V − (β ⊙ e^G ⊙ K) S)
-(W is never formed); the products that add into a result are fused (baddbmm), and the output is
-written in place. Per chunk of 64 tokens this is 6 batched matrix products and ~12 elementwise
-passes over [B·HV, C, ·] tensors: at B = 1, T = 4096, HV = 16, K = V = 128 most of the time is in
-the matrix products (3·K·V multiply-adds per token for the state, ≈ 4·C·K for the chunk).
+Without the delta rule (simple GLA) W = 0 and U = V. Every sequence and head is batched. The loop
+runs over blocks of chunks (256 tokens): the state-independent part (P, A, T = (I + A)⁻¹ from one
+batched triangular solve, the decayed q and k) for all the block's chunks at once, then the state
+hand-over chunk by chunk, R = T diag(β) (V − (e^G K) S) (W is never formed), five batched products
+per chunk with the sums fused (baddbmm) and the output written in place. Intermediates are a block's
+[nb·B·HV, C, ·] tensors and stay in cache. At B = 1, T = 4096, HV = 16, K = V = 128 most of the time
+is in the matrix products (3·K·V multiply-adds per token for the state, ≈ 4·C·K for the chunk); the
+default C = 32 halves the second term against 64 and the blocks keep the Python calls per token low.
 
 Exponentials are only ever taken of differences G_i − G_j with i ≥ j (or of G itself, which is
 ≤ 0), so gates summing to −1e4 inside a chunk stay finite.
@@ -167,7 +168,8 @@ def _chunk_forward(
     Two loops. Over blocks of a few chunks, everything that does not depend on the state, for all the
     block's chunks in one batch of [nb·B·HV, C, ·] tensors: P, A, T = (I + A)⁻¹ diag(β), Q e^G, K e^G,
     K e^{G_last − G}. Then over the block's chunks, the state hand-over: five products per chunk
-    (R = T diag(β) (V − (e^G K) S): W and U are never formed, which would cost C²K more per chunk). Every intermediate is a block's (~1 MB at HV = 8, C = 64, K = V = 128, fp32),
+    (R = T diag(β) (V − (e^G K) S): W and U are never formed; forming them ahead, one product fewer in
+    the loop but C²K more multiply-adds per chunk, measured 115 vs 108 ms). Every intermediate is a block's (~1 MB at HV = 8, C = 64, K = V = 128, fp32),
     so it stays in cache and is reused by the allocator; materialising them for the whole sequence
     ([B, HV, T/C, C, ·], tens of MB each) made the CPU backend memory- and page-fault-bound (3-10x
     slower at T = 4096). Batching the chunks of a block cuts the Python calls per token, which is what
@@ -269,19 +271,21 @@ def _chunk_forward(
             Tb = Tinv * b.transpose(-1, -2)                                  # T diag(β)
             k_g = k_c if e_G is None else k_c * e_G                          # e^G ⊙ K
         # the state hand-over, chunk by chunk: R = U − W S = (T diag(β)) (V − (e^G K) S)
-        chunks = zip(*(x.unflatten(0, (nb, BH)).unbind(0) for x in (q_g, k_end, P, v_c)))
-        Ts = zip(*(x.unflatten(0, (nb, BH)).unbind(0) for x in (Tb, k_g))) if beta is not None else [None] * nb
-        lasts = last.unflatten(0, (nb, BH)).unbind(0) if G is not None else [None] * nb
-        o_b = v_c.new_empty(nb, BH, c, V) if in_place else []
-        for j, ((q_j, k_j, P_j, v_j), T_j, l_j) in enumerate(zip(chunks, Ts, lasts)):
-            R = v_j if T_j is None else T_j[0] @ torch.baddbmm(v_j, T_j[1], S, alpha=-1)   # [BH, c, c] @ [BH, c, V]
+        split = lambda x: x.unflatten(0, (nb, BH)).unbind(0) if x is not None else [None] * nb  # noqa: E731
+        o_b = v_c.new_empty(nb, BH, c, V) if in_place else None
+        outs = o_b.unbind(0) if in_place else []
+        pre = zip(split(v_c), [None] * nb if beta is None else zip(split(Tb), split(k_g)))
+        for q_j, kT_j, P_j, l_j, (x_j, y_j), o_j in zip(split(q_g), split(k_end.transpose(-1, -2)), split(P),
+                                                      split(last if G is not None else None), pre,
+                                                      outs if in_place else [None] * nb):
+            R = x_j if y_j is None else y_j[0] @ torch.baddbmm(x_j, y_j[1], S, alpha=-1)   # [BH, c, c] @ [BH, c, V]
             if in_place:                                                     # scale ((Q e^G) S + P R)
-                torch.bmm(q_j, S, out=o_b[j]).baddbmm_(P_j, R, alpha=scale)
-                (S if l_j is None else S.mul_(l_j)).baddbmm_(k_j.transpose(-1, -2), R)
+                torch.bmm(q_j, S, out=o_j).baddbmm_(P_j, R, alpha=scale)
+                (S if l_j is None else S.mul_(l_j)).baddbmm_(kT_j, R)
             else:
-                o_b.append(torch.baddbmm(q_j @ S, P_j, R, alpha=scale))
-                S = torch.baddbmm(S if l_j is None else S * l_j, k_j.transpose(-1, -2), R)
-        o_b = o_b if in_place else torch.stack(o_b)                          # [nb, BH, c, V]
+                outs.append(torch.baddbmm(q_j @ S, P_j, R, alpha=scale))
+                S = torch.baddbmm(S if l_j is None else S * l_j, kT_j, R)
+        o_b = o_b if in_place else torch.stack(outs)                          # [nb, BH, c, V]
         o[:, s:s + nb * c].unflatten(1, (nb, c)).copy_(o_b.view(nb, B, HV, c, V).permute(1, 0, 3, 2, 4))
 
     if index is not None:
