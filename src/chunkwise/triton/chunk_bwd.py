@@ -1128,7 +1128,10 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     has_h0 = initial_state is not None
     BK = max(16, triton.next_power_of_2(K))
     BV = min(32, max(16, triton.next_power_of_2(V)))
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    # fp32: three tf32 products (~fp32 accuracy on the tensor cores); "ieee" lowers every product to FMA
+    # loops: offline sm_90 at K = 128 the key-side kernel took 90.6 s to compile and spilled 102 KB per
+    # thread (tf32x3: 15.1 s, 7.5 KB)
+    prec = "tf32x3" if q.dtype == torch.float32 else "tf32"
     ns = _num_stages(q.dtype, BK)
     q, k, v, do = (x.contiguous() for x in (q, k, v, do))
     if do.dtype != q.dtype:
