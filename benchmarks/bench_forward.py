@@ -133,7 +133,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--families", default=",".join(FAMILIES))
-    ap.add_argument("--variants", action="store_true", help="also time stage-2 variants (BV 16/32/64 x 4/8 warps x 2/3 stages; GLA also with P from its own kernel)")
+    ap.add_argument("--variants", action="store_true", help="also time stage-2 variants (BV 16/32/64 x 4/8 warps x 2/3 stages; GLA also with P from its own kernel, GDN with the decays from stage 1)")
     ap.add_argument("--shapes", default="")
     ap.add_argument("--warm", action="store_true", help="compile everything on tiny inputs, time nothing")
     a = ap.parse_args()
@@ -181,6 +181,13 @@ def main():
                         try:
                             var[key] = bench(lambda: run_variant(fam, x, bv=bv, num_warps=4, num_stages=3,
                                                                  p_in=True))[0]
+                        except Exception as e:  # noqa: BLE001
+                            var[key] = repr(e)[:120]
+                    if fam == "gdn":            # the decays written by stage 1, loaded by stage 2 (gate_in)
+                        key = f"bv{bv}-nw4-ns3-gatein"
+                        try:
+                            var[key] = bench(lambda: run_variant(fam, x, bv=bv, num_warps=4, num_stages=3,
+                                                                 gate_in=True))[0]
                         except Exception as e:  # noqa: BLE001
                             var[key] = repr(e)[:120]
                 row["variants"] = var

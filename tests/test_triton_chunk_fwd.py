@@ -208,3 +208,20 @@ def test_gla_with_p_from_its_own_kernel(case, gate):
     o2, ht2 = chunk_fwd(inp.q, inp.k, inp.v, g, None, K ** -0.5, inp.h0, final, inp.cu_seqlens, p_in=False)
     _check(inp, o, ht, TOL[torch.float32], final=final)
     assert rel_err(o, o2) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize("case", ["T_not_multiple_grouped_h0", "varlen_len1_h0", "odd_dims_no_final"])
+@pytest.mark.parametrize("gate", ["normal", "strong"])
+def test_gdn_with_decays_from_stage1(case, gate):
+    """GDN's variant where stage 1 writes e^G, e^{G_last − G} and e^{G_last} and stage 2 loads them
+    (gate_in=True) instead of forming them each serial step: equal to the float64 recurrence and to
+    the default, partial chunks, varlen and grouped heads included."""
+    from chunkwise.triton.chunk_fwd import chunk_fwd
+    mk, run = CASES[case]
+    inp = make_inputs("gdn", dtype=torch.float32, seed=32, gate=gate, **mk)
+    K = inp.q.shape[-1]
+    final = run.get("final", True)
+    o, ht = chunk_fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, K ** -0.5, inp.h0, final, inp.cu_seqlens, gate_in=True)
+    o2, _ = chunk_fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, K ** -0.5, inp.h0, final, inp.cu_seqlens, gate_in=False)
+    _check(inp, o, ht, TOL[torch.float32], final=final)
+    assert rel_err(o, o2) <= TOL[torch.float32]

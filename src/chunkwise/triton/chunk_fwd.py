@@ -166,9 +166,13 @@ def chunk_prepare_kernel(
     BTc: tl.constexpr, BCc: tl.constexpr, BK: tl.constexpr, BVf: tl.constexpr, BKC: tl.constexpr,
     GATE: tl.constexpr,          # 0 none, 1 scalar, 2 per channel
     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, MM_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
-    g_floor: tl.constexpr, span_max: tl.constexpr, WU_LOWP: tl.constexpr = 0,
+    g_floor: tl.constexpr, span_max: tl.constexpr, WU_LOWP: tl.constexpr = 0, GATE_OUT: tl.constexpr = 0,
 ):
-    """One chunk of one value head: see the module docstring (stage 1). Grid (chunks, B·HV)."""
+    """One chunk of one value head: see the module docstring (stage 1). Grid (chunks, B·HV).
+
+    GATE_OUT (scalar gate, a variant): also write the decays stage 2 needs, e^G and e^{G_last − G}
+    [B, T, HV] fp32 into qg / kg and e^{G_last} [slots, HV] fp32 into glast, so that its serial loop
+    loads them instead of forming the cumulative gate and its exponentials every step."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
     i_hk = i_h // (HV // H)
@@ -266,6 +270,12 @@ def chunk_prepare_kernel(
         QK = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)                       # [BT, BK] @ [BK, BT]
         if GATE == 1:
             Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor)                  # [BT]
+            if GATE_OUT:
+                G_last = tl.sum(tl.where(o_t == BTc - 1, Gc, 0.), 0)
+                m_t = t0 + o_t < T_seq
+                tl.store(qg + (bos + t0 + o_t) * HV + i_h, tl.exp(Gc), mask=m_t)
+                tl.store(kg + (bos + t0 + o_t) * HV + i_h, tl.exp(G_last - Gc), mask=m_t)
+                tl.store(glast + slot * HV + i_h, tl.exp(G_last))
             dec = tl.exp(tl.where(incl, Gc[:, None] - Gc[None, :], float("-inf")))     # e^{G_i − G_j}, i ≥ j
             A = tl.where(strict, KK * dec, 0.) * b_beta[:, None]
             P = QK * dec
@@ -340,7 +350,7 @@ def _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, 
                        H, HV, K, V,
                        BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        GATE: tl.constexpr, DELTA: tl.constexpr, P_IN: tl.constexpr,
-                       DOT_PREC: tl.constexpr, g_floor: tl.constexpr):
+                       DOT_PREC: tl.constexpr, g_floor: tl.constexpr, G_IN: tl.constexpr):
     """One chunk of stage 2: returns the state after chunk i_t, writes its rows of o."""
     o_k = tl.arange(0, BK)
     o_t = tl.arange(0, BTc)
@@ -367,9 +377,17 @@ def _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, 
         b_k = tl.load(tl.make_block_ptr(k + (bos * H + i_hk) * K, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
                       boundary_check=(0, 1))
         if GATE == 1:
-            Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor)            # [BT]
-            G_last = tl.sum(tl.where(o_t == BTc - 1, Gc, 0.), 0)
-            b_dl = tl.exp(G_last)
+            if G_IN:    # the decays as stage 1 wrote them (GATE_OUT)
+                m_t = t0 + o_t < T_seq
+                b_eg = tl.load(qg + (bos + t0 + o_t) * HV + i_h, mask=m_t, other=0.)    # e^G      [BT]
+                b_ek = tl.load(kg + (bos + t0 + o_t) * HV + i_h, mask=m_t, other=0.)    # e^{G_last − G}
+                b_dl = tl.load(glast + (slot0 + i_t) * HV + i_h)                         # e^{G_last}
+            else:
+                Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor)            # [BT]
+                G_last = tl.sum(tl.where(o_t == BTc - 1, Gc, 0.), 0)
+                b_dl = tl.exp(G_last)
+                b_eg = tl.exp(Gc)
+                b_ek = tl.exp(G_last - Gc)
         b_qd = b_q
         b_kd = b_k
     if P_IN:
@@ -387,13 +405,13 @@ def _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, 
     # scalar gate: q and k reach the tensor cores unscaled; the decays scale rows of the products in fp32
     b_o = tl.dot(b_qd, S.to(b_qd.dtype), input_precision=DOT_PREC)               # [BT, BK] @ [BK, BV]
     if GATE == 1:
-        b_o = b_o * tl.exp(Gc)[:, None]
+        b_o = b_o * b_eg[:, None]
     b_o += tl.dot(b_P.to(b_qd.dtype), b_Rd, input_precision=DOT_PREC)             # [BT, BT] @ [BT, BV]
     tl.store(tl.make_block_ptr(o_base, (T_seq, V), (HV * V, 1), (t0, i_v * BV), (BTc, BV), (1, 0)),
              (b_o * scale).to(o_base.dtype.element_ty), boundary_check=(0, 1))
     if GATE == 1:
         S = S * b_dl
-        b_Rd = (b_R * tl.exp(G_last - Gc)[:, None]).to(b_qd.dtype)
+        b_Rd = (b_R * b_ek[:, None]).to(b_qd.dtype)
     elif GATE == 2:
         S = S * b_dl
     S += tl.dot(tl.trans(b_kd), b_Rd, input_precision=DOT_PREC)                  # [BK, BT] @ [BT, BV]
@@ -412,7 +430,7 @@ def chunk_state_output_kernel(
     BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, DELTA: tl.constexpr, P_IN: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PREC: tl.constexpr, g_floor: tl.constexpr, LOOP_WHILE: tl.constexpr,
+    DOT_PREC: tl.constexpr, g_floor: tl.constexpr, LOOP_WHILE: tl.constexpr, G_IN: tl.constexpr = 0,
 ):
     """Stage 2 (module docstring). Grid (cdiv(V, BV), N·HV); S [BK, BV] fp32 stays in registers.
 
@@ -450,12 +468,14 @@ def chunk_state_output_kernel(
         i_t = 0
         while i_t < n_chunks:
             S = _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, T_seq, slot0, i_h,
-                                   i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, DOT_PREC, g_floor)
+                                   i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, DOT_PREC, g_floor,
+                                   G_IN)
             i_t += 1
     else:               # compiled: a for loop, so that the loads of later chunks are pipelined
         for i_t in range(n_chunks):
             S = _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, T_seq, slot0, i_h,
-                                   i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, DOT_PREC, g_floor)
+                                   i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, DOT_PREC, g_floor,
+                                   G_IN)
 
     if STORE_HT:
         p_ht = ht + i_n * s_htn + i_h * s_hth + o_k[:, None] * s_htk + o_v[None, :] * s_htv
@@ -509,14 +529,15 @@ def prep_config(gate: int) -> tuple[int, int, int]:
     return cfg[0], cfg[1], cfg[2]
 
 
-def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None):
+def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, gate_out=False):
     """Stage 1 for the delta families.
 
     Args: q, k [B,T,H,K]; v [B,T,HV,V]; g None | [B,T,HV] fp32 | [B,T,HV,K] fp32 (raw log-decays);
     beta [B,T,HV]; cu_seqlens [N+1] with chunk_indices [NT_total, 2] (varlen, B = 1).
     Returns dict: w [B,T,HV,K], u [B,T,HV,V], p [B,T,HV,64] (q's dtype) and, for per-channel g,
     qg, kg [B,T,HV,K] (q's dtype) and glast [slots, HV, K] fp32 (e^{G_last} per chunk; the slot of
-    chunk i of sequence n is n·NT + i, or n + start_token // 64 with cu_seqlens).
+    chunk i of sequence n is n·NT + i, or n + start_token // 64 with cu_seqlens); for scalar g with
+    ``gate_out``, qg = e^G, kg = e^{G_last − G} [B,T,HV] fp32 and glast [slots, HV] fp32.
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -536,6 +557,10 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None):
         qg = _alloc((B, T, HV, K), dt, dev)
         kg = _alloc((B, T, HV, K), dt, dev)
         glast = _alloc((slots, HV, K), torch.float32, dev)
+    elif gate == 1 and gate_out:     # the scalar decays for stage 2 (GATE_OUT)
+        qg = _alloc((B, T, HV), torch.float32, dev)
+        kg = _alloc((B, T, HV), torch.float32, dev)
+        glast = _alloc((slots, HV), torch.float32, dev)
     else:
         qg = kg = glast = None
     dot_prec, mm_prec, solve_prec = _dot_prec(dt)
@@ -546,7 +571,7 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None):
             H=H, HV=HV, K=K, V=V, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)), GATE=gate,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=solve_prec,
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and dt != torch.float32,
-            num_warps=warps, num_stages=1)
+            GATE_OUT=gate == 1 and gate_out, num_warps=warps, num_stages=1)
     return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast)
 
 
@@ -585,11 +610,14 @@ def _pick_stages(elt: int, BK: int, bv: int, delta: bool, p_in: bool) -> int:
 
 
 def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, *,
-              chunk_indices=None, transpose_state_layout=False, p_in=None, bv=None, num_stages=None, num_warps=4):
+              chunk_indices=None, transpose_state_layout=False, p_in=None, bv=None, num_stages=None, num_warps=4,
+              gate_in=None):
     """The chunk forward of all four families (canonical inputs: see chunkwise.triton).
 
     Returns (o [B,T,HV,V] in q's dtype, final state fp32 [N,HV,K,V] ([N,HV,V,K] transposed) or None).
-    ``p_in`` / ``bv`` / ``num_stages`` / ``num_warps`` (stage 2) override the tuned defaults (benchmarks). Head dims
+    ``p_in`` / ``bv`` / ``num_stages`` / ``num_warps`` (stage 2) override the tuned defaults (benchmarks);
+    ``gate_in`` (scalar gate with the delta rule; default CHUNKWISE_FWD_GATE_IN, off) has stage 1 write the
+    decays that stage 2 then loads (a variant under measurement). Head dims
     the kernels do not take as they are run zero-padded (triton/align.py).
     """
     K0, V0 = q.shape[-1], v.shape[-1]
@@ -616,7 +644,10 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         chunk_indices = prepare_chunk_indices(cu_seqlens, BT)
     NT = triton.cdiv(T, BT)
 
-    stage1 = chunk_prepare(q, k, v, g, beta, cu_seqlens, chunk_indices) if delta else \
+    if gate_in is None:
+        gate_in = os.environ.get("CHUNKWISE_FWD_GATE_IN") == "1"
+    gate_in = bool(gate_in) and delta and gate == 1 and p_in
+    stage1 = chunk_prepare(q, k, v, g, beta, cu_seqlens, chunk_indices, gate_out=gate_in) if delta else \
         dict(w=None, u=None, p=None, qg=None, kg=None, glast=None)
     if p_in and not delta:                # simple GLA with P formed once per chunk (a variant)
         stage1["p"] = chunk_p(q, k, g, HV, cu_seqlens, chunk_indices)
@@ -646,7 +677,8 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         *strides(initial_state), *strides(ht),
         H=H, HV=HV, K=K, V=V, BTc=BT, BK=_dim(K), BV=bv, GATE=gate, DELTA=delta, P_IN=p_in,
         USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=cu_seqlens is not None,
-        DOT_PREC=dot_prec, g_floor=G_FLOOR, LOOP_WHILE=_INTERPRET, num_warps=num_warps, num_stages=num_stages)
+        DOT_PREC=dot_prec, g_floor=G_FLOOR, LOOP_WHILE=_INTERPRET, G_IN=gate_in, num_warps=num_warps,
+        num_stages=num_stages)
     if padded:
         o, ht = o[..., :V0].contiguous(), cut_state(ht, K0, V0, transpose_state_layout)
     return o, ht
