@@ -168,28 +168,20 @@ def main():
                     row["fla_error"] = repr(e)[:300]
             if a.variants:
                 var = {}
+
+                def time_variant(key, **kw):
+                    try:
+                        var[key] = bench(lambda: run_variant(fam, x, **kw))[0]
+                    except Exception as e:  # noqa: BLE001
+                        var[key] = repr(e)[:120]
                 for bv in (16, 32, 64):
                     for nw in (4, 8):
                         for ns in (2, 3):
-                            key = f"bv{bv}-nw{nw}-ns{ns}"
-                            try:
-                                var[key] = bench(lambda: run_variant(fam, x, bv=bv, num_warps=nw, num_stages=ns))[0]
-                            except Exception as e:  # noqa: BLE001
-                                var[key] = repr(e)[:120]
+                            time_variant(f"bv{bv}-nw{nw}-ns{ns}", bv=bv, num_warps=nw, num_stages=ns)
                     if fam == "gla":            # P formed once per chunk by its own kernel (chunk_p_kernel)
-                        key = f"bv{bv}-nw4-ns3-pin"
-                        try:
-                            var[key] = bench(lambda: run_variant(fam, x, bv=bv, num_warps=4, num_stages=3,
-                                                                 p_in=True))[0]
-                        except Exception as e:  # noqa: BLE001
-                            var[key] = repr(e)[:120]
+                        time_variant(f"bv{bv}-nw4-ns3-pin", bv=bv, num_warps=4, num_stages=3, p_in=True)
                     if fam == "gdn":            # the decays written by stage 1, loaded by stage 2 (gate_in)
-                        key = f"bv{bv}-nw4-ns3-gatein"
-                        try:
-                            var[key] = bench(lambda: run_variant(fam, x, bv=bv, num_warps=4, num_stages=3,
-                                                                 gate_in=True))[0]
-                        except Exception as e:  # noqa: BLE001
-                            var[key] = repr(e)[:120]
+                        time_variant(f"bv{bv}-nw4-ns3-gatein", bv=bv, num_warps=4, num_stages=3, gate_in=True)
                 row["variants"] = var
             results.append(row)
             print(json.dumps(row), flush=True)
