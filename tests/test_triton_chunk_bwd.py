@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import chunkwise
+
 from helpers import CHUNK_OPS, DEVICE, ON_GPU, TOL, make_inputs, rel_err
 
 FAMS = ("gdn", "kda", "delta", "gla")
@@ -228,3 +230,39 @@ def test_grads_key_side_in_column_blocks(fam, monkeypatch):
     monkeypatch.setenv("CHUNKWISE_BWD_KSPLIT", "16")
     inp = make_inputs(fam, lengths=[1, 70, 30], H=1, HV=2, K=40, V=24, seed=6)
     _compare(inp, TOL[torch.float32])
+
+
+@pytest.mark.skipif(not ON_GPU, reason="2^31-element tensors: GPU only")
+def test_offsets_past_2_31():
+    """Token rows × H·K and chunk ids × HV·K·V pass 2^31 (int32 offsets would wrap): a varlen batch of
+    2^20 + 1000 tokens at 16 heads of 128, bf16. Its last sequence, which lies past element 2^31 of every
+    [T, H, K] tensor, gets the same output and gradients as the same sequence run alone."""
+    free, _ = torch.cuda.mem_get_info()
+    if free < 100e9:
+        pytest.skip(f"needs ~100 GB of free GPU memory, {free / 1e9:.0f} GB free")
+    H, K, n_long, n_last = 16, 128, 1 << 20, 1000
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
+    T = n_long + n_last
+    mk = lambda *s: torch.randn(*s, generator=gen, device=DEVICE)  # noqa: E731
+    q = mk(1, T, H, K).bfloat16()
+    k = torch.nn.functional.normalize(mk(1, T, H, K), dim=-1).bfloat16()
+    v = mk(1, T, H, K).bfloat16()
+    g = -torch.nn.functional.softplus(mk(1, T, H)) * 0.1
+    beta = torch.sigmoid(mk(1, T, H)).bfloat16()
+    do = mk(1, n_last, H, K).bfloat16()
+    cu = torch.tensor([0, n_long, T], device=DEVICE, dtype=torch.int32)
+
+    def run(xs, cu_seqlens):
+        xs = [x.detach().requires_grad_(True) for x in xs]
+        o, _ = chunkwise.chunk_gated_delta_rule(*xs, cu_seqlens=cu_seqlens, backend="triton")
+        (o[:, -n_last:].float() * do.float()).sum().backward()
+        return [o[:, -n_last:].detach().clone()] + [x.grad[:, -n_last:].clone() for x in xs]
+
+    alone_inputs = [x[:, -n_last:].clone() for x in (q, k, v, g, beta)]
+    whole = run((q, k, v, g, beta), cu)
+    del q, k, v, g, beta
+    torch.cuda.empty_cache()
+    alone = run(alone_inputs, None)
+    for name, a, b in zip(("o", "dq", "dk", "dv", "dg", "dbeta"), whole, alone):
+        assert torch.isfinite(a).all(), name
+        assert rel_err(a, b) <= 1e-3, f"{name}: {rel_err(a, b):.2e}"

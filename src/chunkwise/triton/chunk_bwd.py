@@ -55,17 +55,19 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 def _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Chunk i_t of batch row i_b -> (first token row t0 in the flat [B*T] axis, valid length L,
     global chunk id for the per-chunk state buffers)."""
+    # int64 throughout: token rows times H·K, and chunk ids times HV·K·V (the per-chunk states), pass
+    # 2^31 from B·T = 256k tokens at 32 heads of 128 (B8-T32768-H32)
     if IS_VARLEN:
-        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int32)
-        i_c = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int32)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int32)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int32)
-        i_g = i_t
+        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int64)
+        i_c = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        i_g = i_t.to(tl.int64)
     else:
-        i_c = i_t
-        bos = i_b * T
+        i_c = i_t.to(tl.int64)
+        bos = i_b.to(tl.int64) * T
         eos = bos + T
-        i_g = i_b * tl.cdiv(T, C) + i_t
+        i_g = i_b.to(tl.int64) * tl.cdiv(T, C) + i_c
     t0 = bos + i_c * C
     L = tl.minimum(eos - t0, C)
     return t0, L, i_g
@@ -74,14 +76,14 @@ def _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C: tl.constexpr, IS_VA
 @triton.jit
 def _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, C: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Sequence i_n -> (first token row, last+1, first global chunk id, number of chunks)."""
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int32)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int32)
-        boh = tl.load(chunk_offsets + i_n).to(tl.int32)
+    if IS_VARLEN:     # int64: see _chunk_bounds
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        boh = tl.load(chunk_offsets + i_n).to(tl.int64)
     else:
-        bos = i_n * T
+        bos = i_n.to(tl.int64) * T
         eos = bos + T
-        boh = i_n * tl.cdiv(T, C)
+        boh = i_n.to(tl.int64) * tl.cdiv(T, C)
     return bos, eos, boh, tl.cdiv(eos - bos, C)
 
 
