@@ -4,7 +4,10 @@ time from torch.profiler, then the per-kernel pick (the faster setting of each) 
 Prints the pick as CHUNKWISE_BWD_WARPS (the knob of triton/chunk_bwd.py's BWD_WARPS) and writes
 sweep_bwd.json to --out. Gradients of every configuration are checked finite (NaN-poisoned buffers)
 and against the 8-warp configuration's. Each setting is also timed with the key side in two 64-wide
-column blocks (CHUNKWISE_BWD_KSPLIT=64, `_bwd_grad_split_kernel`).
+column blocks (CHUNKWISE_BWD_KSPLIT=64, `_bwd_grad_split_kernel`; the pick takes the faster form), and
+with the serial state passes' products in 16-bit operands (CHUNKWISE_BWD_LOWP=1; the pick is timed
+with and without it). Their gradient error against float64 and fla: the GPU test
+`CHUNKWISE_BWD_LOWP=1 pytest tests/test_triton_chunk_bwd.py -k real_size`.
 
     python benchmarks/sweep_bwd.py --warm --fams gdn --warps 4 &    # compile, time nothing
     python benchmarks/sweep_bwd.py --out $OUT
@@ -38,9 +41,10 @@ def kernel_times(prof_rows):
     return out
 
 
-def run_config(fam, x, do, env, warm, ksplit=0):
+def run_config(fam, x, do, env, warm, ksplit=0, lowp=0):
     os.environ["CHUNKWISE_BWD_WARPS"] = env
     os.environ["CHUNKWISE_BWD_KSPLIT"] = str(ksplit)
+    os.environ["CHUNKWISE_BWD_LOWP"] = str(lowp)
     grads = leaves(x)
     f = fwd_bwd(lambda: run_ours(fam, x), do)
     os.environ["CHUNKWISE_POISON"] = "1"
@@ -81,24 +85,37 @@ def main():
             row["configs"][f"all:{w}+ksplit"] = dict(
                 fwd_bwd_ms=ms, kernels=per, finite=all(bool(torch.isfinite(t).all()) for t in got),
                 grad_rel_diff=max(((t - b).norm() / b.norm()).item() for t, b in zip(got, base)))
+            # the serial state passes with 16-bit product operands (CHUNKWISE_BWD_LOWP=1), column blocks
+            ms, per, got = run_config(fam, x, do, f"all:{w}", a.warm, ksplit=64, lowp=1)
+            row["configs"][f"all:{w}+ksplit+lowp"] = dict(
+                fwd_bwd_ms=ms, kernels=per, finite=all(bool(torch.isfinite(t).all()) for t in got),
+                grad_rel_diff=max(((t - b).norm() / b.norm()).item() for t, b in zip(got, base)))
         if not a.warm:
-            pick = {}
+            # per kernel the faster warps (the key side over both of its forms, which decides KSPLIT)
+            pick, ksplit = {}, 0
+            full = [c for c in row["configs"] if not c.endswith("+lowp")]
             for key in KERNELS.values():
-                times = {w: row["configs"][f"all:{w}"]["kernels"].get(key) for w in settings}
-                if all(t is not None for t in times.values()):
-                    pick[key] = min(times, key=times.get)
+                times = {c: row["configs"][c]["kernels"].get(key) for c in full}
+                times = {c: t for c, t in times.items() if t is not None}
+                if times:
+                    best = min(times, key=times.get)
+                    pick[key] = int(best.split(":")[1].split("+")[0])
+                    if key == "bwd_grad":
+                        ksplit = 64 if best.endswith("+ksplit") else 0
             env = ",".join(f"{k}:{w}" for k, w in pick.items())
-            ms, per, got = run_config(fam, x, do, env, False)
-            diff = max(((t - b).norm() / b.norm()).item() for t, b in zip(got, base))
-            row["configs"]["pick"] = dict(env=env, fwd_bwd_ms=ms, kernels=per,
-                                          finite=all(bool(torch.isfinite(t).all()) for t in got), grad_rel_diff=diff)
-            picks[fam] = env
+            for name, lowp in (("pick", 0), ("pick+lowp", 1)):
+                ms, per, got = run_config(fam, x, do, env, False, ksplit=ksplit, lowp=lowp)
+                diff = max(((t - b).norm() / b.norm()).item() for t, b in zip(got, base))
+                row["configs"][name] = dict(env=env, ksplit=ksplit, fwd_bwd_ms=ms, kernels=per, grad_rel_diff=diff,
+                                            finite=all(bool(torch.isfinite(t).all()) for t in got))
+            picks[fam] = f"CHUNKWISE_BWD_WARPS={env} CHUNKWISE_BWD_KSPLIT={ksplit}"
             print(json.dumps(row), flush=True)
         results.append(row)
         del x, do
         torch.cuda.empty_cache()
     os.environ.pop("CHUNKWISE_BWD_WARPS", None)
     os.environ.pop("CHUNKWISE_BWD_KSPLIT", None)
+    os.environ.pop("CHUNKWISE_BWD_LOWP", None)
     if a.warm:
         return
     for r in results:
@@ -107,7 +124,7 @@ def main():
         keys = sorted({k for v in r["configs"].values() for k in v["kernels"]})
         for k in keys:
             print(f"  {k:12s} " + "  ".join(f"{c}: {v['kernels'].get(k, float('nan')):.3f}" for c, v in r["configs"].items()))
-        print(f"  pick CHUNKWISE_BWD_WARPS={picks[r['family']]}  grad diff vs all:{settings[0]}: "
+        print(f"  pick {picks[r['family']]}  grad diff vs all:{settings[0]}: "
               f"{r['configs']['pick']['grad_rel_diff']:.1e}")
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "sweep_bwd.json"), "w") as fh:

@@ -390,8 +390,10 @@ def _wu_kernel(k, v, beta, G, Tmat, Pmat, do, W, U, dRl, cu_seqlens, chunk_indic
 @triton.jit
 def _fwd_h_step(k, v, G, W, U, h, R, b_S, i_c, bos, eos, boh, i_h, i_hk, o_v, H: tl.constexpr, HV: tl.constexpr,
                 K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-                GATE: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr):
-    """One chunk of the forward state pass: store S, R = U − W S, S ← γ S + Kendᵀ R."""
+                GATE: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr):
+    """One chunk of the forward state pass: store S, R = U − W S, S ← γ S + Kendᵀ R.
+    LOWP: the products' operands in the 16-bit input dtype (S and R cast, fp32 accumulation), as the
+    forward's serial stage does; else fp32 operands in PREC."""
     o_t = tl.arange(0, C)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
@@ -405,23 +407,25 @@ def _fwd_h_step(k, v, G, W, U, h, R, b_S, i_c, bos, eos, boh, i_h, i_hk, o_v, H:
     m_tk = m_t[:, None] & m_k[None, :]
     m_tv = m_t[:, None] & m_v[None, :]
     p_tv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
-    b_k = tl.load(k + (rows[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+    b_k = tl.load(k + (rows[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.)
+    op_dt = b_k.dtype if LOWP else tl.float32                                       # the products' operands
     if DELTA:
-        b_w = tl.load(W + (rows[:, None] * HV + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
-        b_R = tl.load(U + p_tv, mask=m_tv, other=0.).to(tl.float32) - tl.dot(b_w, b_S, input_precision=PREC)  # [C, BK] @ [BK, BV]
+        b_w = tl.load(W + (rows[:, None] * HV + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(op_dt)
+        b_R = tl.load(U + p_tv, mask=m_tv, other=0.).to(tl.float32) - \
+            tl.dot(b_w, b_S.to(op_dt), input_precision=PREC)                         # [C, BK] @ [BK, BV]
         tl.store(R + p_tv, b_R, mask=m_tv)
     else:
         b_R = tl.load(v + p_tv, mask=m_tv, other=0.).to(tl.float32)
     if GATE == 2:
         b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, True)
         _, b_ekend = _gate_factors(b_G, b_last, GATE)
-        b_k = b_k * b_ekend
+        b_k = b_k.to(tl.float32) * b_ekend
         b_S *= tl.exp(b_last)[:, None]
     elif GATE == 1:  # a scalar gate scales rows: apply it to R [C, BV] rather than K [C, BK]
         b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
         b_R = b_R * tl.exp(b_last - b_G)[:, None]
         b_S *= tl.exp(b_last)
-    b_S += tl.dot(tl.trans(b_k), b_R, input_precision=PREC)                        # [BK, C] @ [C, BV]
+    b_S += tl.dot(tl.trans(b_k.to(op_dt)), b_R.to(op_dt), input_precision=PREC)    # [BK, C] @ [C, BV]
     return b_S
 
 
@@ -430,7 +434,7 @@ def _fwd_h_kernel(k, v, G, W, U, h0, h, R, cu_seqlens, chunk_offsets, T,
                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                   BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
                   HAS_H0: tl.constexpr, TRANSPOSE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-                  LOOP_WHILE: tl.constexpr):
+                  LOOP_WHILE: tl.constexpr, LOWP: tl.constexpr = 0):
     """h: [NC, HV, K, V] fp32, the state entering each chunk; R: [B, T, HV, V] fp32 (delta only).
     h0: [N, HV, K, V] ([N, HV, V, K] if TRANSPOSE)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -453,12 +457,12 @@ def _fwd_h_kernel(k, v, G, W, U, h0, h, R, cu_seqlens, chunk_offsets, T,
         i_c = 0
         while i_c < NTs:
             b_S = _fwd_h_step(k, v, G, W, U, h, R, b_S, i_c, bos, eos, boh, i_h, i_hk, o_v, H, HV, K, V, BK, BV, C,
-                              GATE, DELTA, PREC)
+                              GATE, DELTA, PREC, LOWP)
             i_c += 1
     else:
         for i_c in range(NTs):
             b_S = _fwd_h_step(k, v, G, W, U, h, R, b_S, i_c, bos, eos, boh, i_h, i_hk, o_v, H, HV, K, V, BK, BV, C,
-                              GATE, DELTA, PREC)
+                              GATE, DELTA, PREC, LOWP)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -468,8 +472,9 @@ def _fwd_h_kernel(k, v, G, W, U, h0, h, R, cu_seqlens, chunk_offsets, T,
 @triton.jit
 def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, i_c, bos, eos, boh, i_h, i_hk, o_v, scale, H: tl.constexpr,
                  HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                 C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr):
-    """One chunk of the reverse state pass: store dS', dR = dR_local + Kend dS', dS = γ dS' + ..."""
+                 C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr):
+    """One chunk of the reverse state pass: store dS', dR = dR_local + Kend dS', dS = γ dS' + ...
+    LOWP: the products' operands in the 16-bit input dtype (see _fwd_h_step)."""
     o_t = tl.arange(0, C)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
@@ -484,15 +489,17 @@ def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, i_c, bos, eos, boh, i_h, i_h
     m_tv = m_t[:, None] & m_v[None, :]
     p_tv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
     p_tk = (rows[:, None] * H + i_hk) * K + o_k[None, :]
-    b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
-    b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
+    b_k = tl.load(k + p_tk, mask=m_tk, other=0.)
+    b_q = tl.load(q + p_tk, mask=m_tk, other=0.)
+    op_dt = b_k.dtype if LOWP else tl.float32                                       # the products' operands
     b_do = tl.load(do + p_tv, mask=m_tv, other=0.).to(tl.float32)
     if GATE == 2:
         b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, True)
         b_eG, b_ekend = _gate_factors(b_G, b_last, GATE)
-        b_k = b_k * b_ekend
-        b_q = b_q * b_eG
-    b_kdS = tl.dot(b_k, b_dS, input_precision=PREC)                                 # [C, BK] @ [BK, BV]
+        b_k = b_k.to(tl.float32) * b_ekend
+        b_q = b_q.to(tl.float32) * b_eG
+    b_k, b_q = b_k.to(op_dt), b_q.to(op_dt)
+    b_kdS = tl.dot(b_k, b_dS.to(op_dt), input_precision=PREC)                       # [C, BK] @ [BK, BV]
     if GATE == 1:   # a scalar gate scales rows: apply it to the [C, BV] side, not to [C, BK]
         b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
         b_kdS = b_kdS * tl.exp(b_last - b_G)[:, None]
@@ -503,10 +510,10 @@ def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, i_c, bos, eos, boh, i_h, i_h
         b_dS *= tl.exp(b_last)[:, None]
     elif GATE == 1:
         b_dS *= tl.exp(b_last)
-    b_dS += scale * tl.dot(tl.trans(b_q), b_do, input_precision=PREC)              # [BK, C] @ [C, BV]
+    b_dS += scale * tl.dot(tl.trans(b_q), b_do.to(op_dt), input_precision=PREC)    # [BK, C] @ [C, BV]
     if DELTA:
-        b_w = tl.load(W + (rows[:, None] * HV + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
-        b_dS -= tl.dot(tl.trans(b_w), b_dR, input_precision=PREC)                   # [BK, C] @ [C, BV]
+        b_w = tl.load(W + (rows[:, None] * HV + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(op_dt)
+        b_dS -= tl.dot(tl.trans(b_w), b_dR.to(op_dt), input_precision=PREC)         # [BK, C] @ [C, BV]
     return b_dS
 
 
@@ -515,7 +522,7 @@ def _bwd_dh_kernel(q, k, G, W, dRl, do, dht, dh, dR, dh0, cu_seqlens, chunk_offs
                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                    BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
                    HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, TRANSPOSE: tl.constexpr,
-                   IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOOP_WHILE: tl.constexpr):
+                   IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOOP_WHILE: tl.constexpr, LOWP: tl.constexpr = 0):
     """dR = dR_local + Kend dS';  dS = γ dS' + scale Qgᵀ dO − Wᵀ dR.
     dh: [NC, HV, K, V] fp32; dR: [B, T, HV, V] fp32; dht, dh0 in the state layout (dh0 fp32)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -538,12 +545,12 @@ def _bwd_dh_kernel(q, k, G, W, dRl, do, dht, dh, dR, dh0, cu_seqlens, chunk_offs
         i_c = NTs - 1
         while i_c >= 0:
             b_dS = _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, i_c, bos, eos, boh, i_h, i_hk, o_v, scale,
-                                H, HV, K, V, BK, BV, C, GATE, DELTA, PREC)
+                                H, HV, K, V, BK, BV, C, GATE, DELTA, PREC, LOWP)
             i_c -= 1
     else:
         for i_r in range(NTs):
             b_dS = _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, NTs - 1 - i_r, bos, eos, boh, i_h, i_hk, o_v, scale,
-                                H, HV, K, V, BK, BV, C, GATE, DELTA, PREC)
+                                H, HV, K, V, BK, BV, C, GATE, DELTA, PREC, LOWP)
     if HAS_H0:
         tl.store(dh0 + p0, b_dS, mask=m_kv)
 
@@ -1134,6 +1141,8 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     # loops: offline sm_90 at K = 128 the key-side kernel took 90.6 s to compile and spilled 102 KB per
     # thread (tf32x3: 15.1 s, 7.5 KB)
     prec = "tf32x3" if q.dtype == torch.float32 else "tf32"
+    # the two serial state passes with 16-bit product operands (a variant under measurement: sweep_bwd.py)
+    lowp = os.environ.get("CHUNKWISE_BWD_LOWP") == "1" and q.dtype in (torch.bfloat16, torch.float16)
     ns = _num_stages(q.dtype, BK)
     q, k, v, do = (x.contiguous() for x in (q, k, v, do))
     if do.dtype != q.dtype:
@@ -1185,13 +1194,15 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     seq = dict(cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, T=T)
     _fwd_h_kernel[grid_s](k, v, G, W, U, h0, h, R, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate,
                           DELTA=delta, HAS_H0=has_h0, TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen,
-                          PREC=prec, LOOP_WHILE=_INTERPRET, num_warps=_warps("fwd_h", gate), num_stages=ns, **seq)
+                          PREC=prec, LOOP_WHILE=_INTERPRET, LOWP=lowp, num_warps=_warps("fwd_h", gate), num_stages=ns,
+                          **seq)
     dh = buf(NC, HV, K, V, dtype=sdt)
     dR = buf(B, T, HV, V, dtype=sdt)
     dh0 = buf(*h0.shape) if has_h0 else None
     _bwd_dh_kernel[grid_s](q, k, G, W, dRl, do, dht, dh, dR, dh0, scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
                            C=C, GATE=gate, DELTA=delta, HAS_DHT=dht is not None, HAS_H0=has_h0,
-                           TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen, PREC=prec, LOOP_WHILE=_INTERPRET, num_warps=_warps("bwd_dh"), num_stages=ns, **seq)
+                           TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen, PREC=prec, LOOP_WHILE=_INTERPRET,
+                           LOWP=lowp, num_warps=_warps("bwd_dh"), num_stages=ns, **seq)
     del dRl
 
     # gradients go out in the input dtype directly unless they are summed over head groups or
