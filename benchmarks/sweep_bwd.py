@@ -5,8 +5,8 @@ Prints the pick as CHUNKWISE_BWD_WARPS (the knob of triton/chunk_bwd.py's BWD_WA
 sweep_bwd.json to --out. Gradients of every configuration are checked finite (NaN-poisoned buffers)
 and against the 8-warp configuration's. Each setting is also timed with the key side in two 64-wide
 column blocks (CHUNKWISE_BWD_KSPLIT=64, `_bwd_grad_split_kernel`; the pick takes the faster form), and
-with the serial state passes' products in 16-bit operands (CHUNKWISE_BWD_LOWP=1; the pick is timed
-with and without it). Their gradient error against float64 and fla: the GPU test
+with 16-bit product operands (CHUNKWISE_BWD_LOWP=1: the serial state passes, 2: also the W / U
+recompute; the pick is timed at 0, 1 and 2). Their gradient error against float64 and fla: the GPU test
 `CHUNKWISE_BWD_LOWP=1 pytest tests/test_triton_chunk_bwd.py -k real_size`.
 
     python benchmarks/sweep_bwd.py --warm --fams gdn --warps 4 &    # compile, time nothing
@@ -85,15 +85,15 @@ def main():
             row["configs"][f"all:{w}+ksplit"] = dict(
                 fwd_bwd_ms=ms, kernels=per, finite=all(bool(torch.isfinite(t).all()) for t in got),
                 grad_rel_diff=max(((t - b).norm() / b.norm()).item() for t, b in zip(got, base)))
-            # the serial state passes with 16-bit product operands (CHUNKWISE_BWD_LOWP=1), column blocks
-            ms, per, got = run_config(fam, x, do, f"all:{w}", a.warm, ksplit=64, lowp=1)
-            row["configs"][f"all:{w}+ksplit+lowp"] = dict(
+            # 16-bit product operands in the serial state passes and the W / U recompute (CHUNKWISE_BWD_LOWP=2)
+            ms, per, got = run_config(fam, x, do, f"all:{w}", a.warm, ksplit=64, lowp=2)
+            row["configs"][f"all:{w}+ksplit+lowp2"] = dict(
                 fwd_bwd_ms=ms, kernels=per, finite=all(bool(torch.isfinite(t).all()) for t in got),
                 grad_rel_diff=max(((t - b).norm() / b.norm()).item() for t, b in zip(got, base)))
         if not a.warm:
             # per kernel the faster warps (the key side over both of its forms, which decides KSPLIT)
             pick, ksplit = {}, 0
-            full = [c for c in row["configs"] if not c.endswith("+lowp")]
+            full = [c for c in row["configs"] if "+lowp" not in c]
             for key in KERNELS.values():
                 times = {c: row["configs"][c]["kernels"].get(key) for c in full}
                 times = {c: t for c, t in times.items() if t is not None}
@@ -103,7 +103,7 @@ def main():
                     if key == "bwd_grad":
                         ksplit = 64 if best.endswith("+ksplit") else 0
             env = ",".join(f"{k}:{w}" for k, w in pick.items())
-            for name, lowp in (("pick", 0), ("pick+lowp", 1)):
+            for name, lowp in (("pick", 0), ("pick+lowp1", 1), ("pick+lowp2", 2)):
                 ms, per, got = run_config(fam, x, do, env, False, ksplit=ksplit, lowp=lowp)
                 diff = max(((t - b).norm() / b.norm()).item() for t, b in zip(got, base))
                 row["configs"][name] = dict(env=env, ksplit=ksplit, fwd_bwd_ms=ms, kernels=per, grad_rel_diff=diff,

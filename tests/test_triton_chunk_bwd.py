@@ -268,10 +268,12 @@ def test_offsets_past_2_31():
         assert rel_err(a, b) <= 1e-3, f"{name}: {rel_err(a, b):.2e}"
 
 
+@pytest.mark.parametrize("level", [1, 2])
 @pytest.mark.parametrize("fam", FAMS)
-def test_grads_serial_passes_in_16_bit(fam, monkeypatch):
-    """The variant with the two serial state passes' product operands in the 16-bit input dtype
-    (CHUNKWISE_BWD_LOWP=1): fp16 gradients of every input within the fp16 tolerance, varlen and grouped heads."""
-    monkeypatch.setenv("CHUNKWISE_BWD_LOWP", "1")
+def test_grads_16_bit_products(fam, level, monkeypatch):
+    """The variants with 16-bit product operands (CHUNKWISE_BWD_LOWP=1: the two serial state passes;
+    2: also the W / U / dR_local recompute): fp16 gradients of every input within the fp16 tolerance,
+    varlen and grouped heads."""
+    monkeypatch.setenv("CHUNKWISE_BWD_LOWP", str(level))
     inp = make_inputs(fam, lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, seed=8)
     _compare(inp, TOL[torch.float16], dtype=torch.float16)

@@ -346,8 +346,10 @@ def _gate_factors(b_G, b_last, GATE: tl.constexpr):
 def _wu_kernel(k, v, beta, G, Tmat, Pmat, do, W, U, dRl, cu_seqlens, chunk_indices, T, scale,
                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
-               IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
-    """W: [B, T, HV, K], U, dRl: [B, T, HV, V], all fp32."""
+               IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr = 0):
+    """W: [B, T, HV, K], U, dRl: [B, T, HV, V] (16-bit storage for 16-bit inputs). LOWP: the products'
+    operands (T, P, β e^G K, β V, dO) in the 16-bit input dtype, fp32 accumulation: W and U as the
+    forward's stage 1 forms them with its bf16 W/U products."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
     i_hk = i_h // (HV // H)
@@ -359,9 +361,10 @@ def _wu_kernel(k, v, beta, G, Tmat, Pmat, do, W, U, dRl, cu_seqlens, chunk_indic
     rows = (t0 + o_t).to(tl.int64)
     m_cc = m_t[:, None] & m_t[None, :] & (o_t[:, None] >= o_t[None, :])
     p_cc = (rows[:, None] * HV + i_h) * C + o_t[None, :]
-    b_P = tl.load(Pmat + p_cc, mask=m_cc, other=0.)
+    op_dt = k.dtype.element_ty if LOWP else tl.float32                             # the products' operands
+    b_P = tl.load(Pmat + p_cc, mask=m_cc, other=0.).to(op_dt)
     if DELTA:
-        b_T = tl.load(Tmat + p_cc, mask=m_cc, other=0.)
+        b_T = tl.load(Tmat + p_cc, mask=m_cc, other=0.).to(op_dt)
         b_beta = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.).to(tl.float32)
         m_tk = m_t[:, None] & m_k[None, :]
         b_x = tl.load(k + (rows[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
@@ -370,17 +373,17 @@ def _wu_kernel(k, v, beta, G, Tmat, Pmat, do, W, U, dRl, cu_seqlens, chunk_indic
             b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, GATE == 2)
             b_eG, _ = _gate_factors(b_G, b_last, GATE)
             b_x = b_x * b_eG
-        b_w = tl.dot(b_T, b_x, input_precision=PREC)                                   # [C, C] @ [C, BK]
+        b_w = tl.dot(b_T, b_x.to(op_dt), input_precision=PREC)                         # [C, C] @ [C, BK]
         tl.store(W + (rows[:, None] * HV + i_h) * K + o_k[None, :], b_w, mask=m_tk)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         p_tv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
-        b_do = tl.load(do + p_tv, mask=m_tv, other=0.).to(tl.float32)
+        b_do = tl.load(do + p_tv, mask=m_tv, other=0.).to(op_dt)
         tl.store(dRl + p_tv, scale * tl.dot(tl.trans(b_P), b_do, input_precision=PREC), mask=m_tv)  # [C, C] @ [C, BV]
         if DELTA:
             b_y = tl.load(v + p_tv, mask=m_tv, other=0.).to(tl.float32) * b_beta[:, None]
-            tl.store(U + p_tv, tl.dot(b_T, b_y, input_precision=PREC), mask=m_tv)     # [C, C] @ [C, BV]
+            tl.store(U + p_tv, tl.dot(b_T, b_y.to(op_dt), input_precision=PREC), mask=m_tv)   # [C, C] @ [C, BV]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1141,8 +1144,10 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     # loops: offline sm_90 at K = 128 the key-side kernel took 90.6 s to compile and spilled 102 KB per
     # thread (tf32x3: 15.1 s, 7.5 KB)
     prec = "tf32x3" if q.dtype == torch.float32 else "tf32"
-    # the two serial state passes with 16-bit product operands (a variant under measurement: sweep_bwd.py)
-    lowp = os.environ.get("CHUNKWISE_BWD_LOWP") == "1" and q.dtype in (torch.bfloat16, torch.float16)
+    # variants under measurement (sweep_bwd.py), 16-bit inputs only: CHUNKWISE_BWD_LOWP=1 runs the two serial
+    # state passes with 16-bit product operands, 2 also the W / U / dR_local recompute
+    level = int(os.environ.get("CHUNKWISE_BWD_LOWP", "0")) if q.dtype in (torch.bfloat16, torch.float16) else 0
+    lowp, lowp_wu = level >= 1, level >= 2
     ns = _num_stages(q.dtype, BK)
     q, k, v, do = (x.contiguous() for x in (q, k, v, do))
     if do.dtype != q.dtype:
@@ -1186,7 +1191,8 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         W, U = buf(B, T, HV, K, dtype=sdt), buf(B, T, HV, V, dtype=sdt)
     dRl = buf(B, T, HV, V, dtype=sdt)
     _wu_kernel[grid_c](k, v, beta, G, Tmat, Pmat, do, W, U, dRl, scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
-                       C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec, num_warps=_warps("wu"), num_stages=ns, **common)
+                       C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_wu, num_warps=_warps("wu"),
+                       num_stages=ns, **common)
 
     h = buf(NC, HV, K, V, dtype=sdt)
     if delta:
