@@ -44,20 +44,6 @@ def _exp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype).exp()
 
 
-def _pairwise_scalar(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, diagonal: bool) -> torch.Tensor:
-    """M_ij = ⟨a_i, b_j⟩ · exp(G_i − G_j) for j ≤ i (j < i when not ``diagonal``), else 0.
-
-    a, b: [..., C, K]; G: [..., C] or None (no decay). Returns [..., C, C].
-    """
-    C = a.shape[-2]
-    keep = torch.ones(C, C, dtype=torch.bool, device=a.device).tril(0 if diagonal else -1)
-    ab = a @ b.transpose(-1, -2)                                        # [.., C, K] @ [.., K, C]
-    if G is None:
-        return ab.masked_fill(~keep, 0)
-    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~keep, float("-inf")).to(ab.dtype).exp()
-    return ab * decay
-
-
 def _pairwise_channel(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, diagonal: bool) -> torch.Tensor:
     """M_ij = Σ_c a_ic b_jc exp(G_ic − G_jc) for j ≤ i (j < i when not ``diagonal``), else 0.
 
@@ -169,8 +155,9 @@ def _chunk_forward(
     block's chunks in one batch of [nb·B·HV, C, ·] tensors: P, A, T = (I + A)⁻¹ diag(β), Q e^G, K e^G,
     K e^{G_last − G}. Then over the block's chunks, the state hand-over: five products per chunk
     (R = T diag(β) (V − (e^G K) S): W and U are never formed; forming them ahead, one product fewer in
-    the loop but C²K more multiply-adds per chunk, measured 115 vs 108 ms). Every intermediate is a block's (~1 MB at HV = 8, C = 64, K = V = 128, fp32),
-    so it stays in cache and is reused by the allocator; materialising them for the whole sequence
+    the loop but C²K more multiply-adds per chunk, measured 115 vs 108 ms). Every intermediate is a
+    block's (~1 MB at HV = 8, 256 tokens, K = V = 128, fp32), so it stays in cache and is reused by
+    the allocator; materialising them for the whole sequence
     ([B, HV, T/C, C, ·], tens of MB each) made the CPU backend memory- and page-fault-bound (3-10x
     slower at T = 4096). Batching the chunks of a block cuts the Python calls per token, which is what
     limits two threads sharing the GIL (benchmarks/bench_cpu.py; README, CPU performance).
