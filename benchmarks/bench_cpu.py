@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     p.add_argument("--T", type=int, default=4096)
     p.add_argument("--H", type=int, default=16, help="q/k heads = value heads")
     p.add_argument("--K", type=int, default=128, help="head dim K = V")
-    p.add_argument("--reps", type=int, default=5, help="timed calls of each function (median)")
+    p.add_argument("--reps", type=int, default=9, help="timed calls of each function (median)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
