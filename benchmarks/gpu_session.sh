@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device calls that test and time everything on the GPU (H200); logs packed into $OUT/run.tgz.
-# Usage (device tool, carry .whl for fla):
+# Usage (device tool, carry .whl for fla and .triton_sm90 for kernels built by benchmarks/warm_cache.py):
 #   GIT_COMMIT=<sha> bash benchmarks/gpu_session.sh [fwd] [tests] [bwd]      (default: fwd tests; <= 9.6 min)
 #   env: TESTS_T / TRAIN_T step timeouts (s), NPROC xdist workers, SKIP_TRAIN=1 skips the MQAR example
 #   fwd:   stage-1 sweep (picks CHUNKWISE_PREP_CONFIG), forward benchmark vs fla
@@ -18,6 +18,11 @@ trap 'tar czf "$FINAL/run.tgz" -C "$LOG" . ; cp "$LOG"/*.png "$LOG"/*.json "$FIN
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD/src:$PWD/benchmarks:${PYTHONPATH:-} || exit 1
 export PYTHONUNBUFFERED=1 CHUNKWISE_FAILLOG=$OUT/failures.txt
+# kernels compiled for sm_90 off the device (benchmarks/warm_cache.py; carry .triton_sm90): cache hits skip compiling
+if [ -s .triton_sm90/cache.tgz ]; then
+  tar xzf .triton_sm90/cache.tgz -C /tmp && export TRITON_CACHE_DIR=/tmp/triton_cache_sm90 \
+    && echo "prebuilt triton cache: $(ls /tmp/triton_cache_sm90 | wc -l) kernels"
+fi
 nvidia-smi -L; python3 -c "import torch, triton, fla; print(torch.__version__, triton.__version__, fla.__version__)"
 step() { local t=$1; shift; local name=$1; shift; local s=$(date +%s)
   timeout "$t" "$@" > "$OUT/$name.log" 2>&1; local rc=$?

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-if not torch.cuda.is_available():
+if not torch.cuda.is_available() and os.environ.get("CHUNKWISE_WARM_SM90") != "1":   # (warm: benchmarks/warm_cache.py)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 

@@ -13,8 +13,10 @@ import chunkwise
 from chunkwise.api import DELTA, GDN, GLA, KDA, gate_from_projections  # noqa: F401
 from chunkwise.reference.recurrent import recurrent_forward
 
-ON_GPU = torch.cuda.is_available()
-DEVICE = "cuda" if ON_GPU else "cpu"
+# CHUNKWISE_WARM_SM90=1 (benchmarks/warm_cache.py): the GPU tests' sizes on CPU tensors, their kernels
+# compiled for sm_90 without running, to build Triton's cache off the device
+ON_GPU = torch.cuda.is_available() or os.environ.get("CHUNKWISE_WARM_SM90") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 FAMILIES = {"gdn": GDN, "kda": KDA, "delta": DELTA, "gla": GLA}

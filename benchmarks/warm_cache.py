@@ -1,0 +1,102 @@
+"""Build Triton's kernel cache for the H200 on a machine without a GPU, so that a device call spends its
+minutes testing and timing rather than compiling (the GPU test runs of 2026-11-30 were compile-bound).
+
+Triton is shown a stand-in driver whose target is sm_90 and every kernel launch becomes a warm-up: the
+kernel is compiled (with the ptxas that ships with triton) and written to TRITON_CACHE_DIR, nothing
+runs. Then the chosen GPU tests run on CPU tensors at their GPU sizes (tests/helpers.py reads
+CHUNKWISE_WARM_SM90=1 as "GPU sizes, CPU tensors"): every launch they make is compiled with the same
+arguments, hence the same specialisation and cache key as on the device. Their assertions fail (the
+outputs are never computed): only the cache is kept. Intermediate IR files are dropped (the cubin and
+the metadata are what a cache hit loads) and the cache is packed for the device tool's `carry`.
+
+    python benchmarks/warm_cache.py                       # the `verify` selection -> .triton_sm90/cache.tgz
+    python benchmarks/warm_cache.py -k "real_size" tests/test_triton_chunk_bwd.py
+
+On the device, `benchmarks/gpu_session.sh` unpacks it to the same absolute path (Triton's cache index
+stores absolute paths) and points TRITON_CACHE_DIR there. A kernel whose key differs (other code,
+triton build or arguments) is compiled there as usual. The cache is only valid for the commit it was
+built from: rebuild after any kernel change.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tarfile
+import time
+
+CACHE = "/tmp/triton_cache_sm90"     # the same absolute path on the device (gpu_session.sh)
+VERIFY = ["tests/test_triton_chunk_fwd.py", "tests/test_triton_chunk_bwd.py",
+          "-k", "real_size or hopper or unaligned or offsets_past"]
+
+
+def install_sm90():
+    """Make Triton compile for an H200 and launch nothing."""
+    import torch
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    class Sm90:
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+        def get_benchmarker(self):
+            raise RuntimeError("warm_cache: nothing runs here")
+
+    driver.set_active(Sm90())
+    launch = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        return launch(self, *args, grid=grid, warmup=True, **kwargs)
+
+    JITFunction.run = compile_only
+
+
+def prune(cache: str) -> tuple[int, int]:
+    """Keep what a cache hit reads (the group index, metadata json, cubin). Returns (kernels, bytes)."""
+    kernels = size = 0
+    for root, _, files in os.walk(cache):
+        for f in files:
+            path = os.path.join(root, f)
+            if f.startswith("__grp__") or f.endswith((".json", ".cubin")):
+                kernels += f.endswith(".cubin")
+                size += os.path.getsize(path)
+            else:
+                os.remove(path)
+    return kernels, size
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=".triton_sm90/cache.tgz", help="the packed cache (git-ignored; carry it)")
+    ap.add_argument("pytest_args", nargs="*", help=f"tests to warm (default: {' '.join(VERIFY)})")
+    a, rest = ap.parse_known_args()
+    a.pytest_args += rest
+    os.environ["TRITON_CACHE_DIR"] = CACHE
+    os.environ["CHUNKWISE_WARM_SM90"] = "1"
+    os.environ.pop("TRITON_INTERPRET", None)
+    install_sm90()
+    import pytest
+    t0 = time.time()
+    pytest.main(["-q", "-p", "no:cacheprovider", "-o", "addopts=", "--tb=no", "-p", "no:randomly"]
+                + (a.pytest_args or VERIFY))
+    kernels, size = prune(CACHE)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with tarfile.open(a.out, "w:gz") as tar:
+        tar.add(CACHE, arcname=os.path.basename(CACHE))
+    print(f"warm_cache: {kernels} kernels, {size / 1e6:.1f} MB in {CACHE}, packed to {a.out} "
+          f"({os.path.getsize(a.out) / 1e6:.1f} MB) in {time.time() - t0:.0f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
