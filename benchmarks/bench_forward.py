@@ -47,7 +47,8 @@ def shapes(div=1):
     ]
 
 
-def make(fam, s, K=128, V=128, dtype=torch.bfloat16, dev="cuda"):
+def make(fam, s, K=128, V=128, dtype=torch.bfloat16, dev=None):
+    dev = dev or os.environ.get("CHUNKWISE_BENCH_DEVICE", "cuda")     # cpu: benchmarks/warm_cache.py --bench
     B, T, H, HV = s["B"], s["T"], s["H"], s["HV"]
     q = torch.randn(B, T, H, K, device=dev, dtype=dtype)
     k = F.normalize(torch.randn(B, T, H, K, device=dev, dtype=torch.float32), dim=-1).to(dtype)
@@ -199,10 +200,10 @@ def main():
             commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
         except Exception:  # noqa: BLE001
             commit = None
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                fla=version("fla"), commit=commit, dirty=os.environ.get("GIT_DIRTY"), dtype="bfloat16", K=128, V=128)
     if a.warm:
         return
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                fla=version("fla"), commit=commit, dirty=os.environ.get("GIT_DIRTY"), dtype="bfloat16", K=128, V=128)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "bench_forward.json"), "w") as fh:
         json.dump(dict(meta=meta, results=results), fh, indent=1)

@@ -11,6 +11,10 @@ the metadata are what a cache hit loads) and the cache is packed for the device 
 
     python benchmarks/warm_cache.py                       # the `verify` selection -> .triton_sm90/cache.tgz
     python benchmarks/warm_cache.py -k "real_size" tests/test_triton_chunk_bwd.py
+    python benchmarks/warm_cache.py --bench               # also the benchmarks' and sweeps' --warm launches
+
+``--bench`` runs the warm-up mode of bench_forward (with --variants), sweep_stage1 and sweep_bwd on CPU
+tensors (CHUNKWISE_BENCH_DEVICE=cpu), without fla (fla's kernels autotune on the device).
 
 On the device, `benchmarks/gpu_session.sh` unpacks it to the same absolute path (Triton's cache index
 stores absolute paths) and points TRITON_CACHE_DIR there. A kernel whose key differs (other code,
@@ -62,6 +66,24 @@ def install_sm90():
     JITFunction.run = compile_only
 
 
+def warm_benchmarks():
+    """The --warm passes of the benchmark scripts, on CPU tensors, fla hidden."""
+    import importlib
+    os.environ["CHUNKWISE_BENCH_DEVICE"] = "cpu"
+    sys.modules["fla"] = None                      # import fla -> ImportError: the scripts skip it
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    for script, argv in (("bench_forward", ["--warm", "--variants"]), ("sweep_stage1", ["--warm"]),
+                         ("sweep_bwd", ["--warm", "--warps", "4,8"])):
+        t = time.time()
+        sys.argv = [script] + argv
+        try:
+            importlib.import_module(script).main()
+            status = "ok"
+        except Exception as e:  # noqa: BLE001  (a failure after its launches still leaves them compiled)
+            status = f"stopped: {e!r}"[:200]
+        print(f"warm_cache: {script} {' '.join(argv)}: {status} ({time.time() - t:.0f} s)", file=sys.stderr)
+
+
 def prune(cache: str) -> tuple[int, int]:
     """Keep what a cache hit reads (the group index, metadata json, cubin). Returns (kernels, bytes)."""
     kernels = size = 0
@@ -79,6 +101,8 @@ def prune(cache: str) -> tuple[int, int]:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=".triton_sm90/cache.tgz", help="the packed cache (git-ignored; carry it)")
+    ap.add_argument("--bench", action="store_true", help="also the benchmarks' and sweeps' warm-up launches")
+    ap.add_argument("--no-tests", action="store_true", help="no tests (with --bench: the benchmarks only)")
     ap.add_argument("pytest_args", nargs="*", help=f"tests to warm (default: {' '.join(VERIFY)})")
     a, rest = ap.parse_known_args()
     a.pytest_args += rest
@@ -86,10 +110,13 @@ def main():
     os.environ["CHUNKWISE_WARM_SM90"] = "1"
     os.environ.pop("TRITON_INTERPRET", None)
     install_sm90()
-    import pytest
     t0 = time.time()
-    pytest.main(["-q", "-p", "no:cacheprovider", "-o", "addopts=", "--tb=no", "-p", "no:randomly"]
-                + (a.pytest_args or VERIFY))
+    if not a.no_tests:
+        import pytest
+        pytest.main(["-q", "-p", "no:cacheprovider", "-o", "addopts=", "--tb=no", "-p", "no:randomly"]
+                    + (a.pytest_args or VERIFY))
+    if a.bench:
+        warm_benchmarks()
     kernels, size = prune(CACHE)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with tarfile.open(a.out, "w:gz") as tar:
