@@ -22,14 +22,10 @@ GATES = {"delta": 0, "gdn": 1, "kda": 2, "gla": 1}
 # per kernel: pointer arguments -> dtype ("in": the input dtype, "s": 16-bit storage, "g": gradient dtype),
 # then its scalar arguments and its constexprs (beyond the common ones)
 KERNELS = {
-    "bwd_grad": ("_bwd_grad_kernel",
+    "bwd_grad": ("_bwd_grad_kernel",          # the key side in 64-wide column blocks (the default)
                  dict(q="in", k="in", v="in", beta="in", G="fp32", Tmat="fp32", Pmat="fp32", Amat="fp32", h="s",
                       dh="s", R="s", dR="s", do="in", dq="g", dk="g", dbeta="fp32", dG="fp32"),
-                 dict(T="i32", scale="fp32"), dict(BC=cb.SUB)),
-    "bwd_grad_split": ("_bwd_grad_split_kernel",
-                       dict(q="in", k="in", v="in", beta="in", G="fp32", Tmat="fp32", Pmat="fp32", Amat="fp32", h="s",
-                            dh="s", R="s", dR="s", do="in", dq="g", dk="g", dbeta="fp32", dG="fp32"),
-                       dict(T="i32", scale="fp32"), dict(BC=cb.SUB, BKH=64)),
+                 dict(T="i32", scale="fp32"), dict(BC=cb.SUB, BKH=64)),
     "bwd_dv": ("_bwd_dv_kernel",
                dict(q="in", k="in", v="in", beta="in", G="fp32", Tmat="fp32", h="s", R="s", dR="s", do="in",
                     Pmat="fp32", Amat="fp32", dq="g", dv="in", dbeta="fp32", dG="fp32"),

@@ -4,7 +4,7 @@ time from torch.profiler, then the per-kernel pick (the faster setting of each) 
 Prints the pick as CHUNKWISE_BWD_WARPS (the knob of triton/chunk_bwd.py's BWD_WARPS) and writes
 sweep_bwd.json to --out. Gradients of every configuration are checked finite (NaN-poisoned buffers)
 and against the 8-warp configuration's. Each setting is also timed with the key side in two 64-wide
-column blocks (CHUNKWISE_BWD_KSPLIT=64, `_bwd_grad_split_kernel`; the pick takes the faster form), and
+column blocks (CHUNKWISE_BWD_KSPLIT=64; 0 is one block of K; the pick takes the faster form), and
 with 16-bit product operands (CHUNKWISE_BWD_LOWP=1: the serial state passes, 2: also the W / U
 recompute; the pick is timed at 0, 1 and 2). Their gradient error against float64 and fla: the GPU test
 `CHUNKWISE_BWD_LOWP=1 pytest tests/test_triton_chunk_bwd.py -k real_size`.
@@ -28,7 +28,7 @@ from bench_train import bench, fwd_bwd, leaves, profile  # noqa: E402
 # profiler names of the backward kernels -> BWD_WARPS keys
 KERNELS = {"_gate_cumsum_kernel": "gate_cumsum", "_intra_kernel": "intra", "_intra_diag_kernel": "intra_diag",
            "_solve_kernel": "solve", "_wu_kernel": "wu", "_fwd_h_kernel": "fwd_h", "_bwd_dh_kernel": "bwd_dh",
-           "_bwd_dv_kernel": "bwd_dv", "_bwd_grad_kernel": "bwd_grad", "_bwd_grad_split_kernel": "bwd_grad",
+           "_bwd_dv_kernel": "bwd_dv", "_bwd_grad_kernel": "bwd_grad",
            "_bwd_diag_kernel": "bwd_diag"}
 
 
@@ -80,7 +80,7 @@ def main():
             diff = None if base is None else max(((t - b).norm() / b.norm()).item() for t, b in zip(got, base))
             base = base or got
             row["configs"][f"all:{w}"] = dict(fwd_bwd_ms=ms, kernels=per, finite=finite, grad_rel_diff=diff)
-            # the key side in two 64-wide column blocks (_bwd_grad_split_kernel), same warps
+            # the key side in two 64-wide column blocks (the other configurations: one block), same warps
             ms, per, got = run_config(fam, x, do, f"all:{w}", a.warm, ksplit=64)
             row["configs"][f"all:{w}+ksplit"] = dict(
                 fwd_bwd_ms=ms, kernels=per, finite=all(bool(torch.isfinite(t).all()) for t in got),

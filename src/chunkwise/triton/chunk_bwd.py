@@ -42,7 +42,7 @@ from .align import cut_state, pad_last, pad_state, padded_dims
 
 CHUNK = 64
 SUB = 16
-MAX_K = 128   # the key-side gradient kernel needs 224 KB of shared memory at K = 128 (sm_90: 227 KB)
+MAX_K = 128   # the backward's kernels are built and measured up to K = 128 (sm_90 shared memory: 227 KB)
 GATE_FLOOR = 40.0
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -695,158 +695,19 @@ def _pairwise_grads_channel(b_dP, b_dPt, b_dA, b_dAt, b_q, b_k, b_kb, b_G, C: tl
 
 @triton.jit
 def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, dk, dbeta, dG,
-                     cu_seqlens, chunk_indices, T, scale,
-                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, GATE: tl.constexpr,
-                     DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
-    """The key side, after _bwd_dv_kernel (which left dP in Pmat, dT_v in Amat, the value part of dβ):
-    dq, dk: [B, T, HV, K] (per value head); dbeta: [B, T, HV] fp32 (completed);
-    dG: [B, T, HV(, K)] fp32 -- for scalar gates already the reverse cumsum (dg); per channel the
-    gradient of G without the diagonal blocks (finished by _bwd_diag_kernel, which reads dA, dP
-    from Amat, Pmat)."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // HV, i_bh % HV
-    i_hk = i_h // (HV // H)
-    t0, L, i_g = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
-    o_t = tl.arange(0, C)
-    o_k = tl.arange(0, BK)
-    m_t = o_t < L
-    m_k = o_k < K
-    rows = (t0 + o_t).to(tl.int64)
-    m_tk = m_t[:, None] & m_k[None, :]
-    p_tk = (rows[:, None] * H + i_hk) * K + o_k[None, :]
-    p_hk = (rows[:, None] * HV + i_h) * K + o_k[None, :]
-    i_ge_j = o_t[:, None] >= o_t[None, :]
-    m_cc = m_t[:, None] & m_t[None, :]
-    p_cc = (rows[:, None] * HV + i_h) * C + o_t[None, :]
-    p_ccT = (rows[None, :] * HV + i_h) * C + o_t[:, None]                                # element [j, i] of row i
-    p_h = (i_g * HV + i_h).to(tl.int64) * K * V
-    b_dw, b_dkend, b_dgam = _key_side_vloop(h, dh, R, dR, v, p_h, rows, i_h, o_k, m_k, m_t, HV, V, C, BK, BV, DELTA,
-                                            PREC)
-    if GATE == 2:
-        b_dP = tl.load(Pmat + p_cc, mask=m_cc & i_ge_j, other=0.)                          # dP [C, C]
-    if DELTA:
-        b_beta = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.).to(tl.float32)
-        b_db = tl.load(dbeta + rows * HV + i_h, mask=m_t, other=0.)
-        b_dTv = tl.load(Amat + p_cc, mask=m_cc, other=0.)
-    else:
-        b_beta = tl.zeros([C], dtype=tl.float32)
-        b_db = tl.zeros([C], dtype=tl.float32)
-    if GATE != 2:   # (per channel q is loaded late: fewer live registers there, more here)
-        b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
-    b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
-    m_ccT = m_t[:, None] & m_t[None, :]
-    # Gradients of G are kept as a [C, BK] matrix per channel, as row sums [C] for a scalar gate
-    # (fewer live registers). The transposed dP, dA are read back from memory rather than taken
-    # with tl.trans of a dot accumulator: that pattern is what triton 3.4-3.7.0 miscompiles on
-    # Hopper (fla issue #640), and the round trip costs 2 x 16 KB per chunk.
-
-    # dq: the value-side kernel left scale (dO Sᵀ) ⊙ e^G (+ the P part for scalar / no gates, then
-    # dq is final and dG holds the row sums of q ⊙ dq)
-    if GATE > 0:
-        b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, GATE == 2)
-        b_eG, b_ekend = _gate_factors(b_G, b_last, GATE)
-    if GATE == 2:
-        b_dGm = tl.zeros([C, BK], dtype=tl.float32)
-    else:
-        if GATE == 1:
-            b_gam = tl.exp(tl.where(i_ge_j, b_G[:, None] - b_G[None, :], float("-inf")))
-            b_dGr = tl.load(dG + rows * HV + i_h, mask=m_t, other=0.)
-
-    # dk through Kend = K e^{G_last − G}; γ = e^{G_last}
-    if GATE > 0:
-        b_dk = b_dkend * b_ekend
-    else:
-        b_dk = b_dkend
-    if GATE == 2:
-        b_dGm -= b_k * b_dk
-        b_dlast = tl.sum(b_k * b_dk, axis=0) + tl.exp(b_last) * b_dgam                   # [BK]
-    elif GATE == 1:
-        b_kdk = tl.sum(b_k * b_dk, axis=1)
-        b_dGr -= b_kdk
-        b_dlast = tl.sum(b_kdk, axis=0) + tl.exp(b_last) * tl.sum(b_dgam, axis=0)
-
-    # through W = T X (X = β e^G K), U = T Y
-    b_kb = b_k * b_beta[:, None]
-    if DELTA:
-        b_T = tl.load(Tmat + p_cc, mask=m_cc & i_ge_j, other=0.)
-        if GATE > 0:
-            b_ke = b_k * b_eG
-        else:
-            b_ke = b_k
-        b_x = b_ke * b_beta[:, None]
-        b_dx = tl.dot(tl.trans(b_T), b_dw, input_precision=PREC)                         # [C, C] @ [C, BK]
-        b_dT = b_dTv + tl.dot(b_dw, tl.trans(b_x), input_precision=PREC)                 # [C, BK] @ [BK, C]
-        b_dA = tl.dot(tl.dot(tl.trans(b_T), b_dT, input_precision=PREC), tl.trans(b_T), input_precision=PREC)  # [C, C] @ [C, C] @ [C, C]
-        b_dA = tl.where(m_cc & (o_t[:, None] > o_t[None, :]), -b_dA, 0.)
-        if GATE > 0:
-            b_dk += b_beta[:, None] * b_eG * b_dx
-        else:
-            b_dk += b_beta[:, None] * b_dx
-        b_db += tl.sum(b_ke * b_dx, axis=1)
-        if GATE == 2:
-            b_dGm += b_x * b_dx
-        elif GATE == 1:
-            b_dGr += tl.sum(b_x * b_dx, axis=1)
-
-    # through the pairwise products P (q, k) and A (βk, k)
-    b_dkb = tl.zeros([C, BK], dtype=tl.float32)
-    if GATE == 2:
-        b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
-        if DELTA:
-            tl.debug_barrier()      # every thread has read dT_v from Amat
-            tl.store(Amat + p_cc, b_dA, mask=m_cc)
-            tl.debug_barrier()
-        b_dPt = tl.load(Pmat + p_ccT, mask=m_ccT, other=0.)                                # dPᵀ [C, C]
-        if DELTA:
-            b_dAt = tl.load(Amat + p_ccT, mask=m_ccT, other=0.)                            # dAᵀ [C, C]
-        b_dqp, b_dkp, b_dkb = _pairwise_grads_channel(b_dP, b_dPt, b_dA if DELTA else b_dP, b_dAt if DELTA else b_dPt,
-                                                      b_q, b_k, b_kb, b_G, C, BC, DELTA, PREC)
-        b_dq = tl.load(dq + p_hk, mask=m_tk, other=0.) + b_dqp
-        b_dGm += b_q * b_dq + b_kb * b_dkb - b_k * b_dkp
-        tl.store(dq + p_hk, b_dq, mask=m_tk)
-    else:
-        if DELTA:
-            if GATE == 1:
-                b_dAg = b_dA * b_gam
-            else:
-                b_dAg = b_dA
-            tl.debug_barrier()      # every thread has read dT_v from Amat
-            tl.store(Amat + p_cc, b_dAg, mask=m_cc)
-            tl.debug_barrier()
-        b_dPgt = tl.load(Pmat + p_ccT, mask=m_ccT & (o_t[None, :] >= o_t[:, None]), other=0.)    # dPᵀ [C, C]
-        if GATE == 1:
-            b_dPgt *= tl.exp(tl.where(o_t[None, :] >= o_t[:, None], b_G[None, :] - b_G[:, None], float("-inf")))
-        b_dkp = tl.dot(b_dPgt, b_q, input_precision=PREC)                                 # [C, C] @ [C, BK]
-        if DELTA:
-            b_dkb = tl.dot(b_dAg, b_k, input_precision=PREC)                              # [C, C] @ [C, BK]
-            b_dkp += tl.dot(tl.load(Amat + p_ccT, mask=m_ccT, other=0.), b_kb, input_precision=PREC)  # [C, C] @ [C, BK]
-        if GATE == 1:
-            b_dGr += tl.sum(b_kb * b_dkb - b_k * b_dkp, axis=1)
-    b_dk += b_dkp + b_beta[:, None] * b_dkb
-    b_db += tl.sum(b_k * b_dkb, axis=1)
-
-    tl.store(dk + p_hk, b_dk, mask=m_tk)
-    if DELTA:
-        tl.store(dbeta + rows * HV + i_h, b_db, mask=m_t)
-    if GATE == 2:
-        b_dGm += tl.where((o_t == L - 1)[:, None], b_dlast[None, :], 0.)
-        tl.store(dG + p_hk, b_dGm, mask=m_tk)
-    elif GATE == 1:
-        b_dG = b_dGr + tl.where(o_t == L - 1, b_dlast, 0.)
-        b_dg = tl.sum(b_dG, axis=0) - tl.cumsum(b_dG, axis=0) + b_dG                       # reverse cumsum
-        tl.store(dG + rows * HV + i_h, b_dg, mask=m_t)
-
-
-@triton.jit
-def _bwd_grad_split_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, dk, dbeta, dG,
                            cu_seqlens, chunk_indices, T, scale,
                            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                            BKH: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
                            GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
-    """`_bwd_grad_kernel` in column blocks of BKH key channels: the same gradients, with [C, BKH] tiles
-    instead of [C, BK] (fewer registers, less shared memory per program). Everything on the key side is
-    row-local in the channels except dT = dT_v + dW Xᵀ (summed over channels) and the dA it feeds, so:
+    """The key side, after _bwd_dv_kernel (which left dP in Pmat, dT_v in Amat, the value part of dβ):
+    dq, dk: [B, T, HV, K] (per value head); dbeta: [B, T, HV] fp32 (completed);
+    dG: [B, T, HV(, K)] fp32 -- for scalar gates already the reverse cumsum (dg); per channel the
+    gradient of G without the diagonal blocks (finished by _bwd_diag_kernel, which reads dA, dP
+    from Amat, Pmat).
+
+    In column blocks of BKH key channels ([C, BKH] tiles: fewer registers, less shared memory per
+    program; BKH = BK is one block). Everything on the key side is row-local in the channels except
+    dT = dT_v + dW Xᵀ (summed over channels) and the dA it feeds, so:
 
         pass 1, per column block: the V loop (dW, dK_end, dγ), dX = Tᵀ dW, dT += dW Xᵀ, the row-local
                  parts of dk (-> dk), of dG (-> dG per channel, row sums for a scalar gate) and of dβ;
@@ -1072,8 +933,9 @@ def _num_stages(dtype: torch.dtype, BK: int) -> int:
 # Warps per program of each backward kernel, and the key side's column block, from the H200 sweep
 # (benchmarks/sweep_bwd.py, B1-T32768-H32 bf16 fwd+bwd, run of 51c42ee; table in benchmarks/NOTES.md):
 # each kernel at the faster of 4 and 8 warps. The key side (dq, dk, dβ, dG) runs in 64-wide column
-# blocks (_bwd_grad_split_kernel) wherever K > 64: 3.10 vs 3.65 ms (GDN, 4 warps), 2.08 vs 2.78
-# (DeltaNet), 12.1 vs 13.7 (KDA, 8 warps). CHUNKWISE_BWD_WARPS="wu:4,bwd_grad:4" ("all:N" for every
+# blocks wherever K > 64: 3.10 vs 3.65 ms in one block (GDN, 4 warps), 2.08 vs 2.78 (DeltaNet), 12.1 vs
+# 13.7 (KDA, 8 warps); the one-block form was then a kernel of its own, now removed (K <= 64 is one block
+# of the same kernel, unmeasured on the GPU). CHUNKWISE_BWD_WARPS="wu:4,bwd_grad:4" ("all:N" for every
 # kernel) and CHUNKWISE_BWD_KSPLIT (0: one block) override these (the sweep's knobs).
 BWD_WARPS = {"gate_cumsum": 4, "intra": 4, "intra_diag": 4, "solve": 4, "wu": 4, "fwd_h": 4, "bwd_dh": 8,
              "bwd_dv": 4, "bwd_grad": 4, "bwd_diag": 4}
@@ -1114,8 +976,9 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     HV, V = v.shape[2], v.shape[3]
     if K > MAX_K:
         raise NotImplementedError(
-            f"the triton chunk backward supports head dims K <= {MAX_K} (got K={K}): its key-side kernel would "
-            f"need more shared memory than one SM has; use backend='torch' to train with K={K}")
+            f"the triton chunk backward supports head dims K <= {MAX_K} (got K={K}): at K = 256 its state passes "
+            f"would need more shared memory than one SM has (per-channel gate, offline sm_90: 346-383 KB of 227 KB); "
+            f"use backend='torch' to train with K={K}")
     C, BC = CHUNK, SUB
     dev = q.device
     varlen = cu_seqlens is not None
@@ -1220,16 +1083,12 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     _bwd_dv_kernel[grid_c](q, k, v, beta, G, Tmat, h, R, dR, do, Pmat, Amat, dq, dv, dbeta, dG, scale=scale, H=H,
                            HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
                            num_warps=_warps("bwd_dv"), num_stages=ns, **common)
-    bkh = int(os.environ.get("CHUNKWISE_BWD_KSPLIT", BWD_KSPLIT))   # key side in column blocks of bkh
-    if 16 <= bkh < BK:
-        _bwd_grad_split_kernel[grid_c](q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, dk, dbeta, dG,
-                                       scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BKH=bkh, BV=BV, C=C, BC=BC, GATE=gate,
-                                       DELTA=delta, IS_VARLEN=varlen, PREC=prec, num_warps=_warps("bwd_grad", gate),
-                                       num_stages=ns, **common)
-    else:
-        _bwd_grad_kernel[grid_c](q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, dk, dbeta, dG,
-                                 scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, BC=BC, GATE=gate, DELTA=delta,
-                                 IS_VARLEN=varlen, PREC=prec, num_warps=_warps("bwd_grad", gate), num_stages=ns, **common)
+    bkh = int(os.environ.get("CHUNKWISE_BWD_KSPLIT", BWD_KSPLIT))   # the key side's column block (0: one block)
+    bkh = BK if bkh <= 0 else min(max(16, triton.next_power_of_2(bkh)), BK)
+    _bwd_grad_kernel[grid_c](q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, dk, dbeta, dG,
+                             scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BKH=bkh, BV=BV, C=C, BC=BC, GATE=gate,
+                             DELTA=delta, IS_VARLEN=varlen, PREC=prec, num_warps=_warps("bwd_grad", gate),
+                             num_stages=ns, **common)
     if gate == 2:
         _bwd_diag_kernel[grid_c](q, k, beta, G, Pmat, Amat, dq, dk, dbeta, dG, H=H, HV=HV, K=K, BK=BK, C=C, BC=BC,
                                  DELTA=delta, IS_VARLEN=varlen, num_warps=_warps("bwd_diag"), num_stages=ns, **common)
