@@ -32,8 +32,10 @@ warm_bwd() { for f in gdn delta kda; do for w in 4 8; do
 
 if has fwd; then
   # the stage-1 variants compile in parallel (CPU), then are timed alone; the pick is used from here on
-  ( for f in gdn kda delta; do for w in 4 8; do
+  ( for f in gdn delta; do for w in 4 8; do
       timeout 100 python3 benchmarks/sweep_stage1.py --warm --fams $f --warps $w > "$OUT/warm_s1_${f}_$w.log" 2>&1 & done; done
+    for a in 0 1 2; do for w in 4 8; do
+      timeout 100 python3 benchmarks/sweep_stage1.py --warm --fams kda --aps $a --warps $w > "$OUT/warm_s1_kda_${a}_$w.log" 2>&1 & done; done
     wait )
   TAILN=20 step 70 sweep_stage1 python3 benchmarks/sweep_stage1.py --out "$OUT"
   [ -s "$OUT/prep_config.txt" ] && export CHUNKWISE_PREP_CONFIG=$(cat "$OUT/prep_config.txt") && echo "CHUNKWISE_PREP_CONFIG=$CHUNKWISE_PREP_CONFIG"

@@ -83,6 +83,29 @@ def test_gates_fp32(fam, gate):
     _check(inp, o, ht, TOL[torch.float32])
 
 
+# (form, dtype, gate); form 2's 16-bit operands are fp16 under the interpreter (no bf16 products there),
+# whose range cannot hold the factors of strong gates: that case runs on the GPU only
+_AP_CASES = [(ap, dt, gate) for ap in (0, 1, 2) for dt in (torch.float32, torch.float16)
+             for gate in ("normal", "strong", "steep") if ON_GPU or not (ap == 2 and dt == torch.float16 and gate != "normal")]
+
+
+@pytest.mark.parametrize("ap,dtype,gate", _AP_CASES)
+def test_kda_pairwise_forms(ap, dtype, gate, monkeypatch):
+    """KDA's per-channel A and P in each stage-1 form (eight dots per column chunk; the column blocks
+    stacked into one dot, fp32 or 16-bit operands), in column chunks of 16 channels: normal gates take the
+    factored diagonal blocks; "steep" gives a few channels of one 16-channel chunk a gate of -6 per token over
+    40 tokens (16-token blocks spanning -96: e^96 leaves fp32), so that chunk takes the exact column loop."""
+    monkeypatch.setenv("CHUNKWISE_PREP_AP", str(ap))
+    monkeypatch.setenv("CHUNKWISE_PREP_BKC", "16")
+    inp = make_inputs("kda", B=1, T=T_LONG, H=1, HV=2, K=KS[1], V=VS[0], dtype=dtype,
+                      gate="normal" if gate == "steep" else gate, seed=7)
+    if gate == "steep":
+        inp.g[:, 10:50, :, 3:7] = -6.0
+    o, ht = _run(inp)
+    tol = TOL[dtype] if ap < 2 or dtype == torch.float32 else 2 * TOL[dtype]
+    _check(inp, o, ht, tol)
+
+
 @pytest.mark.parametrize("fam", FAMS)
 def test_fp16(fam):
     inp = make_inputs(fam, B=1, T=T_LONG, H=1, HV=2, K=KS[0], V=VS[0], dtype=torch.float16, seed=5)

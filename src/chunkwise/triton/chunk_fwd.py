@@ -156,6 +156,66 @@ def _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc: tl.constexpr, g_floor: tl.const
     return tl.cumsum(tl.where(b_g < g_floor, g_floor, b_g), 0)
 
 
+@triton.jit
+def _kda_ap_stacked(A, P, kf, qf, b_G, b_beta, MM_PREC: tl.constexpr, BTc: tl.constexpr, BCc: tl.constexpr,
+                    BKC: tl.constexpr, span_max: tl.constexpr, LOWP: tl.constexpr, LOWP_DT: tl.constexpr):
+    """A += strict_tril(β_i Σ_k k_ik k_jk e^{G_ik − G_jk}), P += tril(Σ_k q_ik k_jk e^{G_ik − G_jk}) over one
+    column chunk of BKC channels (kf, qf, b_G [BT, BKC] fp32), as ONE dot each over the four 16-token column
+    blocks stacked along the contraction axis. Column block c (last token e_c) takes e_c as reference:
+
+        e^{G_i − G_j} = e^{G_i − e_c} · e^{e_c − G_j},   j in block c
+        rows R[i, c, :] = (β k | q)_i e^{G_i − e_c}   for i in a later block (≤ 1), or in block c (≤ e^{span})
+        cols C[j, c, :] = k_j e^{e_c − G_j} [j in block c]                        (≤ 1)
+        A = R [BT, 4·BKC] @ Cᵀ [4·BKC, BT]
+
+    When a 16-token block's gates sum below −span_max (e^{span} would leave fp32), its rows leave R's own
+    block out and the diagonal blocks are formed exactly, column by column (rare). ``LOWP``: 16-bit operands
+    of type LOWP_DT: bf16 (fp32's range: factors up to e^{span_max} fit); the interpreter cannot multiply bf16
+    (it stores it as uint16), so it runs fp16 there, whose range holds only blocks spanning < ~10."""
+    NB: tl.constexpr = BTc // BCc
+    o_t = tl.arange(0, BTc)
+    o_b = tl.arange(0, NB)
+    blk = o_t // BCc
+    r_blk = blk[:, None, None]                                                           # [BT, 1, 1]
+    c_blk = o_b[None, :, None]                                                           # [1, NB, 1]
+    # E[c] = G at the last token of block c; each row's own block end
+    is_end = (o_t[:, None] == (o_b * BCc + BCc - 1)[None, :])[:, :, None]                # [BT, NB, 1]
+    E = tl.sum(tl.where(is_end, b_G[:, None, :], 0.), 0)                                 # [NB, BKC]
+    E_own = tl.sum(tl.where(r_blk == c_blk, E[None, :, :], 0.), 1)                       # [BT, BKC]
+    worst = tl.min(tl.min(E_own - b_G, 1), 0)        # most negative e_b − G_i within a block
+    fast = worst > -span_max
+    own = tl.where(fast, 1, 0)                       # 1: rows also take their own block
+    ky = kf * tl.exp(E_own - b_G)                                                        # k_j e^{e_c − G_j} ≤ 1
+    C = tl.where(r_blk == c_blk, ky[:, None, :], 0.)                                     # [BT, NB, BKC]
+    keep = r_blk - c_blk + own > 0                                                      # [BT, NB, 1]
+    X = tl.where(keep, tl.exp(tl.where(keep, b_G[:, None, :] - E[None, :, :], 0.)), 0.)  # [BT, NB, BKC]
+    RA = (kf * b_beta[:, None])[:, None, :] * X
+    RP = qf[:, None, :] * X
+    C = tl.reshape(C, [BTc, NB * BKC])
+    RA = tl.reshape(RA, [BTc, NB * BKC])
+    RP = tl.reshape(RP, [BTc, NB * BKC])
+    if LOWP:
+        C, RA, RP = C.to(LOWP_DT), RA.to(LOWP_DT), RP.to(LOWP_DT)
+    strict = o_t[:, None] > o_t[None, :]
+    incl = o_t[:, None] >= o_t[None, :]
+    A += tl.where(strict, tl.dot(RA, tl.trans(C), input_precision=MM_PREC), 0.)         # [BT, 4BKC] @ [4BKC, BT]
+    P += tl.where(incl, tl.dot(RP, tl.trans(C), input_precision=MM_PREC), 0.)           # [BT, 4BKC] @ [4BKC, BT]
+    if not fast:
+        # rare: the diagonal blocks exactly, each column j from e^{G_i − G_j}, i ≥ j in j's block
+        same = blk[:, None] == blk[None, :]
+        bk = kf * b_beta[:, None]
+        for j in range(BTc):            # a loop, not unrolled
+            k_j = tl.sum(tl.where((o_t == j)[:, None], kf, 0.), 0)                       # [BKC]
+            G_j = tl.sum(tl.where((o_t == j)[:, None], b_G, 0.), 0)                      # [BKC]
+            m_j = (o_t >= j) & (blk == j // BCc)
+            e = tl.exp(tl.where(m_j[:, None], b_G - G_j[None, :], float("-inf")))        # e^{G_i − G_j}
+            a_col = tl.sum(bk * e * k_j[None, :], 1)                                      # [BT]
+            p_col = tl.sum(qf * e * k_j[None, :], 1)
+            A += tl.where(((o_t == j)[None, :] & same & strict), a_col[:, None], 0.)
+            P += tl.where(((o_t == j)[None, :] & same & incl), p_col[:, None], 0.)
+    return A, P
+
+
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
 def chunk_prepare_kernel(
     q, k, v, g, beta,            # [B,T,H,K] [B,T,H,K] [B,T,HV,V] None|[B,T,HV]|[B,T,HV,K] fp32, [B,T,HV]
@@ -167,6 +227,7 @@ def chunk_prepare_kernel(
     GATE: tl.constexpr,          # 0 none, 1 scalar, 2 per channel
     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, MM_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
     g_floor: tl.constexpr, span_max: tl.constexpr, WU_LOWP: tl.constexpr = 0, GATE_OUT: tl.constexpr = 0,
+    AP_FORM: tl.constexpr = 0, INTERPRET: tl.constexpr = 0,
 ):
     """One chunk of one value head: see the module docstring (stage 1). Grid (chunks, B·HV).
 
@@ -203,64 +264,67 @@ def chunk_prepare_kernel(
             b_g = tl.load(tl.make_block_ptr(g_base, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC), (1, 0)),
                           boundary_check=(0, 1)).to(tl.float32)
             b_G = tl.cumsum(tl.where(b_g < g_floor, g_floor, b_g), 0)                   # [BT, BKC]
-            e0 = _row_of(b_G, BCc - 1, BTc)                                             # G at each block end
-            e1 = _row_of(b_G, 2 * BCc - 1, BTc)
-            e2 = _row_of(b_G, 3 * BCc - 1, BTc)
-            e3 = _row_of(b_G, 4 * BCc - 1, BTc)
-            zero = tl.zeros_like(e0)
-            one = tl.full([BKC], 1., tl.float32)
-            s_rows = _by_block(zero[None, :], e0[None, :], e1[None, :], e2[None, :], BTc, BCc)   # G before the block
-            worst = tl.min(tl.min(b_G - s_rows, 1), 0)
-            x = tl.exp(b_G - s_rows)                                                     # e^{G_i − s_b} ≤ 1
-            ky = kf * tl.exp(_by_block(e0[None, :], e1[None, :], e2[None, :], e3[None, :], BTc, BCc) - b_G)
-            bkx = kf * b_beta[:, None] * x                                               # β_i k_i e^{G_i − s_b}
-            qx = qf * x                                                                  # q_i e^{G_i − s_b}
-            # off-diagonal blocks, column block c, rows of block b > c: e^{G_i − e_c} = x_i e^{s_b − e_c}
-            f = _by_block(zero[None, :], one[None, :], tl.exp(e1 - e0)[None, :], tl.exp(e2 - e0)[None, :], BTc, BCc)
-            c = tl.trans(tl.where((blk == 0)[:, None], ky, 0.))
-            A += tl.dot(bkx * f, c, input_precision=MM_PREC)                             # [BT, BKC] @ [BKC, BT]
-            P += tl.dot(qx * f, c, input_precision=MM_PREC)                              # [BT, BKC] @ [BKC, BT]
-            f = _by_block(zero[None, :], zero[None, :], one[None, :], tl.exp(e2 - e1)[None, :], BTc, BCc)
-            c = tl.trans(tl.where((blk == 1)[:, None], ky, 0.))
-            A += tl.dot(bkx * f, c, input_precision=MM_PREC)                             # [BT, BKC] @ [BKC, BT]
-            P += tl.dot(qx * f, c, input_precision=MM_PREC)                              # [BT, BKC] @ [BKC, BT]
-            f = tl.where((blk == 3)[:, None], 1., 0.)
-            c = tl.trans(tl.where((blk == 2)[:, None], ky, 0.))
-            A += tl.dot(bkx * f, c, input_precision=MM_PREC)                             # [BT, BKC] @ [BKC, BT]
-            P += tl.dot(qx * f, c, input_precision=MM_PREC)                              # [BT, BKC] @ [BKC, BT]
-            # diagonal blocks: around the block start when the block's gates sum above -span_max, else exact
-            if worst > -span_max:
-                # k_j e^{s_b − G_j} = ky_j e^{s_b − e_b}, at most e^{span_max}
-                kinv = ky * tl.exp(_by_block(-e0[None, :], (e0 - e1)[None, :], (e1 - e2)[None, :],
-                                             (e2 - e3)[None, :], BTc, BCc))
-                Ad = tl.dot(bkx, tl.trans(kinv), input_precision=MM_PREC)                # [BT, BKC] @ [BKC, BT]
-                Pd = tl.dot(qx, tl.trans(kinv), input_precision=MM_PREC)                 # [BT, BKC] @ [BKC, BT]
+            if AP_FORM == 0:
+                e0 = _row_of(b_G, BCc - 1, BTc)                                             # G at each block end
+                e1 = _row_of(b_G, 2 * BCc - 1, BTc)
+                e2 = _row_of(b_G, 3 * BCc - 1, BTc)
+                e3 = _row_of(b_G, 4 * BCc - 1, BTc)
+                zero = tl.zeros_like(e0)
+                one = tl.full([BKC], 1., tl.float32)
+                s_rows = _by_block(zero[None, :], e0[None, :], e1[None, :], e2[None, :], BTc, BCc)   # G before the block
+                worst = tl.min(tl.min(b_G - s_rows, 1), 0)
+                x = tl.exp(b_G - s_rows)                                                     # e^{G_i − s_b} ≤ 1
+                ky = kf * tl.exp(_by_block(e0[None, :], e1[None, :], e2[None, :], e3[None, :], BTc, BCc) - b_G)
+                bkx = kf * b_beta[:, None] * x                                               # β_i k_i e^{G_i − s_b}
+                qx = qf * x                                                                  # q_i e^{G_i − s_b}
+                # off-diagonal blocks, column block c, rows of block b > c: e^{G_i − e_c} = x_i e^{s_b − e_c}
+                f = _by_block(zero[None, :], one[None, :], tl.exp(e1 - e0)[None, :], tl.exp(e2 - e0)[None, :], BTc, BCc)
+                c = tl.trans(tl.where((blk == 0)[:, None], ky, 0.))
+                A += tl.dot(bkx * f, c, input_precision=MM_PREC)                             # [BT, BKC] @ [BKC, BT]
+                P += tl.dot(qx * f, c, input_precision=MM_PREC)                              # [BT, BKC] @ [BKC, BT]
+                f = _by_block(zero[None, :], zero[None, :], one[None, :], tl.exp(e2 - e1)[None, :], BTc, BCc)
+                c = tl.trans(tl.where((blk == 1)[:, None], ky, 0.))
+                A += tl.dot(bkx * f, c, input_precision=MM_PREC)                             # [BT, BKC] @ [BKC, BT]
+                P += tl.dot(qx * f, c, input_precision=MM_PREC)                              # [BT, BKC] @ [BKC, BT]
+                f = tl.where((blk == 3)[:, None], 1., 0.)
+                c = tl.trans(tl.where((blk == 2)[:, None], ky, 0.))
+                A += tl.dot(bkx * f, c, input_precision=MM_PREC)                             # [BT, BKC] @ [BKC, BT]
+                P += tl.dot(qx * f, c, input_precision=MM_PREC)                              # [BT, BKC] @ [BKC, BT]
+                # diagonal blocks: around the block start when the block's gates sum above -span_max, else exact
+                if worst > -span_max:
+                    # k_j e^{s_b − G_j} = ky_j e^{s_b − e_b}, at most e^{span_max}
+                    kinv = ky * tl.exp(_by_block(-e0[None, :], (e0 - e1)[None, :], (e1 - e2)[None, :],
+                                                 (e2 - e3)[None, :], BTc, BCc))
+                    Ad = tl.dot(bkx, tl.trans(kinv), input_precision=MM_PREC)                # [BT, BKC] @ [BKC, BT]
+                    Pd = tl.dot(qx, tl.trans(kinv), input_precision=MM_PREC)                 # [BT, BKC] @ [BKC, BT]
+                else:
+                    # rare: each column j exactly from e^{G_i − G_j}, i ≥ j
+                    bk = kf * b_beta[:, None]
+                    Ad = tl.zeros([BTc, BTc], dtype=tl.float32)
+                    Pd = tl.zeros([BTc, BTc], dtype=tl.float32)
+                    for j in range(BTc):            # a loop, not unrolled: this path is rare
+                        k_j = tl.sum(tl.where((o_t == j)[:, None], kf, 0.), 0)              # [BKC]
+                        G_j = tl.sum(tl.where((o_t == j)[:, None], b_G, 0.), 0)             # [BKC]
+                        keep = (o_t >= j) & (blk == j // BCc)
+                        e = tl.exp(tl.where(keep[:, None], b_G - G_j[None, :], float("-inf")))   # e^{G_i − G_j}
+                        a_col = tl.sum(bk * e * k_j[None, :], 1)                             # [BT]
+                        p_col = tl.sum(qf * e * k_j[None, :], 1)
+                        Ad = tl.where((o_t == j)[None, :], a_col[:, None], Ad)
+                        Pd = tl.where((o_t == j)[None, :], p_col[:, None], Pd)
+                A += tl.where(same & strict, Ad, 0.)
+                P += tl.where(same & incl, Pd, 0.)
             else:
-                # rare: each column j exactly from e^{G_i − G_j}, i ≥ j
-                bk = kf * b_beta[:, None]
-                Ad = tl.zeros([BTc, BTc], dtype=tl.float32)
-                Pd = tl.zeros([BTc, BTc], dtype=tl.float32)
-                for j in range(BTc):            # a loop, not unrolled: this path is rare
-                    k_j = tl.sum(tl.where((o_t == j)[:, None], kf, 0.), 0)              # [BKC]
-                    G_j = tl.sum(tl.where((o_t == j)[:, None], b_G, 0.), 0)             # [BKC]
-                    keep = (o_t >= j) & (blk == j // BCc)
-                    e = tl.exp(tl.where(keep[:, None], b_G - G_j[None, :], float("-inf")))   # e^{G_i − G_j}
-                    a_col = tl.sum(bk * e * k_j[None, :], 1)                             # [BT]
-                    p_col = tl.sum(qf * e * k_j[None, :], 1)
-                    Ad = tl.where((o_t == j)[None, :], a_col[:, None], Ad)
-                    Pd = tl.where((o_t == j)[None, :], p_col[:, None], Pd)
-            A += tl.where(same & strict, Ad, 0.)
-            P += tl.where(same & incl, Pd, 0.)
-            # q e^G, k e^{G_last − G} for stage 2 (e^G = x e^{s_b}, e^{G_last − G} = e^{e_b − G} e^{G_last − e_b})
-            es = _by_block(one[None, :], tl.exp(e0)[None, :], tl.exp(e1)[None, :], tl.exp(e2)[None, :], BTc, BCc)
+                A, P = _kda_ap_stacked(A, P, kf, qf, b_G, b_beta, MM_PREC, BTc, BCc, BKC, span_max, AP_FORM == 2,
+                                       tl.float16 if INTERPRET else tl.bfloat16)
+            # q e^G, k e^{G_last − G} for stage 2 (both exponents ≤ 0)
+            G_last = _row_of(b_G, BTc - 1, BTc)                                          # [BKC]
             tl.store(tl.make_block_ptr(qg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
-                                       (1, 0)), (qx * es).to(qg.dtype.element_ty), boundary_check=(0, 1))
-            kgl = ky * _by_block(tl.exp(e3 - e0)[None, :], tl.exp(e3 - e1)[None, :], tl.exp(e3 - e2)[None, :],
-                                 one[None, :], BTc, BCc)
+                                       (1, 0)), (qf * tl.exp(b_G)).to(qg.dtype.element_ty), boundary_check=(0, 1))
             tl.store(tl.make_block_ptr(kg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
-                                       (1, 0)), kgl.to(kg.dtype.element_ty), boundary_check=(0, 1))
+                                       (1, 0)), (kf * tl.exp(G_last[None, :] - b_G)).to(kg.dtype.element_ty),
+                     boundary_check=(0, 1))
             o_k = kc0 + tl.arange(0, BKC)
-            tl.store(glast + (slot * HV + i_h) * K + o_k, tl.exp(e3), mask=o_k < K)
+            tl.store(glast + (slot * HV + i_h) * K + o_k, tl.exp(G_last), mask=o_k < K)
     else:
         b_q = tl.load(tl.make_block_ptr(q_base, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
                       boundary_check=(0, 1))
@@ -505,28 +569,31 @@ def _dot_prec(dtype) -> tuple[str, str, str]:
 
 
 # Stage-1 launch per gate kind (0 none, 1 scalar, 2 per channel): (W/U products in the 16-bit input
-# dtype, num_warps, column chunk BKC of the per-channel gate). From the stage-1 sweep on the H200
+# dtype, num_warps, column chunk BKC of the per-channel gate, form of KDA's A/P products: 0 eight dots per
+# column chunk (one per 16-token column block and the diagonal), 1 the column blocks stacked into one dot
+# (``_kda_ap_stacked``), 2 the same with bf16 operands). From the stage-1 sweep on the H200
 # (benchmarks/sweep_stage1.py, benchmarks/NOTES.md, run of 0dcbe37): the fastest variant whose bf16 output
 # error against the float64 recurrence is at most 1.05x fla's. KDA keeps its W/U products in tf32: with
 # bf16 products and BKC = 32 its output error was 4.0e-2 (fla 3.7e-3; BKC = 64: 3.8e-3), see NOTES.
-PREP_CONFIG = {0: (1, 4, 64), 1: (1, 4, 64), 2: (0, 4, 32)}
+PREP_CONFIG = {0: (1, 4, 64, 0), 1: (1, 4, 64, 0), 2: (0, 4, 32, 0)}
+_PREP_KNOBS = ("WU_LOWP", "WARPS", "BKC", "AP")
 
 
-def prep_config(gate: int) -> tuple[int, int, int]:
+def prep_config(gate: int) -> tuple[int, int, int, int]:
     """The stage-1 launch of a gate kind: PREP_CONFIG, overridden by CHUNKWISE_PREP_CONFIG
-    ("gate:lowp,warps[,bkc];..." as the sweep prints it) and then by CHUNKWISE_PREP_WU_LOWP /
-    CHUNKWISE_PREP_WARPS / CHUNKWISE_PREP_BKC (the sweep's single knobs)."""
+    ("gate:lowp,warps[,bkc[,ap]];..." as the sweep prints it) and then by CHUNKWISE_PREP_WU_LOWP /
+    CHUNKWISE_PREP_WARPS / CHUNKWISE_PREP_BKC / CHUNKWISE_PREP_AP (the sweep's single knobs)."""
     cfg = list(PREP_CONFIG[gate])
     for item in filter(None, os.environ.get("CHUNKWISE_PREP_CONFIG", "").split(";")):
         key, vals = item.split(":")
         if int(key) == gate:
             vals = [int(x) for x in vals.split(",")]
             cfg[:len(vals)] = vals
-    for i, name in enumerate(("WU_LOWP", "WARPS", "BKC")):
+    for i, name in enumerate(_PREP_KNOBS):
         env = os.environ.get(f"CHUNKWISE_PREP_{name}")
         if env:
             cfg[i] = int(env)
-    return cfg[0], cfg[1], cfg[2]
+    return tuple(cfg)
 
 
 def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, gate_out=False):
@@ -564,14 +631,15 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, gate_ou
     else:
         qg = kg = glast = None
     dot_prec, mm_prec, solve_prec = _dot_prec(dt)
-    wu_lowp, warps, bkc = prep_config(gate)
+    wu_lowp, warps, bkc, ap_form = prep_config(gate)
     if n_chunks > 0:
         chunk_prepare_kernel[(n_chunks, B * HV)](
             q, k, v, g, beta, w, u, p, qg, kg, glast, cu_seqlens, chunk_indices, T, NT,
             H=H, HV=HV, K=K, V=V, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)), GATE=gate,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=solve_prec,
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and dt != torch.float32,
-            GATE_OUT=gate == 1 and gate_out, num_warps=warps, num_stages=1)
+            GATE_OUT=gate == 1 and gate_out, AP_FORM=ap_form if ap_form < 2 or dt != torch.float32 else 1, INTERPRET=_INTERPRET,
+            num_warps=warps, num_stages=1)
     return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast)
 
 
