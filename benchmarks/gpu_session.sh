@@ -37,7 +37,7 @@ if has fwd; then
     for a in 0 1 2; do for w in 4 8; do
       timeout 100 python3 benchmarks/sweep_stage1.py --warm --fams kda --aps $a --warps $w > "$OUT/warm_s1_kda_${a}_$w.log" 2>&1 & done; done
     wait )
-  TAILN=20 step 70 sweep_stage1 python3 benchmarks/sweep_stage1.py --out "$OUT"
+  TAILN=32 step 120 sweep_stage1 python3 benchmarks/sweep_stage1.py --out "$OUT"
   [ -s "$OUT/prep_config.txt" ] && export CHUNKWISE_PREP_CONFIG=$(cat "$OUT/prep_config.txt") && echo "CHUNKWISE_PREP_CONFIG=$CHUNKWISE_PREP_CONFIG"
 fi
 if has tests; then
