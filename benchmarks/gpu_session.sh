@@ -3,7 +3,7 @@
 # Usage (device tool, carry .whl for fla and .triton_sm90 for kernels built by benchmarks/warm_cache.py):
 #   GIT_COMMIT=<sha> bash benchmarks/gpu_session.sh [fwd] [tests] [bwd]      (default: fwd tests; <= 9.6 min)
 #   env: TESTS_T / TRAIN_T step timeouts (s), NPROC xdist workers, SKIP_TRAIN=1 skips the MQAR example
-#   fwd:   stage-1 sweep (picks CHUNKWISE_PREP_CONFIG), forward benchmark vs fla
+#   fwd:   stage-1 sweep (picks CHUNKWISE_PREP_CONFIG), forward benchmark vs fla (FWD_FAMS=gdn,kda,delta,gla)
 #   tests: GPU tests (TESTS="<files>" and TESTS_K="<-k expr>" override the selection) and the MQAR example (SKIP_TRAIN=1 skips it)
 #   bwd:   backward warps sweep, fwd+bwd benchmark vs fla (~6 min)
 #   train: fwd+bwd benchmark vs fla alone (FAMS=delta,kda,gdn)
@@ -30,19 +30,26 @@ step() { local t=$1; shift; local name=$1; shift; local s=$(date +%s)
 warm_bwd() { for f in gdn delta kda; do for w in 4 8; do
   timeout 200 python3 benchmarks/sweep_bwd.py --warm --fams $f --warps $w > "$OUT/warm_bwd_${f}_$w.log" 2>&1 & done; done; wait; }
 
+FWD_FAMS=${FWD_FAMS:-gdn,kda,delta,gla}       # the families of the fwd part (stage-1 sweep: those with a stage 1)
+S1_FAMS=$(echo "$FWD_FAMS" | tr , '\n' | grep -v gla | paste -sd, -)
+warm_variants() { for f in gla gdn; do timeout 150 python3 benchmarks/bench_forward.py --warm --variants --families $f \
+      --shapes B1-T32768-H32,B8-T4096-H32 > "$OUT/warm_var_$f.log" 2>&1 & done; wait; }
 if has fwd; then
   # the stage-1 variants compile in parallel (CPU), then are timed alone; the pick is used from here on
-  ( for f in gdn delta; do for w in 4 8; do
-      timeout 100 python3 benchmarks/sweep_stage1.py --warm --fams $f --warps $w > "$OUT/warm_s1_${f}_$w.log" 2>&1 & done; done
-    for a in 0 1 2; do for w in 4 8; do
-      timeout 100 python3 benchmarks/sweep_stage1.py --warm --fams kda --aps $a --warps $w > "$OUT/warm_s1_kda_${a}_$w.log" 2>&1 & done; done
+  ( has variants && warm_variants &
+    has tests || for f in ${FWD_FAMS//,/ }; do
+      timeout 190 python3 benchmarks/bench_forward.py --warm --families $f > "$OUT/warm_$f.log" 2>&1 & done
+    for f in gdn delta; do case ",$S1_FAMS," in *",$f,"*) for w in 4 8; do
+      timeout 100 python3 benchmarks/sweep_stage1.py --warm --fams $f --warps $w > "$OUT/warm_s1_${f}_$w.log" 2>&1 & done;; esac; done
+    case ",$S1_FAMS," in *",kda,"*) for a in 0 1 2; do for w in 4 8; do
+      timeout 100 python3 benchmarks/sweep_stage1.py --warm --fams kda --aps $a --warps $w > "$OUT/warm_s1_kda_${a}_$w.log" 2>&1 & done; done;; esac
     wait )
-  TAILN=32 step 120 sweep_stage1 python3 benchmarks/sweep_stage1.py --out "$OUT"
+  [ -n "$S1_FAMS" ] && TAILN=32 step 120 sweep_stage1 python3 benchmarks/sweep_stage1.py --fams "$S1_FAMS" --out "$OUT"
   [ -s "$OUT/prep_config.txt" ] && export CHUNKWISE_PREP_CONFIG=$(cat "$OUT/prep_config.txt") && echo "CHUNKWISE_PREP_CONFIG=$CHUNKWISE_PREP_CONFIG"
 fi
 if has tests; then
   # GPU tests and the MQAR example while the forward benchmark (and the backward sweep) compile
-  ( has fwd && for f in gdn kda delta gla; do timeout 190 python3 benchmarks/bench_forward.py --warm --families $f > "$OUT/warm_$f.log" 2>&1 & done
+  ( has fwd && for f in ${FWD_FAMS//,/ }; do timeout 190 python3 benchmarks/bench_forward.py --warm --families $f > "$OUT/warm_$f.log" 2>&1 & done
     has bwd && warm_bwd; wait ) &
   ( [ "${SKIP_TRAIN:-0}" = 1 ] || timeout 190 python3 examples/train_mqar.py --config gpu --backend triton \
       --plot "$OUT/mqar_loss_gpu.png" --json "$OUT/mqar_gpu.json" > "$OUT/mqar_gpu.log" 2>&1 ) &
@@ -60,8 +67,7 @@ elif has bwd; then
   warm_bwd
 fi
 if has fwd; then
-  has tests || { for f in gdn kda delta gla; do timeout 190 python3 benchmarks/bench_forward.py --warm --families $f > "$OUT/warm_$f.log" 2>&1 & done; wait; }
-  TAILN=20 step 110 bench_forward python3 benchmarks/bench_forward.py --out "$OUT"
+  TAILN=20 step 110 bench_forward python3 benchmarks/bench_forward.py --families "$FWD_FAMS" --out "$OUT"
 fi
 if has bwd; then
   TAILN=40 step 150 sweep_bwd python3 benchmarks/sweep_bwd.py --out "$OUT"
@@ -81,8 +87,7 @@ if has train; then     # fwd+bwd against fla alone (FAMS, default delta,kda,gdn)
     --shapes B1-T32768-H32 --profile --out "$OUT"
 fi
 if has variants; then
-  ( for f in gla gdn; do timeout 150 python3 benchmarks/bench_forward.py --warm --variants --families $f \
-      --shapes B1-T32768-H32,B8-T4096-H32 > "$OUT/warm_var_$f.log" 2>&1 & done; wait )
+  has fwd || warm_variants
   TAILN=4 step 120 bench_variants python3 benchmarks/bench_forward.py --variants --families gla,gdn \
     --shapes B1-T32768-H32,B8-T4096-H32 --out "$OUT/variants"
   grep -h '"variants"' "$OUT/bench_variants.log" | python3 -c "

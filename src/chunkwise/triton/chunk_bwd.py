@@ -930,17 +930,25 @@ def _num_stages(dtype: torch.dtype, BK: int) -> int:
     return 2 if dtype == torch.float32 and BK > 64 else 3
 
 
-# Warps per program of each backward kernel, and the key side's column block, from the H200 sweep
-# (benchmarks/sweep_bwd.py, B1-T32768-H32 bf16 fwd+bwd, run of 51c42ee; table in benchmarks/NOTES.md):
-# each kernel at the faster of 4 and 8 warps. The key side (dq, dk, dβ, dG) runs in 64-wide column
-# blocks wherever K > 64: 3.10 vs 3.65 ms in one block (GDN, 4 warps), 2.08 vs 2.78 (DeltaNet), 12.1 vs
-# 13.7 (KDA, 8 warps); the one-block form was then a kernel of its own, now removed (K <= 64 is one block
-# of the same kernel, unmeasured on the GPU). CHUNKWISE_BWD_WARPS="wu:4,bwd_grad:4" ("all:N" for every
-# kernel) and CHUNKWISE_BWD_KSPLIT (0: one block) override these (the sweep's knobs).
-BWD_WARPS = {"gate_cumsum": 4, "intra": 4, "intra_diag": 4, "solve": 4, "wu": 4, "fwd_h": 4, "bwd_dh": 8,
+# Warps per program of each backward kernel, and the key side's column block, from the H200 sweeps
+# (benchmarks/sweep_bwd.py, B1-T32768-H32 bf16 fwd+bwd; tables in benchmarks/NOTES.md): each kernel at the
+# faster of 4 and 8 warps. The key side (dq, dk, dβ, dG) runs in 64-wide column blocks wherever K > 64:
+# 3.10 vs 3.65 ms in one block (GDN, 4 warps), 2.08 vs 2.78 (DeltaNet), 12.1 vs 13.7 (KDA, 8 warps; run of
+# 51c42ee). With 16-bit products in the serial passes (BWD_LOWP, run of 3422a18) the reverse state pass is
+# faster at 4 warps for scalar / no gates (GDN 0.79 vs 0.91 ms, DeltaNet 1.17 vs 1.32) and at 8 for KDA
+# (2.21 vs 2.79), as is KDA's forward pass (1.55 vs 1.80) and its diagonal-block recompute (2.19 vs 2.72).
+# CHUNKWISE_BWD_WARPS="wu:4,bwd_grad:4" ("all:N" for every kernel) and CHUNKWISE_BWD_KSPLIT (0: one block)
+# override these (the sweep's knobs).
+BWD_WARPS = {"gate_cumsum": 4, "intra": 4, "intra_diag": 4, "solve": 4, "wu": 4, "fwd_h": 4, "bwd_dh": 4,
              "bwd_dv": 4, "bwd_grad": 4, "bwd_diag": 4}
-BWD_WARPS_PER_CHANNEL = {"fwd_h": 8, "bwd_grad": 8}     # KDA (per-channel gate): 2.02 vs 2.25, 12.1 vs 20.7 ms
+BWD_WARPS_PER_CHANNEL = {"fwd_h": 8, "bwd_dh": 8, "bwd_grad": 8, "intra_diag": 8}     # KDA (per-channel gate)
 BWD_KSPLIT = 64
+# 16-bit inputs: the products' operands in the input dtype, fp32 accumulation. 1: the two serial state
+# passes (fwd_h, bwd_dh); 2: also the W / U / dR_local recompute. On the H200 (run of 3422a18, B1-T32768-H32)
+# level 2 took fwd+bwd from 11.71 to 9.05 ms (GDN), 10.27 to 7.77 (DeltaNet), 38.15 to 35.85 (KDA), with
+# gradient errors against float64 at fla's (ours / fla, bf16: DeltaNet k 5.41e-3 / 5.72e-3, v 4.06e-3 /
+# 4.05e-3; KDA beta 3.45e-3 / 3.42e-3, every other input at or under fla's). CHUNKWISE_BWD_LOWP overrides.
+BWD_LOWP = 2
 
 
 def _warps(name: str, gate: int = 0) -> int:
@@ -1007,9 +1015,8 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     # loops: offline sm_90 at K = 128 the key-side kernel took 90.6 s to compile and spilled 102 KB per
     # thread (tf32x3: 15.1 s, 7.5 KB)
     prec = "tf32x3" if q.dtype == torch.float32 else "tf32"
-    # variants under measurement (sweep_bwd.py), 16-bit inputs only: CHUNKWISE_BWD_LOWP=1 runs the two serial
-    # state passes with 16-bit product operands, 2 also the W / U / dR_local recompute
-    level = int(os.environ.get("CHUNKWISE_BWD_LOWP", "0")) if q.dtype in (torch.bfloat16, torch.float16) else 0
+    # 16-bit product operands (BWD_LOWP), 16-bit inputs only
+    level = int(os.environ.get("CHUNKWISE_BWD_LOWP", BWD_LOWP)) if q.dtype in (torch.bfloat16, torch.float16) else 0
     lowp, lowp_wu = level >= 1, level >= 2
     ns = _num_stages(q.dtype, BK)
     q, k, v, do = (x.contiguous() for x in (q, k, v, do))
