@@ -101,6 +101,16 @@ def test_grads_strong_gates(fam):
     _compare(inp, TOL[torch.float32])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_grads_kda_steep_blocks(dtype):
+    """KDA with a few channels at g = -6 per token for 40 tokens (16-token blocks spanning -96, beyond what
+    the factored diagonal blocks take: e^96 leaves fp32) among normal ones: those blocks take the exact
+    column loops of the diagonal kernels, the others the factored products; gradients of every input."""
+    inp = make_inputs("kda", B=1, T=100, H=1, HV=2, K=16, V=16, seed=4)
+    inp.g[:, 10:50, :, 3:7] = -6.0
+    _compare(inp, TOL[dtype], dtype=dtype)
+
+
 @pytest.mark.parametrize("fam", ("gdn", "gla"))
 def test_grads_fp16(fam):
     """16-bit inputs: the recomputed intermediates are stored in fp16, gradients returned in fp16."""

@@ -44,6 +44,7 @@ CHUNK = 64
 SUB = 16
 MAX_K = 128   # the backward's kernels are built and measured up to K = 128 (sm_90 shared memory: 227 KB)
 GATE_FLOOR = 40.0
+SPAN_MAX = 80.0   # a 16-token diagonal block whose gates span more takes the exact pair-by-pair path
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -209,10 +210,24 @@ def _intra_kernel(q, k, beta, G, Amat, Pmat, cu_seqlens, chunk_indices, T,
 
 
 @triton.jit
+def _diag_factors(b_G, span_max: tl.constexpr):
+    """A BC×BC diagonal block of a per-channel gate (b_G [BC, BK], rows past the end = G_last), factored
+    around its last token e: Γ_ij = e^{G_i − e} · e^{e − G_j}. Returns (e^{G − e} ≥ 1, e^{e − G} ≤ 1, whether
+    every exponent stays within span_max, so that the factors and their products stay in fp32's range)."""
+    BC: tl.constexpr = b_G.shape[0]
+    b_e = tl.sum(tl.where((tl.arange(0, BC) == BC - 1)[:, None], b_G, 0.), axis=0)        # [BK]
+    b_d = b_G - b_e[None, :]                                                               # ≥ 0
+    fast = tl.max(tl.max(b_d, axis=1), axis=0) < span_max
+    return tl.exp(tl.where(fast, b_d, 0.)), tl.exp(-b_d), fast
+
+
+@triton.jit
 def _intra_diag_kernel(q, k, beta, G, Amat, Pmat, cu_seqlens, chunk_indices, T,
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
-                       BC: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Per-channel gates: the BC×BC diagonal blocks of A and P, pair by pair (exact Γ)."""
+                       BC: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+                       span_max: tl.constexpr):
+    """Per-channel gates: the BC×BC diagonal blocks of A and P. A block whose gates span less than span_max
+    takes two products of factored operands (_diag_factors); otherwise each column j exactly (rare)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
     i_hk = i_h // (HV // H)
@@ -234,20 +249,26 @@ def _intra_diag_kernel(q, k, beta, G, Amat, Pmat, cu_seqlens, chunk_indices, T,
             b_beta = tl.load(beta + rows * HV + i_h, mask=m_r, other=0.).to(tl.float32)
         else:
             b_beta = tl.zeros([BC], dtype=tl.float32)
-        b_P = tl.zeros([BC, BC], dtype=tl.float32)
-        b_A = tl.zeros([BC, BC], dtype=tl.float32)
-        for jj in range(BC):
-            j = ib * BC + jj
-            m_j = j < L
-            row_j = (t0 + j).to(tl.int64)
-            b_kj = tl.load(k + (row_j * H + i_hk) * K + o_k, mask=m_k & m_j, other=0.).to(tl.float32)
-            b_Gj = tl.load(G + (row_j * HV + i_h) * K + o_k, mask=m_k & m_j, other=0.)
-            b_Gj = tl.where(m_j, b_Gj, b_last)
-            b_e = tl.exp(tl.where((o_i >= jj)[:, None], b_G - b_Gj[None, :], float("-inf")))   # [BC, BK]
-            b_w = b_kj[None, :] * b_e
-            b_P = tl.where((o_i == jj)[None, :], tl.sum(b_q * b_w, axis=1)[:, None], b_P)
-            if DELTA:
-                b_A = tl.where((o_i == jj)[None, :], tl.sum(b_k * b_w, axis=1)[:, None], b_A)
+        b_xr, b_xc, fast = _diag_factors(b_G, span_max)
+        if fast:
+            b_kc = tl.trans(b_k * b_xc)
+            b_P = tl.dot(b_q * b_xr, b_kc, input_precision=PREC)                             # [BC, BK] @ [BK, BC]
+            b_A = tl.dot(b_k * b_xr, b_kc, input_precision=PREC)                             # [BC, BK] @ [BK, BC]
+        else:
+            b_P = tl.zeros([BC, BC], dtype=tl.float32)
+            b_A = tl.zeros([BC, BC], dtype=tl.float32)
+            for jj in range(BC):
+                j = ib * BC + jj
+                m_j = j < L
+                row_j = (t0 + j).to(tl.int64)
+                b_kj = tl.load(k + (row_j * H + i_hk) * K + o_k, mask=m_k & m_j, other=0.).to(tl.float32)
+                b_Gj = tl.load(G + (row_j * HV + i_h) * K + o_k, mask=m_k & m_j, other=0.)
+                b_Gj = tl.where(m_j, b_Gj, b_last)
+                b_e = tl.exp(tl.where((o_i >= jj)[:, None], b_G - b_Gj[None, :], float("-inf")))   # [BC, BK]
+                b_w = b_kj[None, :] * b_e
+                b_P = tl.where((o_i == jj)[None, :], tl.sum(b_q * b_w, axis=1)[:, None], b_P)
+                if DELTA:
+                    b_A = tl.where((o_i == jj)[None, :], tl.sum(b_k * b_w, axis=1)[:, None], b_A)
         p = (rows[:, None] * HV + i_h) * C + o_r[None, :]
         m = m_r[:, None] & m_r[None, :]
         tl.store(Pmat + p, tl.where(o_i[:, None] >= o_i[None, :], b_P, 0.), mask=m)
@@ -850,11 +871,43 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
 
 
 @triton.jit
+def _diag_grads_exact(k, G, Pmat, Amat, b_q, b_kb, b_G, b_last, t0, L, ib, rows, m_r, i_h, i_hk, o_k, m_k,
+                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
+                      BC: tl.constexpr, DELTA: tl.constexpr):
+    """The gradients through diagonal block ib of P and A (dP, dA in Pmat, Amat) column by column, with
+    the exact Γ_ij = e^{G_i − G_j} (blocks whose gates span too far to factor). Returns (dq, d(βk), dk) [BC, BK]."""
+    o_i = tl.arange(0, BC)
+    b_dqd = tl.zeros([BC, BK], dtype=tl.float32)
+    b_dkbd = tl.zeros([BC, BK], dtype=tl.float32)
+    b_dkd = tl.zeros([BC, BK], dtype=tl.float32)
+    for jj in range(BC):
+        j = ib * BC + jj
+        m_j = j < L
+        row_j = (t0 + j).to(tl.int64)
+        b_kj = tl.load(k + (row_j * H + i_hk) * K + o_k, mask=m_k & m_j, other=0.).to(tl.float32)
+        b_Gj = tl.load(G + (row_j * HV + i_h) * K + o_k, mask=m_k & m_j, other=0.)
+        b_Gj = tl.where(m_j, b_Gj, b_last)
+        b_e = tl.exp(tl.where((o_i >= jj)[:, None], b_G - b_Gj[None, :], float("-inf")))   # [BC, BK]
+        b_dPc = tl.load(Pmat + (rows * HV + i_h) * C + j, mask=m_r & m_j, other=0.)        # [BC]
+        b_w = b_kj[None, :] * b_e
+        b_dqd += b_dPc[:, None] * b_w
+        b_z = b_dPc[:, None] * b_q
+        if DELTA:
+            b_dAc = tl.load(Amat + (rows * HV + i_h) * C + j, mask=m_r & m_j, other=0.)
+            b_dkbd += b_dAc[:, None] * b_w
+            b_z += b_dAc[:, None] * b_kb
+        b_dkd = tl.where((o_i == jj)[:, None], tl.sum(b_z * b_e, axis=0)[None, :], b_dkd)
+    return b_dqd, b_dkbd, b_dkd
+
+
+@triton.jit
 def _bwd_diag_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbeta, dG, cu_seqlens, chunk_indices, T,
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
-                     BC: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Per-channel gates: the diagonal BC×BC blocks of the pairwise gradients (exact Γ), added to
-    dq, dk, dbeta, dG in place; then dG becomes dg (reverse cumsum over the chunk)."""
+                     BC: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+                     span_max: tl.constexpr):
+    """Per-channel gates: the diagonal BC×BC blocks of the pairwise gradients, added to dq, dk, dbeta, dG in
+    place; then dG becomes dg (reverse cumsum over the chunk). A block whose gates span less than span_max
+    takes four products of factored operands (_diag_factors), otherwise the exact column loop (rare)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
     i_hk = i_h // (HV // H)
@@ -881,26 +934,25 @@ def _bwd_diag_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbeta, dG, cu_seqlens, c
         else:
             b_beta = tl.zeros([BC], dtype=tl.float32)
         b_kb = b_k * b_beta[:, None]
-        b_dqd = tl.zeros([BC, BK], dtype=tl.float32)
-        b_dkbd = tl.zeros([BC, BK], dtype=tl.float32)
-        b_dkd = tl.zeros([BC, BK], dtype=tl.float32)
-        for jj in range(BC):
-            j = ib * BC + jj
-            m_j = j < L
-            row_j = (t0 + j).to(tl.int64)
-            b_kj = tl.load(k + (row_j * H + i_hk) * K + o_k, mask=m_k & m_j, other=0.).to(tl.float32)
-            b_Gj = tl.load(G + (row_j * HV + i_h) * K + o_k, mask=m_k & m_j, other=0.)
-            b_Gj = tl.where(m_j, b_Gj, b_last)
-            b_e = tl.exp(tl.where((o_i >= jj)[:, None], b_G - b_Gj[None, :], float("-inf")))   # [BC, BK]
-            b_dPc = tl.load(Pmat + (rows * HV + i_h) * C + j, mask=m_r & m_j, other=0.)        # [BC]
-            b_w = b_kj[None, :] * b_e
-            b_dqd += b_dPc[:, None] * b_w
-            b_z = b_dPc[:, None] * b_q
+        b_xr, b_xc, fast = _diag_factors(b_G, span_max)
+        if fast:
+            # Γ_ij = xr_i xc_j: dq_i = xr_i Σ_j dP_ij xc_j k_j, dk_j = xc_j Σ_i (dP_ij q_i + dA_ij βk_i) xr_i
+            p_cc = (rows[:, None] * HV + i_h) * C + o_r[None, :]
+            m_cc = (m_r[:, None] & m_r[None, :]) & (o_i[:, None] >= o_i[None, :])
+            b_dPb = tl.load(Pmat + p_cc, mask=m_cc, other=0.)                                  # [BC, BC]
+            b_kc = b_k * b_xc
+            b_dqd = tl.dot(b_dPb, b_kc, input_precision=PREC) * b_xr                         # [BC, BC] @ [BC, BK]
+            b_dkd = tl.dot(tl.trans(b_dPb), b_q * b_xr, input_precision=PREC)                # [BC, BC] @ [BC, BK]
             if DELTA:
-                b_dAc = tl.load(Amat + (rows * HV + i_h) * C + j, mask=m_r & m_j, other=0.)
-                b_dkbd += b_dAc[:, None] * b_w
-                b_z += b_dAc[:, None] * b_kb
-            b_dkd = tl.where((o_i == jj)[:, None], tl.sum(b_z * b_e, axis=0)[None, :], b_dkd)
+                b_dAb = tl.load(Amat + p_cc, mask=m_cc, other=0.)
+                b_dkbd = tl.dot(b_dAb, b_kc, input_precision=PREC) * b_xr                    # [BC, BC] @ [BC, BK]
+                b_dkd += tl.dot(tl.trans(b_dAb), b_kb * b_xr, input_precision=PREC)          # [BC, BC] @ [BC, BK]
+            else:
+                b_dkbd = tl.zeros([BC, BK], dtype=tl.float32)
+            b_dkd = b_dkd * b_xc
+        else:
+            b_dqd, b_dkbd, b_dkd = _diag_grads_exact(k, G, Pmat, Amat, b_q, b_kb, b_G, b_last, t0, L, ib, rows, m_r,
+                                                     i_h, i_hk, o_k, m_k, H, HV, K, BK, C, BC, DELTA)
         b_dGd = b_q * b_dqd + b_kb * b_dkbd - b_k * b_dkd
         tl.store(dq + p_hk, tl.load(dq + p_hk, mask=m_rk, other=0.) + b_dqd, mask=m_rk)
         tl.store(dk + p_hk, tl.load(dk + p_hk, mask=m_rk, other=0.) + b_dkd + b_beta[:, None] * b_dkbd,
@@ -1053,7 +1105,8 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                           IS_VARLEN=varlen, PREC=prec, num_warps=_warps("intra"), num_stages=ns, **common)
     if gate == 2:
         _intra_diag_kernel[grid_c](q, k, beta, G, Amat, Pmat, H=H, HV=HV, K=K, BK=BK, C=C, BC=BC, DELTA=delta,
-                                   IS_VARLEN=varlen, num_warps=_warps("intra_diag"), num_stages=ns, **common)
+                                   IS_VARLEN=varlen, PREC=prec, span_max=SPAN_MAX, num_warps=_warps("intra_diag"),
+                                   num_stages=ns, **common)
     Tmat = W = U = R = None
     if delta:
         Tmat = buf(B, T, HV, C)
@@ -1098,7 +1151,8 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                              num_stages=ns, **common)
     if gate == 2:
         _bwd_diag_kernel[grid_c](q, k, beta, G, Pmat, Amat, dq, dk, dbeta, dG, H=H, HV=HV, K=K, BK=BK, C=C, BC=BC,
-                                 DELTA=delta, IS_VARLEN=varlen, num_warps=_warps("bwd_diag"), num_stages=ns, **common)
+                                 DELTA=delta, IS_VARLEN=varlen, PREC=prec, span_max=SPAN_MAX,
+                                 num_warps=_warps("bwd_diag"), num_stages=ns, **common)
     if HV != H:
         dq = dq.view(B, T, H, HV // H, K).sum(3)
         dk = dk.view(B, T, H, HV // H, K).sum(3)
