@@ -175,14 +175,14 @@ def main():
                         var[key] = bench(lambda: run_variant(fam, x, **kw))[0]
                     except Exception as e:  # noqa: BLE001
                         var[key] = repr(e)[:120]
+                own = dict(p_in=False) if fam == "gla" else {}      # GLA: P formed in the serial loop
                 for bv in (16, 32, 64):
                     for nw in (4, 8):
                         for ns in (2, 3):
-                            time_variant(f"bv{bv}-nw{nw}-ns{ns}", bv=bv, num_warps=nw, num_stages=ns)
+                            time_variant(f"bv{bv}-nw{nw}-ns{ns}", bv=bv, num_warps=nw, num_stages=ns, **own)
                     if fam == "gla":            # P formed once per chunk by its own kernel (chunk_p_kernel)
-                        time_variant(f"bv{bv}-nw4-ns3-pin", bv=bv, num_warps=4, num_stages=3, p_in=True)
-                    if fam == "gdn":            # the decays written by stage 1, loaded by stage 2 (gate_in)
-                        time_variant(f"bv{bv}-nw4-ns3-gatein", bv=bv, num_warps=4, num_stages=3, gate_in=True)
+                        for ns in (2, 3):
+                            time_variant(f"bv{bv}-nw4-ns{ns}-pin", bv=bv, num_warps=4, num_stages=ns, p_in=True)
                 row["variants"] = var
             results.append(row)
             print(json.dumps(row), flush=True)

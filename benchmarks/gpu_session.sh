@@ -39,10 +39,8 @@ if has fwd; then
   ( has variants && warm_variants &
     has tests || for f in ${FWD_FAMS//,/ }; do
       timeout 190 python3 benchmarks/bench_forward.py --warm --families $f > "$OUT/warm_$f.log" 2>&1 & done
-    for f in gdn delta; do case ",$S1_FAMS," in *",$f,"*) for w in 4 8; do
-      timeout 100 python3 benchmarks/sweep_stage1.py --warm --fams $f --warps $w > "$OUT/warm_s1_${f}_$w.log" 2>&1 & done;; esac; done
-    case ",$S1_FAMS," in *",kda,"*) for a in 0 1 2; do for w in 4 8; do
-      timeout 100 python3 benchmarks/sweep_stage1.py --warm --fams kda --aps $a --warps $w > "$OUT/warm_s1_kda_${a}_$w.log" 2>&1 & done; done;; esac
+    for f in ${S1_FAMS//,/ }; do for w in 4 8; do
+      timeout 100 python3 benchmarks/sweep_stage1.py --warm --fams $f --warps $w > "$OUT/warm_s1_${f}_$w.log" 2>&1 & done; done
     wait )
   [ -n "$S1_FAMS" ] && TAILN=32 step 120 sweep_stage1 python3 benchmarks/sweep_stage1.py --fams "$S1_FAMS" --out "$OUT"
   [ -s "$OUT/prep_config.txt" ] && export CHUNKWISE_PREP_CONFIG=$(cat "$OUT/prep_config.txt") && echo "CHUNKWISE_PREP_CONFIG=$CHUNKWISE_PREP_CONFIG"

@@ -1,5 +1,5 @@
 """Stage-1 sweep of the chunk forward (chunk_prepare_kernel) on the GPU: every variant of
-(W/U products in the 16-bit dtype, num_warps, KDA's column chunk and A/P form), timed at
+(W/U products in the 16-bit dtype, num_warps, KDA's column chunk 32 / 64), timed at
 B1-T32768-H32 (K = V = 128, bf16), each with the whole forward's error against the float64
 recurrence at B1-T1024-H4 (and fla's on the same inputs). Picks, per gate kind, the fastest variant
 whose error is at most 1.05x fla's (the bound of the GPU tests; without fla, 1.1x the most accurate
@@ -26,13 +26,11 @@ from chunkwise.triton.chunk_fwd import chunk_fwd, chunk_prepare
 GATE = {"delta": 0, "gdn": 1, "kda": 2}
 
 
-KNOBS = ("CHUNKWISE_PREP_WU_LOWP", "CHUNKWISE_PREP_WARPS", "CHUNKWISE_PREP_BKC", "CHUNKWISE_PREP_AP")
-# KDA's (column chunk, A/P form): the eight-dot form at 32 (the default so far), the stacked forms at 16 and 32
-KDA_FORMS = ((32, 0), (16, 1), (32, 1), (16, 2), (32, 2))
+KNOBS = ("CHUNKWISE_PREP_WU_LOWP", "CHUNKWISE_PREP_WARPS", "CHUNKWISE_PREP_BKC")
 
 
-def set_variant(lowp, warps, bkc, ap):
-    os.environ.update(zip(KNOBS, map(str, (lowp, warps, bkc, ap))))
+def set_variant(lowp, warps, bkc):
+    os.environ.update(zip(KNOBS, map(str, (lowp, warps, bkc))))
 
 
 def err_vs_f64(fam, x, ref=None):
@@ -49,7 +47,6 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--fams", default="gdn,kda,delta")
     ap.add_argument("--warps", default="4,8")
-    ap.add_argument("--aps", default="0,1,2", help="KDA's A/P forms to run (0 eight dots, 1 stacked, 2 stacked bf16)")
     ap.add_argument("--warm", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
@@ -75,9 +72,9 @@ def main():
             ref_cache["ref"] = ref
             fla_err = ((o_f.double().cpu() - ref).norm() / ref.norm()).item()
         res = []
-        forms = [f for f in KDA_FORMS if str(f[1]) in a.aps.split(",")] if fam == "kda" else [(64, 0)]
-        for lowp, warps, (bkc, ap_form) in itertools.product((0, 1), [int(w) for w in a.warps.split(",")], forms):
-            set_variant(lowp, warps, bkc, ap_form)
+        bkcs = (32, 64) if fam == "kda" else (64,)       # the per-channel gate's column chunk
+        for lowp, warps, bkc in itertools.product((0, 1), [int(w) for w in a.warps.split(",")], bkcs):
+            set_variant(lowp, warps, bkc)
             fn = lambda: chunk_prepare(x["q"], x["k"], x["v"], x["g"], x["beta"])  # noqa: E731
             fn()
             if a.warm:
@@ -86,7 +83,7 @@ def main():
             torch.cuda.synchronize()
             ms = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
             err = err_vs_f64(fam, xs, ref_cache.get("ref"))
-            r = dict(family=fam, lowp=lowp, warps=warps, bkc=bkc, ap=ap_form, stage1_ms=ms, err=err, fla_err=fla_err)
+            r = dict(family=fam, lowp=lowp, warps=warps, bkc=bkc, stage1_ms=ms, err=err, fla_err=fla_err)
             res.append(r)
             print(json.dumps(r), flush=True)
         for k in KNOBS:
@@ -95,15 +92,15 @@ def main():
             bound = 1.05 * fla_err if fla_err is not None else 1.1 * min(r["err"] for r in res)
             ok = [r for r in res if r["err"] <= bound] or res
             best = min(ok, key=lambda r: r["stage1_ms"])
-            picks[GATE[fam]] = (best["lowp"], best["warps"], best["bkc"], best["ap"])
+            picks[GATE[fam]] = (best["lowp"], best["warps"], best["bkc"])
             rows_out += res
         del x, xs
         torch.cuda.empty_cache()
     if a.warm:
         return
-    print(f"\n{'fam':6s} {'lowp':>4s} {'warps':>5s} {'bkc':>4s} {'ap':>2s} {'stage1 ms':>9s} {'o err':>8s} {'fla err':>8s}")
+    print(f"\n{'fam':6s} {'lowp':>4s} {'warps':>5s} {'bkc':>4s} {'stage1 ms':>9s} {'o err':>8s} {'fla err':>8s}")
     for r in rows_out:
-        print(f"{r['family']:6s} {r['lowp']:4d} {r['warps']:5d} {r['bkc']:4d} {r['ap']:2d} {r['stage1_ms']:9.3f} {r['err']:8.2e} "
+        print(f"{r['family']:6s} {r['lowp']:4d} {r['warps']:5d} {r['bkc']:4d} {r['stage1_ms']:9.3f} {r['err']:8.2e} "
               f"{r['fla_err'] if r['fla_err'] is None else format(r['fla_err'], '8.2e')}")
     cfg = ";".join(f"{g}:{','.join(map(str, v))}" for g, v in sorted(picks.items()))
     print(f"CHUNKWISE_PREP_CONFIG={cfg}")

@@ -156,66 +156,6 @@ def _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc: tl.constexpr, g_floor: tl.const
     return tl.cumsum(tl.where(b_g < g_floor, g_floor, b_g), 0)
 
 
-@triton.jit
-def _kda_ap_stacked(A, P, kf, qf, b_G, b_beta, MM_PREC: tl.constexpr, BTc: tl.constexpr, BCc: tl.constexpr,
-                    BKC: tl.constexpr, span_max: tl.constexpr, LOWP: tl.constexpr, LOWP_DT: tl.constexpr):
-    """A += strict_tril(β_i Σ_k k_ik k_jk e^{G_ik − G_jk}), P += tril(Σ_k q_ik k_jk e^{G_ik − G_jk}) over one
-    column chunk of BKC channels (kf, qf, b_G [BT, BKC] fp32), as ONE dot each over the four 16-token column
-    blocks stacked along the contraction axis. Column block c (last token e_c) takes e_c as reference:
-
-        e^{G_i − G_j} = e^{G_i − e_c} · e^{e_c − G_j},   j in block c
-        rows R[i, c, :] = (β k | q)_i e^{G_i − e_c}   for i in a later block (≤ 1), or in block c (≤ e^{span})
-        cols C[j, c, :] = k_j e^{e_c − G_j} [j in block c]                        (≤ 1)
-        A = R [BT, 4·BKC] @ Cᵀ [4·BKC, BT]
-
-    When a 16-token block's gates sum below −span_max (e^{span} would leave fp32), its rows leave R's own
-    block out and the diagonal blocks are formed exactly, column by column (rare). ``LOWP``: 16-bit operands
-    of type LOWP_DT: bf16 (fp32's range: factors up to e^{span_max} fit); the interpreter cannot multiply bf16
-    (it stores it as uint16), so it runs fp16 there, whose range holds only blocks spanning < ~10."""
-    NB: tl.constexpr = BTc // BCc
-    o_t = tl.arange(0, BTc)
-    o_b = tl.arange(0, NB)
-    blk = o_t // BCc
-    r_blk = blk[:, None, None]                                                           # [BT, 1, 1]
-    c_blk = o_b[None, :, None]                                                           # [1, NB, 1]
-    # E[c] = G at the last token of block c; each row's own block end
-    is_end = (o_t[:, None] == (o_b * BCc + BCc - 1)[None, :])[:, :, None]                # [BT, NB, 1]
-    E = tl.sum(tl.where(is_end, b_G[:, None, :], 0.), 0)                                 # [NB, BKC]
-    E_own = tl.sum(tl.where(r_blk == c_blk, E[None, :, :], 0.), 1)                       # [BT, BKC]
-    worst = tl.min(tl.min(E_own - b_G, 1), 0)        # most negative e_b − G_i within a block
-    fast = worst > -span_max
-    own = tl.where(fast, 1, 0)                       # 1: rows also take their own block
-    ky = kf * tl.exp(E_own - b_G)                                                        # k_j e^{e_c − G_j} ≤ 1
-    C = tl.where(r_blk == c_blk, ky[:, None, :], 0.)                                     # [BT, NB, BKC]
-    keep = r_blk - c_blk + own > 0                                                      # [BT, NB, 1]
-    X = tl.where(keep, tl.exp(tl.where(keep, b_G[:, None, :] - E[None, :, :], 0.)), 0.)  # [BT, NB, BKC]
-    RA = (kf * b_beta[:, None])[:, None, :] * X
-    RP = qf[:, None, :] * X
-    C = tl.reshape(C, [BTc, NB * BKC])
-    RA = tl.reshape(RA, [BTc, NB * BKC])
-    RP = tl.reshape(RP, [BTc, NB * BKC])
-    if LOWP:
-        C, RA, RP = C.to(LOWP_DT), RA.to(LOWP_DT), RP.to(LOWP_DT)
-    strict = o_t[:, None] > o_t[None, :]
-    incl = o_t[:, None] >= o_t[None, :]
-    A += tl.where(strict, tl.dot(RA, tl.trans(C), input_precision=MM_PREC), 0.)         # [BT, 4BKC] @ [4BKC, BT]
-    P += tl.where(incl, tl.dot(RP, tl.trans(C), input_precision=MM_PREC), 0.)           # [BT, 4BKC] @ [4BKC, BT]
-    if not fast:
-        # rare: the diagonal blocks exactly, each column j from e^{G_i − G_j}, i ≥ j in j's block
-        same = blk[:, None] == blk[None, :]
-        bk = kf * b_beta[:, None]
-        for j in range(BTc):            # a loop, not unrolled
-            k_j = tl.sum(tl.where((o_t == j)[:, None], kf, 0.), 0)                       # [BKC]
-            G_j = tl.sum(tl.where((o_t == j)[:, None], b_G, 0.), 0)                      # [BKC]
-            m_j = (o_t >= j) & (blk == j // BCc)
-            e = tl.exp(tl.where(m_j[:, None], b_G - G_j[None, :], float("-inf")))        # e^{G_i − G_j}
-            a_col = tl.sum(bk * e * k_j[None, :], 1)                                      # [BT]
-            p_col = tl.sum(qf * e * k_j[None, :], 1)
-            A += tl.where(((o_t == j)[None, :] & same & strict), a_col[:, None], 0.)
-            P += tl.where(((o_t == j)[None, :] & same & incl), p_col[:, None], 0.)
-    return A, P
-
-
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
 def chunk_prepare_kernel(
     q, k, v, g, beta,            # [B,T,H,K] [B,T,H,K] [B,T,HV,V] None|[B,T,HV]|[B,T,HV,K] fp32, [B,T,HV]
@@ -226,14 +166,9 @@ def chunk_prepare_kernel(
     BTc: tl.constexpr, BCc: tl.constexpr, BK: tl.constexpr, BVf: tl.constexpr, BKC: tl.constexpr,
     GATE: tl.constexpr,          # 0 none, 1 scalar, 2 per channel
     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, MM_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
-    g_floor: tl.constexpr, span_max: tl.constexpr, WU_LOWP: tl.constexpr = 0, GATE_OUT: tl.constexpr = 0,
-    AP_FORM: tl.constexpr = 0, INTERPRET: tl.constexpr = 0,
+    g_floor: tl.constexpr, span_max: tl.constexpr, WU_LOWP: tl.constexpr = 0,
 ):
-    """One chunk of one value head: see the module docstring (stage 1). Grid (chunks, B·HV).
-
-    GATE_OUT (scalar gate, a variant): also write the decays stage 2 needs, e^G and e^{G_last − G}
-    [B, T, HV] fp32 into qg / kg and e^{G_last} [slots, HV] fp32 into glast, so that its serial loop
-    loads them instead of forming the cumulative gate and its exponentials every step."""
+    """One chunk of one value head: see the module docstring (stage 1). Grid (chunks, B·HV)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
     i_hk = i_h // (HV // H)
@@ -264,58 +199,54 @@ def chunk_prepare_kernel(
             b_g = tl.load(tl.make_block_ptr(g_base, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC), (1, 0)),
                           boundary_check=(0, 1)).to(tl.float32)
             b_G = tl.cumsum(tl.where(b_g < g_floor, g_floor, b_g), 0)                   # [BT, BKC]
-            if AP_FORM == 0:
-                e0 = _row_of(b_G, BCc - 1, BTc)                                             # G at each block end
-                e1 = _row_of(b_G, 2 * BCc - 1, BTc)
-                e2 = _row_of(b_G, 3 * BCc - 1, BTc)
-                e3 = _row_of(b_G, 4 * BCc - 1, BTc)
-                zero = tl.zeros_like(e0)
-                one = tl.full([BKC], 1., tl.float32)
-                s_rows = _by_block(zero[None, :], e0[None, :], e1[None, :], e2[None, :], BTc, BCc)   # G before the block
-                worst = tl.min(tl.min(b_G - s_rows, 1), 0)
-                x = tl.exp(b_G - s_rows)                                                     # e^{G_i − s_b} ≤ 1
-                ky = kf * tl.exp(_by_block(e0[None, :], e1[None, :], e2[None, :], e3[None, :], BTc, BCc) - b_G)
-                bkx = kf * b_beta[:, None] * x                                               # β_i k_i e^{G_i − s_b}
-                qx = qf * x                                                                  # q_i e^{G_i − s_b}
-                # off-diagonal blocks, column block c, rows of block b > c: e^{G_i − e_c} = x_i e^{s_b − e_c}
-                f = _by_block(zero[None, :], one[None, :], tl.exp(e1 - e0)[None, :], tl.exp(e2 - e0)[None, :], BTc, BCc)
-                c = tl.trans(tl.where((blk == 0)[:, None], ky, 0.))
-                A += tl.dot(bkx * f, c, input_precision=MM_PREC)                             # [BT, BKC] @ [BKC, BT]
-                P += tl.dot(qx * f, c, input_precision=MM_PREC)                              # [BT, BKC] @ [BKC, BT]
-                f = _by_block(zero[None, :], zero[None, :], one[None, :], tl.exp(e2 - e1)[None, :], BTc, BCc)
-                c = tl.trans(tl.where((blk == 1)[:, None], ky, 0.))
-                A += tl.dot(bkx * f, c, input_precision=MM_PREC)                             # [BT, BKC] @ [BKC, BT]
-                P += tl.dot(qx * f, c, input_precision=MM_PREC)                              # [BT, BKC] @ [BKC, BT]
-                f = tl.where((blk == 3)[:, None], 1., 0.)
-                c = tl.trans(tl.where((blk == 2)[:, None], ky, 0.))
-                A += tl.dot(bkx * f, c, input_precision=MM_PREC)                             # [BT, BKC] @ [BKC, BT]
-                P += tl.dot(qx * f, c, input_precision=MM_PREC)                              # [BT, BKC] @ [BKC, BT]
-                # diagonal blocks: around the block start when the block's gates sum above -span_max, else exact
-                if worst > -span_max:
-                    # k_j e^{s_b − G_j} = ky_j e^{s_b − e_b}, at most e^{span_max}
-                    kinv = ky * tl.exp(_by_block(-e0[None, :], (e0 - e1)[None, :], (e1 - e2)[None, :],
-                                                 (e2 - e3)[None, :], BTc, BCc))
-                    Ad = tl.dot(bkx, tl.trans(kinv), input_precision=MM_PREC)                # [BT, BKC] @ [BKC, BT]
-                    Pd = tl.dot(qx, tl.trans(kinv), input_precision=MM_PREC)                 # [BT, BKC] @ [BKC, BT]
-                else:
-                    # rare: each column j exactly from e^{G_i − G_j}, i ≥ j
-                    bk = kf * b_beta[:, None]
-                    Ad = tl.zeros([BTc, BTc], dtype=tl.float32)
-                    Pd = tl.zeros([BTc, BTc], dtype=tl.float32)
-                    for j in range(BTc):            # a loop, not unrolled: this path is rare
-                        k_j = tl.sum(tl.where((o_t == j)[:, None], kf, 0.), 0)              # [BKC]
-                        G_j = tl.sum(tl.where((o_t == j)[:, None], b_G, 0.), 0)             # [BKC]
-                        keep = (o_t >= j) & (blk == j // BCc)
-                        e = tl.exp(tl.where(keep[:, None], b_G - G_j[None, :], float("-inf")))   # e^{G_i − G_j}
-                        a_col = tl.sum(bk * e * k_j[None, :], 1)                             # [BT]
-                        p_col = tl.sum(qf * e * k_j[None, :], 1)
-                        Ad = tl.where((o_t == j)[None, :], a_col[:, None], Ad)
-                        Pd = tl.where((o_t == j)[None, :], p_col[:, None], Pd)
-                A += tl.where(same & strict, Ad, 0.)
-                P += tl.where(same & incl, Pd, 0.)
+            e0 = _row_of(b_G, BCc - 1, BTc)                                             # G at each block end
+            e1 = _row_of(b_G, 2 * BCc - 1, BTc)
+            e2 = _row_of(b_G, 3 * BCc - 1, BTc)
+            e3 = _row_of(b_G, 4 * BCc - 1, BTc)
+            zero = tl.zeros_like(e0)
+            one = tl.full([BKC], 1., tl.float32)
+            s_rows = _by_block(zero[None, :], e0[None, :], e1[None, :], e2[None, :], BTc, BCc)   # G before the block
+            worst = tl.min(tl.min(b_G - s_rows, 1), 0)
+            x = tl.exp(b_G - s_rows)                                                     # e^{G_i − s_b} ≤ 1
+            ky = kf * tl.exp(_by_block(e0[None, :], e1[None, :], e2[None, :], e3[None, :], BTc, BCc) - b_G)
+            bkx = kf * b_beta[:, None] * x                                               # β_i k_i e^{G_i − s_b}
+            qx = qf * x                                                                  # q_i e^{G_i − s_b}
+            # off-diagonal blocks, column block c, rows of block b > c: e^{G_i − e_c} = x_i e^{s_b − e_c}
+            f = _by_block(zero[None, :], one[None, :], tl.exp(e1 - e0)[None, :], tl.exp(e2 - e0)[None, :], BTc, BCc)
+            c = tl.trans(tl.where((blk == 0)[:, None], ky, 0.))
+            A += tl.dot(bkx * f, c, input_precision=MM_PREC)                             # [BT, BKC] @ [BKC, BT]
+            P += tl.dot(qx * f, c, input_precision=MM_PREC)                              # [BT, BKC] @ [BKC, BT]
+            f = _by_block(zero[None, :], zero[None, :], one[None, :], tl.exp(e2 - e1)[None, :], BTc, BCc)
+            c = tl.trans(tl.where((blk == 1)[:, None], ky, 0.))
+            A += tl.dot(bkx * f, c, input_precision=MM_PREC)                             # [BT, BKC] @ [BKC, BT]
+            P += tl.dot(qx * f, c, input_precision=MM_PREC)                              # [BT, BKC] @ [BKC, BT]
+            f = tl.where((blk == 3)[:, None], 1., 0.)
+            c = tl.trans(tl.where((blk == 2)[:, None], ky, 0.))
+            A += tl.dot(bkx * f, c, input_precision=MM_PREC)                             # [BT, BKC] @ [BKC, BT]
+            P += tl.dot(qx * f, c, input_precision=MM_PREC)                              # [BT, BKC] @ [BKC, BT]
+            # diagonal blocks: around the block start when the block's gates sum above -span_max, else exact
+            if worst > -span_max:
+                # k_j e^{s_b − G_j} = ky_j e^{s_b − e_b}, at most e^{span_max}
+                kinv = ky * tl.exp(_by_block(-e0[None, :], (e0 - e1)[None, :], (e1 - e2)[None, :],
+                                             (e2 - e3)[None, :], BTc, BCc))
+                Ad = tl.dot(bkx, tl.trans(kinv), input_precision=MM_PREC)                # [BT, BKC] @ [BKC, BT]
+                Pd = tl.dot(qx, tl.trans(kinv), input_precision=MM_PREC)                 # [BT, BKC] @ [BKC, BT]
             else:
-                A, P = _kda_ap_stacked(A, P, kf, qf, b_G, b_beta, MM_PREC, BTc, BCc, BKC, span_max, AP_FORM == 2,
-                                       tl.float16 if INTERPRET else tl.bfloat16)
+                # rare: each column j exactly from e^{G_i − G_j}, i ≥ j
+                bk = kf * b_beta[:, None]
+                Ad = tl.zeros([BTc, BTc], dtype=tl.float32)
+                Pd = tl.zeros([BTc, BTc], dtype=tl.float32)
+                for j in range(BTc):            # a loop, not unrolled: this path is rare
+                    k_j = tl.sum(tl.where((o_t == j)[:, None], kf, 0.), 0)              # [BKC]
+                    G_j = tl.sum(tl.where((o_t == j)[:, None], b_G, 0.), 0)             # [BKC]
+                    keep = (o_t >= j) & (blk == j // BCc)
+                    e = tl.exp(tl.where(keep[:, None], b_G - G_j[None, :], float("-inf")))   # e^{G_i − G_j}
+                    a_col = tl.sum(bk * e * k_j[None, :], 1)                             # [BT]
+                    p_col = tl.sum(qf * e * k_j[None, :], 1)
+                    Ad = tl.where((o_t == j)[None, :], a_col[:, None], Ad)
+                    Pd = tl.where((o_t == j)[None, :], p_col[:, None], Pd)
+            A += tl.where(same & strict, Ad, 0.)
+            P += tl.where(same & incl, Pd, 0.)
             # q e^G, k e^{G_last − G} for stage 2 (both exponents ≤ 0)
             G_last = _row_of(b_G, BTc - 1, BTc)                                          # [BKC]
             tl.store(tl.make_block_ptr(qg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
@@ -334,12 +265,6 @@ def chunk_prepare_kernel(
         QK = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)                       # [BT, BK] @ [BK, BT]
         if GATE == 1:
             Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor)                  # [BT]
-            if GATE_OUT:
-                G_last = tl.sum(tl.where(o_t == BTc - 1, Gc, 0.), 0)
-                m_t = t0 + o_t < T_seq
-                tl.store(qg + (bos + t0 + o_t) * HV + i_h, tl.exp(Gc), mask=m_t)
-                tl.store(kg + (bos + t0 + o_t) * HV + i_h, tl.exp(G_last - Gc), mask=m_t)
-                tl.store(glast + slot * HV + i_h, tl.exp(G_last))
             dec = tl.exp(tl.where(incl, Gc[:, None] - Gc[None, :], float("-inf")))     # e^{G_i − G_j}, i ≥ j
             A = tl.where(strict, KK * dec, 0.) * b_beta[:, None]
             P = QK * dec
@@ -414,7 +339,7 @@ def _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, 
                        H, HV, K, V,
                        BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        GATE: tl.constexpr, DELTA: tl.constexpr, P_IN: tl.constexpr,
-                       DOT_PREC: tl.constexpr, g_floor: tl.constexpr, G_IN: tl.constexpr):
+                       DOT_PREC: tl.constexpr, g_floor: tl.constexpr):
     """One chunk of stage 2: returns the state after chunk i_t, writes its rows of o."""
     o_k = tl.arange(0, BK)
     o_t = tl.arange(0, BTc)
@@ -441,17 +366,11 @@ def _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, 
         b_k = tl.load(tl.make_block_ptr(k + (bos * H + i_hk) * K, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
                       boundary_check=(0, 1))
         if GATE == 1:
-            if G_IN:    # the decays as stage 1 wrote them (GATE_OUT)
-                m_t = t0 + o_t < T_seq
-                b_eg = tl.load(qg + (bos + t0 + o_t) * HV + i_h, mask=m_t, other=0.)    # e^G      [BT]
-                b_ek = tl.load(kg + (bos + t0 + o_t) * HV + i_h, mask=m_t, other=0.)    # e^{G_last − G}
-                b_dl = tl.load(glast + (slot0 + i_t) * HV + i_h)                         # e^{G_last}
-            else:
-                Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor)            # [BT]
-                G_last = tl.sum(tl.where(o_t == BTc - 1, Gc, 0.), 0)
-                b_dl = tl.exp(G_last)
-                b_eg = tl.exp(Gc)
-                b_ek = tl.exp(G_last - Gc)
+            Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor)                # [BT]
+            G_last = tl.sum(tl.where(o_t == BTc - 1, Gc, 0.), 0)
+            b_dl = tl.exp(G_last)
+            b_eg = tl.exp(Gc)
+            b_ek = tl.exp(G_last - Gc)
         b_qd = b_q
         b_kd = b_k
     if P_IN:
@@ -494,7 +413,7 @@ def chunk_state_output_kernel(
     BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, DELTA: tl.constexpr, P_IN: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PREC: tl.constexpr, g_floor: tl.constexpr, LOOP_WHILE: tl.constexpr, G_IN: tl.constexpr = 0,
+    DOT_PREC: tl.constexpr, g_floor: tl.constexpr, LOOP_WHILE: tl.constexpr,
 ):
     """Stage 2 (module docstring). Grid (cdiv(V, BV), N·HV); S [BK, BV] fp32 stays in registers.
 
@@ -532,14 +451,12 @@ def chunk_state_output_kernel(
         i_t = 0
         while i_t < n_chunks:
             S = _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, T_seq, slot0, i_h,
-                                   i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, DOT_PREC, g_floor,
-                                   G_IN)
+                                   i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, DOT_PREC, g_floor)
             i_t += 1
     else:               # compiled: a for loop, so that the loads of later chunks are pipelined
         for i_t in range(n_chunks):
             S = _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, T_seq, slot0, i_h,
-                                   i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, DOT_PREC, g_floor,
-                                   G_IN)
+                                   i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, DOT_PREC, g_floor)
 
     if STORE_HT:
         p_ht = ht + i_n * s_htn + i_h * s_hth + o_k[:, None] * s_htk + o_v[None, :] * s_htv
@@ -569,42 +486,39 @@ def _dot_prec(dtype) -> tuple[str, str, str]:
 
 
 # Stage-1 launch per gate kind (0 none, 1 scalar, 2 per channel): (W/U products in the 16-bit input
-# dtype, num_warps, column chunk BKC of the per-channel gate, form of KDA's A/P products: 0 eight dots per
-# column chunk (one per 16-token column block and the diagonal), 1 the column blocks stacked into one dot
-# (``_kda_ap_stacked``), 2 the same with bf16 operands). From the stage-1 sweep on the H200
-# (benchmarks/sweep_stage1.py, benchmarks/NOTES.md, run of 0dcbe37): the fastest variant whose bf16 output
-# error against the float64 recurrence is at most 1.05x fla's. KDA keeps its W/U products in tf32: with
-# bf16 products and BKC = 32 its output error was 4.0e-2 (fla 3.7e-3; BKC = 64: 3.8e-3), see NOTES.
-PREP_CONFIG = {0: (1, 4, 64, 0), 1: (1, 4, 64, 0), 2: (0, 4, 32, 0)}
-_PREP_KNOBS = ("WU_LOWP", "WARPS", "BKC", "AP")
+# dtype, num_warps, column chunk BKC of the per-channel gate). From the stage-1 sweep on the H200
+# (benchmarks/sweep_stage1.py, benchmarks/NOTES.md, runs of 0dcbe37 and 6ff14f7): the fastest variant whose
+# bf16 output error against the float64 recurrence is at most 1.05x fla's. KDA keeps its W/U products in
+# tf32: with bf16 products and BKC = 32 its output error was 4.0e-2 in both runs (fla 3.7e-3; BKC = 64:
+# 3.8e-3), see NOTES.
+PREP_CONFIG = {0: (1, 4, 64), 1: (1, 4, 64), 2: (0, 4, 32)}
 
 
-def prep_config(gate: int) -> tuple[int, int, int, int]:
+def prep_config(gate: int) -> tuple[int, int, int]:
     """The stage-1 launch of a gate kind: PREP_CONFIG, overridden by CHUNKWISE_PREP_CONFIG
-    ("gate:lowp,warps[,bkc[,ap]];..." as the sweep prints it) and then by CHUNKWISE_PREP_WU_LOWP /
-    CHUNKWISE_PREP_WARPS / CHUNKWISE_PREP_BKC / CHUNKWISE_PREP_AP (the sweep's single knobs)."""
+    ("gate:lowp,warps[,bkc];..." as the sweep prints it) and then by CHUNKWISE_PREP_WU_LOWP /
+    CHUNKWISE_PREP_WARPS / CHUNKWISE_PREP_BKC (the sweep's single knobs)."""
     cfg = list(PREP_CONFIG[gate])
     for item in filter(None, os.environ.get("CHUNKWISE_PREP_CONFIG", "").split(";")):
         key, vals = item.split(":")
         if int(key) == gate:
             vals = [int(x) for x in vals.split(",")]
             cfg[:len(vals)] = vals
-    for i, name in enumerate(_PREP_KNOBS):
+    for i, name in enumerate(("WU_LOWP", "WARPS", "BKC")):
         env = os.environ.get(f"CHUNKWISE_PREP_{name}")
         if env:
             cfg[i] = int(env)
-    return tuple(cfg)
+    return cfg[0], cfg[1], cfg[2]
 
 
-def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, gate_out=False):
+def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None):
     """Stage 1 for the delta families.
 
     Args: q, k [B,T,H,K]; v [B,T,HV,V]; g None | [B,T,HV] fp32 | [B,T,HV,K] fp32 (raw log-decays);
     beta [B,T,HV]; cu_seqlens [N+1] with chunk_indices [NT_total, 2] (varlen, B = 1).
     Returns dict: w [B,T,HV,K], u [B,T,HV,V], p [B,T,HV,64] (q's dtype) and, for per-channel g,
     qg, kg [B,T,HV,K] (q's dtype) and glast [slots, HV, K] fp32 (e^{G_last} per chunk; the slot of
-    chunk i of sequence n is n·NT + i, or n + start_token // 64 with cu_seqlens); for scalar g with
-    ``gate_out``, qg = e^G, kg = e^{G_last − G} [B,T,HV] fp32 and glast [slots, HV] fp32.
+    chunk i of sequence n is n·NT + i, or n + start_token // 64 with cu_seqlens).
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -624,21 +538,16 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, gate_ou
         qg = _alloc((B, T, HV, K), dt, dev)
         kg = _alloc((B, T, HV, K), dt, dev)
         glast = _alloc((slots, HV, K), torch.float32, dev)
-    elif gate == 1 and gate_out:     # the scalar decays for stage 2 (GATE_OUT)
-        qg = _alloc((B, T, HV), torch.float32, dev)
-        kg = _alloc((B, T, HV), torch.float32, dev)
-        glast = _alloc((slots, HV), torch.float32, dev)
     else:
         qg = kg = glast = None
     dot_prec, mm_prec, solve_prec = _dot_prec(dt)
-    wu_lowp, warps, bkc, ap_form = prep_config(gate)
+    wu_lowp, warps, bkc = prep_config(gate)
     if n_chunks > 0:
         chunk_prepare_kernel[(n_chunks, B * HV)](
             q, k, v, g, beta, w, u, p, qg, kg, glast, cu_seqlens, chunk_indices, T, NT,
             H=H, HV=HV, K=K, V=V, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)), GATE=gate,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=solve_prec,
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and dt != torch.float32,
-            GATE_OUT=gate == 1 and gate_out, AP_FORM=ap_form if ap_form < 2 or dt != torch.float32 else 1, INTERPRET=_INTERPRET,
             num_warps=warps, num_stages=1)
     return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast)
 
@@ -670,23 +579,29 @@ def _pick_bv(V: int, K: int, programs: int) -> int:
     return min(bv, _dim(V))
 
 
-def _pick_stages(elt: int, BK: int, bv: int, delta: bool, p_in: bool) -> int:
+def _pick_stages(elt: int, BK: int, bv: int, delta: bool, p_in: bool, busy: bool) -> int:
     """Pipeline depth of stage 2: 3 (best measured for bf16, K = V = 128) while the tiles of one chunk,
-    times the depth, stay under ~200 KB of the H200's 227 KB shared memory; fp32 or K = 256 get 1-2."""
+    times the depth, stay under ~200 KB of the H200's 227 KB shared memory; fp32 or K = 256 get 1-2.
+    ``busy`` (at least two programs per SM): the deepest of 2-3 stages at which two programs share an SM,
+    where one exists (simple GLA: B8-T4096-H32, BV = 64, 0.96 -> 0.55 ms at 2 stages instead of 3; the delta
+    families' three [C, K] tiles per stage leave no such depth)."""
     per_stage = elt * (BT * BK * (3 if delta else 2) + (BT * BT if p_in else 0) + BT * bv)
+    if busy and 2 * 2 * per_stage <= 200 * 1024:
+        return min(3, (100 * 1024) // per_stage)
     return max(1, min(3, (200 * 1024) // per_stage))
 
 
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
 def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, *,
-              chunk_indices=None, transpose_state_layout=False, p_in=None, bv=None, num_stages=None, num_warps=4,
-              gate_in=None):
+              chunk_indices=None, transpose_state_layout=False, p_in=None, bv=None, num_stages=None, num_warps=4):
     """The chunk forward of all four families (canonical inputs: see chunkwise.triton).
 
     Returns (o [B,T,HV,V] in q's dtype, final state fp32 [N,HV,K,V] ([N,HV,V,K] transposed) or None).
-    ``p_in`` / ``bv`` / ``num_stages`` / ``num_warps`` (stage 2) override the tuned defaults (benchmarks);
-    ``gate_in`` (scalar gate with the delta rule; default CHUNKWISE_FWD_GATE_IN, off) has stage 1 write the
-    decays that stage 2 then loads (a variant under measurement). Head dims
-    the kernels do not take as they are run zero-padded (triton/align.py).
+    ``p_in`` / ``bv`` / ``num_stages`` / ``num_warps`` (stage 2) override the tuned defaults (benchmarks).
+    Head dims the kernels do not take as they are run zero-padded (triton/align.py).
     """
     K0, V0 = q.shape[-1], v.shape[-1]
     Kp, Vp = padded_dims(q, v)
@@ -703,8 +618,14 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g = None if g is None else g.float().contiguous()
     beta = None if beta is None else beta.contiguous()
+    bv = bv or _pick_bv(V, K, N * HV)
+    # fewer than two programs per SM: each is alone with its serial loop (latency-bound)
+    busy = triton.cdiv(V, bv) * N * HV >= 2 * _num_sms(q.device)
     if p_in is None:
-        p_in = delta                      # simple GLA has no prepare stage: it forms P itself
+        # simple GLA (no prepare stage) forms P inside its serial loop when the SMs are busy, and takes it from
+        # its own chunk-parallel kernel when they are not (H200, B1-T32768-H32: 1.17 -> 0.95 ms; B8-T4096-H32:
+        # 0.55 ms inside at 2 stages, 0.67 taken at 3)
+        p_in = delta or not busy
     if gate == 2:
         p_in = True
     if cu_seqlens is not None and chunk_indices is None and (delta or p_in):
@@ -712,12 +633,9 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         chunk_indices = prepare_chunk_indices(cu_seqlens, BT)
     NT = triton.cdiv(T, BT)
 
-    if gate_in is None:
-        gate_in = os.environ.get("CHUNKWISE_FWD_GATE_IN") == "1"
-    gate_in = bool(gate_in) and delta and gate == 1 and p_in
-    stage1 = chunk_prepare(q, k, v, g, beta, cu_seqlens, chunk_indices, gate_out=gate_in) if delta else \
+    stage1 = chunk_prepare(q, k, v, g, beta, cu_seqlens, chunk_indices) if delta else \
         dict(w=None, u=None, p=None, qg=None, kg=None, glast=None)
-    if p_in and not delta:                # simple GLA with P formed once per chunk (a variant)
+    if p_in and not delta:                # simple GLA with P formed once per chunk
         stage1["p"] = chunk_p(q, k, g, HV, cu_seqlens, chunk_indices)
     if not p_in:
         stage1["p"] = None
@@ -734,10 +652,9 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         sn, sh, s2, s3 = x.stride()
         return (sn, sh, s3, s2) if transpose_state_layout else (sn, sh, s2, s3)
 
-    bv = bv or _pick_bv(V, K, N * HV)
     dot_prec = _dot_prec(q.dtype)[0]
     if num_stages is None:
-        num_stages = _pick_stages(q.element_size(), _dim(K), bv, delta, p_in)
+        num_stages = _pick_stages(q.element_size(), _dim(K), bv, delta, p_in, busy)
     grid = (triton.cdiv(V, bv), N * HV)
     chunk_state_output_kernel[grid](
         q, k, v, stage1["w"], stage1["u"], stage1["p"], g, stage1["qg"], stage1["kg"], stage1["glast"],
@@ -745,7 +662,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         *strides(initial_state), *strides(ht),
         H=H, HV=HV, K=K, V=V, BTc=BT, BK=_dim(K), BV=bv, GATE=gate, DELTA=delta, P_IN=p_in,
         USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=cu_seqlens is not None,
-        DOT_PREC=dot_prec, g_floor=G_FLOOR, LOOP_WHILE=_INTERPRET, G_IN=gate_in, num_warps=num_warps,
+        DOT_PREC=dot_prec, g_floor=G_FLOOR, LOOP_WHILE=_INTERPRET, num_warps=num_warps,
         num_stages=num_stages)
     if padded:
         o, ht = o[..., :V0].contiguous(), cut_state(ht, K0, V0, transpose_state_layout)
