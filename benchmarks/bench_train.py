@@ -118,7 +118,8 @@ def main():
             if a.profile and first:
                 row["ours_profile_ms"] = profile(f_ours)
             f = None if a.no_fla else fla_fn(fam)
-            if f is not None:
+            if f is not None:   # ours first, so that a run cut while fla compiles and autotunes still reports it
+                print(json.dumps(dict(row, partial="ours only, fla next")), flush=True)
                 f_fla = fwd_bwd(lambda: run_fla(fam, f, x), do)
                 try:
                     row["fla_fwdbwd_ms"] = bench(f_fla, grads)
