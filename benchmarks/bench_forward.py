@@ -214,10 +214,16 @@ def main():
         print(f"{r['shape']:22s} {r['family']:6s} {r['ours_ms']:8.3f} {r.get('stage1_ms', float('nan')):7.3f} "
               f"{r.get('fla_ms', float('nan')):8.3f} {r.get('speedup', float('nan')):6.2f} "
               f"{r.get('o_vs_fla', float('nan')):8.1e} {r['all_finite']}")
+    plot(results, os.path.join(a.out, "bench_forward.png"))
+
+
+def plot(results, path):
+    """Bars of ours against fla per family and shape (results: rows as bench_forward.json holds them)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        fams = list(dict.fromkeys(r["family"] for r in results))
         fig, axes = plt.subplots(1, len(fams), figsize=(4.5 * len(fams), 4), squeeze=False)
         for ax, fam in zip(axes[0], fams):
             rs = [r for r in results if r["family"] == fam]
@@ -229,7 +235,7 @@ def main():
             ax.set_ylabel("ms (median)")
             ax.legend()
         fig.tight_layout()
-        fig.savefig(os.path.join(a.out, "bench_forward.png"), dpi=110)
+        fig.savefig(path, dpi=110)
     except Exception as e:  # noqa: BLE001
         print("plot failed:", e)
 
