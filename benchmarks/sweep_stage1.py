@@ -1,5 +1,5 @@
 """Stage-1 sweep of the chunk forward (chunk_prepare_kernel) on the GPU: every variant of
-(W/U products in the 16-bit dtype, num_warps, KDA's column chunk 32 / 64), timed at
+(W/U products in the 16-bit dtype, num_warps, KDA's column chunk and A/P form), timed at
 B1-T32768-H32 (K = V = 128, bf16), each with the whole forward's error against the float64
 recurrence at B1-T1024-H4 (and fla's on the same inputs). Picks, per gate kind, the fastest variant
 whose error is at most 1.05x fla's (the bound of the GPU tests; without fla, 1.1x the most accurate
@@ -26,11 +26,13 @@ from chunkwise.triton.chunk_fwd import chunk_fwd, chunk_prepare
 GATE = {"delta": 0, "gdn": 1, "kda": 2}
 
 
-KNOBS = ("CHUNKWISE_PREP_WU_LOWP", "CHUNKWISE_PREP_WARPS", "CHUNKWISE_PREP_BKC")
+KNOBS = ("CHUNKWISE_PREP_WU_LOWP", "CHUNKWISE_PREP_WARPS", "CHUNKWISE_PREP_BKC", "CHUNKWISE_PREP_FORM")
+# KDA's (column chunk, A/P form): eight products per column chunk at 32 / 64 channels, by row block at 16 / 32
+KDA_FORMS = ((32, 0), (64, 0), (16, 1), (32, 1))
 
 
-def set_variant(lowp, warps, bkc):
-    os.environ.update(zip(KNOBS, map(str, (lowp, warps, bkc))))
+def set_variant(lowp, warps, bkc, form):
+    os.environ.update(zip(KNOBS, map(str, (lowp, warps, bkc, form))))
 
 
 def err_vs_f64(fam, x, ref=None):
@@ -72,9 +74,9 @@ def main():
             ref_cache["ref"] = ref
             fla_err = ((o_f.double().cpu() - ref).norm() / ref.norm()).item()
         res = []
-        bkcs = (32, 64) if fam == "kda" else (64,)       # the per-channel gate's column chunk
-        for lowp, warps, bkc in itertools.product((0, 1), [int(w) for w in a.warps.split(",")], bkcs):
-            set_variant(lowp, warps, bkc)
+        forms = KDA_FORMS if fam == "kda" else ((64, 0),)
+        for lowp, warps, (bkc, form) in itertools.product((0, 1), [int(w) for w in a.warps.split(",")], forms):
+            set_variant(lowp, warps, bkc, form)
             fn = lambda: chunk_prepare(x["q"], x["k"], x["v"], x["g"], x["beta"])  # noqa: E731
             fn()
             if a.warm:
@@ -83,7 +85,7 @@ def main():
             torch.cuda.synchronize()
             ms = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
             err = err_vs_f64(fam, xs, ref_cache.get("ref"))
-            r = dict(family=fam, lowp=lowp, warps=warps, bkc=bkc, stage1_ms=ms, err=err, fla_err=fla_err)
+            r = dict(family=fam, lowp=lowp, warps=warps, bkc=bkc, form=form, stage1_ms=ms, err=err, fla_err=fla_err)
             res.append(r)
             print(json.dumps(r), flush=True)
         for k in KNOBS:
@@ -92,15 +94,15 @@ def main():
             bound = 1.05 * fla_err if fla_err is not None else 1.1 * min(r["err"] for r in res)
             ok = [r for r in res if r["err"] <= bound] or res
             best = min(ok, key=lambda r: r["stage1_ms"])
-            picks[GATE[fam]] = (best["lowp"], best["warps"], best["bkc"])
+            picks[GATE[fam]] = (best["lowp"], best["warps"], best["bkc"], best["form"])
             rows_out += res
         del x, xs
         torch.cuda.empty_cache()
     if a.warm:
         return
-    print(f"\n{'fam':6s} {'lowp':>4s} {'warps':>5s} {'bkc':>4s} {'stage1 ms':>9s} {'o err':>8s} {'fla err':>8s}")
+    print(f"\n{'fam':6s} {'lowp':>4s} {'warps':>5s} {'bkc':>4s} {'form':>4s} {'stage1 ms':>9s} {'o err':>8s} {'fla err':>8s}")
     for r in rows_out:
-        print(f"{r['family']:6s} {r['lowp']:4d} {r['warps']:5d} {r['bkc']:4d} {r['stage1_ms']:9.3f} {r['err']:8.2e} "
+        print(f"{r['family']:6s} {r['lowp']:4d} {r['warps']:5d} {r['bkc']:4d} {r['form']:4d} {r['stage1_ms']:9.3f} {r['err']:8.2e} "
               f"{r['fla_err'] if r['fla_err'] is None else format(r['fla_err'], '8.2e')}")
     cfg = ";".join(f"{g}:{','.join(map(str, v))}" for g, v in sorted(picks.items()))
     print(f"CHUNKWISE_PREP_CONFIG={cfg}")

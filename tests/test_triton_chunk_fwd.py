@@ -83,15 +83,17 @@ def test_gates_fp32(fam, gate):
     _check(inp, o, ht, TOL[torch.float32])
 
 
+@pytest.mark.parametrize("form", [0, 1])
 @pytest.mark.parametrize("bkc", [16, 64])
 @pytest.mark.parametrize("gate", ["normal", "strong", "steep"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_kda_pairwise_blocks(dtype, gate, bkc, monkeypatch):
-    """KDA's per-channel A and P in stage 1, in column chunks of 16 or 64 channels: normal and strong gates
-    take the factored diagonal blocks; "steep" gives a few channels of one chunk a gate of -6 per token over
-    40 tokens (16-token blocks spanning -96, beyond the factored form's -80), so that chunk takes the exact
-    column loop."""
+def test_kda_pairwise_blocks(dtype, gate, bkc, form, monkeypatch):
+    """KDA's per-channel A and P in stage 1, in both forms (eight products per column chunk; one per 16-row
+    block), in column chunks of 16 or 64 channels: normal and strong gates take the factored diagonal blocks;
+    "steep" gives a few channels of one chunk a gate of -6 per token over 40 tokens (16-token blocks spanning
+    -96, beyond the factored form's -80), so that chunk takes the exact column loop."""
     monkeypatch.setenv("CHUNKWISE_PREP_BKC", str(bkc))
+    monkeypatch.setenv("CHUNKWISE_PREP_FORM", str(form))
     inp = make_inputs("kda", B=1, T=T_LONG, H=1, HV=2, K=KS[1], V=VS[0], dtype=dtype,
                       gate="normal" if gate == "steep" else gate, seed=7)
     if gate == "steep":

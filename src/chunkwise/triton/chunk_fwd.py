@@ -156,6 +156,106 @@ def _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc: tl.constexpr, g_floor: tl.const
     return tl.cumsum(tl.where(b_g < g_floor, g_floor, b_g), 0)
 
 
+@triton.jit
+def _stack_rows(x0, x1, x2, x3):
+    """[4·R, N] from four [R, N] row blocks, in order."""
+    R: tl.constexpr = x0.shape[0]
+    N: tl.constexpr = x0.shape[1]
+    x = tl.join(tl.join(x0, x1), tl.join(x2, x3))                                      # [R, N, 2, 2]: [.., b % 2, b // 2]
+    return tl.reshape(tl.permute(x, (3, 2, 0, 1)), [4 * R, N])
+
+
+@triton.jit
+def _block_rows(x, b: tl.constexpr, BCc: tl.constexpr):
+    """Rows b·BC .. b·BC + BC − 1 of x [4·BC, N] as [BC, N] (a masked sum over the block index)."""
+    N: tl.constexpr = x.shape[1]
+    sel = (tl.arange(0, 4) == b)[:, None, None]
+    return tl.sum(tl.where(sel, tl.reshape(x, [4, BCc, N]), 0.), 0)
+
+
+@triton.jit
+def _kda_ap_rows(A0, A1, A2, A3, P0, P1, P2, P3, kf, qf, b_G, k_base, q_base, g_base, beta, bos, t0, T_seq,
+                 i_h, H, HV, K, kc0, MM_PREC: tl.constexpr, BTc: tl.constexpr, BCc: tl.constexpr,
+                 BKC: tl.constexpr, g_floor: tl.constexpr, span_max: tl.constexpr):
+    """One column chunk of KDA's A and P by 16-row blocks (stage-1 form 1). Row block b takes the start of
+    its block s_b (the cumulative gate before it) as reference for every column j up to its own block:
+
+        e^{G_i − G_j} = e^{G_i − s_b} · e^{s_b − G_j},   i in block b, j ≤ the end of block b
+        A_b += (β k ⊙ e^{G − s_b})_b [BC, BKC] @ (k ⊙ e^{s_b − G})ᵀ [BKC, BT]          (P_b: q instead of β k)
+
+    The row factor is ≤ 1; the column factor is ≤ 1 for earlier blocks and ≤ e^{span} within block b.
+    One product per row block: a quarter of the eight-dot form's multiply-adds (whose [BT, BKC] row operands
+    are zero outside one block). When a block spans below −span_max, no block takes its own columns here
+    and the diagonal blocks come from the exact column loop, as in form 0. A_b, P_b: [BC, BT] fp32."""
+    o_t = tl.arange(0, BTc)
+    o_c = tl.arange(0, BCc)
+    blk = o_t // BCc
+    e0 = _row_of(b_G, BCc - 1, BTc)                                                     # G at each block end
+    e1 = _row_of(b_G, 2 * BCc - 1, BTc)
+    e2 = _row_of(b_G, 3 * BCc - 1, BTc)
+    zero = tl.zeros_like(e0)
+    s_rows = _by_block(zero[None, :], e0[None, :], e1[None, :], e2[None, :], BTc, BCc)   # G before the block
+    worst = tl.min(tl.min(b_G - s_rows, 1), 0)
+    own = tl.where(worst > -span_max, 1, 0)          # 1: each row block also takes its own block's columns
+    for b in tl.static_range(4):
+        if b == 0:
+            s_b = zero
+        elif b == 1:
+            s_b = e0
+        elif b == 2:
+            s_b = e1
+        else:
+            s_b = e2
+        keep = (blk < b + own)[:, None]                                                  # columns j taken
+        cols = tl.where(keep, kf * tl.exp(tl.where(keep, s_b[None, :] - b_G, 0.)), 0.)   # k_j e^{s_b − G_j}
+        r0 = t0 + b * BCc
+        k_b = tl.load(tl.make_block_ptr(k_base, (T_seq, K), (H * K, 1), (r0, kc0), (BCc, BKC), (1, 0)),
+                      boundary_check=(0, 1)).to(tl.float32)
+        q_b = tl.load(tl.make_block_ptr(q_base, (T_seq, K), (H * K, 1), (r0, kc0), (BCc, BKC), (1, 0)),
+                      boundary_check=(0, 1)).to(tl.float32)
+        g_b = tl.load(tl.make_block_ptr(g_base, (T_seq, K), (HV * K, 1), (r0, kc0), (BCc, BKC), (1, 0)),
+                      boundary_check=(0, 1)).to(tl.float32)
+        beta_b = tl.load(beta + (bos + r0 + o_c) * HV + i_h, mask=r0 + o_c < T_seq, other=0.).to(tl.float32)
+        x_b = tl.exp(tl.cumsum(tl.where(g_b < g_floor, g_floor, g_b), 0))                # e^{G_i − s_b} ≤ 1
+        cT = tl.trans(cols)
+        a_b = tl.dot(k_b * beta_b[:, None] * x_b, cT, input_precision=MM_PREC)          # [BC, BKC] @ [BKC, BT]
+        p_b = tl.dot(q_b * x_b, cT, input_precision=MM_PREC)                            # [BC, BKC] @ [BKC, BT]
+        if b == 0:
+            A0 += a_b
+            P0 += p_b
+        elif b == 1:
+            A1 += a_b
+            P1 += p_b
+        elif b == 2:
+            A2 += a_b
+            P2 += p_b
+        else:
+            A3 += a_b
+            P3 += p_b
+    if own == 0:
+        # rare: the diagonal blocks exactly, each column j from e^{G_i − G_j}, i ≥ j in j's block
+        b_beta = tl.load(beta + (bos + t0 + o_t) * HV + i_h, mask=t0 + o_t < T_seq, other=0.).to(tl.float32)
+        bk = kf * b_beta[:, None]
+        Ad = tl.zeros([BTc, BTc], dtype=tl.float32)
+        Pd = tl.zeros([BTc, BTc], dtype=tl.float32)
+        for j in range(BTc):            # a loop, not unrolled: this path is rare
+            k_j = tl.sum(tl.where((o_t == j)[:, None], kf, 0.), 0)                      # [BKC]
+            G_j = tl.sum(tl.where((o_t == j)[:, None], b_G, 0.), 0)                     # [BKC]
+            m_j = (o_t >= j) & (blk == j // BCc)
+            e = tl.exp(tl.where(m_j[:, None], b_G - G_j[None, :], float("-inf")))       # e^{G_i − G_j}
+            Ad = tl.where((o_t == j)[None, :], tl.sum(bk * e * k_j[None, :], 1)[:, None], Ad)
+            Pd = tl.where((o_t == j)[None, :], tl.sum(qf * e * k_j[None, :], 1)[:, None], Pd)
+        A0 += _block_rows(Ad, 0, BCc)
+        A1 += _block_rows(Ad, 1, BCc)
+        A2 += _block_rows(Ad, 2, BCc)
+        A3 += _block_rows(Ad, 3, BCc)
+        P0 += _block_rows(Pd, 0, BCc)
+        P1 += _block_rows(Pd, 1, BCc)
+        P2 += _block_rows(Pd, 2, BCc)
+        P3 += _block_rows(Pd, 3, BCc)
+    return A0, A1, A2, A3, P0, P1, P2, P3
+
+
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
 def chunk_prepare_kernel(
     q, k, v, g, beta,            # [B,T,H,K] [B,T,H,K] [B,T,HV,V] None|[B,T,HV]|[B,T,HV,K] fp32, [B,T,HV]
@@ -166,7 +266,7 @@ def chunk_prepare_kernel(
     BTc: tl.constexpr, BCc: tl.constexpr, BK: tl.constexpr, BVf: tl.constexpr, BKC: tl.constexpr,
     GATE: tl.constexpr,          # 0 none, 1 scalar, 2 per channel
     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, MM_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
-    g_floor: tl.constexpr, span_max: tl.constexpr, WU_LOWP: tl.constexpr = 0,
+    g_floor: tl.constexpr, span_max: tl.constexpr, WU_LOWP: tl.constexpr = 0, AP_FORM: tl.constexpr = 0,
 ):
     """One chunk of one value head: see the module docstring (stage 1). Grid (chunks, B·HV)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
@@ -188,8 +288,18 @@ def chunk_prepare_kernel(
         # channel's gate is independent): few [BT, BKC] fp32 tiles live, shared memory bounded for K = 256.
         # Each e^{G_i − G_j} is factored around a block end or a block start, both factors ≤ 1.
         g_base = g + (bos * HV + i_h) * K
-        A = tl.zeros([BTc, BTc], dtype=tl.float32)
-        P = tl.zeros([BTc, BTc], dtype=tl.float32)
+        if AP_FORM == 1:    # by 16-row blocks (_kda_ap_rows)
+            A0 = tl.zeros([BCc, BTc], dtype=tl.float32)
+            A1 = tl.zeros([BCc, BTc], dtype=tl.float32)
+            A2 = tl.zeros([BCc, BTc], dtype=tl.float32)
+            A3 = tl.zeros([BCc, BTc], dtype=tl.float32)
+            P0 = tl.zeros([BCc, BTc], dtype=tl.float32)
+            P1 = tl.zeros([BCc, BTc], dtype=tl.float32)
+            P2 = tl.zeros([BCc, BTc], dtype=tl.float32)
+            P3 = tl.zeros([BCc, BTc], dtype=tl.float32)
+        else:
+            A = tl.zeros([BTc, BTc], dtype=tl.float32)
+            P = tl.zeros([BTc, BTc], dtype=tl.float32)
         for i_kc in range(BK // BKC):
             kc0 = i_kc * BKC
             kf = tl.load(tl.make_block_ptr(k_base, (T_seq, K), (H * K, 1), (t0, kc0), (BTc, BKC), (1, 0)),
@@ -199,54 +309,59 @@ def chunk_prepare_kernel(
             b_g = tl.load(tl.make_block_ptr(g_base, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC), (1, 0)),
                           boundary_check=(0, 1)).to(tl.float32)
             b_G = tl.cumsum(tl.where(b_g < g_floor, g_floor, b_g), 0)                   # [BT, BKC]
-            e0 = _row_of(b_G, BCc - 1, BTc)                                             # G at each block end
-            e1 = _row_of(b_G, 2 * BCc - 1, BTc)
-            e2 = _row_of(b_G, 3 * BCc - 1, BTc)
-            e3 = _row_of(b_G, 4 * BCc - 1, BTc)
-            zero = tl.zeros_like(e0)
-            one = tl.full([BKC], 1., tl.float32)
-            s_rows = _by_block(zero[None, :], e0[None, :], e1[None, :], e2[None, :], BTc, BCc)   # G before the block
-            worst = tl.min(tl.min(b_G - s_rows, 1), 0)
-            x = tl.exp(b_G - s_rows)                                                     # e^{G_i − s_b} ≤ 1
-            ky = kf * tl.exp(_by_block(e0[None, :], e1[None, :], e2[None, :], e3[None, :], BTc, BCc) - b_G)
-            bkx = kf * b_beta[:, None] * x                                               # β_i k_i e^{G_i − s_b}
-            qx = qf * x                                                                  # q_i e^{G_i − s_b}
-            # off-diagonal blocks, column block c, rows of block b > c: e^{G_i − e_c} = x_i e^{s_b − e_c}
-            f = _by_block(zero[None, :], one[None, :], tl.exp(e1 - e0)[None, :], tl.exp(e2 - e0)[None, :], BTc, BCc)
-            c = tl.trans(tl.where((blk == 0)[:, None], ky, 0.))
-            A += tl.dot(bkx * f, c, input_precision=MM_PREC)                             # [BT, BKC] @ [BKC, BT]
-            P += tl.dot(qx * f, c, input_precision=MM_PREC)                              # [BT, BKC] @ [BKC, BT]
-            f = _by_block(zero[None, :], zero[None, :], one[None, :], tl.exp(e2 - e1)[None, :], BTc, BCc)
-            c = tl.trans(tl.where((blk == 1)[:, None], ky, 0.))
-            A += tl.dot(bkx * f, c, input_precision=MM_PREC)                             # [BT, BKC] @ [BKC, BT]
-            P += tl.dot(qx * f, c, input_precision=MM_PREC)                              # [BT, BKC] @ [BKC, BT]
-            f = tl.where((blk == 3)[:, None], 1., 0.)
-            c = tl.trans(tl.where((blk == 2)[:, None], ky, 0.))
-            A += tl.dot(bkx * f, c, input_precision=MM_PREC)                             # [BT, BKC] @ [BKC, BT]
-            P += tl.dot(qx * f, c, input_precision=MM_PREC)                              # [BT, BKC] @ [BKC, BT]
-            # diagonal blocks: around the block start when the block's gates sum above -span_max, else exact
-            if worst > -span_max:
-                # k_j e^{s_b − G_j} = ky_j e^{s_b − e_b}, at most e^{span_max}
-                kinv = ky * tl.exp(_by_block(-e0[None, :], (e0 - e1)[None, :], (e1 - e2)[None, :],
-                                             (e2 - e3)[None, :], BTc, BCc))
-                Ad = tl.dot(bkx, tl.trans(kinv), input_precision=MM_PREC)                # [BT, BKC] @ [BKC, BT]
-                Pd = tl.dot(qx, tl.trans(kinv), input_precision=MM_PREC)                 # [BT, BKC] @ [BKC, BT]
+            if AP_FORM == 1:
+                A0, A1, A2, A3, P0, P1, P2, P3 = _kda_ap_rows(
+                    A0, A1, A2, A3, P0, P1, P2, P3, kf, qf, b_G, k_base, q_base, g_base, beta, bos, t0, T_seq,
+                    i_h, H, HV, K, kc0, MM_PREC, BTc, BCc, BKC, g_floor, span_max)
             else:
-                # rare: each column j exactly from e^{G_i − G_j}, i ≥ j
-                bk = kf * b_beta[:, None]
-                Ad = tl.zeros([BTc, BTc], dtype=tl.float32)
-                Pd = tl.zeros([BTc, BTc], dtype=tl.float32)
-                for j in range(BTc):            # a loop, not unrolled: this path is rare
-                    k_j = tl.sum(tl.where((o_t == j)[:, None], kf, 0.), 0)              # [BKC]
-                    G_j = tl.sum(tl.where((o_t == j)[:, None], b_G, 0.), 0)             # [BKC]
-                    keep = (o_t >= j) & (blk == j // BCc)
-                    e = tl.exp(tl.where(keep[:, None], b_G - G_j[None, :], float("-inf")))   # e^{G_i − G_j}
-                    a_col = tl.sum(bk * e * k_j[None, :], 1)                             # [BT]
-                    p_col = tl.sum(qf * e * k_j[None, :], 1)
-                    Ad = tl.where((o_t == j)[None, :], a_col[:, None], Ad)
-                    Pd = tl.where((o_t == j)[None, :], p_col[:, None], Pd)
-            A += tl.where(same & strict, Ad, 0.)
-            P += tl.where(same & incl, Pd, 0.)
+                e0 = _row_of(b_G, BCc - 1, BTc)                                             # G at each block end
+                e1 = _row_of(b_G, 2 * BCc - 1, BTc)
+                e2 = _row_of(b_G, 3 * BCc - 1, BTc)
+                e3 = _row_of(b_G, 4 * BCc - 1, BTc)
+                zero = tl.zeros_like(e0)
+                one = tl.full([BKC], 1., tl.float32)
+                s_rows = _by_block(zero[None, :], e0[None, :], e1[None, :], e2[None, :], BTc, BCc)   # G before the block
+                worst = tl.min(tl.min(b_G - s_rows, 1), 0)
+                x = tl.exp(b_G - s_rows)                                                     # e^{G_i − s_b} ≤ 1
+                ky = kf * tl.exp(_by_block(e0[None, :], e1[None, :], e2[None, :], e3[None, :], BTc, BCc) - b_G)
+                bkx = kf * b_beta[:, None] * x                                               # β_i k_i e^{G_i − s_b}
+                qx = qf * x                                                                  # q_i e^{G_i − s_b}
+                # off-diagonal blocks, column block c, rows of block b > c: e^{G_i − e_c} = x_i e^{s_b − e_c}
+                f = _by_block(zero[None, :], one[None, :], tl.exp(e1 - e0)[None, :], tl.exp(e2 - e0)[None, :], BTc, BCc)
+                c = tl.trans(tl.where((blk == 0)[:, None], ky, 0.))
+                A += tl.dot(bkx * f, c, input_precision=MM_PREC)                             # [BT, BKC] @ [BKC, BT]
+                P += tl.dot(qx * f, c, input_precision=MM_PREC)                              # [BT, BKC] @ [BKC, BT]
+                f = _by_block(zero[None, :], zero[None, :], one[None, :], tl.exp(e2 - e1)[None, :], BTc, BCc)
+                c = tl.trans(tl.where((blk == 1)[:, None], ky, 0.))
+                A += tl.dot(bkx * f, c, input_precision=MM_PREC)                             # [BT, BKC] @ [BKC, BT]
+                P += tl.dot(qx * f, c, input_precision=MM_PREC)                              # [BT, BKC] @ [BKC, BT]
+                f = tl.where((blk == 3)[:, None], 1., 0.)
+                c = tl.trans(tl.where((blk == 2)[:, None], ky, 0.))
+                A += tl.dot(bkx * f, c, input_precision=MM_PREC)                             # [BT, BKC] @ [BKC, BT]
+                P += tl.dot(qx * f, c, input_precision=MM_PREC)                              # [BT, BKC] @ [BKC, BT]
+                # diagonal blocks: around the block start when the block's gates sum above -span_max, else exact
+                if worst > -span_max:
+                    # k_j e^{s_b − G_j} = ky_j e^{s_b − e_b}, at most e^{span_max}
+                    kinv = ky * tl.exp(_by_block(-e0[None, :], (e0 - e1)[None, :], (e1 - e2)[None, :],
+                                                 (e2 - e3)[None, :], BTc, BCc))
+                    Ad = tl.dot(bkx, tl.trans(kinv), input_precision=MM_PREC)                # [BT, BKC] @ [BKC, BT]
+                    Pd = tl.dot(qx, tl.trans(kinv), input_precision=MM_PREC)                 # [BT, BKC] @ [BKC, BT]
+                else:
+                    # rare: each column j exactly from e^{G_i − G_j}, i ≥ j
+                    bk = kf * b_beta[:, None]
+                    Ad = tl.zeros([BTc, BTc], dtype=tl.float32)
+                    Pd = tl.zeros([BTc, BTc], dtype=tl.float32)
+                    for j in range(BTc):            # a loop, not unrolled: this path is rare
+                        k_j = tl.sum(tl.where((o_t == j)[:, None], kf, 0.), 0)              # [BKC]
+                        G_j = tl.sum(tl.where((o_t == j)[:, None], b_G, 0.), 0)             # [BKC]
+                        keep = (o_t >= j) & (blk == j // BCc)
+                        e = tl.exp(tl.where(keep[:, None], b_G - G_j[None, :], float("-inf")))   # e^{G_i − G_j}
+                        a_col = tl.sum(bk * e * k_j[None, :], 1)                             # [BT]
+                        p_col = tl.sum(qf * e * k_j[None, :], 1)
+                        Ad = tl.where((o_t == j)[None, :], a_col[:, None], Ad)
+                        Pd = tl.where((o_t == j)[None, :], p_col[:, None], Pd)
+                A += tl.where(same & strict, Ad, 0.)
+                P += tl.where(same & incl, Pd, 0.)
             # q e^G, k e^{G_last − G} for stage 2 (both exponents ≤ 0)
             G_last = _row_of(b_G, BTc - 1, BTc)                                          # [BKC]
             tl.store(tl.make_block_ptr(qg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
@@ -256,6 +371,9 @@ def chunk_prepare_kernel(
                      boundary_check=(0, 1))
             o_k = kc0 + tl.arange(0, BKC)
             tl.store(glast + (slot * HV + i_h) * K + o_k, tl.exp(G_last), mask=o_k < K)
+        if AP_FORM == 1:
+            A = tl.where(strict, _stack_rows(A0, A1, A2, A3), 0.)
+            P = tl.where(incl, _stack_rows(P0, P1, P2, P3), 0.)
     else:
         b_q = tl.load(tl.make_block_ptr(q_base, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
                       boundary_check=(0, 1))
@@ -486,29 +604,31 @@ def _dot_prec(dtype) -> tuple[str, str, str]:
 
 
 # Stage-1 launch per gate kind (0 none, 1 scalar, 2 per channel): (W/U products in the 16-bit input
-# dtype, num_warps, column chunk BKC of the per-channel gate). From the stage-1 sweep on the H200
+# dtype, num_warps, column chunk BKC of the per-channel gate, form of KDA's A and P: 0 eight [BT, BKC] x
+# [BKC, BT] products per column chunk, 1 four [BC, BKC] x [BKC, BT] ones by row block, a quarter of the
+# multiply-adds, ``_kda_ap_rows``; form 1 is unmeasured on the GPU). From the stage-1 sweep on the H200
 # (benchmarks/sweep_stage1.py, benchmarks/NOTES.md, runs of 0dcbe37 and 6ff14f7): the fastest variant whose
 # bf16 output error against the float64 recurrence is at most 1.05x fla's. KDA keeps its W/U products in
 # tf32: with bf16 products and BKC = 32 its output error was 4.0e-2 in both runs (fla 3.7e-3; BKC = 64:
 # 3.8e-3), see NOTES.
-PREP_CONFIG = {0: (1, 4, 64), 1: (1, 4, 64), 2: (0, 4, 32)}
+PREP_CONFIG = {0: (1, 4, 64, 0), 1: (1, 4, 64, 0), 2: (0, 4, 32, 0)}
 
 
-def prep_config(gate: int) -> tuple[int, int, int]:
+def prep_config(gate: int) -> tuple[int, int, int, int]:
     """The stage-1 launch of a gate kind: PREP_CONFIG, overridden by CHUNKWISE_PREP_CONFIG
-    ("gate:lowp,warps[,bkc];..." as the sweep prints it) and then by CHUNKWISE_PREP_WU_LOWP /
-    CHUNKWISE_PREP_WARPS / CHUNKWISE_PREP_BKC (the sweep's single knobs)."""
+    ("gate:lowp,warps[,bkc[,form]];..." as the sweep prints it) and then by CHUNKWISE_PREP_WU_LOWP /
+    CHUNKWISE_PREP_WARPS / CHUNKWISE_PREP_BKC / CHUNKWISE_PREP_FORM (the sweep's single knobs)."""
     cfg = list(PREP_CONFIG[gate])
     for item in filter(None, os.environ.get("CHUNKWISE_PREP_CONFIG", "").split(";")):
         key, vals = item.split(":")
         if int(key) == gate:
             vals = [int(x) for x in vals.split(",")]
             cfg[:len(vals)] = vals
-    for i, name in enumerate(("WU_LOWP", "WARPS", "BKC")):
+    for i, name in enumerate(("WU_LOWP", "WARPS", "BKC", "FORM")):
         env = os.environ.get(f"CHUNKWISE_PREP_{name}")
         if env:
             cfg[i] = int(env)
-    return cfg[0], cfg[1], cfg[2]
+    return cfg[0], cfg[1], cfg[2], cfg[3]
 
 
 def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None):
@@ -541,14 +661,14 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None):
     else:
         qg = kg = glast = None
     dot_prec, mm_prec, solve_prec = _dot_prec(dt)
-    wu_lowp, warps, bkc = prep_config(gate)
+    wu_lowp, warps, bkc, form = prep_config(gate)
     if n_chunks > 0:
         chunk_prepare_kernel[(n_chunks, B * HV)](
             q, k, v, g, beta, w, u, p, qg, kg, glast, cu_seqlens, chunk_indices, T, NT,
             H=H, HV=HV, K=K, V=V, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)), GATE=gate,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=solve_prec,
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and dt != torch.float32,
-            num_warps=warps, num_stages=1)
+            AP_FORM=form if gate == 2 else 0, num_warps=warps, num_stages=1)
     return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast)
 
 
