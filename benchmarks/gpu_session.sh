@@ -18,6 +18,9 @@ trap 'tar czf "$FINAL/run.tgz" -C "$LOG" . ; cp "$LOG"/*.png "$LOG"/*.json "$FIN
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD/src:$PWD/benchmarks:${PYTHONPATH:-} || exit 1
 export PYTHONUNBUFFERED=1 CHUNKWISE_FAILLOG=$OUT/failures.txt
+# fla's kernels autotune per process: keep each result on disk so that the next process (test worker,
+# benchmark) with the same key skips the search
+export TRITON_CACHE_AUTOTUNING=1
 # kernels compiled for sm_90 off the device (benchmarks/warm_cache.py; carry .triton_sm90): cache hits skip compiling
 if [ -s .triton_sm90/cache.tgz ]; then
   tar xzf .triton_sm90/cache.tgz -C /tmp && export TRITON_CACHE_DIR=/tmp/triton_cache_sm90 \
@@ -73,7 +76,7 @@ if has bwd; then
 fi
 if has verify; then    # the real-size bf16 GPU tests alone (no small fp32 ones), then the 16-bit backward variant's errors
   TAILN=6 step ${VERIFY_T:-240} verify python3 -m pytest -v -n ${NPROC:-12} --max-worker-restart 32 -p no:cacheprovider \
-    -o addopts="" --tb=line -rP tests/test_triton_chunk_fwd.py tests/test_triton_chunk_bwd.py \
+    -o addopts="" --tb=line -rP --durations=20 tests/test_triton_chunk_fwd.py tests/test_triton_chunk_bwd.py \
     -k "real_size or hopper or unaligned or offsets_past"
   grep -h "rel err" "$OUT/verify.log" | sort | head -20
   CHUNKWISE_BWD_LOWP=2 TAILN=6 step ${VERIFY_T:-240} verify_lowp python3 -m pytest -v -n ${NPROC:-12} -p no:cacheprovider \
