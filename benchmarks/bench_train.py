@@ -57,10 +57,14 @@ def bench(fn, grads):
     return triton.testing.do_bench(fn, warmup=10, rep=60, grad_to_none=grads, return_mode="median")
 
 
-def profile(fn):
+def profile(fn, grads=()):
+    """Device time per kernel name (ms) of one call of fn, its leaves' gradients reset first (as do_bench's
+    grad_to_none does: otherwise autograd's accumulation into .grad shows up as elementwise kernels)."""
     from torch.profiler import ProfilerActivity, profile as prof
     fn()
     torch.cuda.synchronize()
+    for t in grads:
+        t.grad = None
     with prof(activities=[ProfilerActivity.CUDA]) as p:
         fn()
         torch.cuda.synchronize()
@@ -116,7 +120,7 @@ def main():
             row["ours_fwdbwd_ms"] = bench(f_ours, grads)
             row["ours_peak_mb"] = peak_mb(f_ours)
             if a.profile and first:
-                row["ours_profile_ms"] = profile(f_ours)
+                row["ours_profile_ms"] = profile(f_ours, grads)
             f = None if a.no_fla else fla_fn(fam)
             if f is not None:   # ours first, so that a run cut while fla compiles and autotunes still reports it
                 print(json.dumps(dict(row, partial="ours only, fla next")), flush=True)

@@ -54,7 +54,7 @@ def run_config(fam, x, do, env, warm, ksplit=0, lowp=0):
     if warm:
         return None, None, got
     ms = bench(f, grads)
-    per = kernel_times(profile(f))
+    per = kernel_times(profile(f, grads))
     return ms, per, got
 
 
