@@ -37,6 +37,9 @@ KERNELS = {
     "fwd_h": ("_fwd_h_kernel",
               dict(k="in", v="in", G="fp32", W="s", U="s", h0="fp32", h="s", R="s"),
               dict(T="i32"), dict(HAS_H0=True, TRANSPOSE=False, LOOP_WHILE=False, chunk_offsets=None)),
+    "intra": ("_intra_kernel",
+              dict(q="in", k="in", beta="in", G="fp32", Amat="fp32", Pmat="fp32"),
+              dict(T="i32"), dict(BC=cb.SUB)),
     "intra_diag": ("_intra_diag_kernel",
                    dict(q="in", k="in", beta="in", G="fp32", Amat="fp32", Pmat="fp32"),
                    dict(T="i32"), dict(BC=cb.SUB, span_max=cb.SPAN_MAX)),
@@ -50,11 +53,11 @@ KERNELS = {
 }
 
 
-def compile_kernel(name, fam="gdn", num_warps=8, K=128, V=128):
+def compile_kernel(name, fam="gdn", num_warps=8, K=128, V=128, num_stages=3, lowp=0, dtype="bf16"):
     kname, ptrs, scalars, extra = KERNELS[name]
     kernel = getattr(cb, kname)
     gate, delta = GATES[fam], fam != "gla"
-    gdt = "bf16" if gate != 2 else "fp32"
+    gdt = dtype if gate != 2 else "fp32"
     sig, consts = {}, dict(cu_seqlens=None, chunk_indices=None)
     for arg, kind in ptrs.items():
         absent = (arg == "G" and not gate) or (arg in ("beta", "Tmat", "W", "U", "R", "dbeta") and not delta) or \
@@ -62,9 +65,11 @@ def compile_kernel(name, fam="gdn", num_warps=8, K=128, V=128):
         if absent:
             consts[arg] = None
         else:
-            sig[arg] = "*" + {"in": "bf16", "s": "bf16", "g": gdt, "fp32": "fp32"}[kind]
+            sig[arg] = "*" + {"in": dtype, "s": dtype, "g": gdt, "fp32": "fp32"}[kind]
     sig.update(scalars)
-    params = dict(H=32, HV=32, K=K, V=V, BK=K, BV=32, C=cb.CHUNK, GATE=gate, DELTA=delta, IS_VARLEN=False, PREC="tf32")
+    params = dict(H=32, HV=32, K=K, V=V, BK=K, BV=32, C=cb.CHUNK, GATE=gate, DELTA=delta, IS_VARLEN=False,
+                  PREC="tf32" if dtype != "fp32" else "tf32x3",
+                  LOWP=lowp)
     params.update(extra)
     consts.update({p: v for p, v in params.items() if p in kernel.arg_names})
     for arg in list(consts):
@@ -74,7 +79,7 @@ def compile_kernel(name, fam="gdn", num_warps=8, K=128, V=128):
     sig = {n: sig[n] for n in kernel.arg_names if n in sig}
     attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items() if t.startswith("*")}
     return triton.compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=3))
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
 def ptxas(compiled):
@@ -87,10 +92,14 @@ def main():
     ap.add_argument("--kernels", default="bwd_grad")
     ap.add_argument("--fams", default="gdn,kda,delta")
     ap.add_argument("--warps", default="4,8")
+    ap.add_argument("--K", type=int, default=128)
+    ap.add_argument("--dtype", default="bf16", help="the inputs' dtype: bf16, fp16 or fp32")
+    ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--lowp", type=int, default=0, help="16-bit product operands (the LOWP constexpr, where a kernel has it)")
     a = ap.parse_args()
     print(f"{'kernel':10s} {'fam':6s} {'warps':>5s} {'regs':>5s} {'spill B':>8s} {'smem B':>8s}")
     for name, fam, w in itertools.product(a.kernels.split(","), a.fams.split(","), map(int, a.warps.split(","))):
-        c = compile_kernel(name, fam, w)
+        c = compile_kernel(name, fam, w, K=a.K, num_stages=a.stages, lowp=a.lowp, dtype=a.dtype)
         regs, spill = ptxas(c)
         print(f"{name:10s} {fam:6s} {w:5d} {regs:5d} {spill:8d} {c.metadata.shared:8d}", flush=True)
 

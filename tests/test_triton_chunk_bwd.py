@@ -119,10 +119,19 @@ def test_grads_fp16(fam):
 
 
 def test_wide_keys_clear_error():
-    """K > 128 has no triton backward (shared memory): a clear error naming K and the way out."""
-    inp = make_inputs("gdn", B=1, T=20, H=1, K=160, V=16, seed=6)
-    with pytest.raises(NotImplementedError, match="K=160"):
+    """K > 256 has no triton kernels (shared memory): a clear error naming K, before anything runs."""
+    inp = make_inputs("gdn", B=1, T=20, H=1, K=264, V=16, seed=6)
+    with pytest.raises(ValueError, match="K=264"):
         _grads(inp, "triton", torch.float32)
+
+
+@pytest.mark.parametrize("K", [256, 160])
+@pytest.mark.parametrize("fam", FAMS)
+def test_grads_wide_keys(fam, K):
+    """K = 256 (four 64-wide column blocks on the key side, one pipeline stage in the state passes) and
+    K = 160 (a 256-wide tile, masked), two chunks, grouped heads, against the float64 reference."""
+    inp = make_inputs(fam, B=1, T=70, H=1, HV=2, K=K, V=16, seed=6)
+    _compare(inp, TOL[torch.float32])
 
 
 @pytest.mark.parametrize("fam", ("gdn", "kda"))

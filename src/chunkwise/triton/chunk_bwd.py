@@ -42,7 +42,7 @@ from .align import cut_state, pad_last, pad_state, padded_dims
 
 CHUNK = 64
 SUB = 16
-MAX_K = 128   # the backward's kernels are built and measured up to K = 128 (sm_90 shared memory: 227 KB)
+MAX_K = 256   # the backward's kernels fit one H200 SM's shared memory up to K = 256 (_num_stages)
 GATE_FLOOR = 40.0
 SPAN_MAX = 80.0   # a 16-token diagonal block whose gates span more takes the exact pair-by-pair path
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -165,38 +165,49 @@ def _intra_kernel(q, k, beta, G, Amat, Pmat, cu_seqlens, chunk_indices, T,
     m_t = o_t < L
     m_k = o_k < K
     rows = (t0 + o_t).to(tl.int64)
-    p_qk = (rows[:, None] * H + i_hk) * K + o_k[None, :]
-    m_tk = m_t[:, None] & m_k[None, :]
-    b_q = tl.load(q + p_qk, mask=m_tk, other=0.).to(tl.float32)
-    b_k = tl.load(k + p_qk, mask=m_tk, other=0.).to(tl.float32)
     if DELTA:
         b_beta = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.).to(tl.float32)
     else:
         b_beta = tl.zeros([C], dtype=tl.float32)
-    b_kb = b_k * b_beta[:, None]
     i_ge_j = o_t[:, None] >= o_t[None, :]
     i_gt_j = o_t[:, None] > o_t[None, :]
     m_cc = m_t[:, None] & m_t[None, :]
     p_cc = (rows[:, None] * HV + i_h) * C + o_t[None, :]
     if GATE == 2:
-        b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, True)
+        # in column chunks of at most 128 channels (A and P are sums over channels): [C, 256] fp32 operands
+        # would need more shared memory than an SM has (sm_90, fp32 inputs: 262144 B)
+        BKI: tl.constexpr = BK if BK <= 128 else 128
         b_P = tl.zeros([C, C], dtype=tl.float32)
         b_A = tl.zeros([C, C], dtype=tl.float32)
-        for jb in tl.static_range(C // BC - 1):
-            r = jb * BC + BC - 1
-            b_Gr = tl.sum(tl.where((o_t == r)[:, None], b_G, 0.), axis=0)                   # [BK]
-            b_left = tl.exp(tl.where((o_t > r)[:, None], b_G - b_Gr[None, :], float("-inf")))
-            in_blk = (o_t // BC) == jb
-            b_right = tl.exp(tl.where(in_blk[:, None], b_Gr[None, :] - b_G, float("-inf")))
-            b_kr = b_k * b_right
-            b_P += tl.dot(b_q * b_left, tl.trans(b_kr), input_precision=PREC)         # [C, BK] @ [BK, C]
-            if DELTA:
-                b_A += tl.dot(b_kb * b_left, tl.trans(b_kr), input_precision=PREC)    # [C, BK] @ [BK, C]
+        for kc in tl.static_range(BK // BKI):
+            o_kc = kc * BKI + tl.arange(0, BKI)
+            m_kc = o_kc < K
+            p_c = (rows[:, None] * H + i_hk) * K + o_kc[None, :]
+            m_c = m_t[:, None] & m_kc[None, :]
+            b_qc = tl.load(q + p_c, mask=m_c, other=0.).to(tl.float32)
+            b_kc = tl.load(k + p_c, mask=m_c, other=0.).to(tl.float32)
+            b_G, b_last = _load_gate_cols(G, t0, L, i_h, o_kc, m_kc, HV, K, C)
+            for jb in tl.static_range(C // BC - 1):
+                r = jb * BC + BC - 1
+                b_Gr = tl.sum(tl.where((o_t == r)[:, None], b_G, 0.), axis=0)               # [BKI]
+                b_left = tl.exp(tl.where((o_t > r)[:, None], b_G - b_Gr[None, :], float("-inf")))
+                in_blk = (o_t // BC) == jb
+                b_right = tl.exp(tl.where(in_blk[:, None], b_Gr[None, :] - b_G, float("-inf")))
+                b_kr = b_kc * b_right
+                b_P += tl.dot(b_qc * b_left, tl.trans(b_kr), input_precision=PREC)     # [C, BKI] @ [BKI, C]
+                if DELTA:
+                    b_A += tl.dot(b_kc * b_beta[:, None] * b_left, tl.trans(b_kr),
+                                  input_precision=PREC)                                 # [C, BKI] @ [BKI, C]
         off = (o_t[:, None] // BC) != (o_t[None, :] // BC)
         tl.store(Pmat + p_cc, b_P, mask=m_cc & off)
         if DELTA:
             tl.store(Amat + p_cc, b_A, mask=m_cc & off)
     else:
+        p_qk = (rows[:, None] * H + i_hk) * K + o_k[None, :]
+        m_tk = m_t[:, None] & m_k[None, :]
+        b_q = tl.load(q + p_qk, mask=m_tk, other=0.).to(tl.float32)
+        b_k = tl.load(k + p_qk, mask=m_tk, other=0.).to(tl.float32)
+        b_kb = b_k * b_beta[:, None]
         if GATE == 1:
             b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
             b_gam = tl.exp(tl.where(i_ge_j, b_G[:, None] - b_G[None, :], float("-inf")))
@@ -971,14 +982,20 @@ def _bwd_diag_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbeta, dG, cu_seqlens, c
 # launcher
 # ------------------------------------------------------------------------------------------------
 
-def _num_stages(dtype: torch.dtype, BK: int) -> int:
-    """Software-pipeline depth of every backward kernel.
+def _num_stages(dtype: torch.dtype, BK: int, state_pass: bool = False) -> int:
+    """Software-pipeline depth of a backward kernel (``state_pass``: the serial fwd_h / bwd_dh).
 
-    3 (Triton's default: the measured bf16 path) except fp32 inputs with BK = 128, which take 2: their
-    sm_90 builds at 3 stages need more shared memory than one H200 block may use (232448 B):
-    _bwd_dh_kernel 246792 B (GDN) / 345088 B (KDA), _fwd_h_kernel 254976 B (KDA); at 2 stages
-    _bwd_dh_kernel needs 131588 / 205312 B (compiled off the device with triton 3.6 for sm_90).
+    3 (Triton's default: the measured bf16 path) except where one H200 block's shared memory (232448 B)
+    would not hold it (sizes of the sm_90 builds, compiled off the device with triton 3.6,
+    benchmarks/bwd_sass.py):
+    - fp32 inputs, BK = 128: 2. At 3 stages _bwd_dh_kernel needs 246792 B (GDN) / 345088 B (KDA),
+      _fwd_h_kernel 254976 B (KDA); at 2, _bwd_dh_kernel 131588 / 205312 B.
+    - BK = 256: 2 for 16-bit inputs, 1 for fp32, and 1 for the state passes. At K = V = 128 (BV = 32) the
+      16-bit state passes take 156-230 KB at 2 stages (GDN / DeltaNet, 16-bit products), the fp32 ones at
+      1 stage 64 KB (GDN) to 192 KB (KDA _bwd_dh_kernel); the other kernels at most 164 KB.
     """
+    if BK > 128:
+        return 1 if state_pass or dtype == torch.float32 else 2
     return 2 if dtype == torch.float32 and BK > 64 else 3
 
 
@@ -1003,7 +1020,7 @@ BWD_KSPLIT = 64
 BWD_LOWP = 2
 
 
-def _warps(name: str, gate: int = 0) -> int:
+def _warps(name: str, gate: int) -> int:
     for item in filter(None, os.environ.get("CHUNKWISE_BWD_WARPS", "").split(",")):
         key, val = item.split(":")
         if key == name or key == "all":
@@ -1036,9 +1053,8 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     HV, V = v.shape[2], v.shape[3]
     if K > MAX_K:
         raise NotImplementedError(
-            f"the triton chunk backward supports head dims K <= {MAX_K} (got K={K}): at K = 256 its state passes "
-            f"would need more shared memory than one SM has (per-channel gate, offline sm_90: 346-383 KB of 227 KB); "
-            f"use backend='torch' to train with K={K}")
+            f"the triton chunk backward supports head dims K <= {MAX_K} (got K={K}): wider keys would need more "
+            f"shared memory than one SM has; use backend='torch' to train with K={K}")
     C, BC = CHUNK, SUB
     dev = q.device
     varlen = cu_seqlens is not None
@@ -1071,6 +1087,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     level = int(os.environ.get("CHUNKWISE_BWD_LOWP", BWD_LOWP)) if q.dtype in (torch.bfloat16, torch.float16) else 0
     lowp, lowp_wu = level >= 1, level >= 2
     ns = _num_stages(q.dtype, BK)
+    ns_state = _num_stages(q.dtype, BK, state_pass=True)
     q, k, v, do = (x.contiguous() for x in (q, k, v, do))
     if do.dtype != q.dtype:
         do = do.to(q.dtype)
@@ -1098,23 +1115,23 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     if gate:
         G = buf(*g.shape)
         _gate_cumsum_kernel[grid_c](g, G, floor=GATE_FLOOR, HV=HV, K=K, BK=BK, C=C, PER_CHANNEL=gate == 2,
-                                    IS_VARLEN=varlen, num_warps=_warps("gate_cumsum"), num_stages=ns, **common)
+                                    IS_VARLEN=varlen, num_warps=_warps("gate_cumsum", gate), num_stages=ns, **common)
     Amat = buf(B, T, HV, C) if delta else None
     Pmat = buf(B, T, HV, C)
     _intra_kernel[grid_c](q, k, beta, G, Amat, Pmat, H=H, HV=HV, K=K, BK=BK, C=C, BC=BC, GATE=gate, DELTA=delta,
-                          IS_VARLEN=varlen, PREC=prec, num_warps=_warps("intra"), num_stages=ns, **common)
+                          IS_VARLEN=varlen, PREC=prec, num_warps=_warps("intra", gate), num_stages=ns, **common)
     if gate == 2:
         _intra_diag_kernel[grid_c](q, k, beta, G, Amat, Pmat, H=H, HV=HV, K=K, BK=BK, C=C, BC=BC, DELTA=delta,
-                                   IS_VARLEN=varlen, PREC=prec, span_max=SPAN_MAX, num_warps=_warps("intra_diag"),
+                                   IS_VARLEN=varlen, PREC=prec, span_max=SPAN_MAX, num_warps=_warps("intra_diag", gate),
                                    num_stages=ns, **common)
     Tmat = W = U = R = None
     if delta:
         Tmat = buf(B, T, HV, C)
-        _solve_kernel[grid_c](Amat, Tmat, HV=HV, C=C, BC=BC, IS_VARLEN=varlen, PREC=prec, num_warps=_warps("solve"), num_stages=ns, **common)
+        _solve_kernel[grid_c](Amat, Tmat, HV=HV, C=C, BC=BC, IS_VARLEN=varlen, PREC=prec, num_warps=_warps("solve", gate), num_stages=ns, **common)
         W, U = buf(B, T, HV, K, dtype=sdt), buf(B, T, HV, V, dtype=sdt)
     dRl = buf(B, T, HV, V, dtype=sdt)
     _wu_kernel[grid_c](k, v, beta, G, Tmat, Pmat, do, W, U, dRl, scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
-                       C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_wu, num_warps=_warps("wu"),
+                       C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_wu, num_warps=_warps("wu", gate),
                        num_stages=ns, **common)
 
     h = buf(NC, HV, K, V, dtype=sdt)
@@ -1123,7 +1140,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     seq = dict(cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, T=T)
     _fwd_h_kernel[grid_s](k, v, G, W, U, h0, h, R, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate,
                           DELTA=delta, HAS_H0=has_h0, TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen,
-                          PREC=prec, LOOP_WHILE=_INTERPRET, LOWP=lowp, num_warps=_warps("fwd_h", gate), num_stages=ns,
+                          PREC=prec, LOOP_WHILE=_INTERPRET, LOWP=lowp, num_warps=_warps("fwd_h", gate), num_stages=ns_state,
                           **seq)
     dh = buf(NC, HV, K, V, dtype=sdt)
     dR = buf(B, T, HV, V, dtype=sdt)
@@ -1131,7 +1148,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     _bwd_dh_kernel[grid_s](q, k, G, W, dRl, do, dht, dh, dR, dh0, scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
                            C=C, GATE=gate, DELTA=delta, HAS_DHT=dht is not None, HAS_H0=has_h0,
                            TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen, PREC=prec, LOOP_WHILE=_INTERPRET,
-                           LOWP=lowp, num_warps=_warps("bwd_dh"), num_stages=ns, **seq)
+                           LOWP=lowp, num_warps=_warps("bwd_dh", gate), num_stages=ns_state, **seq)
     del dRl
 
     # gradients go out in the input dtype directly unless they are summed over head groups or
@@ -1142,7 +1159,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     dG = buf(*g.shape) if gate else None
     _bwd_dv_kernel[grid_c](q, k, v, beta, G, Tmat, h, R, dR, do, Pmat, Amat, dq, dv, dbeta, dG, scale=scale, H=H,
                            HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
-                           num_warps=_warps("bwd_dv"), num_stages=ns, **common)
+                           num_warps=_warps("bwd_dv", gate), num_stages=ns, **common)
     bkh = int(os.environ.get("CHUNKWISE_BWD_KSPLIT", BWD_KSPLIT))   # the key side's column block (0: one block)
     bkh = BK if bkh <= 0 else min(max(16, triton.next_power_of_2(bkh)), BK)
     _bwd_grad_kernel[grid_c](q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, dk, dbeta, dG,
@@ -1152,7 +1169,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     if gate == 2:
         _bwd_diag_kernel[grid_c](q, k, beta, G, Pmat, Amat, dq, dk, dbeta, dG, H=H, HV=HV, K=K, BK=BK, C=C, BC=BC,
                                  DELTA=delta, IS_VARLEN=varlen, PREC=prec, span_max=SPAN_MAX,
-                                 num_warps=_warps("bwd_diag"), num_stages=ns, **common)
+                                 num_warps=_warps("bwd_diag", gate), num_stages=ns, **common)
     if HV != H:
         dq = dq.view(B, T, H, HV // H, K).sum(3)
         dk = dk.view(B, T, H, HV // H, K).sum(3)
