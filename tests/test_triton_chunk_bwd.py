@@ -287,6 +287,18 @@ def test_offsets_past_2_31():
         assert rel_err(a, b) <= 1e-3, f"{name}: {rel_err(a, b):.2e}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("fused", [0, 1])
+@pytest.mark.parametrize("fam", ("gdn", "delta"))
+def test_grads_recompute_paths(fam, fused, dtype, monkeypatch):
+    """The backward's recompute of T, W, U and dR_local: in one pass with the forward's stage-1 kernel
+    (CHUNKWISE_BWD_FUSED_PREP=1, the default for scalar / no gates) or with the intra / solve / wu kernels:
+    gradients of every input, varlen with a length-1 sequence and grouped heads."""
+    monkeypatch.setenv("CHUNKWISE_BWD_FUSED_PREP", str(fused))
+    inp = make_inputs(fam, lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, seed=9)
+    _compare(inp, TOL[dtype], dtype=dtype)
+
+
 @pytest.mark.parametrize("level", [0, 1, 2])
 @pytest.mark.parametrize("fam", FAMS)
 def test_grads_16_bit_products(fam, level, monkeypatch):

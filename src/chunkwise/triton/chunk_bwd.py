@@ -1009,7 +1009,7 @@ def _num_stages(dtype: torch.dtype, BK: int, state_pass: bool = False) -> int:
 # CHUNKWISE_BWD_WARPS="wu:4,bwd_grad:4" ("all:N" for every kernel) and CHUNKWISE_BWD_KSPLIT (0: one block)
 # override these (the sweep's knobs).
 BWD_WARPS = {"gate_cumsum": 4, "intra": 4, "intra_diag": 4, "solve": 4, "wu": 4, "fwd_h": 4, "bwd_dh": 4,
-             "bwd_dv": 4, "bwd_grad": 4, "bwd_diag": 4}
+             "bwd_dv": 4, "bwd_grad": 4, "bwd_diag": 4, "prep": 4}     # prep: the fused recompute (BWD_FUSED_PREP)
 BWD_WARPS_PER_CHANNEL = {"fwd_h": 8, "bwd_dh": 8, "bwd_grad": 8, "intra_diag": 8}     # KDA (per-channel gate)
 BWD_KSPLIT = 64
 # 16-bit inputs: the products' operands in the input dtype, fp32 accumulation. 1: the two serial state
@@ -1018,6 +1018,11 @@ BWD_KSPLIT = 64
 # gradient errors against float64 at fla's (ours / fla, bf16: DeltaNet k 5.41e-3 / 5.72e-3, v 4.06e-3 /
 # 4.05e-3; KDA beta 3.45e-3 / 3.42e-3, every other input at or under fla's). CHUNKWISE_BWD_LOWP overrides.
 BWD_LOWP = 2
+# Scalar / no gate with the delta rule: recompute T, W, U and dR_local in one pass per chunk with the forward's
+# stage-1 kernel (A and P never reach memory: ~2.4 GB of traffic instead of ~5.4 GB at B1-T32768-H32)
+# instead of the intra / solve / wu kernels (1.5-1.6 ms on the H200, run of b699467). Unmeasured on the GPU;
+# CHUNKWISE_BWD_FUSED_PREP=0 takes the three kernels.
+BWD_FUSED_PREP = 1
 
 
 def _warps(name: str, gate: int) -> int:
@@ -1118,21 +1123,29 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                                     IS_VARLEN=varlen, num_warps=_warps("gate_cumsum", gate), num_stages=ns, **common)
     Amat = buf(B, T, HV, C) if delta else None
     Pmat = buf(B, T, HV, C)
-    _intra_kernel[grid_c](q, k, beta, G, Amat, Pmat, H=H, HV=HV, K=K, BK=BK, C=C, BC=BC, GATE=gate, DELTA=delta,
-                          IS_VARLEN=varlen, PREC=prec, num_warps=_warps("intra", gate), num_stages=ns, **common)
-    if gate == 2:
-        _intra_diag_kernel[grid_c](q, k, beta, G, Amat, Pmat, H=H, HV=HV, K=K, BK=BK, C=C, BC=BC, DELTA=delta,
-                                   IS_VARLEN=varlen, PREC=prec, span_max=SPAN_MAX, num_warps=_warps("intra_diag", gate),
-                                   num_stages=ns, **common)
     Tmat = W = U = R = None
     if delta:
         Tmat = buf(B, T, HV, C)
-        _solve_kernel[grid_c](Amat, Tmat, HV=HV, C=C, BC=BC, IS_VARLEN=varlen, PREC=prec, num_warps=_warps("solve", gate), num_stages=ns, **common)
         W, U = buf(B, T, HV, K, dtype=sdt), buf(B, T, HV, V, dtype=sdt)
     dRl = buf(B, T, HV, V, dtype=sdt)
-    _wu_kernel[grid_c](k, v, beta, G, Tmat, Pmat, do, W, U, dRl, scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
-                       C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_wu, num_warps=_warps("wu", gate),
-                       num_stages=ns, **common)
+    if delta and gate != 2 and int(os.environ.get("CHUNKWISE_BWD_FUSED_PREP", BWD_FUSED_PREP)):
+        # one pass per chunk (the forward's stage-1 kernel): T, W, U, dR_local; A and P stay in registers,
+        # Amat and Pmat are only the scratch the value and key sides write dT_v / dA / dP into
+        from .chunk_fwd import chunk_prepare_bwd
+        chunk_prepare_bwd(q, k, v, g, beta, do, scale, W, U, Tmat, dRl, cu_seqlens, chunk_indices, wu_lowp=lowp_wu,
+                          num_warps=_warps("prep", gate))
+    else:
+        _intra_kernel[grid_c](q, k, beta, G, Amat, Pmat, H=H, HV=HV, K=K, BK=BK, C=C, BC=BC, GATE=gate, DELTA=delta,
+                              IS_VARLEN=varlen, PREC=prec, num_warps=_warps("intra", gate), num_stages=ns, **common)
+        if gate == 2:
+            _intra_diag_kernel[grid_c](q, k, beta, G, Amat, Pmat, H=H, HV=HV, K=K, BK=BK, C=C, BC=BC, DELTA=delta,
+                                       IS_VARLEN=varlen, PREC=prec, span_max=SPAN_MAX, num_warps=_warps("intra_diag", gate),
+                                       num_stages=ns, **common)
+        if delta:
+            _solve_kernel[grid_c](Amat, Tmat, HV=HV, C=C, BC=BC, IS_VARLEN=varlen, PREC=prec, num_warps=_warps("solve", gate), num_stages=ns, **common)
+        _wu_kernel[grid_c](k, v, beta, G, Tmat, Pmat, do, W, U, dRl, scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
+                           C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_wu, num_warps=_warps("wu", gate),
+                           num_stages=ns, **common)
 
     h = buf(NC, HV, K, V, dtype=sdt)
     if delta:

@@ -261,14 +261,19 @@ def chunk_prepare_kernel(
     q, k, v, g, beta,            # [B,T,H,K] [B,T,H,K] [B,T,HV,V] None|[B,T,HV]|[B,T,HV,K] fp32, [B,T,HV]
     w, u, p,                     # out: [B,T,HV,K] [B,T,HV,V] [B,T,HV,BT] (input dtype)
     qg, kg, glast,               # out (GATE == 2): [B,T,HV,K] [B,T,HV,K] input dtype, [slots,HV,K] fp32
+    do, t_out, drl,              # BWD: [B,T,HV,V] in; out [B,T,HV,BT] fp32, [B,T,HV,V] (do's dtype)
     cu_seqlens, chunk_indices,   # varlen: [N+1], [NT_total, 2] (sequence, chunk in sequence)
-    T, NT, H, HV, K, V,
+    T, NT, H, HV, K, V, scale,
     BTc: tl.constexpr, BCc: tl.constexpr, BK: tl.constexpr, BVf: tl.constexpr, BKC: tl.constexpr,
     GATE: tl.constexpr,          # 0 none, 1 scalar, 2 per channel
     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, MM_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
     g_floor: tl.constexpr, span_max: tl.constexpr, WU_LOWP: tl.constexpr = 0, AP_FORM: tl.constexpr = 0,
+    BWD: tl.constexpr = 0,
 ):
-    """One chunk of one value head: see the module docstring (stage 1). Grid (chunks, B·HV)."""
+    """One chunk of one value head: see the module docstring (stage 1). Grid (chunks, B·HV).
+
+    BWD (the backward's recompute, scalar / no gate): instead of P, write T = (I + A)⁻¹ (fp32) and
+    dR_local = scale Pᵀ dO, next to W and U; A and P never reach memory."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
     i_hk = i_h // (HV // H)
@@ -391,10 +396,22 @@ def chunk_prepare_kernel(
             A = tl.where(strict, KK, 0.) * b_beta[:, None]
             P = tl.where(incl, QK, 0.)
             Xk = b_k.to(tl.float32) * b_beta[:, None]
-    tl.store(tl.make_block_ptr(p + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0), (BTc, BTc), (1, 0)),
-             P.to(p.dtype.element_ty), boundary_check=(0, 1))
+    if not BWD:
+        tl.store(tl.make_block_ptr(p + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0), (BTc, BTc),
+                                   (1, 0)), P.to(p.dtype.element_ty), boundary_check=(0, 1))
 
     Tm = _solve_unit_lower(A, SOLVE_PREC, BTc, BCc)                                      # (I + A)^-1
+    if BWD:
+        tl.store(tl.make_block_ptr(t_out + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0),
+                                   (BTc, BTc), (1, 0)), Tm, boundary_check=(0, 1))
+        b_do = tl.load(tl.make_block_ptr(do + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf),
+                                         (1, 0)), boundary_check=(0, 1))
+        if WU_LOWP:     # P in the input dtype, as the backward's W / U recompute does at BWD_LOWP 2
+            b_drl = tl.dot(tl.trans(P.to(b_do.dtype)), b_do, input_precision=MM_PREC)    # [BT, BT] @ [BT, BV]
+        else:
+            b_drl = tl.dot(tl.trans(P), b_do.to(tl.float32), input_precision=MM_PREC)    # [BT, BT] @ [BT, BV]
+        tl.store(tl.make_block_ptr(drl + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf), (1, 0)),
+                 (b_drl * scale).to(drl.dtype.element_ty), boundary_check=(0, 1))
     if WU_LOWP:         # W, U products in the input dtype (tensor cores at the 16-bit rate), as fla does
         Tm = Tm.to(w.dtype.element_ty)
     if GATE == 2:
@@ -664,12 +681,35 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None):
     wu_lowp, warps, bkc, form = prep_config(gate)
     if n_chunks > 0:
         chunk_prepare_kernel[(n_chunks, B * HV)](
-            q, k, v, g, beta, w, u, p, qg, kg, glast, cu_seqlens, chunk_indices, T, NT,
-            H=H, HV=HV, K=K, V=V, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)), GATE=gate,
+            q, k, v, g, beta, w, u, p, qg, kg, glast, None, None, None, cu_seqlens, chunk_indices, T, NT,
+            H=H, HV=HV, K=K, V=V, scale=1.0, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)), GATE=gate,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=solve_prec,
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and dt != torch.float32,
             AP_FORM=form if gate == 2 else 0, num_warps=warps, num_stages=1)
     return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast)
+
+
+def chunk_prepare_bwd(q, k, v, g, beta, do, scale, w, u, t_out, drl, cu_seqlens=None, chunk_indices=None,
+                      wu_lowp=True, num_warps=4):
+    """The backward's recompute for the delta rule with a scalar gate or none, in one pass per chunk (BWD
+    mode of chunk_prepare_kernel): fills w [B,T,HV,K], u [B,T,HV,V] (16-bit for 16-bit inputs), t_out =
+    (I + A)⁻¹ [B,T,HV,64] fp32 and drl = scale Pᵀ dO [B,T,HV,V]. ``wu_lowp``: the products of T and P
+    with 16-bit operands (16-bit inputs only), as chunk_bwd's BWD_LOWP level 2."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    gate = _gate_kind(g)
+    assert gate != 2 and beta is not None, "chunk_prepare_bwd: delta rule, scalar gate or none"
+    NT = triton.cdiv(T, BT)
+    n_chunks = chunk_indices.shape[0] if cu_seqlens is not None else NT
+    dot_prec, mm_prec, solve_prec = _dot_prec(q.dtype)
+    bkc = prep_config(gate)[2]
+    if n_chunks > 0:
+        chunk_prepare_kernel[(n_chunks, B * HV)](
+            q, k, v, g, beta, w, u, None, None, None, None, do, t_out, drl, cu_seqlens, chunk_indices, T, NT,
+            H=H, HV=HV, K=K, V=V, scale=scale, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)),
+            GATE=gate, IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=solve_prec,
+            g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and q.dtype != torch.float32, BWD=True,
+            num_warps=num_warps, num_stages=1)
 
 
 def chunk_p(q, k, g, v_heads, cu_seqlens=None, chunk_indices=None):
