@@ -27,9 +27,11 @@ if [ -s .triton_sm90/cache.tgz ]; then
     && echo "prebuilt triton cache: $(ls /tmp/triton_cache_sm90 | wc -l) kernels"
 fi
 nvidia-smi -L; python3 -c "import torch, triton, fla; print(torch.__version__, triton.__version__, fla.__version__)"
-step() { local t=$1; shift; local name=$1; shift; local s=$(date +%s)
+ncache() { ls "${TRITON_CACHE_DIR:-$HOME/.triton/cache}" 2>/dev/null | wc -l; }
+step() { local t=$1; shift; local name=$1; shift; local s=$(date +%s) c0=$(ncache)
   timeout "$t" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
-  echo "== $name rc=$rc $(( $(date +%s) - s ))s"; tail -n "${TAILN:-6}" "$OUT/$name.log"; }
+  # kernels compiled here during the step (cache entries added): 0 means the prebuilt cache held them all
+  echo "== $name rc=$rc $(( $(date +%s) - s ))s, $(( $(ncache) - c0 )) new cache entries"; tail -n "${TAILN:-6}" "$OUT/$name.log"; }
 warm_bwd() { for f in gdn delta kda; do for w in 4 8; do
   timeout 200 python3 benchmarks/sweep_bwd.py --warm --fams $f --warps $w > "$OUT/warm_bwd_${f}_$w.log" 2>&1 & done; done; wait; }
 
