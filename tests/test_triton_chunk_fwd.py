@@ -62,6 +62,7 @@ CASES = {
     "varlen_len1_h0": (dict(lengths=[1, 70, 26], H=1, HV=2, K=KS[0], V=VS[0]), {}),
     "varlen_transposed_no_h0": (dict(lengths=[65, 1, 3], H=1, HV=1, K=KS[0], V=VS[0], h0=False),
                                 dict(transpose=True)),
+    "widest_heads": (dict(B=1, T=70, H=1, HV=2, K=256, V=256), {}),      # the Triton limit, K = V = 256
 }
 
 
