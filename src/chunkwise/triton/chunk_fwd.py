@@ -157,6 +157,25 @@ def _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc: tl.constexpr, g_floor: tl.const
 
 
 @triton.jit
+def _kda_diag_exact(kf, qf, bk, b_G, BTc: tl.constexpr, BCc: tl.constexpr):
+    """KDA's diagonal 16×16 blocks of A (without β: bk = β k) and P, each column j exactly from
+    e^{G_i − G_j}, i ≥ j in j's block, for blocks whose gates span too far to factor (rare: a loop, not
+    unrolled). kf, qf, bk, b_G: [BT, BKC] fp32. Returns (Ad, Pd) [BT, BT], zero off those blocks."""
+    o_t = tl.arange(0, BTc)
+    blk = o_t // BCc
+    Ad = tl.zeros([BTc, BTc], dtype=tl.float32)
+    Pd = tl.zeros([BTc, BTc], dtype=tl.float32)
+    for j in range(BTc):
+        k_j = tl.sum(tl.where((o_t == j)[:, None], kf, 0.), 0)                          # [BKC]
+        G_j = tl.sum(tl.where((o_t == j)[:, None], b_G, 0.), 0)                         # [BKC]
+        m_j = (o_t >= j) & (blk == j // BCc)
+        e = tl.exp(tl.where(m_j[:, None], b_G - G_j[None, :], float("-inf")))           # e^{G_i − G_j}
+        Ad = tl.where((o_t == j)[None, :], tl.sum(bk * e * k_j[None, :], 1)[:, None], Ad)
+        Pd = tl.where((o_t == j)[None, :], tl.sum(qf * e * k_j[None, :], 1)[:, None], Pd)
+    return Ad, Pd
+
+
+@triton.jit
 def _stack_rows(x0, x1, x2, x3):
     """[4·R, N] from four [R, N] row blocks, in order."""
     R: tl.constexpr = x0.shape[0]
@@ -233,18 +252,9 @@ def _kda_ap_rows(A0, A1, A2, A3, P0, P1, P2, P3, kf, qf, b_G, k_base, q_base, g_
             A3 += a_b
             P3 += p_b
     if own == 0:
-        # rare: the diagonal blocks exactly, each column j from e^{G_i − G_j}, i ≥ j in j's block
+        # rare: the diagonal blocks exactly
         b_beta = tl.load(beta + (bos + t0 + o_t) * HV + i_h, mask=t0 + o_t < T_seq, other=0.).to(tl.float32)
-        bk = kf * b_beta[:, None]
-        Ad = tl.zeros([BTc, BTc], dtype=tl.float32)
-        Pd = tl.zeros([BTc, BTc], dtype=tl.float32)
-        for j in range(BTc):            # a loop, not unrolled: this path is rare
-            k_j = tl.sum(tl.where((o_t == j)[:, None], kf, 0.), 0)                      # [BKC]
-            G_j = tl.sum(tl.where((o_t == j)[:, None], b_G, 0.), 0)                     # [BKC]
-            m_j = (o_t >= j) & (blk == j // BCc)
-            e = tl.exp(tl.where(m_j[:, None], b_G - G_j[None, :], float("-inf")))       # e^{G_i − G_j}
-            Ad = tl.where((o_t == j)[None, :], tl.sum(bk * e * k_j[None, :], 1)[:, None], Ad)
-            Pd = tl.where((o_t == j)[None, :], tl.sum(qf * e * k_j[None, :], 1)[:, None], Pd)
+        Ad, Pd = _kda_diag_exact(kf, qf, kf * b_beta[:, None], b_G, BTc, BCc)
         A0 += _block_rows(Ad, 0, BCc)
         A1 += _block_rows(Ad, 1, BCc)
         A2 += _block_rows(Ad, 2, BCc)
@@ -353,18 +363,7 @@ def chunk_prepare_kernel(
                     Pd = tl.dot(qx, tl.trans(kinv), input_precision=MM_PREC)                 # [BT, BKC] @ [BKC, BT]
                 else:
                     # rare: each column j exactly from e^{G_i − G_j}, i ≥ j
-                    bk = kf * b_beta[:, None]
-                    Ad = tl.zeros([BTc, BTc], dtype=tl.float32)
-                    Pd = tl.zeros([BTc, BTc], dtype=tl.float32)
-                    for j in range(BTc):            # a loop, not unrolled: this path is rare
-                        k_j = tl.sum(tl.where((o_t == j)[:, None], kf, 0.), 0)              # [BKC]
-                        G_j = tl.sum(tl.where((o_t == j)[:, None], b_G, 0.), 0)             # [BKC]
-                        keep = (o_t >= j) & (blk == j // BCc)
-                        e = tl.exp(tl.where(keep[:, None], b_G - G_j[None, :], float("-inf")))   # e^{G_i − G_j}
-                        a_col = tl.sum(bk * e * k_j[None, :], 1)                             # [BT]
-                        p_col = tl.sum(qf * e * k_j[None, :], 1)
-                        Ad = tl.where((o_t == j)[None, :], a_col[:, None], Ad)
-                        Pd = tl.where((o_t == j)[None, :], p_col[:, None], Pd)
+                    Ad, Pd = _kda_diag_exact(kf, qf, kf * b_beta[:, None], b_G, BTc, BCc)
                 A += tl.where(same & strict, Ad, 0.)
                 P += tl.where(same & incl, Pd, 0.)
             # q e^G, k e^{G_last − G} for stage 2 (both exponents ≤ 0)
