@@ -233,6 +233,21 @@ def _diag_factors(b_G, span_max: tl.constexpr):
 
 
 @triton.jit
+def _diag_column(k, G, b_G, b_last, t0, L, ib, jj, i_h, i_hk, o_k, m_k, H: tl.constexpr, HV: tl.constexpr,
+                 K: tl.constexpr, BC: tl.constexpr):
+    """Column jj of diagonal block ib, exactly: (its chunk row j, whether it is inside the sequence, k_j [BK],
+    e^{G_i − G_j} [BC, BK] for the block's rows i ≥ j, 0 above). b_G: the block's rows of the chunk gate."""
+    o_i = tl.arange(0, BC)
+    j = ib * BC + jj
+    m_j = j < L
+    row_j = (t0 + j).to(tl.int64)
+    b_kj = tl.load(k + (row_j * H + i_hk) * K + o_k, mask=m_k & m_j, other=0.).to(tl.float32)
+    b_Gj = tl.load(G + (row_j * HV + i_h) * K + o_k, mask=m_k & m_j, other=0.)
+    b_Gj = tl.where(m_j, b_Gj, b_last)
+    return j, m_j, b_kj, tl.exp(tl.where((o_i >= jj)[:, None], b_G - b_Gj[None, :], float("-inf")))
+
+
+@triton.jit
 def _intra_diag_kernel(q, k, beta, G, Amat, Pmat, cu_seqlens, chunk_indices, T,
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
                        BC: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
@@ -269,13 +284,7 @@ def _intra_diag_kernel(q, k, beta, G, Amat, Pmat, cu_seqlens, chunk_indices, T,
             b_P = tl.zeros([BC, BC], dtype=tl.float32)
             b_A = tl.zeros([BC, BC], dtype=tl.float32)
             for jj in range(BC):
-                j = ib * BC + jj
-                m_j = j < L
-                row_j = (t0 + j).to(tl.int64)
-                b_kj = tl.load(k + (row_j * H + i_hk) * K + o_k, mask=m_k & m_j, other=0.).to(tl.float32)
-                b_Gj = tl.load(G + (row_j * HV + i_h) * K + o_k, mask=m_k & m_j, other=0.)
-                b_Gj = tl.where(m_j, b_Gj, b_last)
-                b_e = tl.exp(tl.where((o_i >= jj)[:, None], b_G - b_Gj[None, :], float("-inf")))   # [BC, BK]
+                j, m_j, b_kj, b_e = _diag_column(k, G, b_G, b_last, t0, L, ib, jj, i_h, i_hk, o_k, m_k, H, HV, K, BC)
                 b_w = b_kj[None, :] * b_e
                 b_P = tl.where((o_i == jj)[None, :], tl.sum(b_q * b_w, axis=1)[:, None], b_P)
                 if DELTA:
@@ -892,13 +901,7 @@ def _diag_grads_exact(k, G, Pmat, Amat, b_q, b_kb, b_G, b_last, t0, L, ib, rows,
     b_dkbd = tl.zeros([BC, BK], dtype=tl.float32)
     b_dkd = tl.zeros([BC, BK], dtype=tl.float32)
     for jj in range(BC):
-        j = ib * BC + jj
-        m_j = j < L
-        row_j = (t0 + j).to(tl.int64)
-        b_kj = tl.load(k + (row_j * H + i_hk) * K + o_k, mask=m_k & m_j, other=0.).to(tl.float32)
-        b_Gj = tl.load(G + (row_j * HV + i_h) * K + o_k, mask=m_k & m_j, other=0.)
-        b_Gj = tl.where(m_j, b_Gj, b_last)
-        b_e = tl.exp(tl.where((o_i >= jj)[:, None], b_G - b_Gj[None, :], float("-inf")))   # [BC, BK]
+        j, m_j, b_kj, b_e = _diag_column(k, G, b_G, b_last, t0, L, ib, jj, i_h, i_hk, o_k, m_k, H, HV, K, BC)
         b_dPc = tl.load(Pmat + (rows * HV + i_h) * C + j, mask=m_r & m_j, other=0.)        # [BC]
         b_w = b_kj[None, :] * b_e
         b_dqd += b_dPc[:, None] * b_w
