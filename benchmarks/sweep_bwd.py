@@ -1,13 +1,14 @@
 """Warps sweep of the Triton chunk backward on the GPU: for each family, one fwd+bwd at
 B1-T32768-H32 (K = V = 128, bf16) with every backward kernel at 8 warps and again at 4, each kernel's
-time from torch.profiler, then the per-kernel pick (the faster setting of each) timed once more.
+time from torch.profiler, then the per-kernel pick (the faster setting of each at the default 16-bit
+level) timed once more.
 Prints the pick as CHUNKWISE_BWD_WARPS (the knob of triton/chunk_bwd.py's BWD_WARPS) and writes
 sweep_bwd.json to --out. Gradients of every configuration are checked finite (NaN-poisoned buffers)
 and against the 8-warp configuration's. Each setting is also timed with the key side in two 64-wide
 column blocks (CHUNKWISE_BWD_KSPLIT=64; 0 is one block of K; the pick takes the faster form), and
-with 16-bit product operands (CHUNKWISE_BWD_LOWP=1: the serial state passes, 2: also the W / U
-recompute; the pick is timed at 0, 1 and 2). Their gradient error against float64 and fla: the GPU test
-`CHUNKWISE_BWD_LOWP=1 pytest tests/test_triton_chunk_bwd.py -k real_size`.
+with 16-bit product operands (CHUNKWISE_BWD_LOWP=1: the serial state passes, 2 (the default): also the
+W / U recompute, 3: also the key side; the pick is timed at 0-3). Their gradient error against float64
+and fla: the GPU test `CHUNKWISE_BWD_LOWP=3 pytest tests/test_triton_chunk_bwd.py -k real_size`.
 
     python benchmarks/sweep_bwd.py --warm --fams gdn --warps 4 &    # compile, time nothing
     python benchmarks/sweep_bwd.py --out $OUT
@@ -86,25 +87,29 @@ def main():
             row["configs"][f"all:{w}+ksplit"] = dict(
                 fwd_bwd_ms=ms, kernels=per, finite=all(bool(torch.isfinite(t).all()) for t in got),
                 grad_rel_diff=max(((t - b).norm() / b.norm()).item() for t, b in zip(got, base)))
-            # 16-bit product operands in the serial state passes and the W / U recompute (CHUNKWISE_BWD_LOWP=2)
-            ms, per, got = run_config(fam, x, do, f"all:{w}", a.warm, ksplit=64, lowp=2)
-            row["configs"][f"all:{w}+ksplit+lowp2"] = dict(
-                fwd_bwd_ms=ms, kernels=per, finite=all(bool(torch.isfinite(t).all()) for t in got),
-                grad_rel_diff=max(((t - b).norm() / b.norm()).item() for t, b in zip(got, base)))
+            # 16-bit product operands in the serial state passes and the W / U recompute (CHUNKWISE_BWD_LOWP=2,
+            # the default), and also in the key side (3)
+            for lowp in (2, 3):
+                ms, per, got = run_config(fam, x, do, f"all:{w}", a.warm, ksplit=64, lowp=lowp)
+                row["configs"][f"all:{w}+ksplit+lowp{lowp}"] = dict(
+                    fwd_bwd_ms=ms, kernels=per, finite=all(bool(torch.isfinite(t).all()) for t in got),
+                    grad_rel_diff=max(((t - b).norm() / b.norm()).item() for t, b in zip(got, base)))
         if not a.warm:
-            # per kernel the faster warps (the key side over both of its forms, which decides KSPLIT)
+            # per kernel the faster warps at the default 16-bit level (LOWP 2); KSPLIT from the key side's two
+            # forms at fp32 operands
             pick, ksplit = {}, 0
-            full = [c for c in row["configs"] if "+lowp" not in c]
+            at_default = [c for c in row["configs"] if c.endswith("+lowp2")]
             for key in KERNELS.values():
-                times = {c: row["configs"][c]["kernels"].get(key) for c in full}
+                times = {c: row["configs"][c]["kernels"].get(key) for c in at_default}
                 times = {c: t for c, t in times.items() if t is not None}
                 if times:
-                    best = min(times, key=times.get)
-                    pick[key] = int(best.split(":")[1].split("+")[0])
-                    if key == "bwd_grad":
-                        ksplit = 64 if best.endswith("+ksplit") else 0
+                    pick[key] = int(min(times, key=times.get).split(":")[1].split("+")[0])
+            forms = {c: row["configs"][c]["kernels"].get("bwd_grad") for c in row["configs"] if "+lowp" not in c}
+            forms = {c: t for c, t in forms.items() if t is not None}
+            if forms:
+                ksplit = 64 if min(forms, key=forms.get).endswith("+ksplit") else 0
             env = ",".join(f"{k}:{w}" for k, w in pick.items())
-            for name, lowp in (("pick", 0), ("pick+lowp1", 1), ("pick+lowp2", 2)):
+            for name, lowp in (("pick", 0), ("pick+lowp1", 1), ("pick+lowp2", 2), ("pick+lowp3", 3)):
                 ms, per, got = run_config(fam, x, do, env, False, ksplit=ksplit, lowp=lowp)
                 diff = max(((t - b).norm() / b.norm()).item() for t, b in zip(got, base))
                 row["configs"][name] = dict(env=env, ksplit=ksplit, fwd_bwd_ms=ms, kernels=per, grad_rel_diff=diff,

@@ -711,11 +711,11 @@ def _key_side_vloop(h, dh, R, dR, v, p_h, rows, i_h, o_k, m_k, m_t, HV: tl.const
 
 @triton.jit
 def _pairwise_grads_channel(b_dP, b_dPt, b_dA, b_dAt, b_q, b_k, b_kb, b_G, C: tl.constexpr, BC: tl.constexpr,
-                            DELTA: tl.constexpr, PREC: tl.constexpr):
+                            DELTA: tl.constexpr, PREC: tl.constexpr, OPD: tl.constexpr):
     """Per-channel gate: the gradients through P = tril(⟨q_i, Γ_ij k_j⟩) and A = strict_tril(⟨βk_i, Γ_ij k_j⟩)
     off the 16×16 diagonal blocks, for the channels of b_q, b_k, b_kb, b_G [C, BKW]: (dq, dk from P and
     from A's right side, dk from A's left side, that is d(βk)). Column block J (last token r) factors
-    Γ_ij = e^{G_i − G_r} e^{G_r − G_j}, both ≤ 1."""
+    Γ_ij = e^{G_i − G_r} e^{G_r − G_j}, both ≤ 1. OPD: the products' operand dtype (fp32 accumulation)."""
     o_t = tl.arange(0, C)
     b_dqp = tl.zeros_like(b_q)
     b_dkp = tl.zeros_like(b_q)
@@ -726,11 +726,12 @@ def _pairwise_grads_channel(b_dP, b_dPt, b_dA, b_dAt, b_q, b_k, b_kb, b_G, C: tl
         b_left = tl.exp(tl.where((o_t > r)[:, None], b_G - b_Gr[None, :], float("-inf")))
         b_right = tl.exp(tl.where(((o_t // BC) == jb)[:, None], b_Gr[None, :] - b_G, float("-inf")))
         b_kr = b_k * b_right
+        b_kr = b_kr.to(OPD)
         b_dqp += tl.dot(b_dP, b_kr, input_precision=PREC) * b_left                         # [C, C] @ [C, BKW]
-        b_dkp += tl.dot(b_dPt, b_q * b_left, input_precision=PREC) * b_right              # [C, C] @ [C, BKW]
+        b_dkp += tl.dot(b_dPt, (b_q * b_left).to(OPD), input_precision=PREC) * b_right    # [C, C] @ [C, BKW]
         if DELTA:
             b_dkb += tl.dot(b_dA, b_kr, input_precision=PREC) * b_left                     # [C, C] @ [C, BKW]
-            b_dkp += tl.dot(b_dAt, b_kb * b_left, input_precision=PREC) * b_right         # [C, C] @ [C, BKW]
+            b_dkp += tl.dot(b_dAt, (b_kb * b_left).to(OPD), input_precision=PREC) * b_right   # [C, C] @ [C, BKW]
     return b_dqp, b_dkp, b_dkb
 
 
@@ -739,7 +740,8 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
                            cu_seqlens, chunk_indices, T, scale,
                            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                            BKH: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
-                           GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
+                           GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+                           LOWP: tl.constexpr = 0):
     """The key side, after _bwd_dv_kernel (which left dP in Pmat, dT_v in Amat, the value part of dβ):
     dq, dk: [B, T, HV, K] (per value head); dbeta: [B, T, HV] fp32 (completed);
     dG: [B, T, HV(, K)] fp32 -- for scalar gates already the reverse cumsum (dg); per channel the
@@ -755,7 +757,8 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
         dA = −Tᵀ dT Tᵀ (strict lower) -> Amat;
         pass 2, per column block: the pairwise products P (q, k) and A (βk, k): dq (per channel), dk,
                  dβ and dG completed from what pass 1 left in dk / dG.
-    The V loop runs once per column block: R and dR are read K / BKH times."""
+    The V loop runs once per column block: R and dR are read K / BKH times. LOWP: the products of T, dW,
+    X, dT, dA and dP take 16-bit operands (the input dtype; fp32 accumulation), as fla's do."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
     i_hk = i_h // (HV // H)
@@ -768,10 +771,11 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
     p_cc = (rows[:, None] * HV + i_h) * C + o_t[None, :]
     p_ccT = (rows[None, :] * HV + i_h) * C + o_t[:, None]                                # element [j, i] of row i
     p_h = (i_g * HV + i_h).to(tl.int64) * K * V
+    OPD: tl.constexpr = q.dtype.element_ty if LOWP else tl.float32                    # the products' operands
     if DELTA:
         b_beta = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.).to(tl.float32)
         b_db = tl.load(dbeta + rows * HV + i_h, mask=m_t, other=0.)
-        b_T = tl.load(Tmat + p_cc, mask=m_cc & i_ge_j, other=0.)
+        b_T = tl.load(Tmat + p_cc, mask=m_cc & i_ge_j, other=0.).to(OPD)
         b_dT = tl.load(Amat + p_cc, mask=m_cc, other=0.)                                  # dT_v, + dW Xᵀ below
     else:
         b_beta = tl.zeros([C], dtype=tl.float32)
@@ -812,8 +816,9 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
             else:
                 b_ke = b_k
             b_x = b_ke * b_beta[:, None]
-            b_dx = tl.dot(tl.trans(b_T), b_dw, input_precision=PREC)                     # [C, C] @ [C, BKH]
-            b_dT += tl.dot(b_dw, tl.trans(b_x), input_precision=PREC)                    # [C, BKH] @ [BKH, C]
+            b_dwo = b_dw.to(OPD)
+            b_dx = tl.dot(tl.trans(b_T), b_dwo, input_precision=PREC)                    # [C, C] @ [C, BKH]
+            b_dT += tl.dot(b_dwo, tl.trans(b_x.to(OPD)), input_precision=PREC)           # [C, BKH] @ [BKH, C]
             if GATE > 0:
                 b_dk += b_beta[:, None] * b_eGh * b_dx
             else:
@@ -832,7 +837,8 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
     # dot accumulator: fla #640)
     tl.debug_barrier()          # every thread has read dT_v from Amat and written its dk / dG columns
     if DELTA:
-        b_dA = tl.dot(tl.dot(tl.trans(b_T), b_dT, input_precision=PREC), tl.trans(b_T), input_precision=PREC)  # [C, C] @ [C, C] @ [C, C]
+        b_dA = tl.dot(tl.dot(tl.trans(b_T), b_dT.to(OPD), input_precision=PREC).to(OPD), tl.trans(b_T),
+                      input_precision=PREC)                                              # [C, C] @ [C, C] @ [C, C]
         b_dA = tl.where(m_cc & (o_t[:, None] > o_t[None, :]), -b_dA, 0.)
         if GATE == 1:
             b_dA = b_dA * tl.exp(tl.where(i_ge_j, b_G[:, None] - b_G[None, :], float("-inf")))
@@ -840,16 +846,19 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
     tl.debug_barrier()
     m_ccT = m_t[:, None] & m_t[None, :]
     if GATE == 2:
-        b_dP = tl.load(Pmat + p_cc, mask=m_cc & i_ge_j, other=0.)                          # dP [C, C]
-        b_dPt = tl.load(Pmat + p_ccT, mask=m_ccT, other=0.)                                # dPᵀ
+        b_dP = tl.load(Pmat + p_cc, mask=m_cc & i_ge_j, other=0.).to(OPD)                  # dP [C, C]
+        b_dPt = tl.load(Pmat + p_ccT, mask=m_ccT, other=0.).to(OPD)                        # dPᵀ
         if DELTA:
-            b_dAt = tl.load(Amat + p_ccT, mask=m_ccT, other=0.)                            # dAᵀ
+            b_dAt = tl.load(Amat + p_ccT, mask=m_ccT, other=0.).to(OPD)                    # dAᵀ
     else:
         b_dPt = tl.load(Pmat + p_ccT, mask=m_ccT & (o_t[None, :] >= o_t[:, None]), other=0.)
         if GATE == 1:
             b_dPt *= tl.exp(tl.where(o_t[None, :] >= o_t[:, None], b_G[None, :] - b_G[:, None], float("-inf")))
+        b_dPt = b_dPt.to(OPD)
         if DELTA:
-            b_dAt = tl.load(Amat + p_ccT, mask=m_ccT, other=0.)
+            b_dAt = tl.load(Amat + p_ccT, mask=m_ccT, other=0.).to(OPD)
+    if DELTA:
+        b_dA = b_dA.to(OPD)
 
     # pass 2
     for i_k in range(tl.cdiv(K, BKH)):
@@ -866,16 +875,16 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
             b_Gh, b_lasth = _load_gate_cols(G, t0, L, i_h, o_k, m_k, HV, K, C)
             b_dqp, b_dkp, b_dkb = _pairwise_grads_channel(b_dP, b_dPt, b_dA if DELTA else b_dP,
                                                           b_dAt if DELTA else b_dPt, b_q, b_k, b_kb, b_Gh, C, BC,
-                                                          DELTA, PREC)
+                                                          DELTA, PREC, OPD)
             b_dq = tl.load(dq + p_hk, mask=m_tk, other=0.) + b_dqp
             tl.store(dq + p_hk, b_dq, mask=m_tk)
             b_dGm = tl.load(dG + p_hk, mask=m_tk, other=0.) + b_q * b_dq + b_kb * b_dkb - b_k * b_dkp
             tl.store(dG + p_hk, b_dGm, mask=m_tk)
         else:
-            b_dkp = tl.dot(b_dPt, b_q, input_precision=PREC)                               # [C, C] @ [C, BKH]
+            b_dkp = tl.dot(b_dPt, b_q.to(OPD), input_precision=PREC)                      # [C, C] @ [C, BKH]
             if DELTA:
-                b_dkb = tl.dot(b_dA, b_k, input_precision=PREC)                            # [C, C] @ [C, BKH]
-                b_dkp += tl.dot(b_dAt, b_kb, input_precision=PREC)                         # [C, C] @ [C, BKH]
+                b_dkb = tl.dot(b_dA, b_k.to(OPD), input_precision=PREC)                   # [C, C] @ [C, BKH]
+                b_dkp += tl.dot(b_dAt, b_kb.to(OPD), input_precision=PREC)                # [C, C] @ [C, BKH]
             if GATE == 1:
                 b_dGr += tl.sum(b_kb * b_dkb - b_k * b_dkp, axis=1)
         b_dk = tl.load(dk + p_hk, mask=m_tk, other=0.) + b_dkp + b_beta[:, None] * b_dkb
@@ -1016,7 +1025,8 @@ BWD_WARPS = {"gate_cumsum": 4, "intra": 4, "intra_diag": 4, "solve": 4, "wu": 4,
 BWD_WARPS_PER_CHANNEL = {"fwd_h": 8, "bwd_dh": 8, "bwd_grad": 8, "intra_diag": 8}     # KDA (per-channel gate)
 BWD_KSPLIT = 64
 # 16-bit inputs: the products' operands in the input dtype, fp32 accumulation. 1: the two serial state
-# passes (fwd_h, bwd_dh); 2: also the W / U / dR_local recompute. On the H200 (run of 3422a18, B1-T32768-H32)
+# passes (fwd_h, bwd_dh); 2: also the W / U / dR_local recompute; 3: also the key side's products of T, dW,
+# X, dT, dA and dP (a variant, unmeasured on the GPU: sweep_bwd times it, `verify` checks its errors). On the H200 (run of 3422a18, B1-T32768-H32)
 # level 2 took fwd+bwd from 11.71 to 9.05 ms (GDN), 10.27 to 7.77 (DeltaNet), 38.15 to 35.85 (KDA), with
 # gradient errors against float64 at fla's (ours / fla, bf16: DeltaNet k 5.41e-3 / 5.72e-3, v 4.06e-3 /
 # 4.05e-3; KDA beta 3.45e-3 / 3.42e-3, every other input at or under fla's). CHUNKWISE_BWD_LOWP overrides.
@@ -1093,7 +1103,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     prec = "tf32x3" if q.dtype == torch.float32 else "tf32"
     # 16-bit product operands (BWD_LOWP), 16-bit inputs only
     level = int(os.environ.get("CHUNKWISE_BWD_LOWP", BWD_LOWP)) if q.dtype in (torch.bfloat16, torch.float16) else 0
-    lowp, lowp_wu = level >= 1, level >= 2
+    lowp, lowp_wu, lowp_key = level >= 1, level >= 2, level >= 3
     ns = _num_stages(q.dtype, BK)
     ns_state = _num_stages(q.dtype, BK, state_pass=True)
     q, k, v, do = (x.contiguous() for x in (q, k, v, do))
@@ -1180,7 +1190,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     bkh = BK if bkh <= 0 else min(max(16, triton.next_power_of_2(bkh)), BK)
     _bwd_grad_kernel[grid_c](q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, dk, dbeta, dG,
                              scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BKH=bkh, BV=BV, C=C, BC=BC, GATE=gate,
-                             DELTA=delta, IS_VARLEN=varlen, PREC=prec, num_warps=_warps("bwd_grad", gate),
+                             DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_key, num_warps=_warps("bwd_grad", gate),
                              num_stages=ns, **common)
     if gate == 2:
         _bwd_diag_kernel[grid_c](q, k, beta, G, Pmat, Amat, dq, dk, dbeta, dG, H=H, HV=HV, K=K, BK=BK, C=C, BC=BC,
