@@ -83,6 +83,7 @@ def main():
     ap.add_argument("--shapes", default="")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--fla-families", default="", help="time fla only for these (default: every family)")
     a = ap.parse_args()
     fams = a.families.split(",")
     os.environ["CHUNKWISE_POISON"] = "0"
@@ -121,7 +122,8 @@ def main():
             row["ours_peak_mb"] = peak_mb(f_ours)
             if a.profile and first:
                 row["ours_profile_ms"] = profile(f_ours, grads)
-            f = None if a.no_fla else fla_fn(fam)
+            skip_fla = a.no_fla or (a.fla_families and fam not in a.fla_families.split(","))
+            f = None if skip_fla else fla_fn(fam)
             if f is not None:   # ours first, so that a run cut while fla compiles and autotunes still reports it
                 print(json.dumps(dict(row, partial="ours only, fla next")), flush=True)
                 f_fla = fwd_bwd(lambda: run_fla(fam, f, x), do)

@@ -6,7 +6,7 @@
 #   fwd:   stage-1 sweep (picks CHUNKWISE_PREP_CONFIG), forward benchmark vs fla (FWD_FAMS=gdn,kda,delta,gla)
 #   tests: GPU tests (TESTS="<files>" and TESTS_K="<-k expr>" override the selection) and the MQAR example (SKIP_TRAIN=1 skips it)
 #   bwd:   backward warps sweep, fwd+bwd benchmark vs fla (~6 min)
-#   train: fwd+bwd benchmark vs fla alone (FAMS=delta,kda,gdn)
+#   train: fwd+bwd benchmark vs fla alone (FAMS=delta,kda,gdn; FLA_FAMS=delta times fla for those only)
 #   verify: the real-size bf16 tests (fwd, bwd, Hopper pin, >2^31 offsets), again with CHUNKWISE_BWD_LOWP=3
 #   variants: stage-2 launch variants (BV x warps x stages) of GLA and GDN at B1 / B8 (~3 min)
 set -u
@@ -87,7 +87,7 @@ if has verify; then    # the real-size bf16 GPU tests alone (no small fp32 ones)
 fi
 if has train; then     # fwd+bwd against fla alone (FAMS, default delta,kda,gdn)
   TAILN=12 step ${TRAIN_T:-200} bench_train python3 benchmarks/bench_train.py --families ${FAMS:-delta,kda,gdn} \
-    --shapes B1-T32768-H32 --profile --out "$OUT"
+    --shapes B1-T32768-H32 --profile --fla-families "${FLA_FAMS:-}" --out "$OUT"
 fi
 if has variants; then
   has fwd || warm_variants
