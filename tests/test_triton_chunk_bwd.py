@@ -125,13 +125,14 @@ def test_wide_keys_clear_error():
         _grads(inp, "triton", torch.float32)
 
 
-@pytest.mark.parametrize("K", [256, 160])
+@pytest.mark.parametrize("K,dtype", [(256, torch.float32), (160, torch.float32), (256, torch.float16)])
 @pytest.mark.parametrize("fam", FAMS)
-def test_grads_wide_keys(fam, K):
-    """K = 256 (four 64-wide column blocks on the key side, one pipeline stage in the state passes) and
-    K = 160 (a 256-wide tile, masked), two chunks, grouped heads, against the float64 reference."""
+def test_grads_wide_keys(fam, K, dtype):
+    """K = 256 (four 64-wide column blocks on the key side, one pipeline stage in the state passes, fp32 and
+    16-bit operands) and K = 160 (a 256-wide tile, masked), two chunks, grouped heads, against the float64
+    reference."""
     inp = make_inputs(fam, B=1, T=70, H=1, HV=2, K=K, V=16, seed=6)
-    _compare(inp, TOL[torch.float32])
+    _compare(inp, TOL[dtype], dtype=dtype)
 
 
 @pytest.mark.parametrize("fam", ("gdn", "kda"))
