@@ -103,6 +103,30 @@ def test_kda_pairwise_blocks(dtype, gate, bkc, form, monkeypatch):
     _check(inp, o, ht, TOL[dtype])
 
 
+@pytest.mark.parametrize("nseg", [2, 3, 8])
+@pytest.mark.parametrize("gate,h0,transpose", [("normal", True, False), ("strong", True, True), ("none", False, False)])
+def test_gla_sequence_segments(nseg, gate, h0, transpose):
+    """Simple GLA with each sequence split into segments run side by side (their local end states, then
+    each segment from the earlier ones' decayed states): equal to the float64 recurrence and to the
+    unsplit run, output and final state, two sequences, grouped heads; 8 segments of 5 chunks leave
+    three empty."""
+    from chunkwise.triton.chunk_fwd import chunk_fwd
+    inp = make_inputs("gla", B=2, T=300, H=1, HV=2, K=KS[0], V=VS[0], dtype=torch.float32, seed=41,
+                      gate="normal" if gate == "none" else gate, h0=h0)
+    g = None if gate == "none" else inp.g
+    K = inp.q.shape[-1]
+    h_in = inp.h0 if inp.h0 is None or not transpose else inp.h0.transpose(-1, -2).contiguous()
+    run = lambda n: chunk_fwd(inp.q, inp.k, inp.v, g, None, K ** -0.5, h_in, True, None,  # noqa: E731
+                              transpose_state_layout=transpose, segments=n)
+    o, ht = run(nseg)
+    o1, ht1 = run(1)
+    if transpose:
+        ht, ht1 = ht.transpose(-1, -2), ht1.transpose(-1, -2)
+    inp.g = g
+    _check(inp, o, ht, TOL[torch.float32])
+    assert rel_err(o, o1) <= TOL[torch.float32] and rel_err(ht, ht1) <= TOL[torch.float32]
+
+
 @pytest.mark.parametrize("fam", FAMS)
 def test_fp16(fam):
     inp = make_inputs(fam, B=1, T=T_LONG, H=1, HV=2, K=KS[0], V=VS[0], dtype=torch.float16, seed=5)

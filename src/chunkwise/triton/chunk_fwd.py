@@ -469,6 +469,29 @@ def chunk_p_kernel(q, k, g, p, cu_seqlens, chunk_indices, T, NT, H, HV, K,
 # ------------------------------------------------------------------------------------------------
 
 @triton.jit
+def _state_step(i_t, S, k, v, g, bos, T_seq, i_h, i_hk, i_v, H, HV, K, V, BTc: tl.constexpr, BK: tl.constexpr,
+                BV: tl.constexpr, GATE: tl.constexpr, DOT_PREC: tl.constexpr, g_floor: tl.constexpr):
+    """One chunk of simple GLA's state alone (no output): S ← e^{G_last} S + (K ⊙ e^{G_last − G})ᵀ V.
+    Returns (S, e^{G_last})."""
+    o_t = tl.arange(0, BTc)
+    t0 = i_t * BTc
+    b_k = tl.load(tl.make_block_ptr(k + (bos * H + i_hk) * K, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
+                  boundary_check=(0, 1))
+    b_v = tl.load(tl.make_block_ptr(v + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, i_v * BV), (BTc, BV),
+                                    (1, 0)), boundary_check=(0, 1))
+    if GATE == 1:
+        Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor)                    # [BT]
+        G_last = tl.sum(tl.where(o_t == BTc - 1, Gc, 0.), 0)
+        b_dl = tl.exp(G_last)
+        b_v = (b_v.to(tl.float32) * tl.exp(G_last - Gc)[:, None]).to(b_k.dtype)
+        S = S * b_dl
+    else:
+        b_dl = tl.full([], 1., tl.float32)
+    S += tl.dot(tl.trans(b_k), b_v, input_precision=DOT_PREC)                         # [BK, BT] @ [BT, BV]
+    return S, b_dl
+
+
+@triton.jit
 def _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, T_seq, slot0, i_h, i_hk, i_v, scale,
                        H, HV, K, V,
                        BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -535,12 +558,13 @@ def _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, 
     return S
 
 
-@triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
+@triton.jit(do_not_specialize=["T", "NT", "H", "HV", "seg_len"])
 def chunk_state_output_kernel(
     q, k, v, w, u, p, g,         # [B,T,H,K] [B,T,H,K] [B,T,HV,V] [B,T,HV,K] [B,T,HV,V] [B,T,HV,BT] [B,T,HV] fp32
     qg, kg, glast,               # GATE == 2: [B,T,HV,K] [B,T,HV,K] [slots,HV,K] fp32
     o, h0, ht,                   # out [B,T,HV,V]; [N,HV,·,·] any float; out [N,HV,·,·] fp32
-    cu_seqlens, scale, T, NT,
+    sloc, gam,                   # SEG > 0: [N·NSEG, HV, K, V] fp32 segment-local end states, [N·NSEG, HV] fp32 decays
+    cu_seqlens, scale, T, NT, seg_len,
     s_h0n, s_h0h, s_h0k, s_h0v,  # strides of h0 (its layout)
     s_htn, s_hth, s_htk, s_htv,  # strides of ht
     H, HV, K, V,
@@ -548,8 +572,15 @@ def chunk_state_output_kernel(
     GATE: tl.constexpr, DELTA: tl.constexpr, P_IN: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
     DOT_PREC: tl.constexpr, g_floor: tl.constexpr, LOOP_WHILE: tl.constexpr,
+    SEG: tl.constexpr = 0, NSEG: tl.constexpr = 1,
 ):
     """Stage 2 (module docstring). Grid (cdiv(V, BV), N·HV); S [BK, BV] fp32 stays in registers.
+
+    SEG (simple GLA, no varlen): each sequence split into NSEG segments of seg_len chunks, grid
+    (cdiv(V, BV), N·NSEG·HV), so that a short batch still fills the GPU. Its state is linear in the
+    inputs, so a segment's start state is the earlier segments' local end states, decayed:
+        SEG = 1: each segment's local end state (from zero) -> sloc, its total decay e^{Σ g} -> gam
+        SEG = 2: S = h0; S ← gam[s'] S + sloc[s'] for the earlier segments s'; then the segment as usual
 
     Per chunk (C = BT rows, masked past the sequence end)::
 
@@ -559,6 +590,10 @@ def chunk_state_output_kernel(
     """
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
+    i_s = 0
+    if SEG > 0:
+        i_s = i_n % NSEG
+        i_n = i_n // NSEG
     i_hk = i_h // (HV // H)
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -577,24 +612,56 @@ def chunk_state_output_kernel(
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
 
     S = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_H0:
-        p_h0 = h0 + i_n * s_h0n + i_h * s_h0h + o_k[:, None] * s_h0k + o_v[None, :] * s_h0v
-        S += tl.load(p_h0, mask=m_kv, other=0.).to(tl.float32)
+    c0 = 0
+    c1 = n_chunks
+    if SEG > 0:
+        c0 = tl.minimum(i_s * seg_len, n_chunks)
+        c1 = tl.minimum(c0 + seg_len, n_chunks)
+    if SEG == 1:        # the segment's local end state and total decay
+        d = tl.full([], 1., tl.float32)
+        if LOOP_WHILE:
+            i_t = c0
+            while i_t < c1:
+                S, b_dl = _state_step(i_t, S, k, v, g, bos, T_seq, i_h, i_hk, i_v, H, HV, K, V, BTc, BK, BV, GATE,
+                                      DOT_PREC, g_floor)
+                d = d * b_dl
+                i_t += 1
+        else:
+            for i_t in range(c0, c1):
+                S, b_dl = _state_step(i_t, S, k, v, g, bos, T_seq, i_h, i_hk, i_v, H, HV, K, V, BTc, BK, BV, GATE,
+                                      DOT_PREC, g_floor)
+                d = d * b_dl
+        i_seg = (i_n * NSEG + i_s).to(tl.int64)
+        tl.store(sloc + ((i_seg * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :], S, mask=m_kv)
+        if i_v == 0:
+            tl.store(gam + i_seg * HV + i_h, d)
+    else:
+        if USE_H0:
+            p_h0 = h0 + i_n * s_h0n + i_h * s_h0h + o_k[:, None] * s_h0k + o_v[None, :] * s_h0v
+            S += tl.load(p_h0, mask=m_kv, other=0.).to(tl.float32)
+        if SEG == 2:    # the start state: the earlier segments, in order
+            for i_p in tl.static_range(NSEG - 1):
+                if i_p < i_s:
+                    i_seg = (i_n * NSEG + i_p).to(tl.int64)
+                    S = S * tl.load(gam + i_seg * HV + i_h) + \
+                        tl.load(sloc + ((i_seg * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.)
+        if LOOP_WHILE:      # the triton 3.6 interpreter cannot take a tensor bound in range()
+            i_t = c0
+            while i_t < c1:
+                S = _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, T_seq, slot0, i_h,
+                                       i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, DOT_PREC,
+                                       g_floor)
+                i_t += 1
+        else:               # compiled: a for loop, so that the loads of later chunks are pipelined
+            for i_t in range(c0, c1):
+                S = _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, T_seq, slot0, i_h,
+                                       i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, DOT_PREC,
+                                       g_floor)
 
-    if LOOP_WHILE:      # the triton 3.6 interpreter cannot take a tensor bound in range()
-        i_t = 0
-        while i_t < n_chunks:
-            S = _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, T_seq, slot0, i_h,
-                                   i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, DOT_PREC, g_floor)
-            i_t += 1
-    else:               # compiled: a for loop, so that the loads of later chunks are pipelined
-        for i_t in range(n_chunks):
-            S = _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, T_seq, slot0, i_h,
-                                   i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, DOT_PREC, g_floor)
-
-    if STORE_HT:
-        p_ht = ht + i_n * s_htn + i_h * s_hth + o_k[:, None] * s_htk + o_v[None, :] * s_htv
-        tl.store(p_ht, S, mask=m_kv)
+    if STORE_HT and SEG != 1:
+        if i_s == NSEG - 1:     # the last segment (always, without SEG)
+            p_ht = ht + i_n * s_htn + i_h * s_hth + o_k[:, None] * s_htk + o_v[None, :] * s_htv
+            tl.store(p_ht, S, mask=m_kv)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -750,16 +817,31 @@ def _pick_stages(elt: int, BK: int, bv: int, delta: bool, p_in: bool, busy: bool
     return max(1, min(3, (200 * 1024) // per_stage))
 
 
+SEG_MIN_CHUNKS = 16   # simple GLA's segments: at least this many chunks each (the split's overhead, once per segment)
+
+
+def _pick_segments(NT: int, programs: int, n_sm: int) -> int:
+    """Segments per sequence for simple GLA's split (a power of two, at most 16): the fewest that give the
+    grid two programs per SM, each segment at least SEG_MIN_CHUNKS chunks long."""
+    nseg = 1
+    while programs * nseg < 2 * n_sm and nseg < 16 and triton.cdiv(NT, nseg * 2) >= SEG_MIN_CHUNKS:
+        nseg *= 2
+    return nseg
+
+
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
 def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, *,
-              chunk_indices=None, transpose_state_layout=False, p_in=None, bv=None, num_stages=None, num_warps=4):
+              chunk_indices=None, transpose_state_layout=False, p_in=None, bv=None, num_stages=None, num_warps=4,
+              segments=None):
     """The chunk forward of all four families (canonical inputs: see chunkwise.triton).
 
     Returns (o [B,T,HV,V] in q's dtype, final state fp32 [N,HV,K,V] ([N,HV,V,K] transposed) or None).
-    ``p_in`` / ``bv`` / ``num_stages`` / ``num_warps`` (stage 2) override the tuned defaults (benchmarks).
+    ``p_in`` / ``bv`` / ``num_stages`` / ``num_warps`` (stage 2) override the tuned defaults (benchmarks);
+    ``segments`` (simple GLA without varlen): split each sequence into that many segments run side by side
+    (1: no split; default: enough to give the GPU two programs per SM, segments of at least SEG_MIN_CHUNKS).
     Head dims the kernels do not take as they are run zero-padded (triton/align.py).
     """
     K0, V0 = q.shape[-1], v.shape[-1]
@@ -777,9 +859,20 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g = None if g is None else g.float().contiguous()
     beta = None if beta is None else beta.contiguous()
+    NT = triton.cdiv(T, BT)
+    tuned = p_in is None and bv is None and num_stages is None
     bv = bv or _pick_bv(V, K, N * HV)
     # fewer than two programs per SM: each is alone with its serial loop (latency-bound)
-    busy = triton.cdiv(V, bv) * N * HV >= 2 * _num_sms(q.device)
+    n_sm = _num_sms(q.device)
+    busy = triton.cdiv(V, bv) * N * HV >= 2 * n_sm
+    nseg = 1
+    if not delta and gate != 2 and cu_seqlens is None and (segments is not None or (tuned and not busy)):
+        # simple GLA: its state is linear, so a few segments per sequence can run side by side (SEG in
+        # chunk_state_output_kernel) and fill the GPU at two programs per SM, as a large batch does
+        bv_seg = min(64 if K <= 128 else 32, _dim(V))
+        nseg = segments or _pick_segments(NT, triton.cdiv(V, bv_seg) * N * HV, n_sm)
+        if nseg > 1:
+            bv, busy = bv_seg, True
     if p_in is None:
         # simple GLA (no prepare stage) forms P inside its serial loop when the SMs are busy, and takes it from
         # its own chunk-parallel kernel when they are not (H200, B1-T32768-H32: 1.17 -> 0.95 ms; B8-T4096-H32:
@@ -790,7 +883,6 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     if cu_seqlens is not None and chunk_indices is None and (delta or p_in):
         from ..api import prepare_chunk_indices
         chunk_indices = prepare_chunk_indices(cu_seqlens, BT)
-    NT = triton.cdiv(T, BT)
 
     stage1 = chunk_prepare(q, k, v, g, beta, cu_seqlens, chunk_indices) if delta else \
         dict(w=None, u=None, p=None, qg=None, kg=None, glast=None)
@@ -814,15 +906,21 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     dot_prec = _dot_prec(q.dtype)[0]
     if num_stages is None:
         num_stages = _pick_stages(q.element_size(), _dim(K), bv, delta, p_in, busy)
-    grid = (triton.cdiv(V, bv), N * HV)
-    chunk_state_output_kernel[grid](
-        q, k, v, stage1["w"], stage1["u"], stage1["p"], g, stage1["qg"], stage1["kg"], stage1["glast"],
-        o, initial_state, ht, cu_seqlens, scale, T, NT,
-        *strides(initial_state), *strides(ht),
-        H=H, HV=HV, K=K, V=V, BTc=BT, BK=_dim(K), BV=bv, GATE=gate, DELTA=delta, P_IN=p_in,
-        USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=cu_seqlens is not None,
-        DOT_PREC=dot_prec, g_floor=G_FLOOR, LOOP_WHILE=_INTERPRET, num_warps=num_warps,
-        num_stages=num_stages)
+    grid = (triton.cdiv(V, bv), N * nseg * HV)
+    sloc = gam = None
+    seg_len = triton.cdiv(NT, nseg)
+    if nseg > 1:
+        sloc = _alloc((N * nseg, HV, K, V), torch.float32, q.device)
+        gam = _alloc((N * nseg, HV), torch.float32, q.device)
+    for seg_mode in ((1, 2) if nseg > 1 else (0,)):
+        chunk_state_output_kernel[grid](
+            q, k, v, stage1["w"], stage1["u"], stage1["p"], g, stage1["qg"], stage1["kg"], stage1["glast"],
+            o, initial_state, ht, sloc, gam, cu_seqlens, scale, T, NT, seg_len,
+            *strides(initial_state), *strides(ht),
+            H=H, HV=HV, K=K, V=V, BTc=BT, BK=_dim(K), BV=bv, GATE=gate, DELTA=delta, P_IN=p_in,
+            USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=cu_seqlens is not None,
+            DOT_PREC=dot_prec, g_floor=G_FLOOR, LOOP_WHILE=_INTERPRET, SEG=seg_mode, NSEG=nseg,
+            num_warps=num_warps, num_stages=num_stages)
     if padded:
         o, ht = o[..., :V0].contiguous(), cut_state(ht, K0, V0, transpose_state_layout)
     return o, ht
