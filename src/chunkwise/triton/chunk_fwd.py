@@ -157,6 +157,32 @@ def _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc: tl.constexpr, g_floor: tl.const
 
 
 @triton.jit
+def _kqg_tiles(k_base, q_base, g_base, r0, kc0, T_seq, H, HV, K, R: tl.constexpr, BKC: tl.constexpr):
+    """Rows r0 .. r0 + R − 1, channels kc0 .. kc0 + BKC − 1 of k, q and the per-channel gate g, as fp32
+    [R, BKC] tiles (zero past the sequence end and K)."""
+    b_k = tl.load(tl.make_block_ptr(k_base, (T_seq, K), (H * K, 1), (r0, kc0), (R, BKC), (1, 0)),
+                  boundary_check=(0, 1)).to(tl.float32)
+    b_q = tl.load(tl.make_block_ptr(q_base, (T_seq, K), (H * K, 1), (r0, kc0), (R, BKC), (1, 0)),
+                  boundary_check=(0, 1)).to(tl.float32)
+    b_g = tl.load(tl.make_block_ptr(g_base, (T_seq, K), (HV * K, 1), (r0, kc0), (R, BKC), (1, 0)),
+                  boundary_check=(0, 1)).to(tl.float32)
+    return b_k, b_q, b_g
+
+
+@triton.jit
+def _block_starts(b_G, BTc: tl.constexpr, BCc: tl.constexpr):
+    """The 16-token blocks of a per-channel chunk gate b_G [BT, BKC]: (G at the ends of the first three
+    blocks e0, e1, e2 [BKC]; each row's block start s_b (G before its block, 0 for the first) [BT, BKC];
+    the most negative G_i − s_b, that is minus the widest block span)."""
+    e0 = _row_of(b_G, BCc - 1, BTc)
+    e1 = _row_of(b_G, 2 * BCc - 1, BTc)
+    e2 = _row_of(b_G, 3 * BCc - 1, BTc)
+    zero = tl.zeros_like(e0)
+    s_rows = _by_block(zero[None, :], e0[None, :], e1[None, :], e2[None, :], BTc, BCc)
+    return e0, e1, e2, s_rows, tl.min(tl.min(b_G - s_rows, 1), 0)
+
+
+@triton.jit
 def _kda_diag_exact(kf, qf, bk, b_G, BTc: tl.constexpr, BCc: tl.constexpr):
     """KDA's diagonal 16×16 blocks of A (without β: bk = β k) and P, each column j exactly from
     e^{G_i − G_j}, i ≥ j in j's block, for blocks whose gates span too far to factor (rare: a loop, not
@@ -193,8 +219,8 @@ def _block_rows(x, b: tl.constexpr, BCc: tl.constexpr):
 
 
 @triton.jit
-def _kda_ap_rows(A0, A1, A2, A3, P0, P1, P2, P3, kf, qf, b_G, k_base, q_base, g_base, beta, bos, t0, T_seq,
-                 i_h, H, HV, K, kc0, MM_PREC: tl.constexpr, BTc: tl.constexpr, BCc: tl.constexpr,
+def _kda_ap_rows(A0, A1, A2, A3, P0, P1, P2, P3, kf, qf, b_G, b_beta, k_base, q_base, g_base, beta, bos, t0,
+                 T_seq, i_h, H, HV, K, kc0, MM_PREC: tl.constexpr, BTc: tl.constexpr, BCc: tl.constexpr,
                  BKC: tl.constexpr, g_floor: tl.constexpr, span_max: tl.constexpr):
     """One column chunk of KDA's A and P by 16-row blocks (stage-1 form 1). Row block b takes the start of
     its block s_b (the cumulative gate before it) as reference for every column j up to its own block:
@@ -209,12 +235,8 @@ def _kda_ap_rows(A0, A1, A2, A3, P0, P1, P2, P3, kf, qf, b_G, k_base, q_base, g_
     o_t = tl.arange(0, BTc)
     o_c = tl.arange(0, BCc)
     blk = o_t // BCc
-    e0 = _row_of(b_G, BCc - 1, BTc)                                                     # G at each block end
-    e1 = _row_of(b_G, 2 * BCc - 1, BTc)
-    e2 = _row_of(b_G, 3 * BCc - 1, BTc)
+    e0, e1, e2, _, worst = _block_starts(b_G, BTc, BCc)
     zero = tl.zeros_like(e0)
-    s_rows = _by_block(zero[None, :], e0[None, :], e1[None, :], e2[None, :], BTc, BCc)   # G before the block
-    worst = tl.min(tl.min(b_G - s_rows, 1), 0)
     own = tl.where(worst > -span_max, 1, 0)          # 1: each row block also takes its own block's columns
     for b in tl.static_range(4):
         if b == 0:
@@ -228,12 +250,7 @@ def _kda_ap_rows(A0, A1, A2, A3, P0, P1, P2, P3, kf, qf, b_G, k_base, q_base, g_
         keep = (blk < b + own)[:, None]                                                  # columns j taken
         cols = tl.where(keep, kf * tl.exp(tl.where(keep, s_b[None, :] - b_G, 0.)), 0.)   # k_j e^{s_b − G_j}
         r0 = t0 + b * BCc
-        k_b = tl.load(tl.make_block_ptr(k_base, (T_seq, K), (H * K, 1), (r0, kc0), (BCc, BKC), (1, 0)),
-                      boundary_check=(0, 1)).to(tl.float32)
-        q_b = tl.load(tl.make_block_ptr(q_base, (T_seq, K), (H * K, 1), (r0, kc0), (BCc, BKC), (1, 0)),
-                      boundary_check=(0, 1)).to(tl.float32)
-        g_b = tl.load(tl.make_block_ptr(g_base, (T_seq, K), (HV * K, 1), (r0, kc0), (BCc, BKC), (1, 0)),
-                      boundary_check=(0, 1)).to(tl.float32)
+        k_b, q_b, g_b = _kqg_tiles(k_base, q_base, g_base, r0, kc0, T_seq, H, HV, K, BCc, BKC)
         beta_b = tl.load(beta + (bos + r0 + o_c) * HV + i_h, mask=r0 + o_c < T_seq, other=0.).to(tl.float32)
         x_b = tl.exp(tl.cumsum(tl.where(g_b < g_floor, g_floor, g_b), 0))                # e^{G_i − s_b} ≤ 1
         cT = tl.trans(cols)
@@ -253,7 +270,6 @@ def _kda_ap_rows(A0, A1, A2, A3, P0, P1, P2, P3, kf, qf, b_G, k_base, q_base, g_
             P3 += p_b
     if own == 0:
         # rare: the diagonal blocks exactly
-        b_beta = tl.load(beta + (bos + t0 + o_t) * HV + i_h, mask=t0 + o_t < T_seq, other=0.).to(tl.float32)
         Ad, Pd = _kda_diag_exact(kf, qf, kf * b_beta[:, None], b_G, BTc, BCc)
         A0 += _block_rows(Ad, 0, BCc)
         A1 += _block_rows(Ad, 1, BCc)
@@ -317,26 +333,17 @@ def chunk_prepare_kernel(
             P = tl.zeros([BTc, BTc], dtype=tl.float32)
         for i_kc in range(BK // BKC):
             kc0 = i_kc * BKC
-            kf = tl.load(tl.make_block_ptr(k_base, (T_seq, K), (H * K, 1), (t0, kc0), (BTc, BKC), (1, 0)),
-                         boundary_check=(0, 1)).to(tl.float32)
-            qf = tl.load(tl.make_block_ptr(q_base, (T_seq, K), (H * K, 1), (t0, kc0), (BTc, BKC), (1, 0)),
-                         boundary_check=(0, 1)).to(tl.float32)
-            b_g = tl.load(tl.make_block_ptr(g_base, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC), (1, 0)),
-                          boundary_check=(0, 1)).to(tl.float32)
+            kf, qf, b_g = _kqg_tiles(k_base, q_base, g_base, t0, kc0, T_seq, H, HV, K, BTc, BKC)
             b_G = tl.cumsum(tl.where(b_g < g_floor, g_floor, b_g), 0)                   # [BT, BKC]
             if AP_FORM == 1:
                 A0, A1, A2, A3, P0, P1, P2, P3 = _kda_ap_rows(
-                    A0, A1, A2, A3, P0, P1, P2, P3, kf, qf, b_G, k_base, q_base, g_base, beta, bos, t0, T_seq,
-                    i_h, H, HV, K, kc0, MM_PREC, BTc, BCc, BKC, g_floor, span_max)
+                    A0, A1, A2, A3, P0, P1, P2, P3, kf, qf, b_G, b_beta, k_base, q_base, g_base, beta, bos, t0,
+                    T_seq, i_h, H, HV, K, kc0, MM_PREC, BTc, BCc, BKC, g_floor, span_max)
             else:
-                e0 = _row_of(b_G, BCc - 1, BTc)                                             # G at each block end
-                e1 = _row_of(b_G, 2 * BCc - 1, BTc)
-                e2 = _row_of(b_G, 3 * BCc - 1, BTc)
+                e0, e1, e2, s_rows, worst = _block_starts(b_G, BTc, BCc)                    # block ends, starts
                 e3 = _row_of(b_G, 4 * BCc - 1, BTc)
                 zero = tl.zeros_like(e0)
                 one = tl.full([BKC], 1., tl.float32)
-                s_rows = _by_block(zero[None, :], e0[None, :], e1[None, :], e2[None, :], BTc, BCc)   # G before the block
-                worst = tl.min(tl.min(b_G - s_rows, 1), 0)
                 x = tl.exp(b_G - s_rows)                                                     # e^{G_i − s_b} ≤ 1
                 ky = kf * tl.exp(_by_block(e0[None, :], e1[None, :], e2[None, :], e3[None, :], BTc, BCc) - b_G)
                 bkx = kf * b_beta[:, None] * x                                               # β_i k_i e^{G_i − s_b}
