@@ -43,24 +43,28 @@ KERNELS = {
     "intra_diag": ("_intra_diag_kernel",
                    dict(q="in", k="in", beta="in", G="fp32", Amat="fp32", Pmat="fp32"),
                    dict(T="i32"), dict(BC=cb.SUB, span_max=cb.SPAN_MAX)),
-    "bwd_diag": ("_bwd_diag_kernel",
-                 dict(q="in", k="in", beta="in", G="fp32", Pmat="fp32", Amat="fp32", dq="g", dk="g", dbeta="fp32",
+    "bwd_pair": ("_bwd_pair_kernel",          # per channel: the pairwise gradients by column blocks (the default)
+                 dict(q="in", k="in", beta="in", G="fp32", Pmat="fp32", Amat="fp32", dq="g", dk="g", dbp="fp32",
                       dG="fp32"),
-                 dict(T="i32"), dict(BC=cb.SUB, span_max=cb.SPAN_MAX)),
+                 dict(T="i32", s_dbp="i32"), dict(BC=cb.SUB, span_max=cb.SPAN_MAX, OFFDIAG=True, BKP=cb.BWD_PAIR_SPLIT)),
+    "bwd_diag": ("_bwd_pair_kernel",          # the old path: the diagonal blocks alone, all channels
+                 dict(q="in", k="in", beta="in", G="fp32", Pmat="fp32", Amat="fp32", dq="g", dk="g", dbp="fp32",
+                      dG="fp32"),
+                 dict(T="i32", s_dbp="i32"), dict(BC=cb.SUB, span_max=cb.SPAN_MAX, OFFDIAG=False, BKP=128)),
     "wu": ("_wu_kernel",
            dict(k="in", v="in", beta="in", G="fp32", Tmat="fp32", Pmat="fp32", do="in", W="s", U="s", dRl="s"),
            dict(T="i32", scale="fp32"), {}),
 }
 
 
-def compile_kernel(name, fam="gdn", num_warps=8, K=128, V=128, num_stages=3, lowp=0, dtype="bf16"):
+def compile_kernel(name, fam="gdn", num_warps=8, K=128, V=128, num_stages=3, lowp=0, dtype="bf16", pair_old=False):
     kname, ptrs, scalars, extra = KERNELS[name]
     kernel = getattr(cb, kname)
     gate, delta = GATES[fam], fam != "gla"
     gdt = dtype if gate != 2 else "fp32"
     sig, consts = {}, dict(cu_seqlens=None, chunk_indices=None)
     for arg, kind in ptrs.items():
-        absent = (arg == "G" and not gate) or (arg in ("beta", "Tmat", "W", "U", "R", "dbeta") and not delta) or \
+        absent = (arg == "G" and not gate) or (arg in ("beta", "Tmat", "W", "U", "R", "dbeta", "dbp") and not delta) or \
                  (arg == "Amat" and not delta) or (arg == "dG" and not gate)
         if absent:
             consts[arg] = None
@@ -71,6 +75,8 @@ def compile_kernel(name, fam="gdn", num_warps=8, K=128, V=128, num_stages=3, low
                   PREC="tf32" if dtype != "fp32" else "tf32x3",
                   LOWP=lowp)
     params.update(extra)
+    if name == "bwd_grad":          # per-channel gates: the pairwise pass in _bwd_pair_kernel (pair_old: in here)
+        params["PAIR"] = gate != 2 or pair_old
     consts.update({p: v for p, v in params.items() if p in kernel.arg_names})
     for arg in list(consts):
         if arg not in kernel.arg_names:
@@ -96,10 +102,11 @@ def main():
     ap.add_argument("--dtype", default="bf16", help="the inputs' dtype: bf16, fp16 or fp32")
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--lowp", type=int, default=0, help="16-bit product operands (the LOWP constexpr, where a kernel has it)")
+    ap.add_argument("--pair-old", action="store_true", help="per-channel gates: the pairwise pass inside bwd_grad")
     a = ap.parse_args()
     print(f"{'kernel':10s} {'fam':6s} {'warps':>5s} {'regs':>5s} {'spill B':>8s} {'smem B':>8s}")
     for name, fam, w in itertools.product(a.kernels.split(","), a.fams.split(","), map(int, a.warps.split(","))):
-        c = compile_kernel(name, fam, w, K=a.K, num_stages=a.stages, lowp=a.lowp, dtype=a.dtype)
+        c = compile_kernel(name, fam, w, K=a.K, num_stages=a.stages, lowp=a.lowp, dtype=a.dtype, pair_old=a.pair_old)
         regs, spill = ptxas(c)
         print(f"{name:10s} {fam:6s} {w:5d} {regs:5d} {spill:8d} {c.metadata.shared:8d}", flush=True)
 

@@ -12,6 +12,10 @@ and fla: the GPU test `CHUNKWISE_BWD_LOWP=3 pytest tests/test_triton_chunk_bwd.p
 
     python benchmarks/sweep_bwd.py --warm --fams gdn --warps 4 &    # compile, time nothing
     python benchmarks/sweep_bwd.py --out $OUT
+    python benchmarks/sweep_bwd.py --fams kda --variants "p32:CHUNKWISE_BWD_PAIR_SPLIT=32;old:CHUNKWISE_BWD_PAIR_SPLIT=0"
+
+--variants "name:VAR=value,VAR=value;...": time only these environment settings (on top of the defaults),
+each with its per-kernel profile and its gradients' difference from the first variant's.
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ from bench_train import bench, fwd_bwd, leaves, profile  # noqa: E402
 KERNELS = {"_gate_cumsum_kernel": "gate_cumsum", "_intra_kernel": "intra", "_intra_diag_kernel": "intra_diag",
            "_solve_kernel": "solve", "_wu_kernel": "wu", "_fwd_h_kernel": "fwd_h", "_bwd_dh_kernel": "bwd_dh",
            "_bwd_dv_kernel": "bwd_dv", "_bwd_grad_kernel": "bwd_grad",
-           "_bwd_diag_kernel": "bwd_diag", "chunk_prepare_kernel": "prep"}     # prep: the forward's stage 1 + the
+           "_bwd_pair_kernel": "bwd_pair", "chunk_prepare_kernel": "prep"}     # prep: the forward's stage 1 + the
 # backward's fused recompute (BWD_FUSED_PREP); only the latter changes with the backward's warps
 
 
@@ -60,15 +64,83 @@ def run_config(fam, x, do, env, warm, ksplit=0, lowp=0):
     return ms, per, got
 
 
+# --variants pair: KDA's pairwise-gradient kernel (_bwd_pair_kernel) at 32 / 16 / 64 key channels per program
+# and 8 / 4 warps, the key side at 4 warps, the key side's 16-bit operands, and the old path (pass 2 inside
+# the key-side kernel)
+PAIR_VARIANTS = ("p32w8:CHUNKWISE_BWD_PAIR_SPLIT=32;p32w4:CHUNKWISE_BWD_WARPS=bwd_pair:4;"
+                 "p16w8:CHUNKWISE_BWD_PAIR_SPLIT=16;p16w4:CHUNKWISE_BWD_PAIR_SPLIT=16,CHUNKWISE_BWD_WARPS=bwd_pair:4;"
+                 "p64w8:CHUNKWISE_BWD_PAIR_SPLIT=64;p32g4:CHUNKWISE_BWD_WARPS=bwd_grad:4;"
+                 "p32lowp3:CHUNKWISE_BWD_LOWP=3;old:CHUNKWISE_BWD_PAIR_SPLIT=0")
+
+
+def run_env(fam, x, do, env, warm):
+    """One fwd+bwd with the environment settings env (dict) on top of the defaults."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        grads = leaves(x)
+        f = fwd_bwd(lambda: run_ours(fam, x), do)
+        os.environ["CHUNKWISE_POISON"] = "1"
+        f()
+        os.environ["CHUNKWISE_POISON"] = "0"
+        got = [t.grad.detach().float().clone() for t in grads]
+        if warm:
+            return None, None, got
+        return bench(f, grads), kernel_times(profile(f, grads)), got
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def variants(a, shape):
+    """--variants: each named environment setting, timed per family."""
+    specs = []
+    for item in filter(None, (PAIR_VARIANTS if a.variants == "pair" else a.variants).split(";")):
+        name, _, kv = item.partition(":")
+        specs.append((name, dict(p.split("=", 1) for p in filter(None, kv.split(",")))))
+    rows = []
+    for fam in a.fams.split(","):
+        x = make(fam, shape)
+        do = torch.randn_like(x["v"])
+        base, row = None, dict(family=fam, shape=shape["name"], variants={})
+        for name, env in specs:
+            ms, per, got = run_env(fam, x, do, env, a.warm)
+            diff = None if base is None else max(((t - b).norm() / b.norm()).item() for t, b in zip(got, base))
+            base = base or got
+            row["variants"][name] = dict(env=env, fwd_bwd_ms=ms, kernels=per, grad_rel_diff=diff,
+                                         finite=all(bool(torch.isfinite(t).all()) for t in got))
+            if not a.warm:
+                print(json.dumps(dict(family=fam, variant=name, **row["variants"][name])), flush=True)
+        rows.append(row)
+        del x, do
+        torch.cuda.empty_cache()
+    if a.warm:
+        return
+    for r in rows:
+        print(f"\n{r['family']} {r['shape']}: fwd+bwd ms " +
+              "  ".join(f"{n}: {v['fwd_bwd_ms']:.2f}" for n, v in r["variants"].items()))
+        for k in sorted({k for v in r["variants"].values() for k in v["kernels"]}):
+            print(f"  {k:12s} " + "  ".join(f"{n}: {v['kernels'].get(k, float('nan')):.3f}" for n, v in r["variants"].items()))
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "sweep_bwd_variants.json"), "w") as fh:
+        json.dump(rows, fh, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--fams", default="gdn,delta,kda")
     ap.add_argument("--warps", default="8,4", help="the settings to compare (warm: compile these)")
     ap.add_argument("--warm", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--variants", default="", help="name:VAR=value,...;... time only these settings")
     a = ap.parse_args()
     torch.manual_seed(0)
     shape = shapes(64 if a.warm else 1)[0]
+    if a.variants:
+        return variants(a, shape)
     settings = [int(w) for w in a.warps.split(",")]
     results, picks = [], {}
     for fam in a.fams.split(","):

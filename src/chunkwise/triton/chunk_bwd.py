@@ -20,8 +20,8 @@ Backward, given dO and dS' (dh: the gradient of the state leaving the chunk)::
 
 Stages (kernels below, all launched by chunk_bwd): gate cumsum -> A, P (-> their per-channel
 diagonal blocks) -> T -> W, U, dR_local -> forward state pass (h, R) -> reverse state pass (dh, dR,
-dh0) -> value-side gradients (dP, dT_v, dv, dβ) -> key-side gradients (dq, dk, dβ, dg) (-> per-channel
-diagonal blocks and the reverse cumsum). Per-chunk states are recomputed here and live only during
+dh0) -> value-side gradients (dP, dT_v, dv, dβ) -> key-side gradients (dq, dk, dβ, dg) (-> per channel:
+the pairwise gradients through P and A by blocks of key channels, and the reverse cumsum). Per-chunk states are recomputed here and live only during
 the backward; the forward saves nothing but its inputs.
 
 Per-channel numerics: Γ is never formed from e^{G_i} and e^{−G_j}. Off the 16×16 diagonal blocks,
@@ -741,11 +741,12 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
                            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                            BKH: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
                            GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-                           LOWP: tl.constexpr = 0):
+                           LOWP: tl.constexpr = 0, PAIR: tl.constexpr = True):
     """The key side, after _bwd_dv_kernel (which left dP in Pmat, dT_v in Amat, the value part of dβ):
-    dq, dk: [B, T, HV, K] (per value head); dbeta: [B, T, HV] fp32 (completed);
+    dq, dk: [B, T, HV, K] (per value head); dbeta: [B, T, HV] fp32 (completed; per channel the pair kernel
+    adds its share);
     dG: [B, T, HV(, K)] fp32 -- for scalar gates already the reverse cumsum (dg); per channel the
-    gradient of G without the diagonal blocks (finished by _bwd_diag_kernel, which reads dA, dP
+    gradient of G without the pairwise terms (finished by _bwd_pair_kernel, which reads dA, dP
     from Amat, Pmat).
 
     In column blocks of BKH key channels ([C, BKH] tiles: fewer registers, less shared memory per
@@ -756,7 +757,8 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
                  parts of dk (-> dk), of dG (-> dG per channel, row sums for a scalar gate) and of dβ;
         dA = −Tᵀ dT Tᵀ (strict lower) -> Amat;
         pass 2, per column block: the pairwise products P (q, k) and A (βk, k): dq (per channel), dk,
-                 dβ and dG completed from what pass 1 left in dk / dG.
+                 dβ and dG completed from what pass 1 left in dk / dG (per-channel gates: in
+                 _bwd_pair_kernel, split over key channels, unless PAIR).
     The V loop runs once per column block: R and dR are read K / BKH times. LOWP: the products of T, dW,
     X, dT, dA and dP take 16-bit operands (the input dtype; fp32 accumulation), as fla's do."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
@@ -843,53 +845,54 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
         if GATE == 1:
             b_dA = b_dA * tl.exp(tl.where(i_ge_j, b_G[:, None] - b_G[None, :], float("-inf")))
         tl.store(Amat + p_cc, b_dA, mask=m_cc)
-    tl.debug_barrier()
-    m_ccT = m_t[:, None] & m_t[None, :]
-    if GATE == 2:
-        b_dP = tl.load(Pmat + p_cc, mask=m_cc & i_ge_j, other=0.).to(OPD)                  # dP [C, C]
-        b_dPt = tl.load(Pmat + p_ccT, mask=m_ccT, other=0.).to(OPD)                        # dPᵀ
-        if DELTA:
-            b_dAt = tl.load(Amat + p_ccT, mask=m_ccT, other=0.).to(OPD)                    # dAᵀ
-    else:
-        b_dPt = tl.load(Pmat + p_ccT, mask=m_ccT & (o_t[None, :] >= o_t[:, None]), other=0.)
-        if GATE == 1:
-            b_dPt *= tl.exp(tl.where(o_t[None, :] >= o_t[:, None], b_G[None, :] - b_G[:, None], float("-inf")))
-        b_dPt = b_dPt.to(OPD)
-        if DELTA:
-            b_dAt = tl.load(Amat + p_ccT, mask=m_ccT, other=0.).to(OPD)
-    if DELTA:
-        b_dA = b_dA.to(OPD)
-
-    # pass 2
-    for i_k in range(tl.cdiv(K, BKH)):
-        o_k = i_k * BKH + tl.arange(0, BKH)
-        m_k = o_k < K
-        m_tk = m_t[:, None] & m_k[None, :]
-        p_tk = (rows[:, None] * H + i_hk) * K + o_k[None, :]
-        p_hk = (rows[:, None] * HV + i_h) * K + o_k[None, :]
-        b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
-        b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
-        b_kb = b_k * b_beta[:, None]
-        b_dkb = tl.zeros([C, BKH], dtype=tl.float32)
+    # pass 2 (per-channel gates: in _bwd_pair_kernel unless PAIR, the old path)
+    if GATE != 2 or PAIR:
+        tl.debug_barrier()
+        m_ccT = m_t[:, None] & m_t[None, :]
         if GATE == 2:
-            b_Gh, b_lasth = _load_gate_cols(G, t0, L, i_h, o_k, m_k, HV, K, C)
-            b_dqp, b_dkp, b_dkb = _pairwise_grads_channel(b_dP, b_dPt, b_dA if DELTA else b_dP,
-                                                          b_dAt if DELTA else b_dPt, b_q, b_k, b_kb, b_Gh, C, BC,
-                                                          DELTA, PREC, OPD)
-            b_dq = tl.load(dq + p_hk, mask=m_tk, other=0.) + b_dqp
-            tl.store(dq + p_hk, b_dq, mask=m_tk)
-            b_dGm = tl.load(dG + p_hk, mask=m_tk, other=0.) + b_q * b_dq + b_kb * b_dkb - b_k * b_dkp
-            tl.store(dG + p_hk, b_dGm, mask=m_tk)
-        else:
-            b_dkp = tl.dot(b_dPt, b_q.to(OPD), input_precision=PREC)                      # [C, C] @ [C, BKH]
+            b_dP = tl.load(Pmat + p_cc, mask=m_cc & i_ge_j, other=0.).to(OPD)                  # dP [C, C]
+            b_dPt = tl.load(Pmat + p_ccT, mask=m_ccT, other=0.).to(OPD)                        # dPᵀ
             if DELTA:
-                b_dkb = tl.dot(b_dA, b_k.to(OPD), input_precision=PREC)                   # [C, C] @ [C, BKH]
-                b_dkp += tl.dot(b_dAt, b_kb.to(OPD), input_precision=PREC)                # [C, C] @ [C, BKH]
+                b_dAt = tl.load(Amat + p_ccT, mask=m_ccT, other=0.).to(OPD)                    # dAᵀ
+        else:
+            b_dPt = tl.load(Pmat + p_ccT, mask=m_ccT & (o_t[None, :] >= o_t[:, None]), other=0.)
             if GATE == 1:
-                b_dGr += tl.sum(b_kb * b_dkb - b_k * b_dkp, axis=1)
-        b_dk = tl.load(dk + p_hk, mask=m_tk, other=0.) + b_dkp + b_beta[:, None] * b_dkb
-        tl.store(dk + p_hk, b_dk, mask=m_tk)
-        b_db += tl.sum(b_k * b_dkb, axis=1)
+                b_dPt *= tl.exp(tl.where(o_t[None, :] >= o_t[:, None], b_G[None, :] - b_G[:, None], float("-inf")))
+            b_dPt = b_dPt.to(OPD)
+            if DELTA:
+                b_dAt = tl.load(Amat + p_ccT, mask=m_ccT, other=0.).to(OPD)
+        if DELTA:
+            b_dA = b_dA.to(OPD)
+
+        for i_k in range(tl.cdiv(K, BKH)):
+            o_k = i_k * BKH + tl.arange(0, BKH)
+            m_k = o_k < K
+            m_tk = m_t[:, None] & m_k[None, :]
+            p_tk = (rows[:, None] * H + i_hk) * K + o_k[None, :]
+            p_hk = (rows[:, None] * HV + i_h) * K + o_k[None, :]
+            b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
+            b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
+            b_kb = b_k * b_beta[:, None]
+            b_dkb = tl.zeros([C, BKH], dtype=tl.float32)
+            if GATE == 2:
+                b_Gh, b_lasth = _load_gate_cols(G, t0, L, i_h, o_k, m_k, HV, K, C)
+                b_dqp, b_dkp, b_dkb = _pairwise_grads_channel(b_dP, b_dPt, b_dA if DELTA else b_dP,
+                                                              b_dAt if DELTA else b_dPt, b_q, b_k, b_kb, b_Gh, C, BC,
+                                                              DELTA, PREC, OPD)
+                b_dq = tl.load(dq + p_hk, mask=m_tk, other=0.) + b_dqp
+                tl.store(dq + p_hk, b_dq, mask=m_tk)
+                b_dGm = tl.load(dG + p_hk, mask=m_tk, other=0.) + b_q * b_dq + b_kb * b_dkb - b_k * b_dkp
+                tl.store(dG + p_hk, b_dGm, mask=m_tk)
+            else:
+                b_dkp = tl.dot(b_dPt, b_q.to(OPD), input_precision=PREC)                      # [C, C] @ [C, BKH]
+                if DELTA:
+                    b_dkb = tl.dot(b_dA, b_k.to(OPD), input_precision=PREC)                   # [C, C] @ [C, BKH]
+                    b_dkp += tl.dot(b_dAt, b_kb.to(OPD), input_precision=PREC)                # [C, C] @ [C, BKH]
+                if GATE == 1:
+                    b_dGr += tl.sum(b_kb * b_dkb - b_k * b_dkp, axis=1)
+            b_dk = tl.load(dk + p_hk, mask=m_tk, other=0.) + b_dkp + b_beta[:, None] * b_dkb
+            tl.store(dk + p_hk, b_dk, mask=m_tk)
+            b_db += tl.sum(b_k * b_dkb, axis=1)
 
     if DELTA:
         tl.store(dbeta + rows * HV + i_h, b_db, mask=m_t)
@@ -924,22 +927,67 @@ def _diag_grads_exact(k, G, Pmat, Amat, b_q, b_kb, b_G, b_last, t0, L, ib, rows,
 
 
 @triton.jit
-def _bwd_diag_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbeta, dG, cu_seqlens, chunk_indices, T,
-                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
+def _bwd_pair_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, cu_seqlens, chunk_indices, T, s_dbp,
+                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BKP: tl.constexpr, C: tl.constexpr,
                      BC: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-                     span_max: tl.constexpr):
-    """Per-channel gates: the diagonal BC×BC blocks of the pairwise gradients, added to dq, dk, dbeta, dG in
-    place; then dG becomes dg (reverse cumsum over the chunk). A block whose gates span less than span_max
-    takes four products of factored operands (_diag_factors), otherwise the exact column loop (rare)."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+                     span_max: tl.constexpr, OFFDIAG: tl.constexpr, LOWP: tl.constexpr = 0):
+    """Per-channel gates, after _bwd_grad_kernel: the gradients through the pairwise products P = tril(⟨q_i,
+    Γ_ij k_j⟩) and A = strict_tril(⟨βk_i, Γ_ij k_j⟩) (dP, dA in Pmat, Amat), added to dq, dk, dG in place,
+    then dG becomes dg (reverse cumsum over the chunk). Grid (chunks, B·HV, cdiv(K, BKP)): everything here is
+    local to a key channel, so each program takes one block of BKP channels.
+
+        OFFDIAG: the blocks off the 16×16 diagonal first, on whole [C, BKP] tiles (_pairwise_grads_channel);
+                 otherwise _bwd_grad_kernel did them (its pass 2, the old path).
+        then the diagonal blocks, last to first: four products of factored operands when a block's gates
+                 span less than span_max (_diag_factors), else the exact column loop (rare).
+
+    dβ's share of this column block goes to dbp[i_kb] (fp32 [NKB, B·T·HV], summed by the launcher: no
+    atomics, so the result does not depend on the order of the programs). LOWP: the off-diagonal products
+    take 16-bit operands (the key side's BWD_LOWP level 3)."""
+    i_t, i_bh, i_kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // HV, i_bh % HV
     i_hk = i_h // (HV // H)
     t0, L, _ = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
     o_i = tl.arange(0, BC)
-    o_k = tl.arange(0, BK)
+    o_k = i_kb * BKP + tl.arange(0, BKP)
     m_k = o_k < K
     b_last = tl.load(G + ((t0 + L - 1).to(tl.int64) * HV + i_h) * K + o_k, mask=m_k, other=0.)
-    b_carry = tl.zeros([BK], dtype=tl.float32)
+    if OFFDIAG:
+        o_t = tl.arange(0, C)
+        m_t = o_t < L
+        rows = (t0 + o_t).to(tl.int64)
+        m_cc = m_t[:, None] & m_t[None, :]
+        p_cc = (rows[:, None] * HV + i_h) * C + o_t[None, :]
+        p_ccT = (rows[None, :] * HV + i_h) * C + o_t[:, None]                            # element [j, i] of row i
+        OPD: tl.constexpr = q.dtype.element_ty if LOWP else tl.float32
+        b_dP = tl.load(Pmat + p_cc, mask=m_cc & (o_t[:, None] >= o_t[None, :]), other=0.).to(OPD)   # dP [C, C]
+        b_dPt = tl.load(Pmat + p_ccT, mask=m_cc, other=0.).to(OPD)                                   # dPᵀ
+        if DELTA:
+            b_dA = tl.load(Amat + p_cc, mask=m_cc, other=0.).to(OPD)                                 # dA (strict lower)
+            b_dAt = tl.load(Amat + p_ccT, mask=m_cc, other=0.).to(OPD)                               # dAᵀ
+            b_beta = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.).to(tl.float32)
+        else:
+            b_dA = b_dP
+            b_dAt = b_dPt
+            b_beta = tl.zeros([C], dtype=tl.float32)
+        m_tk = m_t[:, None] & m_k[None, :]
+        p_tk = (rows[:, None] * H + i_hk) * K + o_k[None, :]
+        p_hk = (rows[:, None] * HV + i_h) * K + o_k[None, :]
+        b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
+        b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
+        b_kb = b_k * b_beta[:, None]
+        b_Gh, _ = _load_gate_cols(G, t0, L, i_h, o_k, m_k, HV, K, C)
+        b_dqp, b_dkp, b_dkb = _pairwise_grads_channel(b_dP, b_dPt, b_dA, b_dAt, b_q, b_k, b_kb, b_Gh, C, BC,
+                                                      DELTA, PREC, OPD)
+        b_dq = tl.load(dq + p_hk, mask=m_tk, other=0.) + b_dqp
+        tl.store(dq + p_hk, b_dq, mask=m_tk)
+        b_dGm = tl.load(dG + p_hk, mask=m_tk, other=0.) + b_q * b_dq + b_kb * b_dkb - b_k * b_dkp
+        tl.store(dG + p_hk, b_dGm, mask=m_tk)
+        tl.store(dk + p_hk, tl.load(dk + p_hk, mask=m_tk, other=0.) + b_dkp + b_beta[:, None] * b_dkb, mask=m_tk)
+        if DELTA:
+            tl.store(dbp + i_kb.to(tl.int64) * s_dbp + rows * HV + i_h, tl.sum(b_k * b_dkb, axis=1), mask=m_t)
+        tl.debug_barrier()      # the diagonal blocks below read these rows back (other threads wrote them)
+    b_carry = tl.zeros([BKP], dtype=tl.float32)
     for ii in tl.static_range(C // BC):
         ib = C // BC - 1 - ii
         o_r = ib * BC + o_i
@@ -960,29 +1008,31 @@ def _bwd_diag_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbeta, dG, cu_seqlens, c
         b_xr, b_xc, fast = _diag_factors(b_G, span_max)
         if fast:
             # Γ_ij = xr_i xc_j: dq_i = xr_i Σ_j dP_ij xc_j k_j, dk_j = xc_j Σ_i (dP_ij q_i + dA_ij βk_i) xr_i
-            p_cc = (rows[:, None] * HV + i_h) * C + o_r[None, :]
-            m_cc = (m_r[:, None] & m_r[None, :]) & (o_i[:, None] >= o_i[None, :])
-            b_dPb = tl.load(Pmat + p_cc, mask=m_cc, other=0.)                                  # [BC, BC]
+            p_bb = (rows[:, None] * HV + i_h) * C + o_r[None, :]
+            m_bb = (m_r[:, None] & m_r[None, :]) & (o_i[:, None] >= o_i[None, :])
+            b_dPb = tl.load(Pmat + p_bb, mask=m_bb, other=0.)                                  # [BC, BC]
             b_kc = b_k * b_xc
-            b_dqd = tl.dot(b_dPb, b_kc, input_precision=PREC) * b_xr                         # [BC, BC] @ [BC, BK]
-            b_dkd = tl.dot(tl.trans(b_dPb), b_q * b_xr, input_precision=PREC)                # [BC, BC] @ [BC, BK]
+            b_dqd = tl.dot(b_dPb, b_kc, input_precision=PREC) * b_xr                         # [BC, BC] @ [BC, BKP]
+            b_dkd = tl.dot(tl.trans(b_dPb), b_q * b_xr, input_precision=PREC)                # [BC, BC] @ [BC, BKP]
             if DELTA:
-                b_dAb = tl.load(Amat + p_cc, mask=m_cc, other=0.)
-                b_dkbd = tl.dot(b_dAb, b_kc, input_precision=PREC) * b_xr                    # [BC, BC] @ [BC, BK]
-                b_dkd += tl.dot(tl.trans(b_dAb), b_kb * b_xr, input_precision=PREC)          # [BC, BC] @ [BC, BK]
+                b_dAb = tl.load(Amat + p_bb, mask=m_bb, other=0.)
+                b_dkbd = tl.dot(b_dAb, b_kc, input_precision=PREC) * b_xr                    # [BC, BC] @ [BC, BKP]
+                b_dkd += tl.dot(tl.trans(b_dAb), b_kb * b_xr, input_precision=PREC)          # [BC, BC] @ [BC, BKP]
             else:
-                b_dkbd = tl.zeros([BC, BK], dtype=tl.float32)
+                b_dkbd = tl.zeros([BC, BKP], dtype=tl.float32)
             b_dkd = b_dkd * b_xc
         else:
             b_dqd, b_dkbd, b_dkd = _diag_grads_exact(k, G, Pmat, Amat, b_q, b_kb, b_G, b_last, t0, L, ib, rows, m_r,
-                                                     i_h, i_hk, o_k, m_k, H, HV, K, BK, C, BC, DELTA)
+                                                     i_h, i_hk, o_k, m_k, H, HV, K, BKP, C, BC, DELTA)
         b_dGd = b_q * b_dqd + b_kb * b_dkbd - b_k * b_dkd
         tl.store(dq + p_hk, tl.load(dq + p_hk, mask=m_rk, other=0.) + b_dqd, mask=m_rk)
         tl.store(dk + p_hk, tl.load(dk + p_hk, mask=m_rk, other=0.) + b_dkd + b_beta[:, None] * b_dkbd,
                  mask=m_rk)
         if DELTA:
-            b_dbv = tl.load(dbeta + rows * HV + i_h, mask=m_r, other=0.) + tl.sum(b_k * b_dkbd, axis=1)
-            tl.store(dbeta + rows * HV + i_h, b_dbv, mask=m_r)
+            b_dbd = tl.sum(b_k * b_dkbd, axis=1)
+            if OFFDIAG:
+                b_dbd += tl.load(dbp + i_kb.to(tl.int64) * s_dbp + rows * HV + i_h, mask=m_r, other=0.)
+            tl.store(dbp + i_kb.to(tl.int64) * s_dbp + rows * HV + i_h, b_dbd, mask=m_r)
         b_dG = tl.load(dG + p_hk, mask=m_rk, other=0.) + b_dGd
         b_tot = tl.sum(b_dG, axis=0)
         b_dg = b_tot[None, :] - tl.cumsum(b_dG, axis=0) + b_dG + b_carry[None, :]             # reverse cumsum
@@ -1021,8 +1071,8 @@ def _num_stages(dtype: torch.dtype, BK: int, state_pass: bool = False) -> int:
 # CHUNKWISE_BWD_WARPS="wu:4,bwd_grad:4" ("all:N" for every kernel) and CHUNKWISE_BWD_KSPLIT (0: one block)
 # override these (the sweep's knobs).
 BWD_WARPS = {"gate_cumsum": 4, "intra": 4, "intra_diag": 4, "solve": 4, "wu": 4, "fwd_h": 4, "bwd_dh": 4,
-             "bwd_dv": 4, "bwd_grad": 4, "bwd_diag": 4, "prep": 4}     # prep: the fused recompute (BWD_FUSED_PREP)
-BWD_WARPS_PER_CHANNEL = {"fwd_h": 8, "bwd_dh": 8, "bwd_grad": 8, "intra_diag": 8}     # KDA (per-channel gate)
+             "bwd_dv": 4, "bwd_grad": 4, "bwd_diag": 4, "bwd_pair": 4, "prep": 4}     # prep: the fused recompute (BWD_FUSED_PREP)
+BWD_WARPS_PER_CHANNEL = {"fwd_h": 8, "bwd_dh": 8, "bwd_grad": 8, "intra_diag": 8, "bwd_pair": 8}     # KDA (per-channel gate)
 BWD_KSPLIT = 64
 # 16-bit inputs: the products' operands in the input dtype, fp32 accumulation. 1: the two serial state
 # passes (fwd_h, bwd_dh); 2: also the W / U / dR_local recompute; 3: also the key side's products of T, dW,
@@ -1036,6 +1086,13 @@ BWD_LOWP = 2
 # instead of the intra / solve / wu kernels (1.5-1.6 ms on the H200, run of b699467). Unmeasured on the GPU;
 # CHUNKWISE_BWD_FUSED_PREP=0 takes the three kernels.
 BWD_FUSED_PREP = 1
+# Per-channel gates: the key side's gradients through P and A (off the diagonal blocks) run in their own kernel
+# with the diagonal blocks (_bwd_pair_kernel), BWD_PAIR_SPLIT key channels per program, instead of as the
+# key-side kernel's second pass (its 12.96 ms for KDA, B1-T32768-H32, run of 703d009: 255 registers and
+# 1.5 KB spilled per thread at 8 warps, 148 KB of shared memory, offline sm_90). Offline sm_90 at 8 warps:
+# the key side without that pass 4 B spilled, 106 KB; the pair kernel at 16 / 32 / 64 channels 0 / 64 /
+# 448 B spilled, 72 / 80 / 96 KB. Unmeasured on the GPU; CHUNKWISE_BWD_PAIR_SPLIT=0 takes the old path.
+BWD_PAIR_SPLIT = 32
 
 
 def _warps(name: str, gate: int) -> int:
@@ -1188,14 +1245,23 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                            num_warps=_warps("bwd_dv", gate), num_stages=ns, **common)
     bkh = int(os.environ.get("CHUNKWISE_BWD_KSPLIT", BWD_KSPLIT))   # the key side's column block (0: one block)
     bkh = BK if bkh <= 0 else min(max(16, triton.next_power_of_2(bkh)), BK)
+    # per-channel gates: the pairwise gradients in their own kernel, split over key channels (BWD_PAIR_SPLIT)
+    bkp = int(os.environ.get("CHUNKWISE_BWD_PAIR_SPLIT", BWD_PAIR_SPLIT)) if gate == 2 else 0
+    bkp = 0 if bkp <= 0 else min(max(16, triton.next_power_of_2(bkp)), BK)
     _bwd_grad_kernel[grid_c](q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, dk, dbeta, dG,
                              scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BKH=bkh, BV=BV, C=C, BC=BC, GATE=gate,
-                             DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_key, num_warps=_warps("bwd_grad", gate),
-                             num_stages=ns, **common)
+                             DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_key, PAIR=bkp == 0,
+                             num_warps=_warps("bwd_grad", gate), num_stages=ns, **common)
     if gate == 2:
-        _bwd_diag_kernel[grid_c](q, k, beta, G, Pmat, Amat, dq, dk, dbeta, dG, H=H, HV=HV, K=K, BK=BK, C=C, BC=BC,
-                                 DELTA=delta, IS_VARLEN=varlen, PREC=prec, span_max=SPAN_MAX,
-                                 num_warps=_warps("bwd_diag", gate), num_stages=ns, **common)
+        nkb = triton.cdiv(K, bkp or BK)
+        dbp = buf(nkb, B * T * HV) if delta else None
+        _bwd_pair_kernel[(NT, B * HV, nkb)](q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, s_dbp=B * T * HV, H=H, HV=HV,
+                                            K=K, BKP=bkp or BK, C=C, BC=BC, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
+                                            span_max=SPAN_MAX, OFFDIAG=bkp > 0, LOWP=lowp_key,
+                                            num_warps=_warps("bwd_pair" if bkp else "bwd_diag", gate), num_stages=ns,
+                                            **common)
+        if delta:
+            dbeta += dbp.view(nkb, B, T, HV).sum(0)
     if HV != H:
         dq = dq.view(B, T, H, HV // H, K).sum(3)
         dk = dk.view(B, T, H, HV // H, K).sum(3)
