@@ -873,10 +873,13 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     n_sm = _num_sms(q.device)
     busy = triton.cdiv(V, bv) * N * HV >= 2 * n_sm
     nseg = 1
-    if not delta and gate != 2 and cu_seqlens is None and (segments is not None or (tuned and not busy)):
+    bv_seg = min(64 if K <= 128 else 32, _dim(V))
+    few = triton.cdiv(V, bv_seg) * N * HV < n_sm
+    if not delta and gate != 2 and cu_seqlens is None and (segments is not None or (tuned and few)):
         # simple GLA: its state is linear, so a few segments per sequence can run side by side (SEG in
-        # chunk_state_output_kernel) and fill the GPU at two programs per SM, as a large batch does
-        bv_seg = min(64 if K <= 128 else 32, _dim(V))
+        # chunk_state_output_kernel) and fill the GPU at two programs per SM, as a large batch does. Only where
+        # the unsplit grid leaves SMs idle: on the H200 (run of 703d009) B1-T32768-H32 (64 programs) went from
+        # 0.96 to 0.83 ms, but B4-T8192-H16/HV32 (256 programs, 2 segments) from 0.64 to 0.79
         nseg = segments or _pick_segments(NT, triton.cdiv(V, bv_seg) * N * HV, n_sm)
         if nseg > 1:
             bv, busy = bv_seg, True
