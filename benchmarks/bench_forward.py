@@ -183,6 +183,12 @@ def main():
                     if fam == "gla":            # P formed once per chunk by its own kernel (chunk_p_kernel)
                         for ns in (2, 3):
                             time_variant(f"bv{bv}-nw4-ns{ns}-pin", bv=bv, num_warps=4, num_stages=ns, p_in=True)
+                    if fam == "gla" and bv >= 32 and x["q"].shape[0] == 1 and x["cu"] is None:
+                        # the segment split (chunk_fwd(segments=)): segments x value block x stages
+                        for nseg in (4, 8, 16):
+                            for ns in (2, 3):
+                                time_variant(f"seg{nseg}-bv{bv}-nw4-ns{ns}", bv=bv, num_warps=4, num_stages=ns,
+                                             segments=nseg)
                 row["variants"] = var
             results.append(row)
             print(json.dumps(row), flush=True)

@@ -868,6 +868,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     beta = None if beta is None else beta.contiguous()
     NT = triton.cdiv(T, BT)
     tuned = p_in is None and bv is None and num_stages is None
+    bv_arg = bv
     bv = bv or _pick_bv(V, K, N * HV)
     # fewer than two programs per SM: each is alone with its serial loop (latency-bound)
     n_sm = _num_sms(q.device)
@@ -882,7 +883,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         # 0.96 to 0.83 ms, but B4-T8192-H16/HV32 (256 programs, 2 segments) from 0.64 to 0.79
         nseg = segments or _pick_segments(NT, triton.cdiv(V, bv_seg) * N * HV, n_sm)
         if nseg > 1:
-            bv, busy = bv_seg, True
+            bv, busy = bv_arg or bv_seg, True
     if p_in is None:
         # simple GLA (no prepare stage) forms P inside its serial loop when the SMs are busy, and takes it from
         # its own chunk-parallel kernel when they are not (H200, B1-T32768-H32: 1.17 -> 0.95 ms; B8-T4096-H32:
