@@ -135,6 +135,33 @@ def test_grads_wide_keys(fam, K, dtype):
     _compare(inp, TOL[dtype], dtype=dtype)
 
 
+@pytest.mark.parametrize("fam", FAMS)
+def test_wide_16_bit_runs_in_fp32(fam):
+    """16-bit inputs with K > 128 run the chunk forward and backward in fp32 (chunk_fwd.WIDE_16BIT_K): output,
+    final state and every gradient equal, bit for bit, the fp32 run's on the same values, in the input dtype."""
+    from chunkwise.triton.chunk_bwd import chunk_bwd
+    from chunkwise.triton.chunk_fwd import chunk_fwd
+    inp = make_inputs(fam, B=1, T=40, H=1, HV=2, K=160, V=16, seed=7)
+    dev = lambda x, dt=None: None if x is None else x.to(DEVICE, dt or x.dtype)  # noqa: E731
+    half = [dev(x, torch.float16) for x in (inp.q, inp.k, inp.v)]
+    g, h0, beta = dev(inp.g), dev(inp.h0, torch.float32), dev(inp.beta, torch.float16)
+    scale = 160 ** -0.5
+    o16, h16 = chunk_fwd(*half, g, beta, scale, h0, True, None)
+    o32, h32 = chunk_fwd(*(x.float() for x in half), g, None if beta is None else beta.float(), scale, h0, True, None)
+    assert o16.dtype == torch.float16 and torch.equal(o16, o32.half()) and torch.equal(h16, h32)
+    gen = torch.Generator().manual_seed(0)
+    do = torch.randn(o16.shape, generator=gen).half().to(DEVICE)
+    dht = torch.randn(h16.shape, generator=gen).to(DEVICE)
+    d16 = chunk_bwd(*half, g, beta, scale, h0, do, dht, None)
+    d32 = chunk_bwd(*(x.float() for x in half), g, None if beta is None else beta.float(), scale, h0, do.float(), dht,
+                    None)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), d16, d32):
+        if a is None:
+            continue
+        assert a.dtype == (torch.float16 if name in ("dq", "dk", "dv", "dbeta") else b.dtype), name
+        assert torch.equal(a, b.to(a.dtype)), name
+
+
 @pytest.mark.parametrize("fam", ("gdn", "kda"))
 def test_grads_in_op_preludes(fam):
     """In-op L2 norm of q, k, beta sigmoid, gate from A_log / dt_bias: gradients of the raw inputs."""
@@ -288,13 +315,13 @@ def test_offsets_past_2_31():
         assert rel_err(a, b) <= 1e-3, f"{name}: {rel_err(a, b):.2e}"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("fused", [0, 1])
+@pytest.mark.parametrize("fused,dtype", [(0, torch.float32), (1, torch.float32), (0, torch.float16)])
 @pytest.mark.parametrize("fam", ("gdn", "delta"))
 def test_grads_recompute_paths(fam, fused, dtype, monkeypatch):
     """The backward's recompute of T, W, U and dR_local: in one pass with the forward's stage-1 kernel
-    (CHUNKWISE_BWD_FUSED_PREP=1, the default for scalar / no gates) or with the intra / solve / wu kernels:
-    gradients of every input, varlen with a length-1 sequence and grouped heads."""
+    (CHUNKWISE_BWD_FUSED_PREP=1, the default for scalar / no gates with fp32 or bf16 inputs; bf16 is checked at
+    real size on the GPU) or with the intra / solve / wu kernels (fp16 always takes these): gradients of every
+    input, varlen with a length-1 sequence and grouped heads."""
     monkeypatch.setenv("CHUNKWISE_BWD_FUSED_PREP", str(fused))
     inp = make_inputs(fam, lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, seed=9)
     _compare(inp, TOL[dtype], dtype=dtype)

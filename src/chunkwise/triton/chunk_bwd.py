@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from .align import cut_state, pad_last, pad_state, padded_dims
+from .chunk_fwd import WIDE_16BIT_K
 
 CHUNK = 64
 SUB = 16
@@ -1072,7 +1073,7 @@ def _num_stages(dtype: torch.dtype, BK: int, state_pass: bool = False) -> int:
 # override these (the sweep's knobs).
 BWD_WARPS = {"gate_cumsum": 4, "intra": 4, "intra_diag": 4, "solve": 4, "wu": 4, "fwd_h": 4, "bwd_dh": 4,
              "bwd_dv": 4, "bwd_grad": 4, "bwd_diag": 4, "bwd_pair": 4, "prep": 4}     # prep: the fused recompute (BWD_FUSED_PREP)
-BWD_WARPS_PER_CHANNEL = {"fwd_h": 8, "bwd_dh": 8, "bwd_grad": 8, "intra_diag": 8, "bwd_pair": 8}     # KDA (per-channel gate)
+BWD_WARPS_PER_CHANNEL = {"fwd_h": 8, "bwd_dh": 8, "bwd_grad": 8}     # KDA (per-channel gate)
 BWD_KSPLIT = 64
 # 16-bit inputs: the products' operands in the input dtype, fp32 accumulation. 1: the two serial state
 # passes (fwd_h, bwd_dh); 2: also the W / U / dR_local recompute; 3: also the key side's products of T, dW,
@@ -1095,12 +1096,17 @@ BWD_FUSED_PREP = 1
 BWD_PAIR_SPLIT = 32
 
 
-def _warps(name: str, gate: int) -> int:
+def _warps(name: str, gate: int, wide_ok: bool = True) -> int:
+    """num_warps of a backward kernel. ``wide_ok``: the per-channel 8-warp picks may apply, which they do only
+    where they were measured and checked, 16-bit inputs at K <= 128: on the H200 (run of e1f8201,
+    benchmarks/results/h200/diag_e1f8201) KDA's key side at 8 warps raised illegal memory accesses or gave
+    wrong dk / dg / dβ (errors 0.1-0.3) with fp32 inputs at K = 16 and 40, and its reverse state pass at
+    K = 160 / 256 (fp32), while every one of those cases passed at 4 warps."""
     for item in filter(None, os.environ.get("CHUNKWISE_BWD_WARPS", "").split(",")):
         key, val = item.split(":")
         if key == name or key == "all":
             return int(val)
-    if gate == 2 and name in BWD_WARPS_PER_CHANNEL:
+    if gate == 2 and wide_ok and name in BWD_WARPS_PER_CHANNEL:
         return BWD_WARPS_PER_CHANNEL[name]
     return BWD_WARPS[name]
 
@@ -1116,6 +1122,13 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     input is None). K > MAX_K raises NotImplementedError. Head dims
     the kernels do not take as they are run zero-padded (triton/align.py).
     """
+    if q.dtype != torch.float32 and WIDE_16BIT_K < q.shape[-1] <= MAX_K:
+        # 16-bit inputs with K > 128 run in fp32 (chunk_fwd.WIDE_16BIT_K); gradients in the inputs' dtypes
+        dq, dk, dv, dg, dbeta, dh0 = chunk_bwd(
+            q.float(), k.float(), v.float(), g, None if beta is None else beta.float(), scale, initial_state,
+            do.float(), dht, cu_seqlens, chunk_indices=chunk_indices, transpose_state_layout=transpose_state_layout)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg, None if dbeta is None else dbeta.to(beta.dtype),
+                dh0)
     K0, V0 = q.shape[-1], v.shape[-1]
     Kp, Vp = padded_dims(q, v)
     padded = (Kp, Vp) != (K0, V0) and K0 <= MAX_K
@@ -1162,6 +1175,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     level = int(os.environ.get("CHUNKWISE_BWD_LOWP", BWD_LOWP)) if q.dtype in (torch.bfloat16, torch.float16) else 0
     lowp, lowp_wu, lowp_key = level >= 1, level >= 2, level >= 3
     ns = _num_stages(q.dtype, BK)
+    wide8 = q.dtype in (torch.bfloat16, torch.float16) and BK <= 128     # the per-channel 8-warp picks apply
     ns_state = _num_stages(q.dtype, BK, state_pass=True)
     q, k, v, do = (x.contiguous() for x in (q, k, v, do))
     if do.dtype != q.dtype:
@@ -1190,7 +1204,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     if gate:
         G = buf(*g.shape)
         _gate_cumsum_kernel[grid_c](g, G, floor=GATE_FLOOR, HV=HV, K=K, BK=BK, C=C, PER_CHANNEL=gate == 2,
-                                    IS_VARLEN=varlen, num_warps=_warps("gate_cumsum", gate), num_stages=ns, **common)
+                                    IS_VARLEN=varlen, num_warps=_warps("gate_cumsum", gate, wide8), num_stages=ns, **common)
     Amat = buf(B, T, HV, C) if delta else None
     Pmat = buf(B, T, HV, C)
     Tmat = W = U = R = None
@@ -1198,23 +1212,25 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         Tmat = buf(B, T, HV, C)
         W, U = buf(B, T, HV, K, dtype=sdt), buf(B, T, HV, V, dtype=sdt)
     dRl = buf(B, T, HV, V, dtype=sdt)
-    if delta and gate != 2 and int(os.environ.get("CHUNKWISE_BWD_FUSED_PREP", BWD_FUSED_PREP)):
+    # fp16 takes the three kernels: on the H200 (run of e1f8201) the fused pass with fp16 products at 4 warps gave
+    # gradient errors of 1.1 (GDN) and inf (DeltaNet) at K = 16 while bf16 passed at real size
+    if delta and gate != 2 and q.dtype != torch.float16 and int(os.environ.get("CHUNKWISE_BWD_FUSED_PREP", BWD_FUSED_PREP)):
         # one pass per chunk (the forward's stage-1 kernel): T, W, U, dR_local; A and P stay in registers,
         # Amat and Pmat are only the scratch the value and key sides write dT_v / dA / dP into
         from .chunk_fwd import chunk_prepare_bwd
         chunk_prepare_bwd(q, k, v, g, beta, do, scale, W, U, Tmat, dRl, cu_seqlens, chunk_indices, wu_lowp=lowp_wu,
-                          num_warps=_warps("prep", gate))
+                          num_warps=_warps("prep", gate, wide8))
     else:
         _intra_kernel[grid_c](q, k, beta, G, Amat, Pmat, H=H, HV=HV, K=K, BK=BK, C=C, BC=BC, GATE=gate, DELTA=delta,
-                              IS_VARLEN=varlen, PREC=prec, num_warps=_warps("intra", gate), num_stages=ns, **common)
+                              IS_VARLEN=varlen, PREC=prec, num_warps=_warps("intra", gate, wide8), num_stages=ns, **common)
         if gate == 2:
             _intra_diag_kernel[grid_c](q, k, beta, G, Amat, Pmat, H=H, HV=HV, K=K, BK=BK, C=C, BC=BC, DELTA=delta,
-                                       IS_VARLEN=varlen, PREC=prec, span_max=SPAN_MAX, num_warps=_warps("intra_diag", gate),
+                                       IS_VARLEN=varlen, PREC=prec, span_max=SPAN_MAX, num_warps=_warps("intra_diag", gate, wide8),
                                        num_stages=ns, **common)
         if delta:
-            _solve_kernel[grid_c](Amat, Tmat, HV=HV, C=C, BC=BC, IS_VARLEN=varlen, PREC=prec, num_warps=_warps("solve", gate), num_stages=ns, **common)
+            _solve_kernel[grid_c](Amat, Tmat, HV=HV, C=C, BC=BC, IS_VARLEN=varlen, PREC=prec, num_warps=_warps("solve", gate, wide8), num_stages=ns, **common)
         _wu_kernel[grid_c](k, v, beta, G, Tmat, Pmat, do, W, U, dRl, scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
-                           C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_wu, num_warps=_warps("wu", gate),
+                           C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_wu, num_warps=_warps("wu", gate, wide8),
                            num_stages=ns, **common)
 
     h = buf(NC, HV, K, V, dtype=sdt)
@@ -1223,7 +1239,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     seq = dict(cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, T=T)
     _fwd_h_kernel[grid_s](k, v, G, W, U, h0, h, R, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate,
                           DELTA=delta, HAS_H0=has_h0, TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen,
-                          PREC=prec, LOOP_WHILE=_INTERPRET, LOWP=lowp, num_warps=_warps("fwd_h", gate), num_stages=ns_state,
+                          PREC=prec, LOOP_WHILE=_INTERPRET, LOWP=lowp, num_warps=_warps("fwd_h", gate, wide8), num_stages=ns_state,
                           **seq)
     dh = buf(NC, HV, K, V, dtype=sdt)
     dR = buf(B, T, HV, V, dtype=sdt)
@@ -1231,7 +1247,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     _bwd_dh_kernel[grid_s](q, k, G, W, dRl, do, dht, dh, dR, dh0, scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
                            C=C, GATE=gate, DELTA=delta, HAS_DHT=dht is not None, HAS_H0=has_h0,
                            TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen, PREC=prec, LOOP_WHILE=_INTERPRET,
-                           LOWP=lowp, num_warps=_warps("bwd_dh", gate), num_stages=ns_state, **seq)
+                           LOWP=lowp, num_warps=_warps("bwd_dh", gate, wide8), num_stages=ns_state, **seq)
     del dRl
 
     # gradients go out in the input dtype directly unless they are summed over head groups or
@@ -1242,7 +1258,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     dG = buf(*g.shape) if gate else None
     _bwd_dv_kernel[grid_c](q, k, v, beta, G, Tmat, h, R, dR, do, Pmat, Amat, dq, dv, dbeta, dG, scale=scale, H=H,
                            HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
-                           num_warps=_warps("bwd_dv", gate), num_stages=ns, **common)
+                           num_warps=_warps("bwd_dv", gate, wide8), num_stages=ns, **common)
     bkh = int(os.environ.get("CHUNKWISE_BWD_KSPLIT", BWD_KSPLIT))   # the key side's column block (0: one block)
     bkh = BK if bkh <= 0 else min(max(16, triton.next_power_of_2(bkh)), BK)
     # per-channel gates: the pairwise gradients in their own kernel, split over key channels (BWD_PAIR_SPLIT)
@@ -1251,14 +1267,14 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     _bwd_grad_kernel[grid_c](q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, dk, dbeta, dG,
                              scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BKH=bkh, BV=BV, C=C, BC=BC, GATE=gate,
                              DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_key, PAIR=bkp == 0,
-                             num_warps=_warps("bwd_grad", gate), num_stages=ns, **common)
+                             num_warps=_warps("bwd_grad", gate, wide8), num_stages=ns, **common)
     if gate == 2:
         nkb = triton.cdiv(K, bkp or BK)
         dbp = buf(nkb, B * T * HV) if delta else None
         _bwd_pair_kernel[(NT, B * HV, nkb)](q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, s_dbp=B * T * HV, H=H, HV=HV,
                                             K=K, BKP=bkp or BK, C=C, BC=BC, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
                                             span_max=SPAN_MAX, OFFDIAG=bkp > 0, LOWP=lowp_key,
-                                            num_warps=_warps("bwd_pair" if bkp else "bwd_diag", gate), num_stages=ns,
+                                            num_warps=_warps("bwd_pair" if bkp else "bwd_diag", gate, wide8), num_stages=ns,
                                             **common)
         if delta:
             dbeta += dbp.view(nkb, B, T, HV).sum(0)

@@ -824,6 +824,12 @@ def _pick_stages(elt: int, BK: int, bv: int, delta: bool, p_in: bool, busy: bool
     return max(1, min(3, (200 * 1024) // per_stage))
 
 
+# 16-bit inputs with K above this run the chunk forward and backward in fp32 (inputs upcast, outputs and gradients
+# returned in the input dtype): on the H200 (run of e1f8201, benchmarks/results/h200/diag_e1f8201) the sm_90 builds
+# at K = 256 with fp16 inputs raised illegal memory accesses (DeltaNet's stage 1, the backward's forward state
+# pass with 16-bit products) or gave wrong gradients (KDA), while every family passed in fp32 at K = 160 and 256.
+WIDE_16BIT_K = 128
+
 SEG_MIN_CHUNKS = 16   # simple GLA's segments: at least this many chunks each (the split's overhead, once per segment)
 
 
@@ -851,6 +857,13 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     (1: no split; default: enough to give the GPU two programs per SM, segments of at least SEG_MIN_CHUNKS).
     Head dims the kernels do not take as they are run zero-padded (triton/align.py).
     """
+    if q.dtype != torch.float32 and q.shape[-1] > WIDE_16BIT_K:
+        # 16-bit inputs with K > 128 run in fp32 (see WIDE_16BIT_K); o is returned in the input dtype
+        o, ht = chunk_fwd(q.float(), k.float(), v.float(), g, None if beta is None else beta.float(), scale,
+                          initial_state, output_final_state, cu_seqlens, chunk_indices=chunk_indices,
+                          transpose_state_layout=transpose_state_layout, p_in=p_in, bv=bv, num_stages=num_stages,
+                          num_warps=num_warps, segments=segments)
+        return o.to(q.dtype), ht
     K0, V0 = q.shape[-1], v.shape[-1]
     Kp, Vp = padded_dims(q, v)
     padded = (Kp, Vp) != (K0, V0)
