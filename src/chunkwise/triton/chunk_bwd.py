@@ -1077,7 +1077,10 @@ BWD_WARPS_PER_CHANNEL = {"fwd_h": 8, "bwd_dh": 8, "bwd_grad": 8}     # KDA (per-
 BWD_KSPLIT = 64
 # 16-bit inputs: the products' operands in the input dtype, fp32 accumulation. 1: the two serial state
 # passes (fwd_h, bwd_dh); 2: also the W / U / dR_local recompute; 3: also the key side's products of T, dW,
-# X, dT, dA and dP (a variant, unmeasured on the GPU: sweep_bwd times it, `verify` checks its errors). On the H200 (run of 3422a18, B1-T32768-H32)
+# X, dT, dA and dP (a variant: on the H200, run of a3986d3, fwd+bwd DeltaNet 7.07 -> 6.36 ms, GDN 8.42 -> 7.68,
+# KDA 26.49 -> 25.08, but at real size in bf16 GDN's dg error rose to 9.5e-3 and GLA's to 1.6e-2 (bound 8e-3,
+# LOWP 2: 1.9-3.3e-3), and with fp16 inputs dk / dβ / dg errors reached 0.6-4.7 (verify_d9ad4c6): not a
+# default). On the H200 (run of 3422a18, B1-T32768-H32)
 # level 2 took fwd+bwd from 11.71 to 9.05 ms (GDN), 10.27 to 7.77 (DeltaNet), 38.15 to 35.85 (KDA), with
 # gradient errors against float64 at fla's (ours / fla, bf16: DeltaNet k 5.41e-3 / 5.72e-3, v 4.06e-3 /
 # 4.05e-3; KDA beta 3.45e-3 / 3.42e-3, every other input at or under fla's). CHUNKWISE_BWD_LOWP overrides.
