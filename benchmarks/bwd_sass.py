@@ -46,11 +46,11 @@ KERNELS = {
     "bwd_pair": ("_bwd_pair_kernel",          # per channel: the pairwise gradients by column blocks (the default)
                  dict(q="in", k="in", beta="in", G="fp32", Pmat="fp32", Amat="fp32", dq="g", dk="g", dbp="fp32",
                       dG="fp32"),
-                 dict(T="i32", s_dbp="i32"), dict(BC=cb.SUB, span_max=cb.SPAN_MAX, OFFDIAG=True, BKP=cb.BWD_PAIR_SPLIT)),
+                 dict(T="i32", s_dbp="i32"), dict(BC=cb.SUB, span_max=cb.SPAN_MAX, OFFDIAG=True, DIAG=True, BKP=cb.BWD_PAIR_SPLIT)),
     "bwd_diag": ("_bwd_pair_kernel",          # the old path: the diagonal blocks alone, all channels
                  dict(q="in", k="in", beta="in", G="fp32", Pmat="fp32", Amat="fp32", dq="g", dk="g", dbp="fp32",
                       dG="fp32"),
-                 dict(T="i32", s_dbp="i32"), dict(BC=cb.SUB, span_max=cb.SPAN_MAX, OFFDIAG=False, BKP=128)),
+                 dict(T="i32", s_dbp="i32"), dict(BC=cb.SUB, span_max=cb.SPAN_MAX, OFFDIAG=False, DIAG=True, BKP=128)),
     "wu": ("_wu_kernel",
            dict(k="in", v="in", beta="in", G="fp32", Tmat="fp32", Pmat="fp32", do="in", W="s", U="s", dRl="s"),
            dict(T="i32", scale="fp32"), {}),

@@ -65,12 +65,14 @@ def run_config(fam, x, do, env, warm, ksplit=0, lowp=0):
 
 
 # --variants pair: KDA's pairwise-gradient kernel (_bwd_pair_kernel) at 32 / 16 / 64 key channels per program
-# and 8 / 4 warps, the key side at 4 warps, the key side's 16-bit operands, and the old path (pass 2 inside
-# the key-side kernel)
+# and 8 / 4 warps, the key side at 4 warps, the key side's 16-bit operands, the diagonal blocks in a second
+# launch over all channels (sepdiag), and the old path (pass 2 inside the key-side kernel)
 PAIR_VARIANTS = ("p32w8:CHUNKWISE_BWD_PAIR_SPLIT=32;p32w4:CHUNKWISE_BWD_WARPS=bwd_pair:4;"
                  "p16w8:CHUNKWISE_BWD_PAIR_SPLIT=16;p16w4:CHUNKWISE_BWD_PAIR_SPLIT=16,CHUNKWISE_BWD_WARPS=bwd_pair:4;"
                  "p64w8:CHUNKWISE_BWD_PAIR_SPLIT=64;p32g4:CHUNKWISE_BWD_WARPS=bwd_grad:4;"
-                 "p32lowp3:CHUNKWISE_BWD_LOWP=3;old:CHUNKWISE_BWD_PAIR_SPLIT=0")
+                 "p32lowp3:CHUNKWISE_BWD_LOWP=3;p32sepdiag:CHUNKWISE_BWD_PAIR_DIAG=0;"
+                 "p32sepdiag8:CHUNKWISE_BWD_PAIR_DIAG=0,CHUNKWISE_BWD_WARPS=bwd_pair:8;"
+                 "p64sepdiag:CHUNKWISE_BWD_PAIR_SPLIT=64,CHUNKWISE_BWD_PAIR_DIAG=0;old:CHUNKWISE_BWD_PAIR_SPLIT=0")
 
 
 def run_env(fam, x, do, env, warm):

@@ -338,13 +338,15 @@ def test_grads_16_bit_products(fam, level, monkeypatch):
     _compare(inp, TOL[torch.float16], dtype=torch.float16)
 
 
-@pytest.mark.parametrize("split", [0, 16])
-def test_grads_kda_pair_split(split, monkeypatch):
+@pytest.mark.parametrize("split,diag", [(0, 1), (16, 1), (16, 0)])
+def test_grads_kda_pair_split(split, diag, monkeypatch):
     """KDA's pairwise gradients (through P and A) in their own kernel split over key channels
-    (CHUNKWISE_BWD_PAIR_SPLIT = channels per program; 16 of K = 40: three blocks, the last partial) or as
-    the key-side kernel's second pass (0): every gradient equals the reference's, varlen with a length-1
+    (CHUNKWISE_BWD_PAIR_SPLIT = channels per program; 16 of K = 40: three blocks, the last partial), with the
+    diagonal blocks in the same programs or (CHUNKWISE_BWD_PAIR_DIAG=0) in a second launch, or as the
+    key-side kernel's second pass (0): every gradient equals the reference's, varlen with a length-1
     sequence, grouped heads, and a few steep channels whose diagonal blocks take the exact loops."""
     monkeypatch.setenv("CHUNKWISE_BWD_PAIR_SPLIT", str(split))
+    monkeypatch.setenv("CHUNKWISE_BWD_PAIR_DIAG", str(diag))
     inp = make_inputs("kda", lengths=[1, 70, 30], H=1, HV=2, K=40, V=24, seed=10)
     inp.g[:, 20:60, :, 33:36] = -6.0
     _compare(inp, TOL[torch.float32])

@@ -931,7 +931,8 @@ def _diag_grads_exact(k, G, Pmat, Amat, b_q, b_kb, b_G, b_last, t0, L, ib, rows,
 def _bwd_pair_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, cu_seqlens, chunk_indices, T, s_dbp,
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BKP: tl.constexpr, C: tl.constexpr,
                      BC: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-                     span_max: tl.constexpr, OFFDIAG: tl.constexpr, LOWP: tl.constexpr = 0):
+                     span_max: tl.constexpr, OFFDIAG: tl.constexpr, LOWP: tl.constexpr = 0,
+                     DIAG: tl.constexpr = True):
     """Per-channel gates, after _bwd_grad_kernel: the gradients through the pairwise products P = tril(⟨q_i,
     Γ_ij k_j⟩) and A = strict_tril(⟨βk_i, Γ_ij k_j⟩) (dP, dA in Pmat, Amat), added to dq, dk, dG in place,
     then dG becomes dg (reverse cumsum over the chunk). Grid (chunks, B·HV, cdiv(K, BKP)): everything here is
@@ -939,8 +940,9 @@ def _bwd_pair_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, cu_seqlens, chu
 
         OFFDIAG: the blocks off the 16×16 diagonal first, on whole [C, BKP] tiles (_pairwise_grads_channel);
                  otherwise _bwd_grad_kernel did them (its pass 2, the old path).
-        then the diagonal blocks, last to first: four products of factored operands when a block's gates
-                 span less than span_max (_diag_factors), else the exact column loop (rare).
+        DIAG:    then the diagonal blocks, last to first: four products of factored operands when a block's
+                 gates span less than span_max (_diag_factors), else the exact column loop (rare), and the
+                 reverse cumsum; otherwise a second launch (OFFDIAG off, all channels) does them.
 
     dβ's share of this column block goes to dbp[i_kb] (fp32 [NKB, B·T·HV], summed by the launcher: no
     atomics, so the result does not depend on the order of the programs). LOWP: the off-diagonal products
@@ -988,57 +990,58 @@ def _bwd_pair_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, cu_seqlens, chu
         if DELTA:
             tl.store(dbp + i_kb.to(tl.int64) * s_dbp + rows * HV + i_h, tl.sum(b_k * b_dkb, axis=1), mask=m_t)
         tl.debug_barrier()      # the diagonal blocks below read these rows back (other threads wrote them)
-    b_carry = tl.zeros([BKP], dtype=tl.float32)
-    for ii in tl.static_range(C // BC):
-        ib = C // BC - 1 - ii
-        o_r = ib * BC + o_i
-        m_r = o_r < L
-        rows = (t0 + o_r).to(tl.int64)
-        m_rk = m_r[:, None] & m_k[None, :]
-        p_tk = (rows[:, None] * H + i_hk) * K + o_k[None, :]
-        p_hk = (rows[:, None] * HV + i_h) * K + o_k[None, :]
-        b_q = tl.load(q + p_tk, mask=m_rk, other=0.).to(tl.float32)
-        b_k = tl.load(k + p_tk, mask=m_rk, other=0.).to(tl.float32)
-        b_G = tl.load(G + p_hk, mask=m_rk, other=0.)
-        b_G = tl.where(m_r[:, None], b_G, b_last[None, :])
-        if DELTA:
-            b_beta = tl.load(beta + rows * HV + i_h, mask=m_r, other=0.).to(tl.float32)
-        else:
-            b_beta = tl.zeros([BC], dtype=tl.float32)
-        b_kb = b_k * b_beta[:, None]
-        b_xr, b_xc, fast = _diag_factors(b_G, span_max)
-        if fast:
-            # Γ_ij = xr_i xc_j: dq_i = xr_i Σ_j dP_ij xc_j k_j, dk_j = xc_j Σ_i (dP_ij q_i + dA_ij βk_i) xr_i
-            p_bb = (rows[:, None] * HV + i_h) * C + o_r[None, :]
-            m_bb = (m_r[:, None] & m_r[None, :]) & (o_i[:, None] >= o_i[None, :])
-            b_dPb = tl.load(Pmat + p_bb, mask=m_bb, other=0.)                                  # [BC, BC]
-            b_kc = b_k * b_xc
-            b_dqd = tl.dot(b_dPb, b_kc, input_precision=PREC) * b_xr                         # [BC, BC] @ [BC, BKP]
-            b_dkd = tl.dot(tl.trans(b_dPb), b_q * b_xr, input_precision=PREC)                # [BC, BC] @ [BC, BKP]
+    if DIAG:
+        b_carry = tl.zeros([BKP], dtype=tl.float32)
+        for ii in tl.static_range(C // BC):
+            ib = C // BC - 1 - ii
+            o_r = ib * BC + o_i
+            m_r = o_r < L
+            rows = (t0 + o_r).to(tl.int64)
+            m_rk = m_r[:, None] & m_k[None, :]
+            p_tk = (rows[:, None] * H + i_hk) * K + o_k[None, :]
+            p_hk = (rows[:, None] * HV + i_h) * K + o_k[None, :]
+            b_q = tl.load(q + p_tk, mask=m_rk, other=0.).to(tl.float32)
+            b_k = tl.load(k + p_tk, mask=m_rk, other=0.).to(tl.float32)
+            b_G = tl.load(G + p_hk, mask=m_rk, other=0.)
+            b_G = tl.where(m_r[:, None], b_G, b_last[None, :])
             if DELTA:
-                b_dAb = tl.load(Amat + p_bb, mask=m_bb, other=0.)
-                b_dkbd = tl.dot(b_dAb, b_kc, input_precision=PREC) * b_xr                    # [BC, BC] @ [BC, BKP]
-                b_dkd += tl.dot(tl.trans(b_dAb), b_kb * b_xr, input_precision=PREC)          # [BC, BC] @ [BC, BKP]
+                b_beta = tl.load(beta + rows * HV + i_h, mask=m_r, other=0.).to(tl.float32)
             else:
-                b_dkbd = tl.zeros([BC, BKP], dtype=tl.float32)
-            b_dkd = b_dkd * b_xc
-        else:
-            b_dqd, b_dkbd, b_dkd = _diag_grads_exact(k, G, Pmat, Amat, b_q, b_kb, b_G, b_last, t0, L, ib, rows, m_r,
-                                                     i_h, i_hk, o_k, m_k, H, HV, K, BKP, C, BC, DELTA)
-        b_dGd = b_q * b_dqd + b_kb * b_dkbd - b_k * b_dkd
-        tl.store(dq + p_hk, tl.load(dq + p_hk, mask=m_rk, other=0.) + b_dqd, mask=m_rk)
-        tl.store(dk + p_hk, tl.load(dk + p_hk, mask=m_rk, other=0.) + b_dkd + b_beta[:, None] * b_dkbd,
-                 mask=m_rk)
-        if DELTA:
-            b_dbd = tl.sum(b_k * b_dkbd, axis=1)
-            if OFFDIAG:
-                b_dbd += tl.load(dbp + i_kb.to(tl.int64) * s_dbp + rows * HV + i_h, mask=m_r, other=0.)
-            tl.store(dbp + i_kb.to(tl.int64) * s_dbp + rows * HV + i_h, b_dbd, mask=m_r)
-        b_dG = tl.load(dG + p_hk, mask=m_rk, other=0.) + b_dGd
-        b_tot = tl.sum(b_dG, axis=0)
-        b_dg = b_tot[None, :] - tl.cumsum(b_dG, axis=0) + b_dG + b_carry[None, :]             # reverse cumsum
-        b_carry += b_tot
-        tl.store(dG + p_hk, b_dg, mask=m_rk)
+                b_beta = tl.zeros([BC], dtype=tl.float32)
+            b_kb = b_k * b_beta[:, None]
+            b_xr, b_xc, fast = _diag_factors(b_G, span_max)
+            if fast:
+                # Γ_ij = xr_i xc_j: dq_i = xr_i Σ_j dP_ij xc_j k_j, dk_j = xc_j Σ_i (dP_ij q_i + dA_ij βk_i) xr_i
+                p_bb = (rows[:, None] * HV + i_h) * C + o_r[None, :]
+                m_bb = (m_r[:, None] & m_r[None, :]) & (o_i[:, None] >= o_i[None, :])
+                b_dPb = tl.load(Pmat + p_bb, mask=m_bb, other=0.)                                  # [BC, BC]
+                b_kc = b_k * b_xc
+                b_dqd = tl.dot(b_dPb, b_kc, input_precision=PREC) * b_xr                         # [BC, BC] @ [BC, BKP]
+                b_dkd = tl.dot(tl.trans(b_dPb), b_q * b_xr, input_precision=PREC)                # [BC, BC] @ [BC, BKP]
+                if DELTA:
+                    b_dAb = tl.load(Amat + p_bb, mask=m_bb, other=0.)
+                    b_dkbd = tl.dot(b_dAb, b_kc, input_precision=PREC) * b_xr                    # [BC, BC] @ [BC, BKP]
+                    b_dkd += tl.dot(tl.trans(b_dAb), b_kb * b_xr, input_precision=PREC)          # [BC, BC] @ [BC, BKP]
+                else:
+                    b_dkbd = tl.zeros([BC, BKP], dtype=tl.float32)
+                b_dkd = b_dkd * b_xc
+            else:
+                b_dqd, b_dkbd, b_dkd = _diag_grads_exact(k, G, Pmat, Amat, b_q, b_kb, b_G, b_last, t0, L, ib, rows, m_r,
+                                                         i_h, i_hk, o_k, m_k, H, HV, K, BKP, C, BC, DELTA)
+            b_dGd = b_q * b_dqd + b_kb * b_dkbd - b_k * b_dkd
+            tl.store(dq + p_hk, tl.load(dq + p_hk, mask=m_rk, other=0.) + b_dqd, mask=m_rk)
+            tl.store(dk + p_hk, tl.load(dk + p_hk, mask=m_rk, other=0.) + b_dkd + b_beta[:, None] * b_dkbd,
+                     mask=m_rk)
+            if DELTA:
+                b_dbd = tl.sum(b_k * b_dkbd, axis=1)
+                if OFFDIAG:
+                    b_dbd += tl.load(dbp + i_kb.to(tl.int64) * s_dbp + rows * HV + i_h, mask=m_r, other=0.)
+                tl.store(dbp + i_kb.to(tl.int64) * s_dbp + rows * HV + i_h, b_dbd, mask=m_r)
+            b_dG = tl.load(dG + p_hk, mask=m_rk, other=0.) + b_dGd
+            b_tot = tl.sum(b_dG, axis=0)
+            b_dg = b_tot[None, :] - tl.cumsum(b_dG, axis=0) + b_dG + b_carry[None, :]             # reverse cumsum
+            b_carry += b_tot
+            tl.store(dG + p_hk, b_dg, mask=m_rk)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1097,6 +1100,9 @@ BWD_FUSED_PREP = 1
 # the key side without that pass 4 B spilled, 106 KB; the pair kernel at 16 / 32 / 64 channels 0 / 64 /
 # 448 B spilled, 72 / 80 / 96 KB. Unmeasured on the GPU; CHUNKWISE_BWD_PAIR_SPLIT=0 takes the old path.
 BWD_PAIR_SPLIT = 32
+BWD_PAIR_DIAG = 1     # 0 (a variant, unmeasured): the diagonal blocks in a second launch over all channels (offline
+# sm_90, 32 channels: the off-diagonal part alone 73 barriers and 3272 instructions per program at 4 warps, 344 B
+# spilled; at 8 warps none; with the diagonal blocks 284 barriers, 7096 instructions, 412 B)
 
 
 def _warps(name: str, gate: int, wide_ok: bool = True) -> int:
@@ -1273,14 +1279,20 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                              num_warps=_warps("bwd_grad", gate, wide8), num_stages=ns, **common)
     if gate == 2:
         nkb = triton.cdiv(K, bkp or BK)
-        dbp = buf(nkb, B * T * HV) if delta else None
-        _bwd_pair_kernel[(NT, B * HV, nkb)](q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, s_dbp=B * T * HV, H=H, HV=HV,
-                                            K=K, BKP=bkp or BK, C=C, BC=BC, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
-                                            span_max=SPAN_MAX, OFFDIAG=bkp > 0, LOWP=lowp_key,
-                                            num_warps=_warps("bwd_pair" if bkp else "bwd_diag", gate, wide8), num_stages=ns,
-                                            **common)
+        # the diagonal blocks in their own launch over all channels (BWD_PAIR_DIAG=0, a variant) or with the rest
+        split_diag = bkp > 0 and not int(os.environ.get("CHUNKWISE_BWD_PAIR_DIAG", BWD_PAIR_DIAG))
+        dbp = buf(nkb + split_diag, B * T * HV) if delta else None
+        pair = dict(s_dbp=B * T * HV, H=H, HV=HV, K=K, C=C, BC=BC, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
+                    span_max=SPAN_MAX, LOWP=lowp_key, num_stages=ns, **common)
+        _bwd_pair_kernel[(NT, B * HV, nkb)](q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, BKP=bkp or BK, OFFDIAG=bkp > 0,
+                                            DIAG=not split_diag,
+                                            num_warps=_warps("bwd_pair" if bkp else "bwd_diag", gate, wide8), **pair)
+        if split_diag:
+            _bwd_pair_kernel[(NT, B * HV, 1)](q, k, beta, G, Pmat, Amat, dq, dk, None if dbp is None else dbp[nkb:], dG,
+                                              BKP=BK, OFFDIAG=False, DIAG=True, num_warps=_warps("bwd_diag", gate, wide8),
+                                              **pair)
         if delta:
-            dbeta += dbp.view(nkb, B, T, HV).sum(0)
+            dbeta += dbp.view(-1, B, T, HV).sum(0)
     if HV != H:
         dq = dq.view(B, T, H, HV // H, K).sum(3)
         dk = dk.view(B, T, H, HV // H, K).sum(3)
