@@ -38,12 +38,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ..api import TRITON_MAX_HEAD_DIM as MAX_K   # the backward's kernels fit one H200 SM's shared memory up to it
 from .align import cut_state, pad_last, pad_state, padded_dims
 from .chunk_fwd import WIDE_16BIT_K
 
 CHUNK = 64
 SUB = 16
-MAX_K = 256   # the backward's kernels fit one H200 SM's shared memory up to K = 256 (_num_stages)
 GATE_FLOOR = 40.0
 SPAN_MAX = 80.0   # a 16-token diagonal block whose gates span more takes the exact pair-by-pair path
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
