@@ -189,6 +189,9 @@ def main():
                             for ns in (2, 3):
                                 time_variant(f"seg{nseg}-bv{bv}-nw4-ns{ns}", bv=bv, num_warps=4, num_stages=ns,
                                              segments=nseg)
+                            # the first pass (local end states) over all of V at 8 warps: k read once per head
+                            time_variant(f"seg{nseg}-bv{bv}-nw4-ns2-p1bv128w8", bv=bv, num_warps=4, num_stages=2,
+                                         segments=nseg, seg_phase1=(128, 8))
                 row["variants"] = var
             results.append(row)
             print(json.dumps(row), flush=True)

@@ -120,11 +120,15 @@ def test_gla_sequence_segments(nseg, gate, h0, transpose):
                               transpose_state_layout=transpose, segments=n)
     o, ht = run(nseg)
     o1, ht1 = run(1)
+    # the first pass (local end states) with its own value block: one block of all of V, 16-wide blocks
+    o2, ht2 = chunk_fwd(inp.q, inp.k, inp.v, g, None, K ** -0.5, h_in, True, None, transpose_state_layout=transpose,
+                        segments=nseg, seg_phase1=(16 if nseg == 3 else 128, 8))
     if transpose:
-        ht, ht1 = ht.transpose(-1, -2), ht1.transpose(-1, -2)
+        ht, ht1, ht2 = ht.transpose(-1, -2), ht1.transpose(-1, -2), ht2.transpose(-1, -2)
     inp.g = g
     _check(inp, o, ht, TOL[torch.float32])
     assert rel_err(o, o1) <= TOL[torch.float32] and rel_err(ht, ht1) <= TOL[torch.float32]
+    assert rel_err(o2, o1) <= TOL[torch.float32] and rel_err(ht2, ht1) <= TOL[torch.float32]
 
 
 @pytest.mark.parametrize("fam", FAMS)

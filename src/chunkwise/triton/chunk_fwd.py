@@ -848,13 +848,14 @@ def _num_sms(device: torch.device) -> int:
 
 def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, *,
               chunk_indices=None, transpose_state_layout=False, p_in=None, bv=None, num_stages=None, num_warps=4,
-              segments=None):
+              segments=None, seg_phase1=None):
     """The chunk forward of all four families (canonical inputs: see chunkwise.triton).
 
     Returns (o [B,T,HV,V] in q's dtype, final state fp32 [N,HV,K,V] ([N,HV,V,K] transposed) or None).
     ``p_in`` / ``bv`` / ``num_stages`` / ``num_warps`` (stage 2) override the tuned defaults (benchmarks);
     ``segments`` (simple GLA without varlen): split each sequence into that many segments run side by side
-    (1: no split; default: enough to give the GPU two programs per SM, segments of at least SEG_MIN_CHUNKS).
+    (1: no split; default: enough to give the GPU two programs per SM, segments of at least SEG_MIN_CHUNKS);
+    ``seg_phase1`` = (BV, num_warps) of the split's first pass (local end states; default: stage 2's).
     Head dims the kernels do not take as they are run zero-padded (triton/align.py).
     """
     if q.dtype != torch.float32 and q.shape[-1] > WIDE_16BIT_K:
@@ -862,7 +863,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         o, ht = chunk_fwd(q.float(), k.float(), v.float(), g, None if beta is None else beta.float(), scale,
                           initial_state, output_final_state, cu_seqlens, chunk_indices=chunk_indices,
                           transpose_state_layout=transpose_state_layout, p_in=p_in, bv=bv, num_stages=num_stages,
-                          num_warps=num_warps, segments=segments)
+                          num_warps=num_warps, segments=segments, seg_phase1=seg_phase1)
         return o.to(q.dtype), ht
     K0, V0 = q.shape[-1], v.shape[-1]
     Kp, Vp = padded_dims(q, v)
@@ -937,14 +938,19 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         sloc = _alloc((N * nseg, HV, K, V), torch.float32, q.device)
         gam = _alloc((N * nseg, HV), torch.float32, q.device)
     for seg_mode in ((1, 2) if nseg > 1 else (0,)):
-        chunk_state_output_kernel[grid](
+        bv_m, warps_m = bv, num_warps
+        if seg_mode == 1 and seg_phase1 is not None:
+            # the local-end-state pass with its own value block (it writes whole [K, V] states, which the second
+            # pass reads at its own BV): a wider block reads each k tile once for more of V
+            bv_m, warps_m = min(seg_phase1[0], _dim(V)), seg_phase1[1]
+        chunk_state_output_kernel[(triton.cdiv(V, bv_m), grid[1])](
             q, k, v, stage1["w"], stage1["u"], stage1["p"], g, stage1["qg"], stage1["kg"], stage1["glast"],
             o, initial_state, ht, sloc, gam, cu_seqlens, scale, T, NT, seg_len,
             *strides(initial_state), *strides(ht),
-            H=H, HV=HV, K=K, V=V, BTc=BT, BK=_dim(K), BV=bv, GATE=gate, DELTA=delta, P_IN=p_in,
+            H=H, HV=HV, K=K, V=V, BTc=BT, BK=_dim(K), BV=bv_m, GATE=gate, DELTA=delta, P_IN=p_in,
             USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=cu_seqlens is not None,
             DOT_PREC=dot_prec, g_floor=G_FLOOR, LOOP_WHILE=_INTERPRET, SEG=seg_mode, NSEG=nseg,
-            num_warps=num_warps, num_stages=num_stages)
+            num_warps=warps_m, num_stages=num_stages)
     if padded:
         o, ht = o[..., :V0].contiguous(), cut_state(ht, K0, V0, transpose_state_layout)
     return o, ht
