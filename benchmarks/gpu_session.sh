@@ -7,7 +7,7 @@
 #   tests: GPU tests (TESTS="<files>" and TESTS_K="<-k expr>" override the selection) and the MQAR example (SKIP_TRAIN=1 skips it)
 #   bwd:   backward warps sweep, fwd+bwd benchmark vs fla (~6 min)
 #   train: fwd+bwd benchmark vs fla alone (FAMS=delta,kda,gdn; FLA_FAMS=delta times fla for those only)
-#   verify: the real-size bf16 tests (fwd, bwd, Hopper pin, >2^31 offsets), again with CHUNKWISE_BWD_LOWP=3
+#   verify: the real-size bf16 tests (fwd, bwd, Hopper pin, >2^31 offsets), again with CHUNKWISE_BWD_LOWP=$VERIFY_LOWP (4)
 #   diag:  backward test failures, each test x launch setting in its own process (benchmarks/diag_bwd.py)
 #   pair:  KDA's pairwise-gradient kernel variants (sweep_bwd.py PAIR_VARIANTS: channels per program, warps, old path)
 #   variants: stage-2 launch variants (BV x warps x stages) of GLA and GDN at B1 / B8 (~3 min)
@@ -83,7 +83,7 @@ if has verify; then    # the real-size bf16 GPU tests alone (no small fp32 ones)
     -o addopts="" --tb=line -rP --durations=20 tests/test_triton_chunk_fwd.py tests/test_triton_chunk_bwd.py \
     -k "real_size or hopper or unaligned or offsets_past"
   grep -h "rel err" "$OUT/verify.log" | sort | head -20
-  CHUNKWISE_BWD_LOWP=3 TAILN=6 step ${VERIFY_T:-240} verify_lowp python3 -m pytest -v -n ${NPROC:-12} -p no:cacheprovider \
+  CHUNKWISE_BWD_LOWP=${VERIFY_LOWP:-4} TAILN=6 step ${VERIFY_T:-240} verify_lowp python3 -m pytest -v -n ${NPROC:-12} -p no:cacheprovider \
     -o addopts="" --tb=line -rP tests/test_triton_chunk_bwd.py -k "real_size or hopper"
   grep -h "rel err" "$OUT/verify_lowp.log" | sort | head -20
 fi

@@ -7,8 +7,9 @@ sweep_bwd.json to --out. Gradients of every configuration are checked finite (Na
 and against the 8-warp configuration's. Each setting is also timed with the key side in two 64-wide
 column blocks (CHUNKWISE_BWD_KSPLIT=64; 0 is one block of K; the pick takes the faster form), and
 with 16-bit product operands (CHUNKWISE_BWD_LOWP=1: the serial state passes, 2 (the default): also the
-W / U recompute, 3: also the key side; the pick is timed at 0-3). Their gradient error against float64
-and fla: the GPU test `CHUNKWISE_BWD_LOWP=3 pytest tests/test_triton_chunk_bwd.py -k real_size`.
+W / U recompute, 3: also the key side, 4: the key side but its pairwise products; the pick is timed at
+0-4). Their gradient error against float64 and fla: the GPU test
+`CHUNKWISE_BWD_LOWP=4 pytest tests/test_triton_chunk_bwd.py -k "real_size or hopper"`.
 
     python benchmarks/sweep_bwd.py --warm --fams gdn --warps 4 &    # compile, time nothing
     python benchmarks/sweep_bwd.py --out $OUT
@@ -162,8 +163,8 @@ def main():
                 fwd_bwd_ms=ms, kernels=per, finite=all(bool(torch.isfinite(t).all()) for t in got),
                 grad_rel_diff=max(((t - b).norm() / b.norm()).item() for t, b in zip(got, base)))
             # 16-bit product operands in the serial state passes and the W / U recompute (CHUNKWISE_BWD_LOWP=2,
-            # the default), and also in the key side (3)
-            for lowp in (2, 3):
+            # the default), also in the key side (3), in the key side but its pairwise products (4)
+            for lowp in (2, 3, 4):
                 ms, per, got = run_config(fam, x, do, f"all:{w}", a.warm, ksplit=64, lowp=lowp)
                 row["configs"][f"all:{w}+ksplit+lowp{lowp}"] = dict(
                     fwd_bwd_ms=ms, kernels=per, finite=all(bool(torch.isfinite(t).all()) for t in got),
@@ -183,7 +184,7 @@ def main():
             if forms:
                 ksplit = 64 if min(forms, key=forms.get).endswith("+ksplit") else 0
             env = ",".join(f"{k}:{w}" for k, w in pick.items())
-            for name, lowp in (("pick", 0), ("pick+lowp1", 1), ("pick+lowp2", 2), ("pick+lowp3", 3)):
+            for name, lowp in (("pick", 0), ("pick+lowp1", 1), ("pick+lowp2", 2), ("pick+lowp3", 3), ("pick+lowp4", 4)):
                 ms, per, got = run_config(fam, x, do, env, False, ksplit=ksplit, lowp=lowp)
                 diff = max(((t - b).norm() / b.norm()).item() for t, b in zip(got, base))
                 row["configs"][name] = dict(env=env, ksplit=ksplit, fwd_bwd_ms=ms, kernels=per, grad_rel_diff=diff,

@@ -327,12 +327,13 @@ def test_grads_recompute_paths(fam, fused, dtype, monkeypatch):
     _compare(inp, TOL[dtype], dtype=dtype)
 
 
-@pytest.mark.parametrize("level", [0, 1, 2, 3])
+@pytest.mark.parametrize("level", [0, 1, 2, 3, 4])
 @pytest.mark.parametrize("fam", FAMS)
 def test_grads_16_bit_products(fam, level, monkeypatch):
     """Each level of 16-bit product operands (CHUNKWISE_BWD_LOWP=0: fp32 operands; 1: 16-bit in the two
-    serial state passes; 2, the default: also the W / U / dR_local recompute; 3: also the key side): fp16
-    gradients of every input within the fp16 tolerance, varlen and grouped heads."""
+    serial state passes; 2, the default: also the W / U / dR_local recompute; 3: also the key side; 4: the key
+    side but its pairwise products): fp16 gradients of every input within the fp16 tolerance, varlen and
+    grouped heads."""
     monkeypatch.setenv("CHUNKWISE_BWD_LOWP", str(level))
     inp = make_inputs(fam, lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, seed=8)
     _compare(inp, TOL[torch.float16], dtype=torch.float16)

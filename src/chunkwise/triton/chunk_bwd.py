@@ -760,8 +760,9 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
         pass 2, per column block: the pairwise products P (q, k) and A (βk, k): dq (per channel), dk,
                  dβ and dG completed from what pass 1 left in dk / dG (per-channel gates: in
                  _bwd_pair_kernel, split over key channels, unless PAIR).
-    The V loop runs once per column block: R and dR are read K / BKH times. LOWP: the products of T, dW,
-    X, dT, dA and dP take 16-bit operands (the input dtype; fp32 accumulation), as fla's do."""
+    The V loop runs once per column block: R and dR are read K / BKH times. LOWP: 1, the products of T, dW,
+    X, dT, dA and dP take 16-bit operands (the input dtype; fp32 accumulation), as fla's do; 2, only those of
+    pass 1 and dA (T, dW, X, dT), pass 2's pairwise products (dP, dA with q, k) in fp32 operands."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
     i_hk = i_h // (HV // H)
@@ -775,6 +776,7 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
     p_ccT = (rows[None, :] * HV + i_h) * C + o_t[:, None]                                # element [j, i] of row i
     p_h = (i_g * HV + i_h).to(tl.int64) * K * V
     OPD: tl.constexpr = q.dtype.element_ty if LOWP else tl.float32                    # the products' operands
+    OPD2: tl.constexpr = q.dtype.element_ty if LOWP == 1 else tl.float32              # pass 2's (dP, dA, q, k)
     if DELTA:
         b_beta = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.).to(tl.float32)
         b_db = tl.load(dbeta + rows * HV + i_h, mask=m_t, other=0.)
@@ -851,19 +853,19 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
         tl.debug_barrier()
         m_ccT = m_t[:, None] & m_t[None, :]
         if GATE == 2:
-            b_dP = tl.load(Pmat + p_cc, mask=m_cc & i_ge_j, other=0.).to(OPD)                  # dP [C, C]
-            b_dPt = tl.load(Pmat + p_ccT, mask=m_ccT, other=0.).to(OPD)                        # dPᵀ
+            b_dP = tl.load(Pmat + p_cc, mask=m_cc & i_ge_j, other=0.).to(OPD2)                  # dP [C, C]
+            b_dPt = tl.load(Pmat + p_ccT, mask=m_ccT, other=0.).to(OPD2)                        # dPᵀ
             if DELTA:
-                b_dAt = tl.load(Amat + p_ccT, mask=m_ccT, other=0.).to(OPD)                    # dAᵀ
+                b_dAt = tl.load(Amat + p_ccT, mask=m_ccT, other=0.).to(OPD2)                    # dAᵀ
         else:
             b_dPt = tl.load(Pmat + p_ccT, mask=m_ccT & (o_t[None, :] >= o_t[:, None]), other=0.)
             if GATE == 1:
                 b_dPt *= tl.exp(tl.where(o_t[None, :] >= o_t[:, None], b_G[None, :] - b_G[:, None], float("-inf")))
-            b_dPt = b_dPt.to(OPD)
+            b_dPt = b_dPt.to(OPD2)
             if DELTA:
-                b_dAt = tl.load(Amat + p_ccT, mask=m_ccT, other=0.).to(OPD)
+                b_dAt = tl.load(Amat + p_ccT, mask=m_ccT, other=0.).to(OPD2)
         if DELTA:
-            b_dA = b_dA.to(OPD)
+            b_dA = b_dA.to(OPD2)
 
         for i_k in range(tl.cdiv(K, BKH)):
             o_k = i_k * BKH + tl.arange(0, BKH)
@@ -879,16 +881,16 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
                 b_Gh, b_lasth = _load_gate_cols(G, t0, L, i_h, o_k, m_k, HV, K, C)
                 b_dqp, b_dkp, b_dkb = _pairwise_grads_channel(b_dP, b_dPt, b_dA if DELTA else b_dP,
                                                               b_dAt if DELTA else b_dPt, b_q, b_k, b_kb, b_Gh, C, BC,
-                                                              DELTA, PREC, OPD)
+                                                              DELTA, PREC, OPD2)
                 b_dq = tl.load(dq + p_hk, mask=m_tk, other=0.) + b_dqp
                 tl.store(dq + p_hk, b_dq, mask=m_tk)
                 b_dGm = tl.load(dG + p_hk, mask=m_tk, other=0.) + b_q * b_dq + b_kb * b_dkb - b_k * b_dkp
                 tl.store(dG + p_hk, b_dGm, mask=m_tk)
             else:
-                b_dkp = tl.dot(b_dPt, b_q.to(OPD), input_precision=PREC)                      # [C, C] @ [C, BKH]
+                b_dkp = tl.dot(b_dPt, b_q.to(OPD2), input_precision=PREC)                      # [C, C] @ [C, BKH]
                 if DELTA:
-                    b_dkb = tl.dot(b_dA, b_k.to(OPD), input_precision=PREC)                   # [C, C] @ [C, BKH]
-                    b_dkp += tl.dot(b_dAt, b_kb.to(OPD), input_precision=PREC)                # [C, C] @ [C, BKH]
+                    b_dkb = tl.dot(b_dA, b_k.to(OPD2), input_precision=PREC)                   # [C, C] @ [C, BKH]
+                    b_dkp += tl.dot(b_dAt, b_kb.to(OPD2), input_precision=PREC)                # [C, C] @ [C, BKH]
                 if GATE == 1:
                     b_dGr += tl.sum(b_kb * b_dkb - b_k * b_dkp, axis=1)
             b_dk = tl.load(dk + p_hk, mask=m_tk, other=0.) + b_dkp + b_beta[:, None] * b_dkb
@@ -1083,7 +1085,8 @@ BWD_KSPLIT = 64
 # X, dT, dA and dP (a variant: on the H200, run of a3986d3, fwd+bwd DeltaNet 7.07 -> 6.36 ms, GDN 8.42 -> 7.68,
 # KDA 26.49 -> 25.08, but at real size in bf16 GDN's dg error rose to 9.5e-3 and GLA's to 1.6e-2 (bound 8e-3,
 # LOWP 2: 1.9-3.3e-3), and with fp16 inputs dk / dβ / dg errors reached 0.6-4.7 (verify_d9ad4c6): not a
-# default). On the H200 (run of 3422a18, B1-T32768-H32)
+# default). 4 (a variant, unmeasured): level 3 but the pairwise products (dP, dA with q, k) in fp32 operands,
+# where the dg error comes from. On the H200 (run of 3422a18, B1-T32768-H32)
 # level 2 took fwd+bwd from 11.71 to 9.05 ms (GDN), 10.27 to 7.77 (DeltaNet), 38.15 to 35.85 (KDA), with
 # gradient errors against float64 at fla's (ours / fla, bf16: DeltaNet k 5.41e-3 / 5.72e-3, v 4.06e-3 /
 # 4.05e-3; KDA beta 3.45e-3 / 3.42e-3, every other input at or under fla's). CHUNKWISE_BWD_LOWP overrides.
@@ -1182,7 +1185,9 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     prec = "tf32x3" if q.dtype == torch.float32 else "tf32"
     # 16-bit product operands (BWD_LOWP), 16-bit inputs only
     level = int(os.environ.get("CHUNKWISE_BWD_LOWP", BWD_LOWP)) if q.dtype in (torch.bfloat16, torch.float16) else 0
-    lowp, lowp_wu, lowp_key = level >= 1, level >= 2, level >= 3
+    lowp, lowp_wu = level >= 1, level >= 2
+    # the key side's LOWP constexpr: level 3 every product in 16 bits (True), level 4 all but the pairwise ones (2)
+    lowp_key = {3: True, 4: 2}.get(level, False)
     ns = _num_stages(q.dtype, BK)
     wide8 = q.dtype in (torch.bfloat16, torch.float16) and BK <= 128     # the per-channel 8-warp picks apply
     ns_state = _num_stages(q.dtype, BK, state_pass=True)
@@ -1283,7 +1288,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         split_diag = bkp > 0 and not int(os.environ.get("CHUNKWISE_BWD_PAIR_DIAG", BWD_PAIR_DIAG))
         dbp = buf(nkb + split_diag, B * T * HV) if delta else None
         pair = dict(s_dbp=B * T * HV, H=H, HV=HV, K=K, C=C, BC=BC, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
-                    span_max=SPAN_MAX, LOWP=lowp_key, num_stages=ns, **common)
+                    span_max=SPAN_MAX, LOWP=lowp_key is True, num_stages=ns, **common)
         _bwd_pair_kernel[(NT, B * HV, nkb)](q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, BKP=bkp or BK, OFFDIAG=bkp > 0,
                                             DIAG=not split_diag,
                                             num_warps=_warps("bwd_pair" if bkp else "bwd_diag", gate, wide8), **pair)
