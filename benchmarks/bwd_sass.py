@@ -47,7 +47,7 @@ KERNELS = {
                  dict(q="in", k="in", beta="in", G="fp32", Pmat="fp32", Amat="fp32", dq="g", dk="g", dbp="fp32",
                       dG="fp32"),
                  dict(T="i32", s_dbp="i32"), dict(BC=cb.SUB, span_max=cb.SPAN_MAX, OFFDIAG=True, DIAG=True, BKP=cb.BWD_PAIR_SPLIT)),
-    "bwd_diag": ("_bwd_pair_kernel",          # the old path: the diagonal blocks alone, all channels
+    "bwd_diag": ("_bwd_pair_kernel",          # the diagonal blocks alone, all channels (CHUNKWISE_BWD_PAIR_DIAG=0)
                  dict(q="in", k="in", beta="in", G="fp32", Pmat="fp32", Amat="fp32", dq="g", dk="g", dbp="fp32",
                       dG="fp32"),
                  dict(T="i32", s_dbp="i32"), dict(BC=cb.SUB, span_max=cb.SPAN_MAX, OFFDIAG=False, DIAG=True, BKP=128)),
@@ -57,7 +57,7 @@ KERNELS = {
 }
 
 
-def compile_kernel(name, fam="gdn", num_warps=8, K=128, V=128, num_stages=3, lowp=0, dtype="bf16", pair_old=False):
+def compile_kernel(name, fam="gdn", num_warps=8, K=128, V=128, num_stages=3, lowp=0, dtype="bf16"):
     kname, ptrs, scalars, extra = KERNELS[name]
     kernel = getattr(cb, kname)
     gate, delta = GATES[fam], fam != "gla"
@@ -75,8 +75,6 @@ def compile_kernel(name, fam="gdn", num_warps=8, K=128, V=128, num_stages=3, low
                   PREC="tf32" if dtype != "fp32" else "tf32x3",
                   LOWP=lowp)
     params.update(extra)
-    if name == "bwd_grad":          # per-channel gates: the pairwise pass in _bwd_pair_kernel (pair_old: in here)
-        params["PAIR"] = gate != 2 or pair_old
     consts.update({p: v for p, v in params.items() if p in kernel.arg_names})
     for arg in list(consts):
         if arg not in kernel.arg_names:
@@ -102,11 +100,10 @@ def main():
     ap.add_argument("--dtype", default="bf16", help="the inputs' dtype: bf16, fp16 or fp32")
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--lowp", type=int, default=0, help="16-bit product operands (the LOWP constexpr, where a kernel has it)")
-    ap.add_argument("--pair-old", action="store_true", help="per-channel gates: the pairwise pass inside bwd_grad")
     a = ap.parse_args()
     print(f"{'kernel':10s} {'fam':6s} {'warps':>5s} {'regs':>5s} {'spill B':>8s} {'smem B':>8s}")
     for name, fam, w in itertools.product(a.kernels.split(","), a.fams.split(","), map(int, a.warps.split(","))):
-        c = compile_kernel(name, fam, w, K=a.K, num_stages=a.stages, lowp=a.lowp, dtype=a.dtype, pair_old=a.pair_old)
+        c = compile_kernel(name, fam, w, K=a.K, num_stages=a.stages, lowp=a.lowp, dtype=a.dtype)
         regs, spill = ptxas(c)
         print(f"{name:10s} {fam:6s} {w:5d} {regs:5d} {spill:8d} {c.metadata.shared:8d}", flush=True)
 

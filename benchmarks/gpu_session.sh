@@ -9,7 +9,7 @@
 #   train: fwd+bwd benchmark vs fla alone (FAMS=delta,kda,gdn; FLA_FAMS=delta times fla for those only)
 #   verify: the real-size bf16 tests (fwd, bwd, Hopper pin, >2^31 offsets), again with CHUNKWISE_BWD_LOWP=$VERIFY_LOWP (4)
 #   diag:  backward test failures, each test x launch setting in its own process (benchmarks/diag_bwd.py)
-#   pair:  KDA's pairwise-gradient kernel variants (sweep_bwd.py PAIR_VARIANTS: channels per program, warps, old path)
+#   pair:  KDA's pairwise-gradient kernel variants (sweep_bwd.py PAIR_VARIANTS: channels per program, warps, diagonal launch)
 #   variants: stage-2 launch variants (BV x warps x stages) of GLA and GDN at B1 / B8 (~3 min)
 set -u
 PARTS=${*:-fwd tests}
@@ -94,7 +94,7 @@ fi
 if has diag; then       # backward test failures bisected by launch knobs (benchmarks/diag_bwd.py)
   TAILN=70 step ${DIAG_T:-400} diag python3 benchmarks/diag_bwd.py --preset "${DIAG_PRESET:-session5}" --jobs ${NPROC:-12} --out "$OUT"
 fi
-if has pair; then       # KDA's pairwise-gradient kernel: channels per program x warps, against the old path
+if has pair; then       # KDA's pairwise-gradient kernel: channels per program x warps
   TAILN=16 step ${PAIR_T:-150} sweep_pair python3 benchmarks/sweep_bwd.py --fams kda --out "$OUT" --variants "${PAIR_VARIANTS:-pair}"
 fi
 if has variants; then

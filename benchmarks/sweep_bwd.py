@@ -49,31 +49,20 @@ def kernel_times(prof_rows):
 
 
 def run_config(fam, x, do, env, warm, ksplit=0, lowp=0):
-    os.environ["CHUNKWISE_BWD_WARPS"] = env
-    os.environ["CHUNKWISE_BWD_KSPLIT"] = str(ksplit)
-    os.environ["CHUNKWISE_BWD_LOWP"] = str(lowp)
-    grads = leaves(x)
-    f = fwd_bwd(lambda: run_ours(fam, x), do)
-    os.environ["CHUNKWISE_POISON"] = "1"
-    f()
-    os.environ["CHUNKWISE_POISON"] = "0"
-    got = [t.grad.detach().float().clone() for t in grads]
-    if warm:
-        return None, None, got
-    ms = bench(f, grads)
-    per = kernel_times(profile(f, grads))
-    return ms, per, got
+    """One fwd+bwd with the warps setting env ("all:4", "wu:4,..."), key-side column block and LOWP level."""
+    return run_env(fam, x, do, dict(CHUNKWISE_BWD_WARPS=env, CHUNKWISE_BWD_KSPLIT=str(ksplit),
+                                    CHUNKWISE_BWD_LOWP=str(lowp)), warm)
 
 
 # --variants pair: KDA's pairwise-gradient kernel (_bwd_pair_kernel) at 32 / 16 / 64 key channels per program
 # and 8 / 4 warps, the key side at 4 warps, the key side's 16-bit operands, the diagonal blocks in a second
-# launch over all channels (sepdiag), and the old path (pass 2 inside the key-side kernel)
+# launch over all channels (sepdiag), and one program over all channels (one)
 PAIR_VARIANTS = ("p32w8:CHUNKWISE_BWD_PAIR_SPLIT=32;p32w4:CHUNKWISE_BWD_WARPS=bwd_pair:4;"
                  "p16w8:CHUNKWISE_BWD_PAIR_SPLIT=16;p16w4:CHUNKWISE_BWD_PAIR_SPLIT=16,CHUNKWISE_BWD_WARPS=bwd_pair:4;"
                  "p64w8:CHUNKWISE_BWD_PAIR_SPLIT=64;p32g4:CHUNKWISE_BWD_WARPS=bwd_grad:4;"
                  "p32lowp3:CHUNKWISE_BWD_LOWP=3;p32sepdiag:CHUNKWISE_BWD_PAIR_DIAG=0;"
                  "p32sepdiag8:CHUNKWISE_BWD_PAIR_DIAG=0,CHUNKWISE_BWD_WARPS=bwd_pair:8;"
-                 "p64sepdiag:CHUNKWISE_BWD_PAIR_SPLIT=64,CHUNKWISE_BWD_PAIR_DIAG=0;old:CHUNKWISE_BWD_PAIR_SPLIT=0")
+                 "p64sepdiag:CHUNKWISE_BWD_PAIR_SPLIT=64,CHUNKWISE_BWD_PAIR_DIAG=0;one:CHUNKWISE_BWD_PAIR_SPLIT=0")
 
 
 def run_env(fam, x, do, env, warm):
@@ -194,9 +183,6 @@ def main():
         results.append(row)
         del x, do
         torch.cuda.empty_cache()
-    os.environ.pop("CHUNKWISE_BWD_WARPS", None)
-    os.environ.pop("CHUNKWISE_BWD_KSPLIT", None)
-    os.environ.pop("CHUNKWISE_BWD_LOWP", None)
     if a.warm:
         return
     for r in results:

@@ -343,8 +343,8 @@ def test_grads_16_bit_products(fam, level, monkeypatch):
 def test_grads_kda_pair_split(split, diag, monkeypatch):
     """KDA's pairwise gradients (through P and A) in their own kernel split over key channels
     (CHUNKWISE_BWD_PAIR_SPLIT = channels per program; 16 of K = 40: three blocks, the last partial), with the
-    diagonal blocks in the same programs or (CHUNKWISE_BWD_PAIR_DIAG=0) in a second launch, or as the
-    key-side kernel's second pass (0): every gradient equals the reference's, varlen with a length-1
+    diagonal blocks in the same programs or (CHUNKWISE_BWD_PAIR_DIAG=0) in a second launch, or in one
+    program over all channels (0): every gradient equals the reference's, varlen with a length-1
     sequence, grouped heads, and a few steep channels whose diagonal blocks take the exact loops."""
     monkeypatch.setenv("CHUNKWISE_BWD_PAIR_SPLIT", str(split))
     monkeypatch.setenv("CHUNKWISE_BWD_PAIR_DIAG", str(diag))

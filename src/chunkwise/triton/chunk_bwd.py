@@ -683,6 +683,16 @@ def _bwd_dv_kernel(q, k, v, beta, G, Tmat, h, R, dR, do, Pmat, Amat, dq, dv, dbe
 
 
 @triton.jit
+def _col_offsets(rows, m_t, o_k, m_k, i_h, i_hk, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr):
+    """Key channels o_k of the token rows `rows`: (mask, offsets into q / k [., H, K], offsets into the per
+    value head [., HV, K] gradients)."""
+    m_tk = m_t[:, None] & m_k[None, :]
+    p_tk = (rows[:, None] * H + i_hk) * K + o_k[None, :]
+    p_hk = (rows[:, None] * HV + i_h) * K + o_k[None, :]
+    return m_tk, p_tk, p_hk
+
+
+@triton.jit
 def _key_side_vloop(h, dh, R, dR, v, p_h, rows, i_h, o_k, m_k, m_t, HV: tl.constexpr, V: tl.constexpr,
                     C: tl.constexpr, BKW: tl.constexpr, BV: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr):
     """The key side's loop over value blocks, for the key channels o_k [BKW]:
@@ -742,7 +752,7 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
                            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                            BKH: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
                            GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-                           LOWP: tl.constexpr = 0, PAIR: tl.constexpr = True):
+                           LOWP: tl.constexpr = 0):
     """The key side, after _bwd_dv_kernel (which left dP in Pmat, dT_v in Amat, the value part of dβ):
     dq, dk: [B, T, HV, K] (per value head); dbeta: [B, T, HV] fp32 (completed; per channel the pair kernel
     adds its share);
@@ -759,7 +769,7 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
         dA = −Tᵀ dT Tᵀ (strict lower) -> Amat;
         pass 2, per column block: the pairwise products P (q, k) and A (βk, k): dq (per channel), dk,
                  dβ and dG completed from what pass 1 left in dk / dG (per-channel gates: in
-                 _bwd_pair_kernel, split over key channels, unless PAIR).
+                 _bwd_pair_kernel, split over key channels).
     The V loop runs once per column block: R and dR are read K / BKH times. LOWP: 1, the products of T, dW,
     X, dT, dA and dP take 16-bit operands (the input dtype; fp32 accumulation), as fla's do; 2, only those of
     pass 1 and dA (T, dW, X, dT), pass 2's pairwise products (dP, dA with q, k) in fp32 operands."""
@@ -795,9 +805,7 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
     for i_k in range(tl.cdiv(K, BKH)):
         o_k = i_k * BKH + tl.arange(0, BKH)
         m_k = o_k < K
-        m_tk = m_t[:, None] & m_k[None, :]
-        p_tk = (rows[:, None] * H + i_hk) * K + o_k[None, :]
-        p_hk = (rows[:, None] * HV + i_h) * K + o_k[None, :]
+        m_tk, p_tk, p_hk = _col_offsets(rows, m_t, o_k, m_k, i_h, i_hk, H, HV, K)
         b_dw, b_dkend, b_dgam = _key_side_vloop(h, dh, R, dR, v, p_h, rows, i_h, o_k, m_k, m_t, HV, V, C, BKH, BV,
                                                 DELTA, PREC)
         b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
@@ -848,51 +856,31 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
         if GATE == 1:
             b_dA = b_dA * tl.exp(tl.where(i_ge_j, b_G[:, None] - b_G[None, :], float("-inf")))
         tl.store(Amat + p_cc, b_dA, mask=m_cc)
-    # pass 2 (per-channel gates: in _bwd_pair_kernel unless PAIR, the old path)
-    if GATE != 2 or PAIR:
+    # pass 2 (per-channel gates: in _bwd_pair_kernel)
+    if GATE != 2:
         tl.debug_barrier()
-        m_ccT = m_t[:, None] & m_t[None, :]
-        if GATE == 2:
-            b_dP = tl.load(Pmat + p_cc, mask=m_cc & i_ge_j, other=0.).to(OPD2)                  # dP [C, C]
-            b_dPt = tl.load(Pmat + p_ccT, mask=m_ccT, other=0.).to(OPD2)                        # dPᵀ
-            if DELTA:
-                b_dAt = tl.load(Amat + p_ccT, mask=m_ccT, other=0.).to(OPD2)                    # dAᵀ
-        else:
-            b_dPt = tl.load(Pmat + p_ccT, mask=m_ccT & (o_t[None, :] >= o_t[:, None]), other=0.)
-            if GATE == 1:
-                b_dPt *= tl.exp(tl.where(o_t[None, :] >= o_t[:, None], b_G[None, :] - b_G[:, None], float("-inf")))
-            b_dPt = b_dPt.to(OPD2)
-            if DELTA:
-                b_dAt = tl.load(Amat + p_ccT, mask=m_ccT, other=0.).to(OPD2)
+        b_dPt = tl.load(Pmat + p_ccT, mask=m_cc & (o_t[None, :] >= o_t[:, None]), other=0.)
+        if GATE == 1:
+            b_dPt *= tl.exp(tl.where(o_t[None, :] >= o_t[:, None], b_G[None, :] - b_G[:, None], float("-inf")))
+        b_dPt = b_dPt.to(OPD2)
         if DELTA:
+            b_dAt = tl.load(Amat + p_ccT, mask=m_cc, other=0.).to(OPD2)
             b_dA = b_dA.to(OPD2)
 
         for i_k in range(tl.cdiv(K, BKH)):
             o_k = i_k * BKH + tl.arange(0, BKH)
             m_k = o_k < K
-            m_tk = m_t[:, None] & m_k[None, :]
-            p_tk = (rows[:, None] * H + i_hk) * K + o_k[None, :]
-            p_hk = (rows[:, None] * HV + i_h) * K + o_k[None, :]
+            m_tk, p_tk, p_hk = _col_offsets(rows, m_t, o_k, m_k, i_h, i_hk, H, HV, K)
             b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
             b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
             b_kb = b_k * b_beta[:, None]
             b_dkb = tl.zeros([C, BKH], dtype=tl.float32)
-            if GATE == 2:
-                b_Gh, b_lasth = _load_gate_cols(G, t0, L, i_h, o_k, m_k, HV, K, C)
-                b_dqp, b_dkp, b_dkb = _pairwise_grads_channel(b_dP, b_dPt, b_dA if DELTA else b_dP,
-                                                              b_dAt if DELTA else b_dPt, b_q, b_k, b_kb, b_Gh, C, BC,
-                                                              DELTA, PREC, OPD2)
-                b_dq = tl.load(dq + p_hk, mask=m_tk, other=0.) + b_dqp
-                tl.store(dq + p_hk, b_dq, mask=m_tk)
-                b_dGm = tl.load(dG + p_hk, mask=m_tk, other=0.) + b_q * b_dq + b_kb * b_dkb - b_k * b_dkp
-                tl.store(dG + p_hk, b_dGm, mask=m_tk)
-            else:
-                b_dkp = tl.dot(b_dPt, b_q.to(OPD2), input_precision=PREC)                      # [C, C] @ [C, BKH]
-                if DELTA:
-                    b_dkb = tl.dot(b_dA, b_k.to(OPD2), input_precision=PREC)                   # [C, C] @ [C, BKH]
-                    b_dkp += tl.dot(b_dAt, b_kb.to(OPD2), input_precision=PREC)                # [C, C] @ [C, BKH]
-                if GATE == 1:
-                    b_dGr += tl.sum(b_kb * b_dkb - b_k * b_dkp, axis=1)
+            b_dkp = tl.dot(b_dPt, b_q.to(OPD2), input_precision=PREC)                         # [C, C] @ [C, BKH]
+            if DELTA:
+                b_dkb = tl.dot(b_dA, b_k.to(OPD2), input_precision=PREC)                      # [C, C] @ [C, BKH]
+                b_dkp += tl.dot(b_dAt, b_kb.to(OPD2), input_precision=PREC)                   # [C, C] @ [C, BKH]
+            if GATE == 1:
+                b_dGr += tl.sum(b_kb * b_dkb - b_k * b_dkp, axis=1)
             b_dk = tl.load(dk + p_hk, mask=m_tk, other=0.) + b_dkp + b_beta[:, None] * b_dkb
             tl.store(dk + p_hk, b_dk, mask=m_tk)
             b_db += tl.sum(b_k * b_dkb, axis=1)
@@ -941,7 +929,7 @@ def _bwd_pair_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, cu_seqlens, chu
     local to a key channel, so each program takes one block of BKP channels.
 
         OFFDIAG: the blocks off the 16×16 diagonal first, on whole [C, BKP] tiles (_pairwise_grads_channel);
-                 otherwise _bwd_grad_kernel did them (its pass 2, the old path).
+                 off only in the diagonal-only second launch (DIAG below).
         DIAG:    then the diagonal blocks, last to first: four products of factored operands when a block's
                  gates span less than span_max (_diag_factors), else the exact column loop (rare), and the
                  reverse cumsum; otherwise a second launch (OFFDIAG off, all channels) does them.
@@ -975,9 +963,7 @@ def _bwd_pair_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, cu_seqlens, chu
             b_dA = b_dP
             b_dAt = b_dPt
             b_beta = tl.zeros([C], dtype=tl.float32)
-        m_tk = m_t[:, None] & m_k[None, :]
-        p_tk = (rows[:, None] * H + i_hk) * K + o_k[None, :]
-        p_hk = (rows[:, None] * HV + i_h) * K + o_k[None, :]
+        m_tk, p_tk, p_hk = _col_offsets(rows, m_t, o_k, m_k, i_h, i_hk, H, HV, K)
         b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
         b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
         b_kb = b_k * b_beta[:, None]
@@ -999,9 +985,7 @@ def _bwd_pair_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, cu_seqlens, chu
             o_r = ib * BC + o_i
             m_r = o_r < L
             rows = (t0 + o_r).to(tl.int64)
-            m_rk = m_r[:, None] & m_k[None, :]
-            p_tk = (rows[:, None] * H + i_hk) * K + o_k[None, :]
-            p_hk = (rows[:, None] * HV + i_h) * K + o_k[None, :]
+            m_rk, p_tk, p_hk = _col_offsets(rows, m_r, o_k, m_k, i_h, i_hk, H, HV, K)
             b_q = tl.load(q + p_tk, mask=m_rk, other=0.).to(tl.float32)
             b_k = tl.load(k + p_tk, mask=m_rk, other=0.).to(tl.float32)
             b_G = tl.load(G + p_hk, mask=m_rk, other=0.)
@@ -1101,7 +1085,8 @@ BWD_FUSED_PREP = 1
 # key-side kernel's second pass (its 12.96 ms for KDA, B1-T32768-H32, run of 703d009: 255 registers and
 # 1.5 KB spilled per thread at 8 warps, 148 KB of shared memory, offline sm_90). Offline sm_90 at 8 warps:
 # the key side without that pass 4 B spilled, 106 KB; the pair kernel at 16 / 32 / 64 channels 0 / 64 /
-# 448 B spilled, 72 / 80 / 96 KB. Unmeasured on the GPU; CHUNKWISE_BWD_PAIR_SPLIT=0 takes the old path.
+# 448 B spilled, 72 / 80 / 96 KB. On the H200 (sweep of a3986d3) 9.45 ms at 4 warps; KDA fwd+bwd 31.72 -> 26.49 ms.
+# CHUNKWISE_BWD_PAIR_SPLIT=0: one program over all channels.
 BWD_PAIR_SPLIT = 32
 BWD_PAIR_DIAG = 1     # 0 (a variant, unmeasured): the diagonal blocks in a second launch over all channels (offline
 # sm_90, 32 channels: the off-diagonal part alone 73 barriers and 3272 instructions per program at 4 warps, 344 B
@@ -1275,23 +1260,23 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                            num_warps=_warps("bwd_dv", gate, wide8), num_stages=ns, **common)
     bkh = int(os.environ.get("CHUNKWISE_BWD_KSPLIT", BWD_KSPLIT))   # the key side's column block (0: one block)
     bkh = BK if bkh <= 0 else min(max(16, triton.next_power_of_2(bkh)), BK)
-    # per-channel gates: the pairwise gradients in their own kernel, split over key channels (BWD_PAIR_SPLIT)
-    bkp = int(os.environ.get("CHUNKWISE_BWD_PAIR_SPLIT", BWD_PAIR_SPLIT)) if gate == 2 else 0
-    bkp = 0 if bkp <= 0 else min(max(16, triton.next_power_of_2(bkp)), BK)
+    # per-channel gates: the pairwise gradients in their own kernel, split over key channels (BWD_PAIR_SPLIT;
+    # 0: one block of all channels)
+    bkp = int(os.environ.get("CHUNKWISE_BWD_PAIR_SPLIT", BWD_PAIR_SPLIT))
+    bkp = BK if bkp <= 0 else min(max(16, triton.next_power_of_2(bkp)), BK)
     _bwd_grad_kernel[grid_c](q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, dk, dbeta, dG,
                              scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BKH=bkh, BV=BV, C=C, BC=BC, GATE=gate,
-                             DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_key, PAIR=bkp == 0,
+                             DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_key,
                              num_warps=_warps("bwd_grad", gate, wide8), num_stages=ns, **common)
     if gate == 2:
-        nkb = triton.cdiv(K, bkp or BK)
+        nkb = triton.cdiv(K, bkp)
         # the diagonal blocks in their own launch over all channels (BWD_PAIR_DIAG=0, a variant) or with the rest
-        split_diag = bkp > 0 and not int(os.environ.get("CHUNKWISE_BWD_PAIR_DIAG", BWD_PAIR_DIAG))
+        split_diag = nkb > 1 and not int(os.environ.get("CHUNKWISE_BWD_PAIR_DIAG", BWD_PAIR_DIAG))
         dbp = buf(nkb + split_diag, B * T * HV) if delta else None
         pair = dict(s_dbp=B * T * HV, H=H, HV=HV, K=K, C=C, BC=BC, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
                     span_max=SPAN_MAX, LOWP=lowp_key is True, num_stages=ns, **common)
-        _bwd_pair_kernel[(NT, B * HV, nkb)](q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, BKP=bkp or BK, OFFDIAG=bkp > 0,
-                                            DIAG=not split_diag,
-                                            num_warps=_warps("bwd_pair" if bkp else "bwd_diag", gate, wide8), **pair)
+        _bwd_pair_kernel[(NT, B * HV, nkb)](q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, BKP=bkp, OFFDIAG=True,
+                                            DIAG=not split_diag, num_warps=_warps("bwd_pair", gate, wide8), **pair)
         if split_diag:
             _bwd_pair_kernel[(NT, B * HV, 1)](q, k, beta, G, Pmat, Amat, dq, dk, None if dbp is None else dbp[nkb:], dG,
                                               BKP=BK, OFFDIAG=False, DIAG=True, num_warps=_warps("bwd_diag", gate, wide8),
