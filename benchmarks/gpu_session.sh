@@ -10,6 +10,7 @@
 #   verify: the real-size bf16 tests (fwd, bwd, Hopper pin, >2^31 offsets), again with CHUNKWISE_BWD_LOWP=$VERIFY_LOWP (4)
 #   diag:  backward test failures, each test x launch setting in its own process (benchmarks/diag_bwd.py)
 #   pair:  KDA's pairwise-gradient kernel variants (sweep_bwd.py PAIR_VARIANTS: channels per program, warps, diagonal launch)
+#   ncu:   Nsight Compute reports of the largest kernels (NCU_TARGETS; summary by benchmarks/ncu_summary.py)
 #   variants: stage-2 launch variants (BV x warps x stages) of GLA and GDN at B1 / B8 (~3 min)
 set -u
 PARTS=${*:-fwd tests}
@@ -96,6 +97,19 @@ if has diag; then       # backward test failures bisected by launch knobs (bench
 fi
 if has pair; then       # KDA's pairwise-gradient kernel: channels per program x warps
   TAILN=16 step ${PAIR_T:-150} sweep_pair python3 benchmarks/sweep_bwd.py --fams kda --out "$OUT" --variants "${PAIR_VARIANTS:-pair}"
+fi
+if has ncu; then        # Nsight Compute on the kernels NOTES.md asks about (benchmarks/ncu_run.py; NCU_TARGETS
+  # "fam:mode:kernel-regex:launches per call ..."), the second call's launches only (-s skips the first's); text reports in ncu_*.log
+  NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  for tgt in ${NCU_TARGETS:-kda:fwd:chunk_prepare_kernel|chunk_state_output_kernel:2 gla:fwd:chunk_state_output_kernel:2 gdn:fwd:chunk_prepare_kernel|chunk_state_output_kernel:2 delta:train:_bwd_grad_kernel|_bwd_dv_kernel|_bwd_dh_kernel:3 kda:train:_bwd_pair_kernel|_bwd_grad_kernel:3}; do
+    IFS=: read -r fam mode rx cnt <<< "$tgt"
+    TAILN=0 step ${NCU_T:-150} "ncu_${fam}_$mode" "$NCU" --clock-control none \
+      -k "regex:$rx" -s "$cnt" -c "$cnt" --section SpeedOfLight --section Occupancy --section LaunchStats \
+      --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
+      --section MemoryWorkloadAnalysis --section InstructionStats \
+      --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" python3 benchmarks/ncu_run.py --fam "$fam" --mode "$mode"
+    python3 benchmarks/ncu_summary.py "$OUT/ncu_${fam}_$mode.log"
+  done
 fi
 if has variants; then
   has fwd || warm_variants

@@ -1088,9 +1088,11 @@ BWD_FUSED_PREP = 1
 # 448 B spilled, 72 / 80 / 96 KB. On the H200 (sweep of a3986d3) 9.45 ms at 4 warps; KDA fwd+bwd 31.72 -> 26.49 ms.
 # CHUNKWISE_BWD_PAIR_SPLIT=0: one program over all channels.
 BWD_PAIR_SPLIT = 32
-BWD_PAIR_DIAG = 1     # 0 (a variant, unmeasured): the diagonal blocks in a second launch over all channels (offline
-# sm_90, 32 channels: the off-diagonal part alone 73 barriers and 3272 instructions per program at 4 warps, 344 B
-# spilled; at 8 warps none; with the diagonal blocks 284 barriers, 7096 instructions, 412 B)
+BWD_PAIR_DIAG = 0     # 0: the diagonal blocks in a second launch over all channels (bwd_diag warps), the split
+# launch only the off-diagonal part. On the H200 (sweep of 1695bb2, KDA B1-T32768-H32 bf16) the pair kernels
+# 9.53 -> 8.10 ms, fwd+bwd 26.74 -> 25.31 ms (offline sm_90, 32 channels: the off-diagonal part alone 73
+# barriers and 3272 instructions per program at 4 warps, with the diagonal blocks 284 and 7096; at 8 warps the
+# off-diagonal part took 10.17 ms). 1: the diagonal blocks in every channel block's program.
 
 
 def _warps(name: str, gate: int, wide_ok: bool = True) -> int:
@@ -1270,7 +1272,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                              num_warps=_warps("bwd_grad", gate, wide8), num_stages=ns, **common)
     if gate == 2:
         nkb = triton.cdiv(K, bkp)
-        # the diagonal blocks in their own launch over all channels (BWD_PAIR_DIAG=0, a variant) or with the rest
+        # the diagonal blocks in their own launch over all channels (BWD_PAIR_DIAG=0, the default) or with the rest
         split_diag = nkb > 1 and not int(os.environ.get("CHUNKWISE_BWD_PAIR_DIAG", BWD_PAIR_DIAG))
         dbp = buf(nkb + split_diag, B * T * HV) if delta else None
         pair = dict(s_dbp=B * T * HV, H=H, HV=HV, K=K, C=C, BC=BC, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
