@@ -134,6 +134,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--variant-set", default="all", choices=("all", "seg"),
+                    help="seg: only simple GLA's segment variants (with --variants)")
     ap.add_argument("--variants", action="store_true", help="also time stage-2 variants (BV 16/32/64 x 4/8 warps x 2/3 stages; GLA also with P from its own kernel, GDN with the decays from stage 1)")
     ap.add_argument("--shapes", default="")
     ap.add_argument("--warm", action="store_true", help="compile everything on tiny inputs, time nothing")
@@ -176,7 +178,15 @@ def main():
                     except Exception as e:  # noqa: BLE001
                         var[key] = repr(e)[:120]
                 own = dict(p_in=False) if fam == "gla" else {}      # GLA: P formed in the serial loop
-                for bv in (16, 32, 64):
+                if fam == "gla" and x["q"].shape[0] == 1 and x["cu"] is None:
+                    # the segment split's first pass in sub-segments (chunk_fwd(seg_sub=)), 4 segments, at the
+                    # second pass's value block (64, 4 warps) or its own
+                    for sub in (2, 4, 8):
+                        for p1 in (None, (128, 8), (128, 4)):
+                            tag = "" if p1 is None else f"-p1bv{p1[0]}w{p1[1]}"
+                            time_variant(f"seg4-sub{sub}-bv64-nw4-ns2{tag}", bv=64, num_warps=4, num_stages=2,
+                                         segments=4, seg_sub=sub, seg_phase1=p1)
+                for bv in (16, 32, 64) if a.variant_set == "all" else ():
                     for nw in (4, 8):
                         for ns in (2, 3):
                             time_variant(f"bv{bv}-nw{nw}-ns{ns}", bv=bv, num_warps=nw, num_stages=ns, **own)

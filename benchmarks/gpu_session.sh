@@ -11,7 +11,8 @@
 #   diag:  backward test failures, each test x launch setting in its own process (benchmarks/diag_bwd.py)
 #   pair:  KDA's pairwise-gradient kernel variants (sweep_bwd.py PAIR_VARIANTS: channels per program, warps, diagonal launch)
 #   ncu:   Nsight Compute reports of the largest kernels (NCU_TARGETS; summary by benchmarks/ncu_summary.py)
-#   variants: stage-2 launch variants (BV x warps x stages) of GLA and GDN at B1 / B8 (~3 min)
+#   regs:  registers per thread capped (CHUNKWISE_MAXNREG) in the chunk-parallel kernels, fwd+bwd per kernel
+#   variants: stage-2 launch variants (VAR_FAMS, default gla,gdn; VARIANT_SET=seg: only GLA's segment split) (BV x warps x stages) of GLA and GDN at B1 / B8 (~3 min)
 set -u
 PARTS=${*:-fwd tests}
 has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
@@ -38,10 +39,11 @@ step() { local t=$1; shift; local name=$1; shift; local s=$(date +%s) c0=$(ncach
 warm_bwd() { for f in gdn delta kda; do for w in 4 8; do
   timeout 200 python3 benchmarks/sweep_bwd.py --warm --fams $f --warps $w > "$OUT/warm_bwd_${f}_$w.log" 2>&1 & done; done; wait; }
 
+VAR_FAMS=${VAR_FAMS:-gla,gdn} VARIANT_SET=${VARIANT_SET:-all}   # the variants part (bench_forward --variant-set)
 FWD_FAMS=${FWD_FAMS:-gdn,kda,delta,gla}       # the families of the fwd part (stage-1 sweep: those with a stage 1)
 S1_FAMS=$(echo "$FWD_FAMS" | tr , '\n' | grep -v gla | paste -sd, -)
-warm_variants() { for f in gla gdn; do timeout 150 python3 benchmarks/bench_forward.py --warm --variants --families $f \
-      --shapes B1-T32768-H32,B8-T4096-H32 > "$OUT/warm_var_$f.log" 2>&1 & done; wait; }
+warm_variants() { for f in ${VAR_FAMS//,/ }; do timeout 150 python3 benchmarks/bench_forward.py --warm --variants --families $f \
+      --variant-set "$VARIANT_SET" --shapes B1-T32768-H32,B8-T4096-H32 > "$OUT/warm_var_$f.log" 2>&1 & done; wait; }
 if has fwd; then
   # the stage-1 variants compile in parallel (CPU), then are timed alone; the pick is used from here on
   ( has variants && warm_variants &
@@ -98,6 +100,9 @@ fi
 if has pair; then       # KDA's pairwise-gradient kernel: channels per program x warps
   TAILN=16 step ${PAIR_T:-150} sweep_pair python3 benchmarks/sweep_bwd.py --fams kda --out "$OUT" --variants "${PAIR_VARIANTS:-pair}"
 fi
+if has regs; then       # registers per thread capped in the chunk-parallel kernels (sweep_bwd.py REG_VARIANTS)
+  TAILN=40 step ${REGS_T:-200} sweep_regs python3 benchmarks/sweep_bwd.py --fams "${REG_FAMS:-kda,delta,gdn}" --out "$OUT/regs" --variants regs
+fi
 if has ncu; then        # Nsight Compute on the kernels NOTES.md asks about (benchmarks/ncu_run.py; NCU_TARGETS
   # "fam:mode:kernel-regex:launches per call ..."), the second call's launches only (-s skips the first's); text reports in ncu_*.log
   NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
@@ -113,8 +118,8 @@ if has ncu; then        # Nsight Compute on the kernels NOTES.md asks about (ben
 fi
 if has variants; then
   has fwd || warm_variants
-  TAILN=4 step 120 bench_variants python3 benchmarks/bench_forward.py --variants --families gla,gdn \
-    --shapes B1-T32768-H32,B8-T4096-H32 --out "$OUT/variants"
+  TAILN=4 step 120 bench_variants python3 benchmarks/bench_forward.py --variants --families "$VAR_FAMS" \
+    --variant-set "$VARIANT_SET" --shapes B1-T32768-H32,B8-T4096-H32 --out "$OUT/variants"
   grep -h '"variants"' "$OUT/bench_variants.log" | python3 -c "
 import json, sys
 for line in sys.stdin:

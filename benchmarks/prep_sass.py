@@ -21,7 +21,7 @@ from chunkwise.triton.chunk_fwd import BC, BT, G_FLOOR, SPAN_MAX, chunk_prepare_
 GATES = {"gdn": 1, "kda": 2, "delta": 0}
 
 
-def compile_variant(fam="gdn", wu_lowp=0, num_warps=4, K=128, V=128, BKC=64, form=0, bwd=False):
+def compile_variant(fam="gdn", wu_lowp=0, num_warps=4, K=128, V=128, BKC=64, form=0, bwd=False, maxnreg=None):
     gate = GATES[fam]
     sig = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "g": "*fp32", "beta": "*bf16", "w": "*bf16", "u": "*bf16",
            "p": "*bf16", "qg": "*bf16", "kg": "*bf16", "glast": "*fp32", "do": "*bf16", "t_out": "*fp32",
@@ -40,7 +40,7 @@ def compile_variant(fam="gdn", wu_lowp=0, num_warps=4, K=128, V=128, BKC=64, for
     sig.update({name: "constexpr" for name in consts})
     attrs = {(KERNEL.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if sig[a].startswith("*")}
     return triton.compile(ASTSource(KERNEL, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=1))
+                          options=dict(num_warps=num_warps, num_stages=1, **({"maxnreg": maxnreg} if maxnreg else {})))
 
 
 def summary(compiled) -> dict:
@@ -59,12 +59,13 @@ def main():
     ap.add_argument("--lowp", default="0,1")
     ap.add_argument("--form", type=int, default=0, help="KDA's A/P form (0 eight products, 1 by row blocks)")
     ap.add_argument("--bwd", action="store_true", help="the backward's recompute mode (T, W, U, dR_local)")
+    ap.add_argument("--maxnreg", type=int, default=None, help="cap on registers per thread (CHUNKWISE_MAXNREG)")
     args = ap.parse_args()
     print(f"{'fam':4s} {'lowp':>4s} {'warps':>5s} {'regs':>4s} {'spill':>5s} {'smem':>6s} {'instrs':>6s} "
           f"{'mma':>5s} {'shfl':>5s} {'bar':>4s} {'lds':>5s} {'sts':>5s}")
     for fam, lowp, warps in itertools.product(args.fams.split(","), map(int, args.lowp.split(",")),
                                               map(int, args.warps.split(","))):
-        s = summary(compile_variant(fam, lowp, warps, BKC=args.bkc, form=args.form, bwd=args.bwd))
+        s = summary(compile_variant(fam, lowp, warps, BKC=args.bkc, form=args.form, bwd=args.bwd, maxnreg=args.maxnreg))
         print(f"{fam:4s} {lowp:4d} {warps:5d} {s['regs']:4d} {s['spill']:5d} {s['smem']:6d} {s['instrs']:6d} "
               f"{s['mma']:5d} {s['shfl']:5d} {s['bar']:4d} {s['lds']:5d} {s['sts']:5d}", flush=True)
 

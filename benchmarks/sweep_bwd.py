@@ -15,7 +15,7 @@ W / U recompute, 3: also the key side, 4: the key side but its pairwise products
     python benchmarks/sweep_bwd.py --out $OUT
     python benchmarks/sweep_bwd.py --fams kda --variants "p32:CHUNKWISE_BWD_PAIR_SPLIT=32;old:CHUNKWISE_BWD_PAIR_SPLIT=0"
 
---variants "name:VAR=value,VAR=value;...": time only these environment settings (on top of the defaults),
+--variants "name:VAR=value,VAR=value;..." (or "pair", "regs": the named sets below): time only these environment settings (on top of the defaults),
 each with its per-kernel profile and its gradients' difference from the first variant's.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ from bench_train import bench, fwd_bwd, leaves, profile  # noqa: E402
 KERNELS = {"_gate_cumsum_kernel": "gate_cumsum", "_intra_kernel": "intra", "_intra_diag_kernel": "intra_diag",
            "_solve_kernel": "solve", "_wu_kernel": "wu", "_fwd_h_kernel": "fwd_h", "_bwd_dh_kernel": "bwd_dh",
            "_bwd_dv_kernel": "bwd_dv", "_bwd_grad_kernel": "bwd_grad",
-           "_bwd_pair_kernel": "bwd_pair", "chunk_prepare_kernel": "prep"}     # prep: the forward's stage 1 + the
+           "_bwd_pair_kernel": "bwd_pair", "chunk_prepare_kernel": "prep", "chunk_state_output_kernel": "fwd_o"}     # prep: the forward's stage 1 + the
 # backward's fused recompute (BWD_FUSED_PREP); only the latter changes with the backward's warps
 
 
@@ -65,6 +65,15 @@ PAIR_VARIANTS = ("p32w8:CHUNKWISE_BWD_PAIR_SPLIT=32;p32w4:CHUNKWISE_BWD_WARPS=bw
                  "p64sepdiag:CHUNKWISE_BWD_PAIR_SPLIT=64,CHUNKWISE_BWD_PAIR_DIAG=0;one:CHUNKWISE_BWD_PAIR_SPLIT=0")
 
 
+# --variants regs: registers per thread capped (CHUNKWISE_MAXNREG, Triton's maxnreg) in the chunk-parallel kernels
+# whose shared memory leaves room for a third or fourth program per SM (ncu, run of cd0d241: they ran at 255
+# registers, two programs per SM); the forward's stage 2 (fwd_o) and the key side / pair kernel are left alone
+_CAPPED = ("prep_fwd", "prep", "bwd_dv", "bwd_diag", "intra", "intra_diag", "wu", "solve")
+REG_VARIANTS = ";".join(["base:"] + [f"r{n}:CHUNKWISE_MAXNREG=" + ",".join(f"{k}:{n}" for k in _CAPPED)
+                                     for n in (168, 128)])
+NAMED = {"pair": PAIR_VARIANTS, "regs": REG_VARIANTS}
+
+
 def run_env(fam, x, do, env, warm):
     """One fwd+bwd with the environment settings env (dict) on top of the defaults."""
     saved = {k: os.environ.get(k) for k in env}
@@ -90,7 +99,7 @@ def run_env(fam, x, do, env, warm):
 def variants(a, shape):
     """--variants: each named environment setting, timed per family."""
     specs = []
-    for item in filter(None, (PAIR_VARIANTS if a.variants == "pair" else a.variants).split(";")):
+    for item in filter(None, NAMED.get(a.variants, a.variants).split(";")):
         name, _, kv = item.partition(":")
         specs.append((name, dict(p.split("=", 1) for p in filter(None, kv.split(",")))))
     rows = []

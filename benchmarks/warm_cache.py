@@ -74,7 +74,8 @@ def warm_benchmarks():
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     for script, argv in (("bench_forward", ["--warm", "--variants"]), ("sweep_stage1", ["--warm"]),
                          ("sweep_bwd", ["--warm", "--warps", "4,8"]),
-                         ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "pair"])):
+                         ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "pair"]),
+                         ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "regs"])):
         t = time.time()
         sys.argv = [script] + argv
         try:

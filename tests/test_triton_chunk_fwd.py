@@ -109,7 +109,7 @@ def test_gla_sequence_segments(nseg, gate, h0, transpose):
     """Simple GLA with each sequence split into segments run side by side (their local end states, then
     each segment from the earlier ones' decayed states): equal to the float64 recurrence and to the
     unsplit run, output and final state, two sequences, grouped heads; 8 segments of 5 chunks leave
-    three empty."""
+    three empty; also with the first pass's own value block and in sub-segments."""
     from chunkwise.triton.chunk_fwd import chunk_fwd
     inp = make_inputs("gla", B=2, T=300, H=1, HV=2, K=KS[0], V=VS[0], dtype=torch.float32, seed=41,
                       gate="normal" if gate == "none" else gate, h0=h0)
@@ -123,12 +123,16 @@ def test_gla_sequence_segments(nseg, gate, h0, transpose):
     # the first pass (local end states) with its own value block: one block of all of V, 16-wide blocks
     o2, ht2 = chunk_fwd(inp.q, inp.k, inp.v, g, None, K ** -0.5, h_in, True, None, transpose_state_layout=transpose,
                         segments=nseg, seg_phase1=(16 if nseg == 3 else 128, 8))
+    # the first pass in sub-segments (2 or 3 per segment: 8 x 3 = 24 of 1 chunk, most of them empty)
+    o3, ht3 = chunk_fwd(inp.q, inp.k, inp.v, g, None, K ** -0.5, h_in, True, None, transpose_state_layout=transpose,
+                        segments=nseg, seg_sub=2 if nseg == 2 else 3, seg_phase1=(128, 8) if nseg == 8 else None)
     if transpose:
-        ht, ht1, ht2 = ht.transpose(-1, -2), ht1.transpose(-1, -2), ht2.transpose(-1, -2)
+        ht, ht1, ht2, ht3 = (x.transpose(-1, -2) for x in (ht, ht1, ht2, ht3))
     inp.g = g
     _check(inp, o, ht, TOL[torch.float32])
     assert rel_err(o, o1) <= TOL[torch.float32] and rel_err(ht, ht1) <= TOL[torch.float32]
     assert rel_err(o2, o1) <= TOL[torch.float32] and rel_err(ht2, ht1) <= TOL[torch.float32]
+    assert rel_err(o3, o1) <= TOL[torch.float32] and rel_err(ht3, ht1) <= TOL[torch.float32]
 
 
 @pytest.mark.parametrize("fam", FAMS)

@@ -579,7 +579,7 @@ def chunk_state_output_kernel(
     GATE: tl.constexpr, DELTA: tl.constexpr, P_IN: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
     DOT_PREC: tl.constexpr, g_floor: tl.constexpr, LOOP_WHILE: tl.constexpr,
-    SEG: tl.constexpr = 0, NSEG: tl.constexpr = 1,
+    SEG: tl.constexpr = 0, NSEG: tl.constexpr = 1, SUB: tl.constexpr = 1,
 ):
     """Stage 2 (module docstring). Grid (cdiv(V, BV), N·HV); S [BK, BV] fp32 stays in registers.
 
@@ -588,6 +588,8 @@ def chunk_state_output_kernel(
     inputs, so a segment's start state is the earlier segments' local end states, decayed:
         SEG = 1: each segment's local end state (from zero) -> sloc, its total decay e^{Σ g} -> gam
         SEG = 2: S = h0; S ← gam[s'] S + sloc[s'] for the earlier segments s'; then the segment as usual
+    SUB (SEG = 2): the first pass ran SUB sub-segments per segment (NSEG·SUB local states of seg_len / SUB
+    chunks each), so that it fills the GPU with its own, shorter programs
 
     Per chunk (C = BT rows, masked past the sequence end)::
 
@@ -646,10 +648,10 @@ def chunk_state_output_kernel(
         if USE_H0:
             p_h0 = h0 + i_n * s_h0n + i_h * s_h0h + o_k[:, None] * s_h0k + o_v[None, :] * s_h0v
             S += tl.load(p_h0, mask=m_kv, other=0.).to(tl.float32)
-        if SEG == 2:    # the start state: the earlier segments, in order
-            for i_p in tl.static_range(NSEG - 1):
-                if i_p < i_s:
-                    i_seg = (i_n * NSEG + i_p).to(tl.int64)
+        if SEG == 2:    # the start state: the earlier (sub-)segments, in order
+            for i_p in tl.static_range(NSEG * SUB - 1):
+                if i_p < i_s * SUB:
+                    i_seg = (i_n * NSEG * SUB + i_p).to(tl.int64)
                     S = S * tl.load(gam + i_seg * HV + i_h) + \
                         tl.load(sloc + ((i_seg * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.)
         if LOOP_WHILE:      # the triton 3.6 interpreter cannot take a tensor bound in range()
@@ -702,6 +704,19 @@ def _dot_prec(dtype) -> tuple[str, str, str]:
 # tf32: with bf16 products and BKC = 32 its output error was 4.0e-2 in both runs (fla 3.7e-3; BKC = 64:
 # 3.8e-3), see NOTES.
 PREP_CONFIG = {0: (1, 4, 64, 0), 1: (1, 4, 64, 0), 2: (0, 4, 32, 0)}
+
+
+def reg_cap(name: str) -> dict:
+    """Launch option capping a kernel's registers per thread (Triton's ``maxnreg``), from CHUNKWISE_MAXNREG
+    ("prep:168,bwd_dv:168" or "all:168"; names as the backward's BWD_WARPS keys, plus "fwd_o" for stage 2
+    and "prep_fwd" for the forward's stage 1): {} unless set. A variant for the sweeps: on the H200 (ncu,
+    run of cd0d241) the chunk-parallel kernels ran at 255 registers and 4 warps, two programs (8 warps) per
+    SM, a third of their issue slots used; a cap trades spills for more programs per SM."""
+    for item in filter(None, os.environ.get("CHUNKWISE_MAXNREG", "").split(",")):
+        key, val = item.split(":")
+        if key == name or key == "all":
+            return {"maxnreg": int(val)}
+    return {}
 
 
 def prep_config(gate: int) -> tuple[int, int, int, int]:
@@ -758,7 +773,7 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None):
             H=H, HV=HV, K=K, V=V, scale=1.0, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)), GATE=gate,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=solve_prec,
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and dt != torch.float32,
-            AP_FORM=form if gate == 2 else 0, num_warps=warps, num_stages=1)
+            AP_FORM=form if gate == 2 else 0, num_warps=warps, num_stages=1, **reg_cap("prep_fwd"))
     return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast)
 
 
@@ -782,7 +797,7 @@ def chunk_prepare_bwd(q, k, v, g, beta, do, scale, w, u, t_out, drl, cu_seqlens=
             H=H, HV=HV, K=K, V=V, scale=scale, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)),
             GATE=gate, IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=solve_prec,
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and q.dtype != torch.float32, BWD=True,
-            num_warps=num_warps, num_stages=1)
+            num_warps=num_warps, num_stages=1, **reg_cap("prep"))
 
 
 def chunk_p(q, k, g, v_heads, cu_seqlens=None, chunk_indices=None):
@@ -834,10 +849,12 @@ SEG_MIN_CHUNKS = 16   # simple GLA's segments: at least this many chunks each (t
 
 
 def _pick_segments(NT: int, programs: int, n_sm: int) -> int:
-    """Segments per sequence for simple GLA's split (a power of two, at most 16): the fewest that give the
-    grid two programs per SM, each segment at least SEG_MIN_CHUNKS chunks long."""
+    """Segments per sequence for simple GLA's split (a power of two, at most 16): the most that still fit the
+    grid in one wave of two programs per SM (the kernel's 255 registers per thread allow two), each segment
+    at least SEG_MIN_CHUNKS chunks long. On the H200 (run of cd0d241, B1-T32768-H32, 64 unsplit programs):
+    4 segments 0.787 ms, 8 (two waves) 0.833, 16 0.820."""
     nseg = 1
-    while programs * nseg < 2 * n_sm and nseg < 16 and triton.cdiv(NT, nseg * 2) >= SEG_MIN_CHUNKS:
+    while programs * nseg * 2 <= 2 * n_sm and nseg < 16 and triton.cdiv(NT, nseg * 2) >= SEG_MIN_CHUNKS:
         nseg *= 2
     return nseg
 
@@ -848,14 +865,15 @@ def _num_sms(device: torch.device) -> int:
 
 def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, *,
               chunk_indices=None, transpose_state_layout=False, p_in=None, bv=None, num_stages=None, num_warps=4,
-              segments=None, seg_phase1=None):
+              segments=None, seg_phase1=None, seg_sub=None):
     """The chunk forward of all four families (canonical inputs: see chunkwise.triton).
 
     Returns (o [B,T,HV,V] in q's dtype, final state fp32 [N,HV,K,V] ([N,HV,V,K] transposed) or None).
     ``p_in`` / ``bv`` / ``num_stages`` / ``num_warps`` (stage 2) override the tuned defaults (benchmarks);
     ``segments`` (simple GLA without varlen): split each sequence into that many segments run side by side
     (1: no split; default: enough to give the GPU two programs per SM, segments of at least SEG_MIN_CHUNKS);
-    ``seg_phase1`` = (BV, num_warps) of the split's first pass (local end states; default: stage 2's).
+    ``seg_phase1`` = (BV, num_warps) of the split's first pass (local end states; default: stage 2's);
+    ``seg_sub``: that pass in this many sub-segments per segment (default 1).
     Head dims the kernels do not take as they are run zero-padded (triton/align.py).
     """
     if q.dtype != torch.float32 and q.shape[-1] > WIDE_16BIT_K:
@@ -863,7 +881,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         o, ht = chunk_fwd(q.float(), k.float(), v.float(), g, None if beta is None else beta.float(), scale,
                           initial_state, output_final_state, cu_seqlens, chunk_indices=chunk_indices,
                           transpose_state_layout=transpose_state_layout, p_in=p_in, bv=bv, num_stages=num_stages,
-                          num_warps=num_warps, segments=segments, seg_phase1=seg_phase1)
+                          num_warps=num_warps, segments=segments, seg_phase1=seg_phase1, seg_sub=seg_sub)
         return o.to(q.dtype), ht
     K0, V0 = q.shape[-1], v.shape[-1]
     Kp, Vp = padded_dims(q, v)
@@ -933,24 +951,29 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         num_stages = _pick_stages(q.element_size(), _dim(K), bv, delta, p_in, busy)
     grid = (triton.cdiv(V, bv), N * nseg * HV)
     sloc = gam = None
-    seg_len = triton.cdiv(NT, nseg)
+    sub = (seg_sub or 1) if nseg > 1 else 1
+    sub_len = triton.cdiv(NT, nseg * sub)           # the first pass's (sub-)segments; a segment is sub of them
+    seg_len = sub_len * sub
     if nseg > 1:
-        sloc = _alloc((N * nseg, HV, K, V), torch.float32, q.device)
-        gam = _alloc((N * nseg, HV), torch.float32, q.device)
+        sloc = _alloc((N * nseg * sub, HV, K, V), torch.float32, q.device)
+        gam = _alloc((N * nseg * sub, HV), torch.float32, q.device)
     for seg_mode in ((1, 2) if nseg > 1 else (0,)):
-        bv_m, warps_m = bv, num_warps
-        if seg_mode == 1 and seg_phase1 is not None:
-            # the local-end-state pass with its own value block (it writes whole [K, V] states, which the second
-            # pass reads at its own BV): a wider block reads each k tile once for more of V
-            bv_m, warps_m = min(seg_phase1[0], _dim(V)), seg_phase1[1]
-        chunk_state_output_kernel[(triton.cdiv(V, bv_m), grid[1])](
+        bv_m, warps_m, rows_m, len_m, nseg_m = bv, num_warps, grid[1], seg_len, nseg
+        if seg_mode == 1:
+            rows_m, len_m, nseg_m = N * nseg * sub * HV, sub_len, nseg * sub
+            if seg_phase1 is not None:
+                # the local-end-state pass with its own value block (it writes whole [K, V] states, which the
+                # second pass reads at its own BV): a wider block reads each k tile once for more of V
+                bv_m, warps_m = min(seg_phase1[0], _dim(V)), seg_phase1[1]
+        chunk_state_output_kernel[(triton.cdiv(V, bv_m), rows_m)](
             q, k, v, stage1["w"], stage1["u"], stage1["p"], g, stage1["qg"], stage1["kg"], stage1["glast"],
-            o, initial_state, ht, sloc, gam, cu_seqlens, scale, T, NT, seg_len,
+            o, initial_state, ht, sloc, gam, cu_seqlens, scale, T, NT, len_m,
             *strides(initial_state), *strides(ht),
             H=H, HV=HV, K=K, V=V, BTc=BT, BK=_dim(K), BV=bv_m, GATE=gate, DELTA=delta, P_IN=p_in,
             USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=cu_seqlens is not None,
-            DOT_PREC=dot_prec, g_floor=G_FLOOR, LOOP_WHILE=_INTERPRET, SEG=seg_mode, NSEG=nseg,
-            num_warps=warps_m, num_stages=num_stages)
+            DOT_PREC=dot_prec, g_floor=G_FLOOR, LOOP_WHILE=_INTERPRET, SEG=seg_mode, NSEG=nseg_m,
+            SUB=sub if seg_mode == 2 else 1,
+            num_warps=warps_m, num_stages=num_stages, **reg_cap("fwd_o"))
     if padded:
         o, ht = o[..., :V0].contiguous(), cut_state(ht, K0, V0, transpose_state_layout)
     return o, ht
