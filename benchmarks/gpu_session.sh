@@ -4,6 +4,7 @@
 #   GIT_COMMIT=<sha> bash benchmarks/gpu_session.sh [fwd] [tests] [bwd]      (default: fwd tests; <= 9.6 min)
 #   env: TESTS_T / TRAIN_T step timeouts (s), NPROC xdist workers, SKIP_TRAIN=1 skips the MQAR example
 #   fwd:   stage-1 sweep (picks CHUNKWISE_PREP_CONFIG), forward benchmark vs fla (FWD_FAMS=gdn,kda,delta,gla)
+#   fwdonly: the forward benchmark vs fla at the defaults (no stage-1 sweep)
 #   tests: GPU tests (TESTS="<files>" and TESTS_K="<-k expr>" override the selection) and the MQAR example (SKIP_TRAIN=1 skips it)
 #   bwd:   backward warps sweep, fwd+bwd benchmark vs fla (~6 min)
 #   train: fwd+bwd benchmark vs fla alone (FAMS=delta,kda,gdn; FLA_FAMS=delta times fla for those only)
@@ -73,6 +74,10 @@ if has tests; then
   [ -s "$OUT/failures.txt" ] && { echo "== failures"; grep "^===" "$OUT/failures.txt" | sort -u | head -20; grep "^E " "$OUT/failures.txt" | sort | uniq -c | sort -rn | head -8; }
 elif has bwd; then
   warm_bwd
+fi
+if has fwdonly; then     # the forward benchmark at the defaults (no stage-1 sweep), FWD_FAMS
+  for f in ${FWD_FAMS//,/ }; do timeout 190 python3 benchmarks/bench_forward.py --warm --families $f > "$OUT/warm_$f.log" 2>&1 & done; wait
+  TAILN=20 step 150 bench_forward python3 benchmarks/bench_forward.py --families "$FWD_FAMS" --out "$OUT"
 fi
 if has fwd; then
   TAILN=20 step 110 bench_forward python3 benchmarks/bench_forward.py --families "$FWD_FAMS" --out "$OUT"

@@ -12,7 +12,8 @@ import sys
 KEYS = ("Duration", "Compute (SM) Throughput", "Memory Throughput", "DRAM Throughput", "Registers Per Thread",
         "Dynamic Shared Memory Per Block", "Theoretical Occupancy", "Achieved Occupancy",
         "Block Limit Registers", "Block Limit Shared Mem", "Warp Cycles Per Issued Instruction",
-        "Issue Slots Busy", "Executed Ipc Active", "L1/TEX Hit Rate", "L2 Hit Rate", "Grid Size", "Block Size")
+        "Issue Slots Busy", "Executed Ipc Active", "L1/TEX Hit Rate", "L2 Hit Rate", "Grid Size", "Block Size",
+        "Executed Instructions", "Local Memory Spilling Requests")
 
 
 def main(path):

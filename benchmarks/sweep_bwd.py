@@ -69,7 +69,7 @@ PAIR_VARIANTS = ("p32w8:CHUNKWISE_BWD_PAIR_SPLIT=32;p32w4:CHUNKWISE_BWD_WARPS=bw
 # whose shared memory leaves room for a third or fourth program per SM (ncu, run of cd0d241: they ran at 255
 # registers, two programs per SM); the forward's stage 2 (fwd_o) and the key side / pair kernel are left alone
 _CAPPED = ("prep_fwd", "prep", "bwd_dv", "bwd_diag", "intra", "intra_diag", "wu", "solve")
-REG_VARIANTS = ";".join(["base:"] + [f"r{n}:CHUNKWISE_MAXNREG=" + ",".join(f"{k}:{n}" for k in _CAPPED)
+REG_VARIANTS = ";".join(["base:"] + [f"r{n}:CHUNKWISE_MAXNREG=" + "/".join(f"{k}:{n}" for k in _CAPPED)
                                      for n in (168, 128)])
 NAMED = {"pair": PAIR_VARIANTS, "regs": REG_VARIANTS}
 

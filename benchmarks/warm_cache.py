@@ -66,8 +66,9 @@ def install_sm90():
     JITFunction.run = compile_only
 
 
-def warm_benchmarks():
-    """The --warm passes of the benchmark scripts, on CPU tensors, fla hidden."""
+def warm_benchmarks(only: str = ""):
+    """The --warm passes of the benchmark scripts, on CPU tensors, fla hidden (``only``: those whose
+    script name and arguments contain it)."""
     import importlib
     os.environ["CHUNKWISE_BENCH_DEVICE"] = "cpu"
     sys.modules["fla"] = None                      # import fla -> ImportError: the scripts skip it
@@ -76,6 +77,8 @@ def warm_benchmarks():
                          ("sweep_bwd", ["--warm", "--warps", "4,8"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "pair"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "regs"])):
+        if only not in " ".join([script] + argv):
+            continue
         t = time.time()
         sys.argv = [script] + argv
         try:
@@ -105,6 +108,7 @@ def main():
     ap.add_argument("--out", default=".triton_sm90/cache.tgz", help="the packed cache (git-ignored; carry it)")
     ap.add_argument("--bench", action="store_true", help="also the benchmarks' and sweeps' warm-up launches")
     ap.add_argument("--no-tests", action="store_true", help="no tests (with --bench: the benchmarks only)")
+    ap.add_argument("--bench-only", default="", help="with --bench: only the warm-ups whose command contains this")
     ap.add_argument("pytest_args", nargs="*", help=f"tests to warm (default: {' '.join(VERIFY)})")
     a, rest = ap.parse_known_args()
     a.pytest_args += rest
@@ -118,7 +122,7 @@ def main():
         pytest.main(["-q", "-p", "no:cacheprovider", "-o", "addopts=", "--tb=no", "-p", "no:randomly"]
                     + (a.pytest_args or VERIFY))
     if a.bench:
-        warm_benchmarks()
+        warm_benchmarks(a.bench_only)
     kernels, size = prune(CACHE)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with tarfile.open(a.out, "w:gz") as tar:

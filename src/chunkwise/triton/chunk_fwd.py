@@ -708,11 +708,11 @@ PREP_CONFIG = {0: (1, 4, 64, 0), 1: (1, 4, 64, 0), 2: (0, 4, 32, 0)}
 
 def reg_cap(name: str) -> dict:
     """Launch option capping a kernel's registers per thread (Triton's ``maxnreg``), from CHUNKWISE_MAXNREG
-    ("prep:168,bwd_dv:168" or "all:168"; names as the backward's BWD_WARPS keys, plus "fwd_o" for stage 2
+    ("prep:168,bwd_dv:168", or with "/" between items, or "all:168"; names as the backward's BWD_WARPS keys, plus "fwd_o" for stage 2
     and "prep_fwd" for the forward's stage 1): {} unless set. A variant for the sweeps: on the H200 (ncu,
     run of cd0d241) the chunk-parallel kernels ran at 255 registers and 4 warps, two programs (8 warps) per
     SM, a third of their issue slots used; a cap trades spills for more programs per SM."""
-    for item in filter(None, os.environ.get("CHUNKWISE_MAXNREG", "").split(",")):
+    for item in filter(None, os.environ.get("CHUNKWISE_MAXNREG", "").replace("/", ",").split(",")):
         key, val = item.split(":")
         if key == name or key == "all":
             return {"maxnreg": int(val)}
