@@ -181,11 +181,11 @@ def main():
                 if fam == "gla" and x["q"].shape[0] == 1 and x["cu"] is None:
                     # the segment split's first pass in sub-segments (chunk_fwd(seg_sub=)), 4 segments, at the
                     # second pass's value block (64, 4 warps) or its own
-                    for sub in (2, 4, 8):
-                        for p1 in (None, (128, 8), (128, 4)):
-                            tag = "" if p1 is None else f"-p1bv{p1[0]}w{p1[1]}"
-                            time_variant(f"seg4-sub{sub}-bv64-nw4-ns2{tag}", bv=64, num_warps=4, num_stages=2,
-                                         segments=4, seg_sub=sub, seg_phase1=p1)
+                    for sub, p1 in ((1, (128, 4)), (2, (128, 4)), (4, (128, 4)), (2, (128, 4, 3)), (2, (128, 4, 1)),
+                                    (2, (64, 4)), (2, (128, 8)), (4, None)):
+                        tag = "" if p1 is None else f"-p1bv{p1[0]}w{p1[1]}" + (f"s{p1[2]}" if len(p1) > 2 else "")
+                        time_variant(f"seg4-sub{sub}-bv64-nw4-ns2{tag}", bv=64, num_warps=4, num_stages=2,
+                                     segments=4, seg_sub=sub, seg_phase1=p1)
                 for bv in (16, 32, 64) if a.variant_set == "all" else ():
                     for nw in (4, 8):
                         for ns in (2, 3):

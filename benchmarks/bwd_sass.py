@@ -51,6 +51,11 @@ KERNELS = {
                  dict(q="in", k="in", beta="in", G="fp32", Pmat="fp32", Amat="fp32", dq="g", dk="g", dbp="fp32",
                       dG="fp32"),
                  dict(T="i32", s_dbp="i32"), dict(BC=cb.SUB, span_max=cb.SPAN_MAX, OFFDIAG=False, DIAG=True, BKP=128)),
+    **{f"bwd_offdiag{n}": ("_bwd_pair_kernel",     # the off-diagonal part alone, n channels (BWD_PAIR_DIAG=0)
+                           dict(q="in", k="in", beta="in", G="fp32", Pmat="fp32", Amat="fp32", dq="g", dk="g",
+                                dbp="fp32", dG="fp32"),
+                           dict(T="i32", s_dbp="i32"),
+                           dict(BC=cb.SUB, span_max=cb.SPAN_MAX, OFFDIAG=True, DIAG=False, BKP=n)) for n in (16, 32)},
     "wu": ("_wu_kernel",
            dict(k="in", v="in", beta="in", G="fp32", Tmat="fp32", Pmat="fp32", do="in", W="s", U="s", dRl="s"),
            dict(T="i32", scale="fp32"), {}),

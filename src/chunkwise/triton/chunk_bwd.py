@@ -1095,6 +1095,24 @@ BWD_PAIR_DIAG = 0     # 0: the diagonal blocks in a second launch over all chann
 # off-diagonal part took 10.17 ms). 1: the diagonal blocks in every channel block's program.
 
 
+# Per-channel gates (KDA), 16-bit inputs at K <= 128: registers per thread capped (Triton's maxnreg) in three small
+# chunk-parallel kernels, for a third / fourth program per SM. On the H200 (sweep_bwd --variants regs, run of
+# 2f0b1da, B1-T32768-H32): intra_diag 1.16 -> 1.00 ms at 168, solve 0.50 -> 0.43 at 128, wu 0.78 -> 0.73 at 168,
+# same gradients; every other kernel was slower capped (bwd_dv 1.24 -> 1.76, stage 1 3.49 -> 3.92, intra
+# 1.82 -> 3.48 at 168). CHUNKWISE_MAXNREG overrides (chunk_fwd.reg_cap).
+BWD_REGS_PER_CHANNEL = {"intra_diag": 168, "solve": 128, "wu": 168}
+
+
+def _regs(name: str, gate: int, wide_ok: bool = True) -> dict:
+    """maxnreg launch option of a backward kernel ({} for the compiler's choice)."""
+    env = reg_cap(name)
+    if env or os.environ.get("CHUNKWISE_MAXNREG"):
+        return env
+    if gate == 2 and wide_ok and name in BWD_REGS_PER_CHANNEL:
+        return {"maxnreg": BWD_REGS_PER_CHANNEL[name]}
+    return {}
+
+
 def _warps(name: str, gate: int, wide_ok: bool = True) -> int:
     """num_warps of a backward kernel. ``wide_ok``: the per-channel 8-warp picks may apply, which they do only
     where they were measured and checked, 16-bit inputs at K <= 128: on the H200 (run of e1f8201,
@@ -1205,7 +1223,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     if gate:
         G = buf(*g.shape)
         _gate_cumsum_kernel[grid_c](g, G, floor=GATE_FLOOR, HV=HV, K=K, BK=BK, C=C, PER_CHANNEL=gate == 2,
-                                    IS_VARLEN=varlen, num_warps=_warps("gate_cumsum", gate, wide8), **reg_cap("gate_cumsum"), num_stages=ns, **common)
+                                    IS_VARLEN=varlen, num_warps=_warps("gate_cumsum", gate, wide8), **_regs("gate_cumsum", gate, wide8), num_stages=ns, **common)
     Amat = buf(B, T, HV, C) if delta else None
     Pmat = buf(B, T, HV, C)
     Tmat = W = U = R = None
@@ -1223,15 +1241,15 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                           num_warps=_warps("prep", gate, wide8))
     else:
         _intra_kernel[grid_c](q, k, beta, G, Amat, Pmat, H=H, HV=HV, K=K, BK=BK, C=C, BC=BC, GATE=gate, DELTA=delta,
-                              IS_VARLEN=varlen, PREC=prec, num_warps=_warps("intra", gate, wide8), **reg_cap("intra"), num_stages=ns, **common)
+                              IS_VARLEN=varlen, PREC=prec, num_warps=_warps("intra", gate, wide8), **_regs("intra", gate, wide8), num_stages=ns, **common)
         if gate == 2:
             _intra_diag_kernel[grid_c](q, k, beta, G, Amat, Pmat, H=H, HV=HV, K=K, BK=BK, C=C, BC=BC, DELTA=delta,
-                                       IS_VARLEN=varlen, PREC=prec, span_max=SPAN_MAX, num_warps=_warps("intra_diag", gate, wide8), **reg_cap("intra_diag"),
+                                       IS_VARLEN=varlen, PREC=prec, span_max=SPAN_MAX, num_warps=_warps("intra_diag", gate, wide8), **_regs("intra_diag", gate, wide8),
                                        num_stages=ns, **common)
         if delta:
-            _solve_kernel[grid_c](Amat, Tmat, HV=HV, C=C, BC=BC, IS_VARLEN=varlen, PREC=prec, num_warps=_warps("solve", gate, wide8), **reg_cap("solve"), num_stages=ns, **common)
+            _solve_kernel[grid_c](Amat, Tmat, HV=HV, C=C, BC=BC, IS_VARLEN=varlen, PREC=prec, num_warps=_warps("solve", gate, wide8), **_regs("solve", gate, wide8), num_stages=ns, **common)
         _wu_kernel[grid_c](k, v, beta, G, Tmat, Pmat, do, W, U, dRl, scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
-                           C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_wu, num_warps=_warps("wu", gate, wide8), **reg_cap("wu"),
+                           C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_wu, num_warps=_warps("wu", gate, wide8), **_regs("wu", gate, wide8),
                            num_stages=ns, **common)
 
     h = buf(NC, HV, K, V, dtype=sdt)
@@ -1240,7 +1258,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     seq = dict(cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, T=T)
     _fwd_h_kernel[grid_s](k, v, G, W, U, h0, h, R, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate,
                           DELTA=delta, HAS_H0=has_h0, TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen,
-                          PREC=prec, LOOP_WHILE=_INTERPRET, LOWP=lowp, num_warps=_warps("fwd_h", gate, wide8), **reg_cap("fwd_h"), num_stages=ns_state,
+                          PREC=prec, LOOP_WHILE=_INTERPRET, LOWP=lowp, num_warps=_warps("fwd_h", gate, wide8), **_regs("fwd_h", gate, wide8), num_stages=ns_state,
                           **seq)
     dh = buf(NC, HV, K, V, dtype=sdt)
     dR = buf(B, T, HV, V, dtype=sdt)
@@ -1248,7 +1266,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     _bwd_dh_kernel[grid_s](q, k, G, W, dRl, do, dht, dh, dR, dh0, scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
                            C=C, GATE=gate, DELTA=delta, HAS_DHT=dht is not None, HAS_H0=has_h0,
                            TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen, PREC=prec, LOOP_WHILE=_INTERPRET,
-                           LOWP=lowp, num_warps=_warps("bwd_dh", gate, wide8), **reg_cap("bwd_dh"), num_stages=ns_state, **seq)
+                           LOWP=lowp, num_warps=_warps("bwd_dh", gate, wide8), **_regs("bwd_dh", gate, wide8), num_stages=ns_state, **seq)
     del dRl
 
     # gradients go out in the input dtype directly unless they are summed over head groups or
@@ -1259,7 +1277,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     dG = buf(*g.shape) if gate else None
     _bwd_dv_kernel[grid_c](q, k, v, beta, G, Tmat, h, R, dR, do, Pmat, Amat, dq, dv, dbeta, dG, scale=scale, H=H,
                            HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
-                           num_warps=_warps("bwd_dv", gate, wide8), **reg_cap("bwd_dv"), num_stages=ns, **common)
+                           num_warps=_warps("bwd_dv", gate, wide8), **_regs("bwd_dv", gate, wide8), num_stages=ns, **common)
     bkh = int(os.environ.get("CHUNKWISE_BWD_KSPLIT", BWD_KSPLIT))   # the key side's column block (0: one block)
     bkh = BK if bkh <= 0 else min(max(16, triton.next_power_of_2(bkh)), BK)
     # per-channel gates: the pairwise gradients in their own kernel, split over key channels (BWD_PAIR_SPLIT;
@@ -1269,7 +1287,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     _bwd_grad_kernel[grid_c](q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, dk, dbeta, dG,
                              scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BKH=bkh, BV=BV, C=C, BC=BC, GATE=gate,
                              DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_key,
-                             num_warps=_warps("bwd_grad", gate, wide8), **reg_cap("bwd_grad"), num_stages=ns, **common)
+                             num_warps=_warps("bwd_grad", gate, wide8), **_regs("bwd_grad", gate, wide8), num_stages=ns, **common)
     if gate == 2:
         nkb = triton.cdiv(K, bkp)
         # the diagonal blocks in their own launch over all channels (BWD_PAIR_DIAG=0, the default) or with the rest
@@ -1278,10 +1296,10 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         pair = dict(s_dbp=B * T * HV, H=H, HV=HV, K=K, C=C, BC=BC, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
                     span_max=SPAN_MAX, LOWP=lowp_key is True, num_stages=ns, **common)
         _bwd_pair_kernel[(NT, B * HV, nkb)](q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, BKP=bkp, OFFDIAG=True,
-                                            DIAG=not split_diag, num_warps=_warps("bwd_pair", gate, wide8), **reg_cap("bwd_pair"), **pair)
+                                            DIAG=not split_diag, num_warps=_warps("bwd_pair", gate, wide8), **_regs("bwd_pair", gate, wide8), **pair)
         if split_diag:
             _bwd_pair_kernel[(NT, B * HV, 1)](q, k, beta, G, Pmat, Amat, dq, dk, None if dbp is None else dbp[nkb:], dG,
-                                              BKP=BK, OFFDIAG=False, DIAG=True, num_warps=_warps("bwd_diag", gate, wide8), **reg_cap("bwd_diag"),
+                                              BKP=BK, OFFDIAG=False, DIAG=True, num_warps=_warps("bwd_diag", gate, wide8), **_regs("bwd_diag", gate, wide8),
                                               **pair)
         if delta:
             dbeta += dbp.view(-1, B, T, HV).sum(0)

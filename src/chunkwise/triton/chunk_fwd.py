@@ -846,6 +846,7 @@ def _pick_stages(elt: int, BK: int, bv: int, delta: bool, p_in: bool, busy: bool
 WIDE_16BIT_K = 128
 
 SEG_MIN_CHUNKS = 16   # simple GLA's segments: at least this many chunks each (the split's overhead, once per segment)
+SEG_P1_BV = 128       # simple GLA's split: the value block of its first pass (local end states), at 4 warps
 
 
 def _pick_segments(NT: int, programs: int, n_sm: int) -> int:
@@ -871,9 +872,11 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     Returns (o [B,T,HV,V] in q's dtype, final state fp32 [N,HV,K,V] ([N,HV,V,K] transposed) or None).
     ``p_in`` / ``bv`` / ``num_stages`` / ``num_warps`` (stage 2) override the tuned defaults (benchmarks);
     ``segments`` (simple GLA without varlen): split each sequence into that many segments run side by side
-    (1: no split; default: enough to give the GPU two programs per SM, segments of at least SEG_MIN_CHUNKS);
-    ``seg_phase1`` = (BV, num_warps) of the split's first pass (local end states; default: stage 2's);
-    ``seg_sub``: that pass in this many sub-segments per segment (default 1).
+    (1: no split; default: the most that fit one wave of two programs per SM, segments of at least
+    SEG_MIN_CHUNKS chunks);
+    ``seg_phase1`` = (BV, num_warps[, num_stages]) of the split's first pass (local end states) and ``seg_sub``,
+    that pass in this many sub-segments per segment (default, tuned: BV = 128 at 4 warps, sub-segments to fill
+    one wave; with ``segments`` given: stage 2's BV and warps, no sub-segments).
     Head dims the kernels do not take as they are run zero-padded (triton/align.py).
     """
     if q.dtype != torch.float32 and q.shape[-1] > WIDE_16BIT_K:
@@ -916,6 +919,16 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         nseg = segments or _pick_segments(NT, triton.cdiv(V, bv_seg) * N * HV, n_sm)
         if nseg > 1:
             bv, busy = bv_arg or bv_seg, True
+            if tuned and segments is None and seg_phase1 is None and seg_sub is None:
+                # the first pass over all of V (each k tile read once per head) at 4 warps, in sub-segments
+                # that fill one wave of two programs per SM: on the H200 (run of 2f0b1da, B1-T32768-H32) 4
+                # segments with 2 sub-segments and a 128-wide first pass 0.713 ms, against 0.782 without
+                # (4 sub-segments 0.744; the first pass at 8 warps 0.816 at 4 segments)
+                seg_phase1 = (min(SEG_P1_BV, _dim(V)), 4)
+                p1 = triton.cdiv(V, seg_phase1[0]) * N * HV * nseg
+                seg_sub = 1
+                while p1 * seg_sub * 2 <= 2 * n_sm and seg_sub < 8 and triton.cdiv(NT, nseg * seg_sub * 2) >= 4:
+                    seg_sub *= 2
     if p_in is None:
         # simple GLA (no prepare stage) forms P inside its serial loop when the SMs are busy, and takes it from
         # its own chunk-parallel kernel when they are not (H200, B1-T32768-H32: 1.17 -> 0.95 ms; B8-T4096-H32:
@@ -958,13 +971,14 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         sloc = _alloc((N * nseg * sub, HV, K, V), torch.float32, q.device)
         gam = _alloc((N * nseg * sub, HV), torch.float32, q.device)
     for seg_mode in ((1, 2) if nseg > 1 else (0,)):
-        bv_m, warps_m, rows_m, len_m, nseg_m = bv, num_warps, grid[1], seg_len, nseg
+        bv_m, warps_m, rows_m, len_m, nseg_m, stages_m = bv, num_warps, grid[1], seg_len, nseg, num_stages
         if seg_mode == 1:
             rows_m, len_m, nseg_m = N * nseg * sub * HV, sub_len, nseg * sub
             if seg_phase1 is not None:
                 # the local-end-state pass with its own value block (it writes whole [K, V] states, which the
                 # second pass reads at its own BV): a wider block reads each k tile once for more of V
                 bv_m, warps_m = min(seg_phase1[0], _dim(V)), seg_phase1[1]
+                stages_m = seg_phase1[2] if len(seg_phase1) > 2 else num_stages
         chunk_state_output_kernel[(triton.cdiv(V, bv_m), rows_m)](
             q, k, v, stage1["w"], stage1["u"], stage1["p"], g, stage1["qg"], stage1["kg"], stage1["glast"],
             o, initial_state, ht, sloc, gam, cu_seqlens, scale, T, NT, len_m,
@@ -973,7 +987,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
             USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=cu_seqlens is not None,
             DOT_PREC=dot_prec, g_floor=G_FLOOR, LOOP_WHILE=_INTERPRET, SEG=seg_mode, NSEG=nseg_m,
             SUB=sub if seg_mode == 2 else 1,
-            num_warps=warps_m, num_stages=num_stages, **reg_cap("fwd_o"))
+            num_warps=warps_m, num_stages=stages_m, **reg_cap("fwd_o"))
     if padded:
         o, ht = o[..., :V0].contiguous(), cut_state(ht, K0, V0, transpose_state_layout)
     return o, ht
