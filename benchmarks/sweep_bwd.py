@@ -54,15 +54,14 @@ def run_config(fam, x, do, env, warm, ksplit=0, lowp=0):
                                     CHUNKWISE_BWD_LOWP=str(lowp)), warm)
 
 
-# --variants pair: KDA's pairwise-gradient kernel (_bwd_pair_kernel) at 32 / 16 / 64 key channels per program
-# and 8 / 4 warps, the key side at 4 warps, the key side's 16-bit operands, the diagonal blocks in a second
-# launch over all channels (sepdiag), and one program over all channels (one)
-PAIR_VARIANTS = ("p32w8:CHUNKWISE_BWD_PAIR_SPLIT=32;p32w4:CHUNKWISE_BWD_WARPS=bwd_pair:4;"
-                 "p16w8:CHUNKWISE_BWD_PAIR_SPLIT=16;p16w4:CHUNKWISE_BWD_PAIR_SPLIT=16,CHUNKWISE_BWD_WARPS=bwd_pair:4;"
-                 "p64w8:CHUNKWISE_BWD_PAIR_SPLIT=64;p32g4:CHUNKWISE_BWD_WARPS=bwd_grad:4;"
-                 "p32lowp3:CHUNKWISE_BWD_LOWP=3;p32sepdiag:CHUNKWISE_BWD_PAIR_DIAG=0;"
-                 "p32sepdiag8:CHUNKWISE_BWD_PAIR_DIAG=0,CHUNKWISE_BWD_WARPS=bwd_pair:8;"
-                 "p64sepdiag:CHUNKWISE_BWD_PAIR_SPLIT=64,CHUNKWISE_BWD_PAIR_DIAG=0;one:CHUNKWISE_BWD_PAIR_SPLIT=0")
+# --variants pair: KDA's pairwise-gradient kernel (_bwd_pair_kernel): the default (32 key channels per program,
+# 4 warps, the diagonal blocks in a second launch), the diagonal blocks in each program (p32diag), 16 channels
+# (offline sm_90: no spills, 237 registers at 4 warps, 151 at 8) at 4 / 8 warps / 8 warps capped at 128
+# registers (two programs per SM), and the key side's level-4 16-bit operands
+PAIR_VARIANTS = ("p32:;p32diag:CHUNKWISE_BWD_PAIR_DIAG=1;p16:CHUNKWISE_BWD_PAIR_SPLIT=16;"
+                 "p16w8:CHUNKWISE_BWD_PAIR_SPLIT=16,CHUNKWISE_BWD_WARPS=bwd_pair:8;"
+                 "p16w8r128:CHUNKWISE_BWD_PAIR_SPLIT=16,CHUNKWISE_BWD_WARPS=bwd_pair:8,CHUNKWISE_MAXNREG=bwd_pair:128;"
+                 "p32lowp4:CHUNKWISE_BWD_LOWP=4")
 
 
 # --variants regs: registers per thread capped (CHUNKWISE_MAXNREG, Triton's maxnreg) in the chunk-parallel kernels

@@ -1106,7 +1106,7 @@ BWD_REGS_PER_CHANNEL = {"intra_diag": 168, "solve": 128, "wu": 168}
 def _regs(name: str, gate: int, wide_ok: bool = True) -> dict:
     """maxnreg launch option of a backward kernel ({} for the compiler's choice)."""
     env = reg_cap(name)
-    if env or os.environ.get("CHUNKWISE_MAXNREG"):
+    if env:
         return env
     if gate == 2 and wide_ok and name in BWD_REGS_PER_CHANNEL:
         return {"maxnreg": BWD_REGS_PER_CHANNEL[name]}
