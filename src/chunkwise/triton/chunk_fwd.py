@@ -846,7 +846,7 @@ def _pick_stages(elt: int, BK: int, bv: int, delta: bool, p_in: bool, busy: bool
 WIDE_16BIT_K = 128
 
 SEG_MIN_CHUNKS = 16   # simple GLA's segments: at least this many chunks each (the split's overhead, once per segment)
-SEG_P1_BV = 128       # simple GLA's split: the value block of its first pass (local end states), at 4 warps
+SEG_P1_BV = 128       # simple GLA's split: the value block of its first pass (local end states), at 4 warps, 3 stages
 
 
 def _pick_segments(NT: int, programs: int, n_sm: int) -> int:
@@ -921,10 +921,10 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
             bv, busy = bv_arg or bv_seg, True
             if tuned and segments is None and seg_phase1 is None and seg_sub is None:
                 # the first pass over all of V (each k tile read once per head) at 4 warps, in sub-segments
-                # that fill one wave of two programs per SM: on the H200 (run of 2f0b1da, B1-T32768-H32) 4
-                # segments with 2 sub-segments and a 128-wide first pass 0.713 ms, against 0.782 without
-                # (4 sub-segments 0.744; the first pass at 8 warps 0.816 at 4 segments)
-                seg_phase1 = (min(SEG_P1_BV, _dim(V)), 4)
+                # that fill one wave of two programs per SM, its loads 3 stages deep: on the H200 (B1-T32768-H32)
+                # 4 segments with 2 sub-segments and a 128-wide first pass 0.713 ms against 0.782 without (run of
+                # 2f0b1da; 4 sub-segments 0.744, 8 warps 0.816), at 3 stages 0.689 (run of 9404717; 1 stage 0.732)
+                seg_phase1 = (min(SEG_P1_BV, _dim(V)), 4, 3)
                 p1 = triton.cdiv(V, seg_phase1[0]) * N * HV * nseg
                 seg_sub = 1
                 while p1 * seg_sub * 2 <= 2 * n_sm and seg_sub < 8 and triton.cdiv(NT, nseg * seg_sub * 2) >= 4:
