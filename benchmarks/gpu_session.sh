@@ -12,6 +12,7 @@
 #   diag:  backward test failures, each test x launch setting in its own process (benchmarks/diag_bwd.py)
 #   pair:  KDA's pairwise-gradient kernel variants (sweep_bwd.py PAIR_VARIANTS: channels per program, warps, diagonal launch)
 #   ncu:   Nsight Compute reports of the largest kernels (NCU_TARGETS; summary by benchmarks/ncu_summary.py)
+#   save:  fwd+bwd with the forward's stage 1 kept for the backward (CHUNKWISE_SAVE_STAGE1=1) against the default
 #   regs:  registers per thread capped (CHUNKWISE_MAXNREG) in the chunk-parallel kernels, fwd+bwd per kernel
 #   variants: stage-2 launch variants (VAR_FAMS, default gla,gdn; VARIANT_SET=seg: only GLA's segment split) (BV x warps x stages) of GLA and GDN at B1 / B8 (~3 min)
 set -u
@@ -107,6 +108,9 @@ if has pair; then       # KDA's pairwise-gradient kernel: channels per program x
 fi
 if has regs; then       # registers per thread capped in the chunk-parallel kernels (sweep_bwd.py REG_VARIANTS)
   TAILN=40 step ${REGS_T:-200} sweep_regs python3 benchmarks/sweep_bwd.py --fams "${REG_FAMS:-kda,delta,gdn}" --out "$OUT/regs" --variants regs
+fi
+if has save; then       # the forward keeps stage 1 for the backward (CHUNKWISE_SAVE_STAGE1=1; sweep_bwd.py SAVE_VARIANTS)
+  TAILN=30 step ${SAVE_T:-150} sweep_save python3 benchmarks/sweep_bwd.py --fams "${REG_FAMS:-kda,delta,gdn}" --out "$OUT/save" --variants save
 fi
 if has ncu; then        # Nsight Compute on the kernels NOTES.md asks about (benchmarks/ncu_run.py; NCU_TARGETS
   # "fam:mode:kernel-regex:launches per call ..."), the second call's launches only (-s skips the first's); text reports in ncu_*.log

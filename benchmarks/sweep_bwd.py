@@ -15,7 +15,7 @@ W / U recompute, 3: also the key side, 4: the key side but its pairwise products
     python benchmarks/sweep_bwd.py --out $OUT
     python benchmarks/sweep_bwd.py --fams kda --variants "p32:CHUNKWISE_BWD_PAIR_SPLIT=32;old:CHUNKWISE_BWD_PAIR_SPLIT=0"
 
---variants "name:VAR=value,VAR=value;..." (or "pair", "regs": the named sets below): time only these environment settings (on top of the defaults),
+--variants "name:VAR=value,VAR=value;..." (or "pair", "regs", "save": the named sets below): time only these environment settings (on top of the defaults),
 each with its per-kernel profile and its gradients' difference from the first variant's.
 """
 from __future__ import annotations
@@ -70,7 +70,10 @@ PAIR_VARIANTS = ("p32:;p32diag:CHUNKWISE_BWD_PAIR_DIAG=1;p16:CHUNKWISE_BWD_PAIR_
 _CAPPED = ("prep_fwd", "prep", "bwd_dv", "bwd_diag", "intra", "intra_diag", "wu", "solve")
 REG_VARIANTS = ";".join(["base:"] + [f"r{n}:CHUNKWISE_MAXNREG=" + "/".join(f"{k}:{n}" for k in _CAPPED)
                                      for n in (168, 128)])
-NAMED = {"pair": PAIR_VARIANTS, "regs": REG_VARIANTS}
+# --variants save: the forward keeps stage 1 (w, u, p, T) and the backward skips its recompute
+# (CHUNKWISE_SAVE_STAGE1=1, chunkwise/_custom_ops.py)
+SAVE_VARIANTS = "base:;save:CHUNKWISE_SAVE_STAGE1=1"
+NAMED = {"pair": PAIR_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS}
 
 
 def run_env(fam, x, do, env, warm):

@@ -76,7 +76,8 @@ def warm_benchmarks(only: str = ""):
     for script, argv in (("bench_forward", ["--warm", "--variants"]), ("sweep_stage1", ["--warm"]),
                          ("sweep_bwd", ["--warm", "--warps", "4,8"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "pair"]),
-                         ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "regs"])):
+                         ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "regs"]),
+                         ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "save"])):
         if only not in " ".join([script] + argv):
             continue
         t = time.time()

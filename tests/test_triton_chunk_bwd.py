@@ -351,3 +351,47 @@ def test_grads_kda_pair_split(split, diag, monkeypatch):
     inp = make_inputs("kda", lengths=[1, 70, 30], H=1, HV=2, K=40, V=24, seed=10)
     inp.g[:, 20:60, :, 33:36] = -6.0
     _compare(inp, TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("fam", ("gdn", "kda", "delta"))
+def test_grads_saved_stage1(fam, dtype, monkeypatch):
+    """CHUNKWISE_SAVE_STAGE1=1: the forward keeps stage 1 (w, u, p and T = (I + A)⁻¹) and the backward uses it
+    instead of recomputing T, W, U: every gradient equals the reference's (varlen with a length-1 sequence,
+    grouped heads, the final state read by the loss), and equals the recomputing backward's; the saving path
+    was taken (chunk_bwd got ``saved``)."""
+    import chunkwise.triton.chunk_bwd as cb
+    inp = make_inputs(fam, lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, seed=12)
+    seen = []
+    orig = cb.chunk_bwd
+
+    def spy(*a, **kw):
+        seen.append(kw.get("saved") is not None)
+        return orig(*a, **kw)
+
+    monkeypatch.setattr(cb, "chunk_bwd", spy)
+    monkeypatch.setenv("CHUNKWISE_SAVE_STAGE1", "1")
+    saved = _compare(inp, TOL[dtype], dtype=dtype)
+    assert seen == [True]
+    monkeypatch.setenv("CHUNKWISE_SAVE_STAGE1", "0")
+    again = _grads(inp, "triton", dtype)
+    ours = _grads(inp, "triton", dtype)
+    monkeypatch.setenv("CHUNKWISE_SAVE_STAGE1", "1")
+    with_saved = _grads(inp, "triton", dtype)
+    assert seen == [True, False, False, True]
+    for n in ours:
+        assert rel_err(with_saved[n], ours[n]) <= TOL[dtype] / 4, n
+    assert set(saved) == set(again)
+
+
+def test_grads_saved_stage1_padded_dims(monkeypatch):
+    """Head dims the kernels pad (fp32 K = 18, V = 10): the forward saves nothing and the backward
+    recomputes stage 1; gradients equal the reference's."""
+    import chunkwise.triton.chunk_bwd as cb
+    inp = make_inputs("gdn", lengths=[40, 25], H=1, HV=2, K=18, V=10, seed=13)
+    seen = []
+    orig = cb.chunk_bwd
+    monkeypatch.setattr(cb, "chunk_bwd", lambda *a, **kw: seen.append(kw.get("saved") is not None) or orig(*a, **kw))
+    monkeypatch.setenv("CHUNKWISE_SAVE_STAGE1", "1")
+    _compare(inp, TOL[torch.float32])
+    assert seen == [False]          # the op returned empty stage-1 tensors

@@ -23,6 +23,9 @@ Ops (namespace ``chunkwise``):
             when output_final_state is False)
     chunk_bwd / recurrent_bwd (the forward's inputs, do, dht?, needs_grad) -> (dq, dk, dv, dg, dbeta, dh0)
         (an empty [0] tensor for each gradient that is not needed or whose input is None)
+    chunk_fwd_saved (as chunk_fwd) -> (o, final_state, w, u, p, t): the triton chunk forward of a delta family
+        that also returns its stage 1 for the backward (CHUNKWISE_SAVE_STAGE1=1; empty where it saves nothing)
+    chunk_bwd_saved (the forward's inputs, w, u, p, t, do, dht?, needs_grad) -> as chunk_bwd
     recurrent_pool_fwd (..., pool [P, HV, K, V] (mutated), state_indices [N], ...) -> o
         vLLM-style state pool: sequence n reads pool[state_indices[n]] and writes its final state
         back in place (-1 = padding slot, skipped, output zero). No autograd (inference only).
@@ -31,7 +34,8 @@ Backward: the torch backend recomputes the forward of the PyTorch chunk algorith
 (`reference/chunk.py`, or the token recurrence for the recurrent op) under autograd inside the
 backward op; the triton chunk backward calls `chunkwise.triton.chunk_bwd.chunk_bwd`; the triton
 recurrent op (a decode kernel without its own backward) recomputes with the fp32 PyTorch
-recurrence. Forward saves only its inputs.
+recurrence. Forward saves only its inputs (with CHUNKWISE_SAVE_STAGE1=1 the triton chunk forward of the delta
+families also saves w, u, P and T, which its backward then does not recompute).
 
 Host syncs: the ops read ``cu_seqlens`` on the host in their real implementations (the torch
 backend pads varlen batches; the triton chunk path builds ``chunk_indices`` when it is not given).
@@ -41,6 +45,7 @@ graphs pass ``chunk_indices`` (or use the recurrent ops, which read no values on
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Optional, Sequence
 
 import torch
@@ -190,13 +195,13 @@ recurrent_fwd.register_fake(_forward_fake)
 # ----------------------------------------------------------------------------------------------
 
 def _backward_impl(mode, q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_indices, transpose_state_layout,
-                   chunk_size, backend, do, dht, needs_grad):
+                   chunk_size, backend, do, dht, needs_grad, saved=None):
     inputs = (q, k, v, g, beta, initial_state)
     if backend == "triton" and mode == "chunk":
         from .triton.chunk_bwd import chunk_bwd
         grads = chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens,
                           chunk_indices=_triton_chunk_indices(cu_seqlens, chunk_indices),
-                          transpose_state_layout=transpose_state_layout)
+                          transpose_state_layout=transpose_state_layout, saved=saved)
     else:
         # recompute the PyTorch form under autograd (the triton recurrent op is forward-only)
         with _autograd_inside_op():
@@ -261,6 +266,80 @@ recurrent_bwd.register_fake(_backward_fake)
 
 
 # ----------------------------------------------------------------------------------------------
+# triton chunk op that keeps stage 1 for the backward (CHUNKWISE_SAVE_STAGE1=1)
+# ----------------------------------------------------------------------------------------------
+
+_StageTuple = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _save_stage1_wanted(mode, backend, beta, *tensors) -> bool:
+    """The forward keeps stage 1 (w, u, p, T) for the backward instead of the backward recomputing it: the
+    triton chunk op of a delta family under autograd, when CHUNKWISE_SAVE_STAGE1=1 (a variant: it adds
+    O(T·H·(K + V + 2·64)) saved memory and skips the backward's T / W / U recompute)."""
+    if mode != "chunk" or backend != "triton" or beta is None or os.environ.get("CHUNKWISE_SAVE_STAGE1") != "1":
+        return False
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _stage1_shapes(q, v, beta):
+    """(w, u, p, t) shapes and dtypes the saving forward returns (empty [0] tensors where it saves nothing)."""
+    from .triton.chunk_fwd import BT, saves_stage1
+    B, T, HV, K, V = q.shape[0], q.shape[1], v.shape[2], q.shape[3], v.shape[3]
+    if not saves_stage1(q, v, beta):
+        return [(_EMPTY_SHAPE, q.dtype)] * 4
+    return [((B, T, HV, K), q.dtype), ((B, T, HV, V), q.dtype), ((B, T, HV, BT), q.dtype),
+            ((B, T, HV, BT), torch.float32)]
+
+
+@torch.library.custom_op("chunkwise::chunk_fwd_saved", mutates_args=())
+def chunk_fwd_saved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor],
+                    beta: Optional[torch.Tensor], scale: float, initial_state: Optional[torch.Tensor],
+                    output_final_state: bool, cu_seqlens: Optional[torch.Tensor],
+                    chunk_indices: Optional[torch.Tensor], transpose_state_layout: bool, chunk_size: int,
+                    backend: str) -> _StageTuple:
+    """chunk_fwd (triton, delta families) that also returns stage 1 for the backward:
+    (o, final state or empty, w [B,T,HV,K], u [B,T,HV,V], p [B,T,HV,64] in q's dtype, t [B,T,HV,64] fp32),
+    the last four empty [0] tensors where the head dims are padded or 16-bit K > 128 runs in fp32."""
+    from .triton.chunk_fwd import chunk_fwd as triton_chunk_fwd
+    saved: dict = {}
+    o, ht = triton_chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                             chunk_indices=_triton_chunk_indices(cu_seqlens, chunk_indices),
+                             transpose_state_layout=transpose_state_layout, saved_out=saved)
+    if not output_final_state or ht is None:
+        ht = _empty(q, _compute_dtype(q, initial_state))
+    stage = [saved[n] if saved else q.new_empty(_EMPTY_SHAPE) for n in ("w", "u", "p", "t")]
+    return (_not_an_alias(o, q, k, v), _not_an_alias(ht, initial_state), *stage)
+
+
+@chunk_fwd_saved.register_fake
+def _(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_indices, transpose_state_layout,
+      chunk_size, backend):
+    o, ht = _forward_fake(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_indices,
+                          transpose_state_layout, chunk_size, backend)
+    return (o, ht, *(q.new_empty(shape, dtype=dt) for shape, dt in _stage1_shapes(q, v, beta)))
+
+
+@torch.library.custom_op("chunkwise::chunk_bwd_saved", mutates_args=())
+def chunk_bwd_saved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor],
+                    beta: Optional[torch.Tensor], scale: float, initial_state: Optional[torch.Tensor],
+                    cu_seqlens: Optional[torch.Tensor], chunk_indices: Optional[torch.Tensor],
+                    transpose_state_layout: bool, chunk_size: int, backend: str, w: torch.Tensor, u: torch.Tensor,
+                    p: torch.Tensor, t: torch.Tensor, do: torch.Tensor, dht: Optional[torch.Tensor],
+                    needs_grad: Sequence[bool]) -> _GradTuple:
+    """Gradients of chunk_fwd_saved from its stage 1 (w, u, p, t; recomputed where they are empty)."""
+    saved = dict(w=w, u=u, p=p, t=t) if w.numel() else None
+    return _backward_impl("chunk", q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_indices,
+                          transpose_state_layout, chunk_size, backend, do, dht, needs_grad, saved=saved)
+
+
+@chunk_bwd_saved.register_fake
+def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_indices, transpose_state_layout, chunk_size, backend,
+      w, u, p, t, do, dht, needs_grad):
+    return _backward_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_indices, transpose_state_layout,
+                          chunk_size, backend, do, dht, needs_grad)
+
+
+# ----------------------------------------------------------------------------------------------
 # autograd
 # ----------------------------------------------------------------------------------------------
 
@@ -270,15 +349,17 @@ _GRAD_SLOTS = (0, 1, 2, 3, 4, 6)   # positions of q, k, v, g, beta, initial_stat
 
 
 def _setup_context(ctx, inputs, output):
+    """Saves the forward's inputs, and for chunk_fwd_saved its stage 1 (the outputs after o, final state)."""
     (q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_indices,
      transpose_state_layout, chunk_size, backend) = inputs
-    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices)
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, *output[2:])
     ctx.options = (scale, output_final_state, transpose_state_layout, chunk_size, backend)
 
 
 def _make_backward(bwd_op):
-    def backward(ctx, do, dht):
-        q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices = ctx.saved_tensors
+    """The autograd backward of a forward op; bwd_op takes the saved stage 1 (if any) before do."""
+    def backward(ctx, do, dht, *_):
+        q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, *stage1 = ctx.saved_tensors
         scale, output_final_state, transpose_state_layout, chunk_size, backend = ctx.options
         present = (q, k, v, g, beta, initial_state)
         needs = [bool(ctx.needs_input_grad[i]) and x is not None for i, x in zip(_GRAD_SLOTS, present)]
@@ -287,13 +368,15 @@ def _make_backward(bwd_op):
         if do is None:
             do = torch.zeros_like(q.new_empty(q.shape[0], q.shape[1], v.shape[2], v.shape[3]))
         grads = bwd_op(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_indices, transpose_state_layout,
-                       chunk_size, backend, do, dht, needs)
+                       chunk_size, backend, *stage1, do, dht, needs)
         dq, dk, dv, dg, dbeta, dh0 = (dx if n else None for dx, n in zip(grads, needs))
         return dq, dk, dv, dg, dbeta, None, dh0, None, None, None, None, None, None
     return backward
 
 
 torch.library.register_autograd("chunkwise::chunk_fwd", _make_backward(chunk_bwd), setup_context=_setup_context)
+torch.library.register_autograd("chunkwise::chunk_fwd_saved", _make_backward(chunk_bwd_saved),
+                                setup_context=_setup_context)
 torch.library.register_autograd("chunkwise::recurrent_fwd", _make_backward(recurrent_bwd),
                                 setup_context=_setup_context)
 
@@ -355,7 +438,9 @@ def forward(mode: str, q, k, v, g, beta, scale: float, initial_state, output_fin
     Returns (o, final_state or None)."""
     args = (q, k, v, g, beta, float(scale), initial_state, bool(output_final_state), cu_seqlens, chunk_indices,
             bool(transpose_state_layout), int(chunk_size), backend)
-    if _eager_plain(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices):
+    if _save_stage1_wanted(mode, backend, beta, q, k, v, g, beta, initial_state):
+        o, ht = chunk_fwd_saved(*args)[:2]
+    elif _eager_plain(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices):
         o, ht = _forward_impl(mode, *args)
     else:
         o, ht = (chunk_fwd if mode == "chunk" else recurrent_fwd)(*args)

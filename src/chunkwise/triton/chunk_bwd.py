@@ -1129,14 +1129,16 @@ def _warps(name: str, gate: int, wide_ok: bool = True) -> int:
 
 
 def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, chunk_indices=None,
-              transpose_state_layout=False):
+              transpose_state_layout=False, saved=None):
     """Gradients of the chunk op (see the module docstring for the equations).
 
     q, k: [B, T, H, K]; v, do: [B, T, HV, V]; g: None | [B, T, HV] | [B, T, HV, K] fp32;
     beta: None | [B, T, HV]; initial_state: None | [N, HV, K, V] ([N, HV, V, K] transposed);
     dht: None | like the final state (fp32, same layout); cu_seqlens: None | [N + 1] (B == 1).
     Returns (dq, dk, dv, dg, dbeta, dh0), each in its input's dtype and layout (None where the
-    input is None). K > MAX_K raises NotImplementedError. Head dims
+    input is None). K > MAX_K raises NotImplementedError. ``saved``: stage 1 of the forward (chunk_fwd's
+    ``saved_out``: w, u, p, t) for the delta families, used instead of recomputing T, W, U (only dR_local
+    = scale Pᵀ dO is formed here); ignored where the head dims are padded or 16-bit K > 128 runs in fp32. Head dims
     the kernels do not take as they are run zero-padded (triton/align.py).
     """
     if q.dtype != torch.float32 and WIDE_16BIT_K < q.shape[-1] <= MAX_K:
@@ -1149,6 +1151,8 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     K0, V0 = q.shape[-1], v.shape[-1]
     Kp, Vp = padded_dims(q, v)
     padded = (Kp, Vp) != (K0, V0) and K0 <= MAX_K
+    if padded or beta is None or not saved:
+        saved = None
     tr = transpose_state_layout
     if padded:
         q, k, v, do = pad_last(q, Kp), pad_last(k, Kp), pad_last(v, Vp), pad_last(do, Vp)
@@ -1227,13 +1231,22 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     Amat = buf(B, T, HV, C) if delta else None
     Pmat = buf(B, T, HV, C)
     Tmat = W = U = R = None
-    if delta:
+    if saved is not None:
+        # the forward's stage 1 (T, W, U in the dtypes the recompute would give; P in the input dtype, as the
+        # 16-bit W / U recompute takes it): only dR_local = scale Pᵀ dO is left to form
+        Tmat, W, U = saved["t"].contiguous(), saved["w"].contiguous(), saved["u"].contiguous()
+    elif delta:
         Tmat = buf(B, T, HV, C)
         W, U = buf(B, T, HV, K, dtype=sdt), buf(B, T, HV, V, dtype=sdt)
     dRl = buf(B, T, HV, V, dtype=sdt)
     # fp16 takes the three kernels: on the H200 (run of e1f8201) the fused pass with fp16 products at 4 warps gave
     # gradient errors of 1.1 (GDN) and inf (DeltaNet) at K = 16 while bf16 passed at real size
-    if delta and gate != 2 and q.dtype != torch.float16 and int(os.environ.get("CHUNKWISE_BWD_FUSED_PREP", BWD_FUSED_PREP)):
+    if saved is not None:
+        _wu_kernel[grid_c](k, v, beta, G, None, saved["p"].contiguous(), do, None, None, dRl, scale=scale, H=H, HV=HV,
+                           K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate, DELTA=False, IS_VARLEN=varlen, PREC=prec,
+                           LOWP=lowp_wu, num_warps=_warps("wu", gate, wide8), **_regs("wu", gate, wide8),
+                           num_stages=ns, **common)
+    elif delta and gate != 2 and q.dtype != torch.float16 and int(os.environ.get("CHUNKWISE_BWD_FUSED_PREP", BWD_FUSED_PREP)):
         # one pass per chunk (the forward's stage-1 kernel): T, W, U, dR_local; A and P stay in registers,
         # Amat and Pmat are only the scratch the value and key sides write dT_v / dA / dP into
         from .chunk_fwd import chunk_prepare_bwd

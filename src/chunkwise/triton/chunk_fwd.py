@@ -294,12 +294,13 @@ def chunk_prepare_kernel(
     GATE: tl.constexpr,          # 0 none, 1 scalar, 2 per channel
     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, MM_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
     g_floor: tl.constexpr, span_max: tl.constexpr, WU_LOWP: tl.constexpr = 0, AP_FORM: tl.constexpr = 0,
-    BWD: tl.constexpr = 0,
+    BWD: tl.constexpr = 0, STORE_T: tl.constexpr = 0,
 ):
     """One chunk of one value head: see the module docstring (stage 1). Grid (chunks, B·HV).
 
     BWD (the backward's recompute, scalar / no gate): instead of P, write T = (I + A)⁻¹ (fp32) and
-    dR_local = scale Pᵀ dO, next to W and U; A and P never reach memory."""
+    dR_local = scale Pᵀ dO, next to W and U; A and P never reach memory.
+    STORE_T (forward, for a backward that reuses stage 1): also write T = (I + A)⁻¹ (fp32) to t_out."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
     i_hk = i_h // (HV // H)
@@ -407,9 +408,10 @@ def chunk_prepare_kernel(
                                    (1, 0)), P.to(p.dtype.element_ty), boundary_check=(0, 1))
 
     Tm = _solve_unit_lower(A, SOLVE_PREC, BTc, BCc)                                      # (I + A)^-1
-    if BWD:
+    if BWD or STORE_T:
         tl.store(tl.make_block_ptr(t_out + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0),
                                    (BTc, BTc), (1, 0)), Tm, boundary_check=(0, 1))
+    if BWD:
         b_do = tl.load(tl.make_block_ptr(do + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf),
                                          (1, 0)), boundary_check=(0, 1))
         if WU_LOWP:     # P in the input dtype, as the backward's W / U recompute does at BWD_LOWP 2
@@ -736,14 +738,15 @@ def prep_config(gate: int) -> tuple[int, int, int, int]:
     return cfg[0], cfg[1], cfg[2], cfg[3]
 
 
-def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None):
+def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=False):
     """Stage 1 for the delta families.
 
     Args: q, k [B,T,H,K]; v [B,T,HV,V]; g None | [B,T,HV] fp32 | [B,T,HV,K] fp32 (raw log-decays);
     beta [B,T,HV]; cu_seqlens [N+1] with chunk_indices [NT_total, 2] (varlen, B = 1).
     Returns dict: w [B,T,HV,K], u [B,T,HV,V], p [B,T,HV,64] (q's dtype) and, for per-channel g,
     qg, kg [B,T,HV,K] (q's dtype) and glast [slots, HV, K] fp32 (e^{G_last} per chunk; the slot of
-    chunk i of sequence n is n·NT + i, or n + start_token // 64 with cu_seqlens).
+    chunk i of sequence n is n·NT + i, or n + start_token // 64 with cu_seqlens); with ``save_t`` also
+    t = (I + A)⁻¹ [B,T,HV,64] fp32 (for a backward that reuses stage 1).
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -765,16 +768,17 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None):
         glast = _alloc((slots, HV, K), torch.float32, dev)
     else:
         qg = kg = glast = None
+    t = _alloc((B, T, HV, BT), torch.float32, dev) if save_t else None
     dot_prec, mm_prec, solve_prec = _dot_prec(dt)
     wu_lowp, warps, bkc, form = prep_config(gate)
     if n_chunks > 0:
         chunk_prepare_kernel[(n_chunks, B * HV)](
-            q, k, v, g, beta, w, u, p, qg, kg, glast, None, None, None, cu_seqlens, chunk_indices, T, NT,
+            q, k, v, g, beta, w, u, p, qg, kg, glast, None, t, None, cu_seqlens, chunk_indices, T, NT,
             H=H, HV=HV, K=K, V=V, scale=1.0, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)), GATE=gate,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=solve_prec,
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and dt != torch.float32,
-            AP_FORM=form if gate == 2 else 0, num_warps=warps, num_stages=1, **reg_cap("prep_fwd"))
-    return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast)
+            AP_FORM=form if gate == 2 else 0, STORE_T=save_t, num_warps=warps, num_stages=1, **reg_cap("prep_fwd"))
+    return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, t=t)
 
 
 def chunk_prepare_bwd(q, k, v, g, beta, do, scale, w, u, t_out, drl, cu_seqlens=None, chunk_indices=None,
@@ -860,13 +864,21 @@ def _pick_segments(NT: int, programs: int, n_sm: int) -> int:
     return nseg
 
 
+def saves_stage1(q, v, beta) -> bool:
+    """Whether chunk_fwd(saved_out=...) fills saved_out for these inputs: the delta families at head dims the
+    kernels take as they are (not padded, not 16-bit with K > WIDE_16BIT_K, which run in fp32)."""
+    if beta is None or (q.dtype != torch.float32 and q.shape[-1] > WIDE_16BIT_K):
+        return False
+    return padded_dims(q, v) == (q.shape[-1], v.shape[-1])
+
+
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
 def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, *,
               chunk_indices=None, transpose_state_layout=False, p_in=None, bv=None, num_stages=None, num_warps=4,
-              segments=None, seg_phase1=None, seg_sub=None):
+              segments=None, seg_phase1=None, seg_sub=None, saved_out=None):
     """The chunk forward of all four families (canonical inputs: see chunkwise.triton).
 
     Returns (o [B,T,HV,V] in q's dtype, final state fp32 [N,HV,K,V] ([N,HV,V,K] transposed) or None).
@@ -877,6 +889,8 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     ``seg_phase1`` = (BV, num_warps[, num_stages]) of the split's first pass (local end states) and ``seg_sub``,
     that pass in this many sub-segments per segment (default, tuned: BV = 128 at 4 warps, sub-segments to fill
     one wave; with ``segments`` given: stage 2's BV and warps, no sub-segments).
+    ``saved_out``: a dict that, for the delta families at head dims the kernels take as they are, receives
+    stage 1's w, u, p and t = (I + A)⁻¹ (fp32) for a backward that reuses them (chunk_bwd's ``saved``).
     Head dims the kernels do not take as they are run zero-padded (triton/align.py).
     """
     if q.dtype != torch.float32 and q.shape[-1] > WIDE_16BIT_K:
@@ -886,6 +900,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
                           transpose_state_layout=transpose_state_layout, p_in=p_in, bv=bv, num_stages=num_stages,
                           num_warps=num_warps, segments=segments, seg_phase1=seg_phase1, seg_sub=seg_sub)
         return o.to(q.dtype), ht
+    save = saved_out is not None and saves_stage1(q, v, beta)      # (on the unpadded inputs)
     K0, V0 = q.shape[-1], v.shape[-1]
     Kp, Vp = padded_dims(q, v)
     padded = (Kp, Vp) != (K0, V0)
@@ -940,8 +955,10 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         from ..api import prepare_chunk_indices
         chunk_indices = prepare_chunk_indices(cu_seqlens, BT)
 
-    stage1 = chunk_prepare(q, k, v, g, beta, cu_seqlens, chunk_indices) if delta else \
+    stage1 = chunk_prepare(q, k, v, g, beta, cu_seqlens, chunk_indices, save_t=save) if delta else \
         dict(w=None, u=None, p=None, qg=None, kg=None, glast=None)
+    if save:
+        saved_out.update(w=stage1["w"], u=stage1["u"], p=stage1["p"], t=stage1["t"])
     if p_in and not delta:                # simple GLA with P formed once per chunk
         stage1["p"] = chunk_p(q, k, g, HV, cu_seqlens, chunk_indices)
     if not p_in:
