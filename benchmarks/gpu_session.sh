@@ -106,12 +106,12 @@ fi
 if has pair; then       # KDA's pairwise-gradient kernel: channels per program x warps
   TAILN=16 step ${PAIR_T:-150} sweep_pair python3 benchmarks/sweep_bwd.py --fams kda --out "$OUT" --variants "${PAIR_VARIANTS:-pair}"
 fi
-if has regs; then       # registers per thread capped in the chunk-parallel kernels (sweep_bwd.py REG_VARIANTS)
-  TAILN=40 step ${REGS_T:-200} sweep_regs python3 benchmarks/sweep_bwd.py --fams "${REG_FAMS:-kda,delta,gdn}" --out "$OUT/regs" --variants regs
-fi
-if has save; then       # the forward keeps stage 1 for the backward (CHUNKWISE_SAVE_STAGE1=1; sweep_bwd.py SAVE_VARIANTS)
-  TAILN=30 step ${SAVE_T:-150} sweep_save python3 benchmarks/sweep_bwd.py --fams "${REG_FAMS:-kda,delta,gdn}" --out "$OUT/save" --variants save
-fi
+# regs: registers per thread capped in the chunk-parallel kernels; save: the forward keeps stage 1 for the backward
+# (CHUNKWISE_SAVE_STAGE1=1); sweep_bwd.py's named variant sets, each against the defaults (REG_FAMS, REGS_T)
+for set in regs save; do
+  has $set && TAILN=40 step ${REGS_T:-200} sweep_$set python3 benchmarks/sweep_bwd.py --fams "${REG_FAMS:-kda,delta,gdn}" \
+    --out "$OUT/$set" --variants $set
+done
 if has ncu; then        # Nsight Compute on the kernels NOTES.md asks about (benchmarks/ncu_run.py; NCU_TARGETS
   # "fam:mode:kernel-regex:launches per call ..."), the second call's launches only (-s skips the first's); text reports in ncu_*.log
   NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)

@@ -98,6 +98,14 @@ def run_env(fam, x, do, env, warm):
                 os.environ[k] = v
 
 
+def print_table(row, settings):
+    """One family's fwd+bwd time under each setting, then each kernel's time under each (ms)."""
+    print(f"\n{row['family']} {row['shape']}: fwd+bwd ms " +
+          "  ".join(f"{n}: {v['fwd_bwd_ms']:.2f}" for n, v in settings.items()))
+    for k in sorted({k for v in settings.values() for k in v["kernels"]}):
+        print(f"  {k:12s} " + "  ".join(f"{n}: {v['kernels'].get(k, float('nan')):.3f}" for n, v in settings.items()))
+
+
 def variants(a, shape):
     """--variants: each named environment setting, timed per family."""
     specs = []
@@ -123,10 +131,7 @@ def variants(a, shape):
     if a.warm:
         return
     for r in rows:
-        print(f"\n{r['family']} {r['shape']}: fwd+bwd ms " +
-              "  ".join(f"{n}: {v['fwd_bwd_ms']:.2f}" for n, v in r["variants"].items()))
-        for k in sorted({k for v in r["variants"].values() for k in v["kernels"]}):
-            print(f"  {k:12s} " + "  ".join(f"{n}: {v['kernels'].get(k, float('nan')):.3f}" for n, v in r["variants"].items()))
+        print_table(r, r["variants"])
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "sweep_bwd_variants.json"), "w") as fh:
         json.dump(rows, fh, indent=1)
@@ -197,11 +202,7 @@ def main():
     if a.warm:
         return
     for r in results:
-        print(f"\n{r['family']} {r['shape']}: fwd+bwd ms " +
-              "  ".join(f"{c}: {v['fwd_bwd_ms']:.2f}" for c, v in r["configs"].items()))
-        keys = sorted({k for v in r["configs"].values() for k in v["kernels"]})
-        for k in keys:
-            print(f"  {k:12s} " + "  ".join(f"{c}: {v['kernels'].get(k, float('nan')):.3f}" for c, v in r["configs"].items()))
+        print_table(r, r["configs"])
         print(f"  pick {picks[r['family']]}  grad diff vs all:{settings[0]}: "
               f"{r['configs']['pick']['grad_rel_diff']:.1e}")
     os.makedirs(a.out, exist_ok=True)
