@@ -70,9 +70,9 @@ PAIR_VARIANTS = ("p32:;p32diag:CHUNKWISE_BWD_PAIR_DIAG=1;p16:CHUNKWISE_BWD_PAIR_
 _CAPPED = ("prep_fwd", "prep", "bwd_dv", "bwd_diag", "intra", "intra_diag", "wu", "solve")
 REG_VARIANTS = ";".join(["base:"] + [f"r{n}:CHUNKWISE_MAXNREG=" + "/".join(f"{k}:{n}" for k in _CAPPED)
                                      for n in (168, 128)])
-# --variants save: the forward keeps stage 1 (w, u, p, T) and the backward skips its recompute
-# (CHUNKWISE_SAVE_STAGE1=1, chunkwise/_custom_ops.py)
-SAVE_VARIANTS = "base:;save:CHUNKWISE_SAVE_STAGE1=1"
+# --variants save: the forward keeps stage 1 (w, u, p, T) and the backward skips its recompute (the default,
+# chunkwise/_custom_ops.py) against the recomputing backward (CHUNKWISE_SAVE_STAGE1=0)
+SAVE_VARIANTS = "recompute:CHUNKWISE_SAVE_STAGE1=0;save:CHUNKWISE_SAVE_STAGE1=1"
 NAMED = {"pair": PAIR_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS}
 
 

@@ -84,8 +84,8 @@ def test_opcheck_triton(form):
 @pytest.mark.skipif(not (ON_GPU or INTERPRET), reason="the triton backend needs a GPU or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("K", [16, 18])
 def test_opcheck_triton_saved_stage1(K):
-    """The ops of CHUNKWISE_SAVE_STAGE1=1 (the forward returns stage 1 for the backward; K = 18 in fp32 is padded,
-    so it returns empty tensors there): schema, fake tensors (the same shapes as the real op), autograd
+    """The ops that save stage 1 (the default under autograd: the forward returns it for the backward; K = 18 in
+    fp32 is padded, so it returns empty tensors there): schema, fake tensors (the same shapes as the real op), autograd
     registration; its backward's schema and fake tensors."""
     inp = make_inputs("gdn", B=1, T=20, H=1, HV=2, K=K, V=16, requires_grad=True)
     args = _op_args(inp, 0.25, True, False, backend="triton")

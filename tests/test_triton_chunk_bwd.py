@@ -321,19 +321,23 @@ def test_grads_recompute_paths(fam, fused, dtype, monkeypatch):
     """The backward's recompute of T, W, U and dR_local: in one pass with the forward's stage-1 kernel
     (CHUNKWISE_BWD_FUSED_PREP=1, the default for scalar / no gates with fp32 or bf16 inputs; bf16 is checked at
     real size on the GPU) or with the intra / solve / wu kernels (fp16 always takes these): gradients of every
-    input, varlen with a length-1 sequence and grouped heads."""
+    input, varlen with a length-1 sequence and grouped heads. (The forward under autograd saves stage 1 by
+    default; CHUNKWISE_SAVE_STAGE1=0 makes the backward recompute it.)"""
+    monkeypatch.setenv("CHUNKWISE_SAVE_STAGE1", "0")
     monkeypatch.setenv("CHUNKWISE_BWD_FUSED_PREP", str(fused))
     inp = make_inputs(fam, lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, seed=9)
     _compare(inp, TOL[dtype], dtype=dtype)
 
 
-@pytest.mark.parametrize("level", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("level,save", [(0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (0, 0), (2, 0)])
 @pytest.mark.parametrize("fam", FAMS)
-def test_grads_16_bit_products(fam, level, monkeypatch):
+def test_grads_16_bit_products(fam, level, save, monkeypatch):
     """Each level of 16-bit product operands (CHUNKWISE_BWD_LOWP=0: fp32 operands; 1: 16-bit in the two
     serial state passes; 2, the default: also the W / U / dR_local recompute; 3: also the key side; 4: the key
-    side but its pairwise products): fp16 gradients of every input within the fp16 tolerance, varlen and
-    grouped heads."""
+    side but its pairwise products), with the forward's stage 1 saved (the default) or recomputed
+    (CHUNKWISE_SAVE_STAGE1=0): fp16 gradients of every input within the fp16 tolerance, varlen and grouped
+    heads."""
+    monkeypatch.setenv("CHUNKWISE_SAVE_STAGE1", str(save))
     monkeypatch.setenv("CHUNKWISE_BWD_LOWP", str(level))
     inp = make_inputs(fam, lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, seed=8)
     _compare(inp, TOL[torch.float16], dtype=torch.float16)
@@ -356,10 +360,10 @@ def test_grads_kda_pair_split(split, diag, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("fam", ("gdn", "kda", "delta"))
 def test_grads_saved_stage1(fam, dtype, monkeypatch):
-    """CHUNKWISE_SAVE_STAGE1=1: the forward keeps stage 1 (w, u, p and T = (I + A)⁻¹) and the backward uses it
-    instead of recomputing T, W, U: every gradient equals the reference's (varlen with a length-1 sequence,
-    grouped heads, the final state read by the loss), and equals the recomputing backward's; the saving path
-    was taken (chunk_bwd got ``saved``)."""
+    """The default (CHUNKWISE_SAVE_STAGE1 unset or 1): the forward keeps stage 1 (w, u, p and T = (I + A)⁻¹) and
+    the backward uses it instead of recomputing T, W, U: every gradient equals the reference's (varlen with a
+    length-1 sequence, grouped heads, the final state read by the loss), and equals the recomputing backward's
+    (CHUNKWISE_SAVE_STAGE1=0); the saving path was taken (chunk_bwd got ``saved``)."""
     import chunkwise.triton.chunk_bwd as cb
     inp = make_inputs(fam, lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, seed=12)
     seen = []
@@ -370,7 +374,7 @@ def test_grads_saved_stage1(fam, dtype, monkeypatch):
         return orig(*a, **kw)
 
     monkeypatch.setattr(cb, "chunk_bwd", spy)
-    monkeypatch.setenv("CHUNKWISE_SAVE_STAGE1", "1")
+    monkeypatch.delenv("CHUNKWISE_SAVE_STAGE1", raising=False)          # the default saves
     saved = _compare(inp, TOL[dtype], dtype=dtype)
     assert seen == [True]
     monkeypatch.setenv("CHUNKWISE_SAVE_STAGE1", "0")
