@@ -66,7 +66,7 @@ if has tests; then
   # TESTS_FIRST="<pytest args>": a selection run to completion before the rest (its own step, TESTS_FIRST_T)
   [ -n "${TESTS_FIRST:-}" ] && TAILN=4 step ${TESTS_FIRST_T:-150} tests_first python3 -m pytest -v -n ${NPROC:-6} \
     --max-worker-restart 32 -p no:cacheprovider -o addopts="" --tb=line -rf --durations=15 $TESTS_FIRST
-  TAILN=4 step ${TESTS_T:-190} tests python3 -m pytest -v -n ${NPROC:-6} --max-worker-restart 32 -p no:cacheprovider -o addopts="" --tb=line -rf \
+  TAILN=4 step ${TESTS_T:-190} tests python3 -m pytest -v -n ${NPROC:-6} --dist loadgroup --max-worker-restart 32 -p no:cacheprovider -o addopts="" --tb=line -rf \
     ${TESTS:-tests/test_compile.py tests/test_triton_chunk_fwd.py tests/test_triton_chunk_bwd.py tests/test_layers.py} \
     -k "${TESTS_K:-fp16 or unaligned or real_size or grads or compile or opcheck or hopper or wide or gradients or cuda_graph or decode_step or prefill}"
   wait
@@ -88,11 +88,11 @@ if has bwd; then
   TAILN=12 step ${TRAIN_T:-200} bench_train python3 benchmarks/bench_train.py --families gdn,delta,kda --shapes B1-T32768-H32 --profile --out "$OUT"
 fi
 if has verify; then    # the real-size bf16 GPU tests alone (no small fp32 ones), then the 16-bit key-side variant's errors
-  TAILN=6 step ${VERIFY_T:-240} verify python3 -m pytest -v -n ${NPROC:-12} --max-worker-restart 32 -p no:cacheprovider \
+  TAILN=6 step ${VERIFY_T:-240} verify python3 -m pytest -v -n ${NPROC:-12} --dist loadgroup --max-worker-restart 32 -p no:cacheprovider \
     -o addopts="" --tb=line -rP --durations=20 tests/test_triton_chunk_fwd.py tests/test_triton_chunk_bwd.py \
     -k "real_size or hopper or unaligned or offsets_past"
   grep -h "rel err" "$OUT/verify.log" | sort | head -20
-  CHUNKWISE_BWD_LOWP=${VERIFY_LOWP:-4} TAILN=6 step ${VERIFY_T:-240} verify_lowp python3 -m pytest -v -n ${NPROC:-12} -p no:cacheprovider \
+  CHUNKWISE_BWD_LOWP=${VERIFY_LOWP:-4} TAILN=6 step ${VERIFY_LOWP_T:-${VERIFY_T:-240}} verify_lowp python3 -m pytest -v -n ${NPROC:-12} --dist loadgroup -p no:cacheprovider \
     -o addopts="" --tb=line -rP tests/test_triton_chunk_bwd.py -k "real_size or hopper"
   grep -h "rel err" "$OUT/verify_lowp.log" | sort | head -20
 fi
