@@ -9,6 +9,11 @@ import torch
 if not torch.cuda.is_available() and os.environ.get("CHUNKWISE_WARM_SM90") != "1":   # (warm: benchmarks/warm_cache.py)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# xdist workers share the cores: each takes its share of them for torch's CPU ops (the default, every core per
+# worker, oversubscribes them many times over)
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 # a CUDA error that leaves the context unusable: every later test in the process would fail with it
 _FATAL_CUDA = ("illegal memory access", "CUDA error: an illegal instruction", "unspecified launch failure",
