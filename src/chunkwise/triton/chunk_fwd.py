@@ -683,18 +683,25 @@ def _gate_kind(g) -> int:
     return 0 if g is None else (1 if g.dim() == 3 else 2)
 
 
-def _dot_prec(dtype) -> tuple[str, str, str]:
+def _dot_prec(dtype, gate: int = 0) -> tuple[str, str, str]:
     """(input-dtype dots, fp32 factor products, the solve).
 
     fp32 inputs: tf32x3 everywhere (three tf32 products: ~fp32 accuracy on the tensor cores). "ieee"
     would be exact but lowers 64×64 products to FMA loops: the sm_90 builds took 230-300 s to compile
     here and spilled 38-41 KB per thread (tf32x3: 45-50 s, < 2.4 KB).
     bf16 / fp16 inputs: factored fp32 products in tf32 (10-bit mantissa, fp32 range); the solve in tf32
-    (bf16: already finer than the bf16 inverse fla keeps) or tf32x3 (fp16).
+    (bf16: already finer than the bf16 inverse fla keeps) or tf32x3 (fp16). KDA with fp16 inputs (gate 2):
+    its per-channel A / P / W / U products also in tf32x3 (CHUNKWISE_FP16_MM_PREC overrides): the tensor
+    cores truncate fp32 operands to tf32 (toward zero, triton#4574), a bias that does not average out
+    over the 128-channel sums. On the H200 the KDA fp16 output error at real size was 1.13e-3 against fla's
+    4.7e-4 with tf32 there (bf16's own rounding, 3e-3, hides it).
     """
     if dtype == torch.float32:
         return "tf32x3", "tf32x3", "tf32x3"
-    return "tf32", "tf32", ("tf32x3" if dtype == torch.float16 else "tf32")
+    if dtype == torch.float16:
+        mm = os.environ.get("CHUNKWISE_FP16_MM_PREC", "tf32x3") if gate == 2 else "tf32"
+        return "tf32", mm, "tf32x3"
+    return "tf32", "tf32", "tf32"
 
 
 # Stage-1 launch per gate kind (0 none, 1 scalar, 2 per channel): (W/U products in the 16-bit input
@@ -769,7 +776,7 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     else:
         qg = kg = glast = None
     t = _alloc((B, T, HV, BT), torch.float32, dev) if save_t else None
-    dot_prec, mm_prec, solve_prec = _dot_prec(dt)
+    dot_prec, mm_prec, solve_prec = _dot_prec(dt, gate)
     wu_lowp, warps, bkc, form = prep_config(gate)
     if n_chunks > 0:
         chunk_prepare_kernel[(n_chunks, B * HV)](
