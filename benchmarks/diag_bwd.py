@@ -37,7 +37,7 @@ PRESETS = {
            for e in ("", "CHUNKWISE_BWD_PAIR_SPLIT=0", "CHUNKWISE_BWD_WARPS=all:4")]
         + [(c, "") for c in ("test_grads_16_bit_products[gdn-2]", "test_grads_16_bit_products[delta-2]",
                              "test_grads_16_bit_products[gdn-3]", "test_grads_fp16[gdn]", "test_grads_fp16[gla]")]
-        + [("test_real_size_bf16_vs_fla[kda]", e) for e in ("", "CHUNKWISE_BWD_PAIR_SPLIT=0")]
+        + [("test_real_size_grads_vs_fla[kda-bf16]", e) for e in ("", "CHUNKWISE_BWD_PAIR_SPLIT=0")]
     ),
 }
 
