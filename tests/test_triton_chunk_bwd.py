@@ -346,6 +346,20 @@ def test_grads_16_bit_products(fam, level, save, monkeypatch):
     _compare(inp, TOL[torch.float16], dtype=torch.float16)
 
 
+@pytest.mark.parametrize("prec", ["tf32rn", "tf32x3"])
+@pytest.mark.parametrize("fam", FAMS)
+def test_grads_fp16_product_precisions(fam, prec, monkeypatch):
+    """The backward's products of fp32 operands for 16-bit inputs at the other precisions
+    CHUNKWISE_BWD_PREC16 offers (the default, tf32, is every other fp16 test): fp16 gradients of every input
+    within the fp16 tolerance, varlen and grouped heads; an unknown value is an error naming the variable."""
+    monkeypatch.setenv("CHUNKWISE_BWD_PREC16", prec)
+    inp = make_inputs(fam, lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, seed=8)
+    _compare(inp, TOL[torch.float16], dtype=torch.float16)
+    monkeypatch.setenv("CHUNKWISE_BWD_PREC16", "fp8")
+    with pytest.raises(ValueError, match="CHUNKWISE_BWD_PREC16"):
+        _grads(inp, "triton", torch.float16)
+
+
 @pytest.mark.parametrize("split,diag", [(0, 1), (16, 1), (16, 0)])
 def test_grads_kda_pair_split(split, diag, monkeypatch):
     """KDA's pairwise gradients (through P and A) in their own kernel split over key channels

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from helpers import CHUNK_OPS, DEVICE, ON_GPU, TOL, make_inputs, reference, rel_err
+from chunkwise.triton.chunk_fwd import _rn_tf32
+from helpers import CHUNK_OPS, DEVICE, INTERPRET, ON_GPU, TOL, make_inputs, reference, rel_err
 
 FAMS = ("gdn", "kda", "delta", "gla")
 GATED = ("gdn", "kda", "gla")
@@ -101,6 +104,53 @@ def test_kda_pairwise_blocks(dtype, gate, bkc, form, monkeypatch):
         inp.g[:, 10:50, :, 3:7] = -6.0
     o, ht = _run(inp)
     _check(inp, o, ht, TOL[dtype])
+
+
+@pytest.mark.parametrize("prec", ["tf32", "tf32rn", "tf32x3"])
+def test_kda_fp16_product_precisions(prec, monkeypatch):
+    """KDA with fp16 inputs, stage 1's fp32 factor products at each precision CHUNKWISE_FP16_MM_PREC offers
+    (tf32x3 is the default: the tensor cores truncate tf32 operands; "tf32rn" rounds them first), with strong
+    gates and a steep block: within the fp16 tolerance of the float64 recurrence."""
+    monkeypatch.setenv("CHUNKWISE_FP16_MM_PREC", prec)
+    inp = make_inputs("kda", B=1, T=T_LONG, H=1, HV=2, K=KS[1], V=VS[0], dtype=torch.float16, gate="strong", seed=8)
+    inp.g[:, 10:50, :, 3:7] = -6.0
+    o, ht = _run(inp)
+    _check(inp, o, ht, TOL[torch.float16])
+
+
+def test_product_precision_env_checked(monkeypatch):
+    """A precision the kernels do not know is an error that names the variable."""
+    monkeypatch.setenv("CHUNKWISE_FP16_MM_PREC", "tf16")
+    inp = make_inputs("kda", B=1, T=20, H=1, HV=1, K=KS[0], V=VS[0], dtype=torch.float16, seed=8)
+    with pytest.raises(ValueError, match="CHUNKWISE_FP16_MM_PREC"):
+        _run(inp)
+
+
+@triton.jit
+def _rn_tf32_kernel(x, y, N: tl.constexpr):
+    o = tl.arange(0, N)
+    tl.store(y + o, _rn_tf32(tl.load(x + o)))
+
+
+@pytest.mark.skipif(not (ON_GPU or INTERPRET), reason="the triton backend needs a GPU or TRITON_INTERPRET=1")
+def test_round_to_nearest_tf32():
+    """_rn_tf32: fp32 values (normal, tiny, large, both signs, exact ties) go to a tf32 value (low 13 mantissa
+    bits zero) that is at least as near as either tf32 neighbour, never further than half a tf32 unit."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.cat([torch.randn(400, generator=gen), torch.randn(50, generator=gen) * 1e-30,
+                   torch.randn(50, generator=gen) * 1e30])
+    ties = (torch.arange(12, dtype=torch.int32) * 0x2000 + 0x3F801000).view(torch.float32)   # halfway cases
+    x = torch.cat([x, ties, -ties])[:512].contiguous().to(DEVICE)
+    y = torch.empty_like(x)
+    _rn_tf32_kernel[(1,)](x, y, N=512)
+    x, y = x.cpu(), y.cpu()
+    bits = y.view(torch.int32)
+    assert (bits & 0x1FFF == 0).all()
+    lo = (x.view(torch.int32) & ~0x1FFF).view(torch.float32)                        # truncated toward zero
+    hi = (x.view(torch.int32).to(torch.int64) + 0x2000 & ~0x1FFF).to(torch.int32).view(torch.float32)
+    err = (y.double() - x.double()).abs()
+    assert (err <= (lo.double() - x.double()).abs()).all() and (err <= (hi.double() - x.double()).abs()).all()
+    assert (err <= x.double().abs() * 2.0 ** -11).all()
 
 
 @pytest.mark.parametrize("nseg", [2, 3, 8])

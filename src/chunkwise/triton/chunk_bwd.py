@@ -40,7 +40,7 @@ import triton.language as tl
 
 from ..api import TRITON_MAX_HEAD_DIM as MAX_K   # the backward's kernels fit one H200 SM's shared memory up to it
 from .align import cut_state, pad_last, pad_state, padded_dims
-from .chunk_fwd import WIDE_16BIT_K, reg_cap
+from .chunk_fwd import WIDE_16BIT_K, _mm, prec_env, reg_cap
 
 CHUNK = 64
 SUB = 16
@@ -195,10 +195,10 @@ def _intra_kernel(q, k, beta, G, Amat, Pmat, cu_seqlens, chunk_indices, T,
                 in_blk = (o_t // BC) == jb
                 b_right = tl.exp(tl.where(in_blk[:, None], b_Gr[None, :] - b_G, float("-inf")))
                 b_kr = b_kc * b_right
-                b_P += tl.dot(b_qc * b_left, tl.trans(b_kr), input_precision=PREC)     # [C, BKI] @ [BKI, C]
+                b_P += _mm(b_qc * b_left, tl.trans(b_kr), PREC)     # [C, BKI] @ [BKI, C]
                 if DELTA:
-                    b_A += tl.dot(b_kc * b_beta[:, None] * b_left, tl.trans(b_kr),
-                                  input_precision=PREC)                                 # [C, BKI] @ [BKI, C]
+                    b_A += _mm(b_kc * b_beta[:, None] * b_left, tl.trans(b_kr),
+                                  PREC)                                 # [C, BKI] @ [BKI, C]
         off = (o_t[:, None] // BC) != (o_t[None, :] // BC)
         tl.store(Pmat + p_cc, b_P, mask=m_cc & off)
         if DELTA:
@@ -214,10 +214,10 @@ def _intra_kernel(q, k, beta, G, Amat, Pmat, cu_seqlens, chunk_indices, T,
             b_gam = tl.exp(tl.where(i_ge_j, b_G[:, None] - b_G[None, :], float("-inf")))
         else:
             b_gam = tl.where(i_ge_j, 1., 0.)
-        b_P = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * b_gam                 # [C, BK] @ [BK, C]
+        b_P = _mm(b_q, tl.trans(b_k), PREC) * b_gam                 # [C, BK] @ [BK, C]
         tl.store(Pmat + p_cc, b_P, mask=m_cc)
         if DELTA:
-            b_A = tl.dot(b_kb, tl.trans(b_k), input_precision=PREC) * tl.where(i_gt_j, b_gam, 0.)  # [C, BK] @ [BK, C]
+            b_A = _mm(b_kb, tl.trans(b_k), PREC) * tl.where(i_gt_j, b_gam, 0.)  # [C, BK] @ [BK, C]
             tl.store(Amat + p_cc, b_A, mask=m_cc)
 
 
@@ -279,8 +279,8 @@ def _intra_diag_kernel(q, k, beta, G, Amat, Pmat, cu_seqlens, chunk_indices, T,
         b_xr, b_xc, fast = _diag_factors(b_G, span_max)
         if fast:
             b_kc = tl.trans(b_k * b_xc)
-            b_P = tl.dot(b_q * b_xr, b_kc, input_precision=PREC)                             # [BC, BK] @ [BK, BC]
-            b_A = tl.dot(b_k * b_xr, b_kc, input_precision=PREC)                             # [BC, BK] @ [BK, BC]
+            b_P = _mm(b_q * b_xr, b_kc, PREC)                             # [BC, BK] @ [BK, BC]
+            b_A = _mm(b_k * b_xr, b_kc, PREC)                             # [BC, BK] @ [BK, BC]
         else:
             b_P = tl.zeros([BC, BC], dtype=tl.float32)
             b_A = tl.zeros([BC, BC], dtype=tl.float32)
@@ -349,15 +349,12 @@ def _solve_kernel(Amat, Tmat, cu_seqlens, chunk_indices, T, HV: tl.constexpr, C:
     A31 = _load_blk(Amat, r3, m3, i_h, 1, HV, C, BC)
     A32 = _load_blk(Amat, r3, m3, i_h, 2, HV, C, BC)
     # T_ij = −T_ii Σ_{j ≤ m < i} A_im T_mj                                            all [BC, BC] @ [BC, BC]
-    T10 = -tl.dot(T11, tl.dot(A10, T00, input_precision=PREC), input_precision=PREC)
-    T21 = -tl.dot(T22, tl.dot(A21, T11, input_precision=PREC), input_precision=PREC)
-    T32 = -tl.dot(T33, tl.dot(A32, T22, input_precision=PREC), input_precision=PREC)
-    T20 = -tl.dot(T22, tl.dot(A20, T00, input_precision=PREC) + tl.dot(A21, T10, input_precision=PREC),
-                  input_precision=PREC)
-    T31 = -tl.dot(T33, tl.dot(A31, T11, input_precision=PREC) + tl.dot(A32, T21, input_precision=PREC),
-                  input_precision=PREC)
-    T30 = -tl.dot(T33, tl.dot(A30, T00, input_precision=PREC) + tl.dot(A31, T10, input_precision=PREC)
-                  + tl.dot(A32, T20, input_precision=PREC), input_precision=PREC)
+    T10 = -_mm(T11, _mm(A10, T00, PREC), PREC)
+    T21 = -_mm(T22, _mm(A21, T11, PREC), PREC)
+    T32 = -_mm(T33, _mm(A32, T22, PREC), PREC)
+    T20 = -_mm(T22, _mm(A20, T00, PREC) + _mm(A21, T10, PREC), PREC)
+    T31 = -_mm(T33, _mm(A31, T11, PREC) + _mm(A32, T21, PREC), PREC)
+    T30 = -_mm(T33, _mm(A30, T00, PREC) + _mm(A31, T10, PREC) + _mm(A32, T20, PREC), PREC)
     _store_blk(Tmat, T00, r0, m0, i_h, 0, HV, C, BC)
     _store_blk(Tmat, T10, r1, m1, i_h, 0, HV, C, BC)
     _store_blk(Tmat, T11, r1, m1, i_h, 1, HV, C, BC)
@@ -415,17 +412,17 @@ def _wu_kernel(k, v, beta, G, Tmat, Pmat, do, W, U, dRl, cu_seqlens, chunk_indic
             b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, GATE == 2)
             b_eG, _ = _gate_factors(b_G, b_last, GATE)
             b_x = b_x * b_eG
-        b_w = tl.dot(b_T, b_x.to(op_dt), input_precision=PREC)                         # [C, C] @ [C, BK]
+        b_w = _mm(b_T, b_x.to(op_dt), PREC)                         # [C, C] @ [C, BK]
         tl.store(W + (rows[:, None] * HV + i_h) * K + o_k[None, :], b_w, mask=m_tk)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         p_tv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
         b_do = tl.load(do + p_tv, mask=m_tv, other=0.).to(op_dt)
-        tl.store(dRl + p_tv, scale * tl.dot(tl.trans(b_P), b_do, input_precision=PREC), mask=m_tv)  # [C, C] @ [C, BV]
+        tl.store(dRl + p_tv, scale * _mm(tl.trans(b_P), b_do, PREC), mask=m_tv)  # [C, C] @ [C, BV]
         if DELTA:
             b_y = tl.load(v + p_tv, mask=m_tv, other=0.).to(tl.float32) * b_beta[:, None]
-            tl.store(U + p_tv, tl.dot(b_T, b_y.to(op_dt), input_precision=PREC), mask=m_tv)   # [C, C] @ [C, BV]
+            tl.store(U + p_tv, _mm(b_T, b_y.to(op_dt), PREC), mask=m_tv)   # [C, C] @ [C, BV]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -457,7 +454,7 @@ def _fwd_h_step(k, v, G, W, U, h, R, b_S, i_c, bos, eos, boh, i_h, i_hk, o_v, H:
     if DELTA:
         b_w = tl.load(W + (rows[:, None] * HV + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(op_dt)
         b_R = tl.load(U + p_tv, mask=m_tv, other=0.).to(tl.float32) - \
-            tl.dot(b_w, b_S.to(op_dt), input_precision=PREC)                         # [C, BK] @ [BK, BV]
+            _mm(b_w, b_S.to(op_dt), PREC)                         # [C, BK] @ [BK, BV]
         tl.store(R + p_tv, b_R, mask=m_tv)
     else:
         b_R = tl.load(v + p_tv, mask=m_tv, other=0.).to(tl.float32)
@@ -470,7 +467,7 @@ def _fwd_h_step(k, v, G, W, U, h, R, b_S, i_c, bos, eos, boh, i_h, i_hk, o_v, H:
         b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
         b_R = b_R * tl.exp(b_last - b_G)[:, None]
         b_S *= tl.exp(b_last)
-    b_S += tl.dot(tl.trans(b_k.to(op_dt)), b_R.to(op_dt), input_precision=PREC)    # [BK, C] @ [C, BV]
+    b_S += _mm(tl.trans(b_k.to(op_dt)), b_R.to(op_dt), PREC)    # [BK, C] @ [C, BV]
     return b_S
 
 
@@ -544,7 +541,7 @@ def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, i_c, bos, eos, boh, i_h, i_h
         b_k = b_k.to(tl.float32) * b_ekend
         b_q = b_q.to(tl.float32) * b_eG
     b_k, b_q = b_k.to(op_dt), b_q.to(op_dt)
-    b_kdS = tl.dot(b_k, b_dS.to(op_dt), input_precision=PREC)                       # [C, BK] @ [BK, BV]
+    b_kdS = _mm(b_k, b_dS.to(op_dt), PREC)                       # [C, BK] @ [BK, BV]
     if GATE == 1:   # a scalar gate scales rows: apply it to the [C, BV] side, not to [C, BK]
         b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
         b_kdS = b_kdS * tl.exp(b_last - b_G)[:, None]
@@ -555,10 +552,10 @@ def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, i_c, bos, eos, boh, i_h, i_h
         b_dS *= tl.exp(b_last)[:, None]
     elif GATE == 1:
         b_dS *= tl.exp(b_last)
-    b_dS += scale * tl.dot(tl.trans(b_q), b_do.to(op_dt), input_precision=PREC)    # [BK, C] @ [C, BV]
+    b_dS += scale * _mm(tl.trans(b_q), b_do.to(op_dt), PREC)    # [BK, C] @ [C, BV]
     if DELTA:
         b_w = tl.load(W + (rows[:, None] * HV + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(op_dt)
-        b_dS -= tl.dot(tl.trans(b_w), b_dR.to(op_dt), input_precision=PREC)         # [BK, C] @ [C, BV]
+        b_dS -= _mm(tl.trans(b_w), b_dR.to(op_dt), PREC)         # [BK, C] @ [C, BV]
     return b_dS
 
 
@@ -646,16 +643,16 @@ def _bwd_dv_kernel(q, k, v, beta, G, Tmat, h, R, dR, do, Pmat, Amat, dq, dv, dbe
             b_R = tl.load(R + p_tv, mask=m_tv, other=0.)
             b_v = tl.load(v + p_tv, mask=m_tv, other=0.)
             b_vb = (b_v.to(tl.float32) * b_beta[:, None]).to(dR.dtype.element_ty)
-            b_dTv += tl.dot(b_dR, tl.trans(b_vb), input_precision=PREC)                 # [C, BV] @ [BV, C]
-            b_dy = tl.dot(b_Tt, b_dR, input_precision=PREC)                             # [C, C] @ [C, BV]
+            b_dTv += _mm(b_dR, tl.trans(b_vb), PREC)                 # [C, BV] @ [BV, C]
+            b_dy = _mm(b_Tt, b_dR, PREC)                             # [C, C] @ [C, BV]
             tl.store(dv + p_tv, b_dy * b_beta[:, None], mask=m_tv)
             b_db += tl.sum(b_v.to(tl.float32) * b_dy, axis=1)
         else:
             b_R = tl.load(v + p_tv, mask=m_tv, other=0.)
             tl.store(dv + p_tv, b_dR, mask=m_tv)
-        b_dP += tl.dot(b_do, tl.trans(b_R), input_precision=PREC)                       # [C, BV] @ [BV, C]
+        b_dP += _mm(b_do, tl.trans(b_R), PREC)                       # [C, BV] @ [BV, C]
         b_S = tl.load(h + p_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & (o_v < V)[None, :], other=0.)
-        b_dqg += tl.dot(b_do, tl.trans(b_S), input_precision=PREC)                      # [C, BV] @ [BV, BK]
+        b_dqg += _mm(b_do, tl.trans(b_S), PREC)                      # [C, BV] @ [BV, BK]
     b_dP = tl.where(o_t[:, None] >= o_t[None, :], b_dP * scale, 0.)
     tl.store(Pmat + p_cc, b_dP, mask=m_cc)
     m_tk = m_t[:, None] & m_k[None, :]
@@ -673,7 +670,7 @@ def _bwd_dv_kernel(q, k, v, beta, G, Tmat, h, R, dR, do, Pmat, Amat, dq, dv, dbe
         b_k = tl.load(k + (rows[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
         if GATE == 1:
             b_dP = b_dP * tl.exp(tl.where(o_t[:, None] >= o_t[None, :], b_G[:, None] - b_G[None, :], float("-inf")))
-        b_dq += tl.dot(b_dP, b_k, input_precision=PREC)                                   # [C, C] @ [C, BK]
+        b_dq += _mm(b_dP, b_k, PREC)                                   # [C, C] @ [C, BK]
         tl.store(dq + p_hk, b_dq, mask=m_tk)
         if GATE == 1:
             tl.store(dG + rows * HV + i_h, tl.sum(b_q * b_dq, axis=1), mask=m_t)
@@ -712,10 +709,10 @@ def _key_side_vloop(h, dh, R, dR, v, p_h, rows, i_h, o_k, m_k, m_t, HV: tl.const
         if DELTA:
             b_R = tl.load(R + p_tv, mask=m_tv, other=0.)
             b_dR = tl.load(dR + p_tv, mask=m_tv, other=0.)
-            b_dw -= tl.dot(b_dR, tl.trans(b_S), input_precision=PREC)                   # [C, BV] @ [BV, BKW]
+            b_dw -= _mm(b_dR, tl.trans(b_S), PREC)                   # [C, BV] @ [BV, BKW]
         else:
             b_R = tl.load(v + p_tv, mask=m_tv, other=0.)
-        b_dkend += tl.dot(b_R, tl.trans(b_dSn), input_precision=PREC)                   # [C, BV] @ [BV, BKW]
+        b_dkend += _mm(b_R, tl.trans(b_dSn), PREC)                   # [C, BV] @ [BV, BKW]
         b_dgam += tl.sum(b_S.to(tl.float32) * b_dSn.to(tl.float32), axis=1)
     return b_dw, b_dkend, b_dgam
 
@@ -738,11 +735,11 @@ def _pairwise_grads_channel(b_dP, b_dPt, b_dA, b_dAt, b_q, b_k, b_kb, b_G, C: tl
         b_right = tl.exp(tl.where(((o_t // BC) == jb)[:, None], b_Gr[None, :] - b_G, float("-inf")))
         b_kr = b_k * b_right
         b_kr = b_kr.to(OPD)
-        b_dqp += tl.dot(b_dP, b_kr, input_precision=PREC) * b_left                         # [C, C] @ [C, BKW]
-        b_dkp += tl.dot(b_dPt, (b_q * b_left).to(OPD), input_precision=PREC) * b_right    # [C, C] @ [C, BKW]
+        b_dqp += _mm(b_dP, b_kr, PREC) * b_left                         # [C, C] @ [C, BKW]
+        b_dkp += _mm(b_dPt, (b_q * b_left).to(OPD), PREC) * b_right    # [C, C] @ [C, BKW]
         if DELTA:
-            b_dkb += tl.dot(b_dA, b_kr, input_precision=PREC) * b_left                     # [C, C] @ [C, BKW]
-            b_dkp += tl.dot(b_dAt, (b_kb * b_left).to(OPD), input_precision=PREC) * b_right   # [C, C] @ [C, BKW]
+            b_dkb += _mm(b_dA, b_kr, PREC) * b_left                     # [C, C] @ [C, BKW]
+            b_dkp += _mm(b_dAt, (b_kb * b_left).to(OPD), PREC) * b_right   # [C, C] @ [C, BKW]
     return b_dqp, b_dkp, b_dkb
 
 
@@ -830,8 +827,8 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
                 b_ke = b_k
             b_x = b_ke * b_beta[:, None]
             b_dwo = b_dw.to(OPD)
-            b_dx = tl.dot(tl.trans(b_T), b_dwo, input_precision=PREC)                    # [C, C] @ [C, BKH]
-            b_dT += tl.dot(b_dwo, tl.trans(b_x.to(OPD)), input_precision=PREC)           # [C, BKH] @ [BKH, C]
+            b_dx = _mm(tl.trans(b_T), b_dwo, PREC)                    # [C, C] @ [C, BKH]
+            b_dT += _mm(b_dwo, tl.trans(b_x.to(OPD)), PREC)           # [C, BKH] @ [BKH, C]
             if GATE > 0:
                 b_dk += b_beta[:, None] * b_eGh * b_dx
             else:
@@ -850,8 +847,8 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
     # dot accumulator: fla #640)
     tl.debug_barrier()          # every thread has read dT_v from Amat and written its dk / dG columns
     if DELTA:
-        b_dA = tl.dot(tl.dot(tl.trans(b_T), b_dT.to(OPD), input_precision=PREC).to(OPD), tl.trans(b_T),
-                      input_precision=PREC)                                              # [C, C] @ [C, C] @ [C, C]
+        b_dA = _mm(_mm(tl.trans(b_T), b_dT.to(OPD), PREC).to(OPD), tl.trans(b_T),
+                      PREC)                                              # [C, C] @ [C, C] @ [C, C]
         b_dA = tl.where(m_cc & (o_t[:, None] > o_t[None, :]), -b_dA, 0.)
         if GATE == 1:
             b_dA = b_dA * tl.exp(tl.where(i_ge_j, b_G[:, None] - b_G[None, :], float("-inf")))
@@ -875,10 +872,10 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
             b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
             b_kb = b_k * b_beta[:, None]
             b_dkb = tl.zeros([C, BKH], dtype=tl.float32)
-            b_dkp = tl.dot(b_dPt, b_q.to(OPD2), input_precision=PREC)                         # [C, C] @ [C, BKH]
+            b_dkp = _mm(b_dPt, b_q.to(OPD2), PREC)                         # [C, C] @ [C, BKH]
             if DELTA:
-                b_dkb = tl.dot(b_dA, b_k.to(OPD2), input_precision=PREC)                      # [C, C] @ [C, BKH]
-                b_dkp += tl.dot(b_dAt, b_kb.to(OPD2), input_precision=PREC)                   # [C, C] @ [C, BKH]
+                b_dkb = _mm(b_dA, b_k.to(OPD2), PREC)                      # [C, C] @ [C, BKH]
+                b_dkp += _mm(b_dAt, b_kb.to(OPD2), PREC)                   # [C, C] @ [C, BKH]
             if GATE == 1:
                 b_dGr += tl.sum(b_kb * b_dkb - b_k * b_dkp, axis=1)
             b_dk = tl.load(dk + p_hk, mask=m_tk, other=0.) + b_dkp + b_beta[:, None] * b_dkb
@@ -1002,12 +999,12 @@ def _bwd_pair_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, cu_seqlens, chu
                 m_bb = (m_r[:, None] & m_r[None, :]) & (o_i[:, None] >= o_i[None, :])
                 b_dPb = tl.load(Pmat + p_bb, mask=m_bb, other=0.)                                  # [BC, BC]
                 b_kc = b_k * b_xc
-                b_dqd = tl.dot(b_dPb, b_kc, input_precision=PREC) * b_xr                         # [BC, BC] @ [BC, BKP]
-                b_dkd = tl.dot(tl.trans(b_dPb), b_q * b_xr, input_precision=PREC)                # [BC, BC] @ [BC, BKP]
+                b_dqd = _mm(b_dPb, b_kc, PREC) * b_xr                         # [BC, BC] @ [BC, BKP]
+                b_dkd = _mm(tl.trans(b_dPb), b_q * b_xr, PREC)                # [BC, BC] @ [BC, BKP]
                 if DELTA:
                     b_dAb = tl.load(Amat + p_bb, mask=m_bb, other=0.)
-                    b_dkbd = tl.dot(b_dAb, b_kc, input_precision=PREC) * b_xr                    # [BC, BC] @ [BC, BKP]
-                    b_dkd += tl.dot(tl.trans(b_dAb), b_kb * b_xr, input_precision=PREC)          # [BC, BC] @ [BC, BKP]
+                    b_dkbd = _mm(b_dAb, b_kc, PREC) * b_xr                    # [BC, BC] @ [BC, BKP]
+                    b_dkd += _mm(tl.trans(b_dAb), b_kb * b_xr, PREC)          # [BC, BC] @ [BC, BKP]
                 else:
                     b_dkbd = tl.zeros([BC, BKP], dtype=tl.float32)
                 b_dkd = b_dkd * b_xc
@@ -1191,7 +1188,9 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     # fp32: three tf32 products (~fp32 accuracy on the tensor cores); "ieee" lowers every product to FMA
     # loops: offline sm_90 at K = 128 the key-side kernel took 90.6 s to compile and spilled 102 KB per
     # thread (tf32x3: 15.1 s, 7.5 KB)
-    prec = "tf32x3" if q.dtype == torch.float32 else "tf32"
+    # 16-bit inputs: the products of fp32 operands in tf32, or as CHUNKWISE_BWD_PREC16 says ("tf32rn": operands
+    # rounded to nearest first, "tf32x3"; the tensor cores truncate fp32 operands to tf32: NOTES.md, session 7)
+    prec = "tf32x3" if q.dtype == torch.float32 else prec_env("CHUNKWISE_BWD_PREC16", "tf32")
     # 16-bit product operands (BWD_LOWP), 16-bit inputs only
     level = int(os.environ.get("CHUNKWISE_BWD_LOWP", BWD_LOWP)) if q.dtype in (torch.bfloat16, torch.float16) else 0
     lowp, lowp_wu = level >= 1, level >= 2

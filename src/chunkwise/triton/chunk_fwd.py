@@ -703,6 +703,17 @@ def _gate_kind(g) -> int:
     return 0 if g is None else (1 if g.dim() == 3 else 2)
 
 
+PRECISIONS = ("tf32", "tf32rn", "tf32x3", "ieee")
+
+
+def prec_env(name: str, default: str) -> str:
+    """A product precision from the environment variable ``name`` (one of PRECISIONS, see _mm)."""
+    value = os.environ.get(name, default)
+    if value not in PRECISIONS:
+        raise ValueError(f"{name}={value!r}: expected one of {', '.join(PRECISIONS)}")
+    return value
+
+
 def _dot_prec(dtype, gate: int = 0) -> tuple[str, str, str]:
     """(input-dtype dots, fp32 factor products, the solve).
 
@@ -719,7 +730,7 @@ def _dot_prec(dtype, gate: int = 0) -> tuple[str, str, str]:
     if dtype == torch.float32:
         return "tf32x3", "tf32x3", "tf32x3"
     if dtype == torch.float16:
-        mm = os.environ.get("CHUNKWISE_FP16_MM_PREC", "tf32x3") if gate == 2 else "tf32"
+        mm = prec_env("CHUNKWISE_FP16_MM_PREC", "tf32x3") if gate == 2 else "tf32"
         return "tf32", mm, "tf32x3"
     return "tf32", "tf32", "tf32"
 
