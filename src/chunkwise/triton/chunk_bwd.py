@@ -602,6 +602,20 @@ def _bwd_dh_kernel(q, k, G, W, dRl, do, dht, dh, dR, dh0, cu_seqlens, chunk_offs
 # ------------------------------------------------------------------------------------------------
 
 @triton.jit
+def _chunk_rows(t0, L, i_h, HV: tl.constexpr, C: tl.constexpr):
+    """The chunk's token rows t0 + [0, C) of value head i_h, L of them real: (o_t [C], m_t [C], rows [C] int64,
+    m_cc [C, C] (both rows real), offsets of element [i, j] and of element [j, i] in a per-chunk [B, T, HV, C]
+    matrix such as Pmat / Amat / Tmat)."""
+    o_t = tl.arange(0, C)
+    m_t = o_t < L
+    rows = (t0 + o_t).to(tl.int64)
+    m_cc = m_t[:, None] & m_t[None, :]
+    p_cc = (rows[:, None] * HV + i_h) * C + o_t[None, :]
+    p_ccT = (rows[None, :] * HV + i_h) * C + o_t[:, None]
+    return o_t, m_t, rows, m_cc, p_cc, p_ccT
+
+
+@triton.jit
 def _bwd_dv_kernel(q, k, v, beta, G, Tmat, h, R, dR, do, Pmat, Amat, dq, dv, dbeta, dG, cu_seqlens, chunk_indices,
                    T, scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                    BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
@@ -620,12 +634,7 @@ def _bwd_dv_kernel(q, k, v, beta, G, Tmat, h, R, dR, do, Pmat, Amat, dq, dv, dbe
     m_k = o_k < K
     p_h = (i_g * HV + i_h).to(tl.int64) * K * V
     b_dqg = tl.zeros([C, BK], dtype=tl.float32)
-    o_t = tl.arange(0, C)
-    m_t = o_t < L
-    rows = (t0 + o_t).to(tl.int64)
-    m_cc = m_t[:, None] & m_t[None, :]
-    p_cc = (rows[:, None] * HV + i_h) * C + o_t[None, :]
-    p_ccT = (rows[None, :] * HV + i_h) * C + o_t[:, None]                                # element [j, i] of row i
+    o_t, m_t, rows, m_cc, p_cc, p_ccT = _chunk_rows(t0, L, i_h, HV, C)
     # operands as stored (16-bit for 16-bit inputs: exact), fp32 accumulation
     if DELTA:
         b_beta = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.).to(tl.float32)
@@ -774,13 +783,8 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
     i_b, i_h = i_bh // HV, i_bh % HV
     i_hk = i_h // (HV // H)
     t0, L, i_g = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
-    o_t = tl.arange(0, C)
-    m_t = o_t < L
-    rows = (t0 + o_t).to(tl.int64)
+    o_t, m_t, rows, m_cc, p_cc, p_ccT = _chunk_rows(t0, L, i_h, HV, C)
     i_ge_j = o_t[:, None] >= o_t[None, :]
-    m_cc = m_t[:, None] & m_t[None, :]
-    p_cc = (rows[:, None] * HV + i_h) * C + o_t[None, :]
-    p_ccT = (rows[None, :] * HV + i_h) * C + o_t[:, None]                                # element [j, i] of row i
     p_h = (i_g * HV + i_h).to(tl.int64) * K * V
     OPD: tl.constexpr = q.dtype.element_ty if LOWP else tl.float32                    # the products' operands
     OPD2: tl.constexpr = q.dtype.element_ty if LOWP == 1 else tl.float32              # pass 2's (dP, dA, q, k)
@@ -943,12 +947,7 @@ def _bwd_pair_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, cu_seqlens, chu
     m_k = o_k < K
     b_last = tl.load(G + ((t0 + L - 1).to(tl.int64) * HV + i_h) * K + o_k, mask=m_k, other=0.)
     if OFFDIAG:
-        o_t = tl.arange(0, C)
-        m_t = o_t < L
-        rows = (t0 + o_t).to(tl.int64)
-        m_cc = m_t[:, None] & m_t[None, :]
-        p_cc = (rows[:, None] * HV + i_h) * C + o_t[None, :]
-        p_ccT = (rows[None, :] * HV + i_h) * C + o_t[:, None]                            # element [j, i] of row i
+        o_t, m_t, rows, m_cc, p_cc, p_ccT = _chunk_rows(t0, L, i_h, HV, C)
         OPD: tl.constexpr = q.dtype.element_ty if LOWP else tl.float32
         b_dP = tl.load(Pmat + p_cc, mask=m_cc & (o_t[:, None] >= o_t[None, :]), other=0.).to(OPD)   # dP [C, C]
         b_dPt = tl.load(Pmat + p_ccT, mask=m_cc, other=0.).to(OPD)                                   # dPᵀ
