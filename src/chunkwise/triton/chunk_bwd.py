@@ -195,10 +195,9 @@ def _intra_kernel(q, k, beta, G, Amat, Pmat, cu_seqlens, chunk_indices, T,
                 in_blk = (o_t // BC) == jb
                 b_right = tl.exp(tl.where(in_blk[:, None], b_Gr[None, :] - b_G, float("-inf")))
                 b_kr = b_kc * b_right
-                b_P += _mm(b_qc * b_left, tl.trans(b_kr), PREC)     # [C, BKI] @ [BKI, C]
+                b_P += _mm(b_qc * b_left, tl.trans(b_kr), PREC)                        # [C, BKI] @ [BKI, C]
                 if DELTA:
-                    b_A += _mm(b_kc * b_beta[:, None] * b_left, tl.trans(b_kr),
-                                  PREC)                                 # [C, BKI] @ [BKI, C]
+                    b_A += _mm(b_kc * b_beta[:, None] * b_left, tl.trans(b_kr), PREC)    # [C, BKI] @ [BKI, C]
         off = (o_t[:, None] // BC) != (o_t[None, :] // BC)
         tl.store(Pmat + p_cc, b_P, mask=m_cc & off)
         if DELTA:
@@ -214,7 +213,7 @@ def _intra_kernel(q, k, beta, G, Amat, Pmat, cu_seqlens, chunk_indices, T,
             b_gam = tl.exp(tl.where(i_ge_j, b_G[:, None] - b_G[None, :], float("-inf")))
         else:
             b_gam = tl.where(i_ge_j, 1., 0.)
-        b_P = _mm(b_q, tl.trans(b_k), PREC) * b_gam                 # [C, BK] @ [BK, C]
+        b_P = _mm(b_q, tl.trans(b_k), PREC) * b_gam                                    # [C, BK] @ [BK, C]
         tl.store(Pmat + p_cc, b_P, mask=m_cc)
         if DELTA:
             b_A = _mm(b_kb, tl.trans(b_k), PREC) * tl.where(i_gt_j, b_gam, 0.)  # [C, BK] @ [BK, C]
@@ -279,8 +278,8 @@ def _intra_diag_kernel(q, k, beta, G, Amat, Pmat, cu_seqlens, chunk_indices, T,
         b_xr, b_xc, fast = _diag_factors(b_G, span_max)
         if fast:
             b_kc = tl.trans(b_k * b_xc)
-            b_P = _mm(b_q * b_xr, b_kc, PREC)                             # [BC, BK] @ [BK, BC]
-            b_A = _mm(b_k * b_xr, b_kc, PREC)                             # [BC, BK] @ [BK, BC]
+            b_P = _mm(b_q * b_xr, b_kc, PREC)                                                # [BC, BK] @ [BK, BC]
+            b_A = _mm(b_k * b_xr, b_kc, PREC)                                                # [BC, BK] @ [BK, BC]
         else:
             b_P = tl.zeros([BC, BC], dtype=tl.float32)
             b_A = tl.zeros([BC, BC], dtype=tl.float32)
@@ -412,7 +411,7 @@ def _wu_kernel(k, v, beta, G, Tmat, Pmat, do, W, U, dRl, cu_seqlens, chunk_indic
             b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, GATE == 2)
             b_eG, _ = _gate_factors(b_G, b_last, GATE)
             b_x = b_x * b_eG
-        b_w = _mm(b_T, b_x.to(op_dt), PREC)                         # [C, C] @ [C, BK]
+        b_w = _mm(b_T, b_x.to(op_dt), PREC)                                            # [C, C] @ [C, BK]
         tl.store(W + (rows[:, None] * HV + i_h) * K + o_k[None, :], b_w, mask=m_tk)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
@@ -422,7 +421,7 @@ def _wu_kernel(k, v, beta, G, Tmat, Pmat, do, W, U, dRl, cu_seqlens, chunk_indic
         tl.store(dRl + p_tv, scale * _mm(tl.trans(b_P), b_do, PREC), mask=m_tv)  # [C, C] @ [C, BV]
         if DELTA:
             b_y = tl.load(v + p_tv, mask=m_tv, other=0.).to(tl.float32) * b_beta[:, None]
-            tl.store(U + p_tv, _mm(b_T, b_y.to(op_dt), PREC), mask=m_tv)   # [C, C] @ [C, BV]
+            tl.store(U + p_tv, _mm(b_T, b_y.to(op_dt), PREC), mask=m_tv)                      # [C, C] @ [C, BV]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -454,7 +453,7 @@ def _fwd_h_step(k, v, G, W, U, h, R, b_S, i_c, bos, eos, boh, i_h, i_hk, o_v, H:
     if DELTA:
         b_w = tl.load(W + (rows[:, None] * HV + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(op_dt)
         b_R = tl.load(U + p_tv, mask=m_tv, other=0.).to(tl.float32) - \
-            _mm(b_w, b_S.to(op_dt), PREC)                         # [C, BK] @ [BK, BV]
+            _mm(b_w, b_S.to(op_dt), PREC)                                            # [C, BK] @ [BK, BV]
         tl.store(R + p_tv, b_R, mask=m_tv)
     else:
         b_R = tl.load(v + p_tv, mask=m_tv, other=0.).to(tl.float32)
@@ -467,7 +466,7 @@ def _fwd_h_step(k, v, G, W, U, h, R, b_S, i_c, bos, eos, boh, i_h, i_hk, o_v, H:
         b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
         b_R = b_R * tl.exp(b_last - b_G)[:, None]
         b_S *= tl.exp(b_last)
-    b_S += _mm(tl.trans(b_k.to(op_dt)), b_R.to(op_dt), PREC)    # [BK, C] @ [C, BV]
+    b_S += _mm(tl.trans(b_k.to(op_dt)), b_R.to(op_dt), PREC)                       # [BK, C] @ [C, BV]
     return b_S
 
 
@@ -541,7 +540,7 @@ def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, i_c, bos, eos, boh, i_h, i_h
         b_k = b_k.to(tl.float32) * b_ekend
         b_q = b_q.to(tl.float32) * b_eG
     b_k, b_q = b_k.to(op_dt), b_q.to(op_dt)
-    b_kdS = _mm(b_k, b_dS.to(op_dt), PREC)                       # [C, BK] @ [BK, BV]
+    b_kdS = _mm(b_k, b_dS.to(op_dt), PREC)                                          # [C, BK] @ [BK, BV]
     if GATE == 1:   # a scalar gate scales rows: apply it to the [C, BV] side, not to [C, BK]
         b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
         b_kdS = b_kdS * tl.exp(b_last - b_G)[:, None]
@@ -552,10 +551,10 @@ def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, i_c, bos, eos, boh, i_h, i_h
         b_dS *= tl.exp(b_last)[:, None]
     elif GATE == 1:
         b_dS *= tl.exp(b_last)
-    b_dS += scale * _mm(tl.trans(b_q), b_do.to(op_dt), PREC)    # [BK, C] @ [C, BV]
+    b_dS += scale * _mm(tl.trans(b_q), b_do.to(op_dt), PREC)                       # [BK, C] @ [C, BV]
     if DELTA:
         b_w = tl.load(W + (rows[:, None] * HV + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(op_dt)
-        b_dS -= _mm(tl.trans(b_w), b_dR.to(op_dt), PREC)         # [BK, C] @ [C, BV]
+        b_dS -= _mm(tl.trans(b_w), b_dR.to(op_dt), PREC)                            # [BK, C] @ [C, BV]
     return b_dS
 
 
@@ -652,16 +651,16 @@ def _bwd_dv_kernel(q, k, v, beta, G, Tmat, h, R, dR, do, Pmat, Amat, dq, dv, dbe
             b_R = tl.load(R + p_tv, mask=m_tv, other=0.)
             b_v = tl.load(v + p_tv, mask=m_tv, other=0.)
             b_vb = (b_v.to(tl.float32) * b_beta[:, None]).to(dR.dtype.element_ty)
-            b_dTv += _mm(b_dR, tl.trans(b_vb), PREC)                 # [C, BV] @ [BV, C]
-            b_dy = _mm(b_Tt, b_dR, PREC)                             # [C, C] @ [C, BV]
+            b_dTv += _mm(b_dR, tl.trans(b_vb), PREC)                                    # [C, BV] @ [BV, C]
+            b_dy = _mm(b_Tt, b_dR, PREC)                                                # [C, C] @ [C, BV]
             tl.store(dv + p_tv, b_dy * b_beta[:, None], mask=m_tv)
             b_db += tl.sum(b_v.to(tl.float32) * b_dy, axis=1)
         else:
             b_R = tl.load(v + p_tv, mask=m_tv, other=0.)
             tl.store(dv + p_tv, b_dR, mask=m_tv)
-        b_dP += _mm(b_do, tl.trans(b_R), PREC)                       # [C, BV] @ [BV, C]
+        b_dP += _mm(b_do, tl.trans(b_R), PREC)                                          # [C, BV] @ [BV, C]
         b_S = tl.load(h + p_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & (o_v < V)[None, :], other=0.)
-        b_dqg += _mm(b_do, tl.trans(b_S), PREC)                      # [C, BV] @ [BV, BK]
+        b_dqg += _mm(b_do, tl.trans(b_S), PREC)                                         # [C, BV] @ [BV, BK]
     b_dP = tl.where(o_t[:, None] >= o_t[None, :], b_dP * scale, 0.)
     tl.store(Pmat + p_cc, b_dP, mask=m_cc)
     m_tk = m_t[:, None] & m_k[None, :]
@@ -679,7 +678,7 @@ def _bwd_dv_kernel(q, k, v, beta, G, Tmat, h, R, dR, do, Pmat, Amat, dq, dv, dbe
         b_k = tl.load(k + (rows[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
         if GATE == 1:
             b_dP = b_dP * tl.exp(tl.where(o_t[:, None] >= o_t[None, :], b_G[:, None] - b_G[None, :], float("-inf")))
-        b_dq += _mm(b_dP, b_k, PREC)                                   # [C, C] @ [C, BK]
+        b_dq += _mm(b_dP, b_k, PREC)                                                      # [C, C] @ [C, BK]
         tl.store(dq + p_hk, b_dq, mask=m_tk)
         if GATE == 1:
             tl.store(dG + rows * HV + i_h, tl.sum(b_q * b_dq, axis=1), mask=m_t)
@@ -718,10 +717,10 @@ def _key_side_vloop(h, dh, R, dR, v, p_h, rows, i_h, o_k, m_k, m_t, HV: tl.const
         if DELTA:
             b_R = tl.load(R + p_tv, mask=m_tv, other=0.)
             b_dR = tl.load(dR + p_tv, mask=m_tv, other=0.)
-            b_dw -= _mm(b_dR, tl.trans(b_S), PREC)                   # [C, BV] @ [BV, BKW]
+            b_dw -= _mm(b_dR, tl.trans(b_S), PREC)                                      # [C, BV] @ [BV, BKW]
         else:
             b_R = tl.load(v + p_tv, mask=m_tv, other=0.)
-        b_dkend += _mm(b_R, tl.trans(b_dSn), PREC)                   # [C, BV] @ [BV, BKW]
+        b_dkend += _mm(b_R, tl.trans(b_dSn), PREC)                                      # [C, BV] @ [BV, BKW]
         b_dgam += tl.sum(b_S.to(tl.float32) * b_dSn.to(tl.float32), axis=1)
     return b_dw, b_dkend, b_dgam
 
@@ -744,11 +743,11 @@ def _pairwise_grads_channel(b_dP, b_dPt, b_dA, b_dAt, b_q, b_k, b_kb, b_G, C: tl
         b_right = tl.exp(tl.where(((o_t // BC) == jb)[:, None], b_Gr[None, :] - b_G, float("-inf")))
         b_kr = b_k * b_right
         b_kr = b_kr.to(OPD)
-        b_dqp += _mm(b_dP, b_kr, PREC) * b_left                         # [C, C] @ [C, BKW]
-        b_dkp += _mm(b_dPt, (b_q * b_left).to(OPD), PREC) * b_right    # [C, C] @ [C, BKW]
+        b_dqp += _mm(b_dP, b_kr, PREC) * b_left                                            # [C, C] @ [C, BKW]
+        b_dkp += _mm(b_dPt, (b_q * b_left).to(OPD), PREC) * b_right                       # [C, C] @ [C, BKW]
         if DELTA:
-            b_dkb += _mm(b_dA, b_kr, PREC) * b_left                     # [C, C] @ [C, BKW]
-            b_dkp += _mm(b_dAt, (b_kb * b_left).to(OPD), PREC) * b_right   # [C, C] @ [C, BKW]
+            b_dkb += _mm(b_dA, b_kr, PREC) * b_left                                        # [C, C] @ [C, BKW]
+            b_dkp += _mm(b_dAt, (b_kb * b_left).to(OPD), PREC) * b_right                      # [C, C] @ [C, BKW]
     return b_dqp, b_dkp, b_dkb
 
 
@@ -831,8 +830,8 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
                 b_ke = b_k
             b_x = b_ke * b_beta[:, None]
             b_dwo = b_dw.to(OPD)
-            b_dx = _mm(tl.trans(b_T), b_dwo, PREC)                    # [C, C] @ [C, BKH]
-            b_dT += _mm(b_dwo, tl.trans(b_x.to(OPD)), PREC)           # [C, BKH] @ [BKH, C]
+            b_dx = _mm(tl.trans(b_T), b_dwo, PREC)                                       # [C, C] @ [C, BKH]
+            b_dT += _mm(b_dwo, tl.trans(b_x.to(OPD)), PREC)                              # [C, BKH] @ [BKH, C]
             if GATE > 0:
                 b_dk += b_beta[:, None] * b_eGh * b_dx
             else:
@@ -851,8 +850,7 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
     # dot accumulator: fla #640)
     tl.debug_barrier()          # every thread has read dT_v from Amat and written its dk / dG columns
     if DELTA:
-        b_dA = _mm(_mm(tl.trans(b_T), b_dT.to(OPD), PREC).to(OPD), tl.trans(b_T),
-                      PREC)                                              # [C, C] @ [C, C] @ [C, C]
+        b_dA = _mm(_mm(tl.trans(b_T), b_dT.to(OPD), PREC).to(OPD), tl.trans(b_T), PREC)  # [C, C] @ [C, C] @ [C, C]
         b_dA = tl.where(m_cc & (o_t[:, None] > o_t[None, :]), -b_dA, 0.)
         if GATE == 1:
             b_dA = b_dA * tl.exp(tl.where(i_ge_j, b_G[:, None] - b_G[None, :], float("-inf")))
@@ -876,10 +874,10 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
             b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
             b_kb = b_k * b_beta[:, None]
             b_dkb = tl.zeros([C, BKH], dtype=tl.float32)
-            b_dkp = _mm(b_dPt, b_q.to(OPD2), PREC)                         # [C, C] @ [C, BKH]
+            b_dkp = _mm(b_dPt, b_q.to(OPD2), PREC)                                            # [C, C] @ [C, BKH]
             if DELTA:
-                b_dkb = _mm(b_dA, b_k.to(OPD2), PREC)                      # [C, C] @ [C, BKH]
-                b_dkp += _mm(b_dAt, b_kb.to(OPD2), PREC)                   # [C, C] @ [C, BKH]
+                b_dkb = _mm(b_dA, b_k.to(OPD2), PREC)                                         # [C, C] @ [C, BKH]
+                b_dkp += _mm(b_dAt, b_kb.to(OPD2), PREC)                                      # [C, C] @ [C, BKH]
             if GATE == 1:
                 b_dGr += tl.sum(b_kb * b_dkb - b_k * b_dkp, axis=1)
             b_dk = tl.load(dk + p_hk, mask=m_tk, other=0.) + b_dkp + b_beta[:, None] * b_dkb
@@ -998,12 +996,12 @@ def _bwd_pair_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, cu_seqlens, chu
                 m_bb = (m_r[:, None] & m_r[None, :]) & (o_i[:, None] >= o_i[None, :])
                 b_dPb = tl.load(Pmat + p_bb, mask=m_bb, other=0.)                                  # [BC, BC]
                 b_kc = b_k * b_xc
-                b_dqd = _mm(b_dPb, b_kc, PREC) * b_xr                         # [BC, BC] @ [BC, BKP]
-                b_dkd = _mm(tl.trans(b_dPb), b_q * b_xr, PREC)                # [BC, BC] @ [BC, BKP]
+                b_dqd = _mm(b_dPb, b_kc, PREC) * b_xr                                            # [BC, BC] @ [BC, BKP]
+                b_dkd = _mm(tl.trans(b_dPb), b_q * b_xr, PREC)                                   # [BC, BC] @ [BC, BKP]
                 if DELTA:
                     b_dAb = tl.load(Amat + p_bb, mask=m_bb, other=0.)
-                    b_dkbd = _mm(b_dAb, b_kc, PREC) * b_xr                    # [BC, BC] @ [BC, BKP]
-                    b_dkd += _mm(tl.trans(b_dAb), b_kb * b_xr, PREC)          # [BC, BC] @ [BC, BKP]
+                    b_dkbd = _mm(b_dAb, b_kc, PREC) * b_xr                                       # [BC, BC] @ [BC, BKP]
+                    b_dkd += _mm(tl.trans(b_dAb), b_kb * b_xr, PREC)                             # [BC, BC] @ [BC, BKP]
                 else:
                     b_dkbd = tl.zeros([BC, BKP], dtype=tl.float32)
                 b_dkd = b_dkd * b_xc

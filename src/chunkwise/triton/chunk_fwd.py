@@ -101,8 +101,9 @@ def _rn_tf32(x):
 
 @triton.jit
 def _mm(a, b, MM_PREC: tl.constexpr):
-    """tl.dot of the fp32 factor products: MM_PREC "tf32" / "tf32x3" / "ieee" as tl.dot takes them, or "tf32rn":
-    tf32 with both operands rounded to nearest first."""
+    """tl.dot at a product precision (chunk_fwd's fp32 factor products, every product of chunk_bwd): MM_PREC
+    "tf32" / "tf32x3" / "ieee" as tl.dot takes them, or "tf32rn": tf32 with fp32 operands rounded to nearest
+    first. 16-bit operands go to the tensor cores as they are at any setting."""
     if MM_PREC == "tf32rn":
         return tl.dot(_rn_tf32(a), _rn_tf32(b), input_precision="tf32")
     else:
@@ -274,8 +275,8 @@ def _kda_ap_rows(A0, A1, A2, A3, P0, P1, P2, P3, kf, qf, b_G, b_beta, k_base, q_
         beta_b = tl.load(beta + (bos + r0 + o_c) * HV + i_h, mask=r0 + o_c < T_seq, other=0.).to(tl.float32)
         x_b = tl.exp(tl.cumsum(tl.where(g_b < g_floor, g_floor, g_b), 0))                # e^{G_i − s_b} ≤ 1
         cT = tl.trans(cols)
-        a_b = _mm(k_b * beta_b[:, None] * x_b, cT, MM_PREC)          # [BC, BKC] @ [BKC, BT]
-        p_b = _mm(q_b * x_b, cT, MM_PREC)                            # [BC, BKC] @ [BKC, BT]
+        a_b = _mm(k_b * beta_b[:, None] * x_b, cT, MM_PREC)                             # [BC, BKC] @ [BKC, BT]
+        p_b = _mm(q_b * x_b, cT, MM_PREC)                                               # [BC, BKC] @ [BKC, BT]
         if b == 0:
             A0 += a_b
             P0 += p_b
@@ -372,23 +373,23 @@ def chunk_prepare_kernel(
                 # off-diagonal blocks, column block c, rows of block b > c: e^{G_i − e_c} = x_i e^{s_b − e_c}
                 f = _by_block(zero[None, :], one[None, :], tl.exp(e1 - e0)[None, :], tl.exp(e2 - e0)[None, :], BTc, BCc)
                 c = tl.trans(tl.where((blk == 0)[:, None], ky, 0.))
-                A += _mm(bkx * f, c, MM_PREC)                             # [BT, BKC] @ [BKC, BT]
-                P += _mm(qx * f, c, MM_PREC)                              # [BT, BKC] @ [BKC, BT]
+                A += _mm(bkx * f, c, MM_PREC)                                                # [BT, BKC] @ [BKC, BT]
+                P += _mm(qx * f, c, MM_PREC)                                                 # [BT, BKC] @ [BKC, BT]
                 f = _by_block(zero[None, :], zero[None, :], one[None, :], tl.exp(e2 - e1)[None, :], BTc, BCc)
                 c = tl.trans(tl.where((blk == 1)[:, None], ky, 0.))
-                A += _mm(bkx * f, c, MM_PREC)                             # [BT, BKC] @ [BKC, BT]
-                P += _mm(qx * f, c, MM_PREC)                              # [BT, BKC] @ [BKC, BT]
+                A += _mm(bkx * f, c, MM_PREC)                                                # [BT, BKC] @ [BKC, BT]
+                P += _mm(qx * f, c, MM_PREC)                                                 # [BT, BKC] @ [BKC, BT]
                 f = tl.where((blk == 3)[:, None], 1., 0.)
                 c = tl.trans(tl.where((blk == 2)[:, None], ky, 0.))
-                A += _mm(bkx * f, c, MM_PREC)                             # [BT, BKC] @ [BKC, BT]
-                P += _mm(qx * f, c, MM_PREC)                              # [BT, BKC] @ [BKC, BT]
+                A += _mm(bkx * f, c, MM_PREC)                                                # [BT, BKC] @ [BKC, BT]
+                P += _mm(qx * f, c, MM_PREC)                                                 # [BT, BKC] @ [BKC, BT]
                 # diagonal blocks: around the block start when the block's gates sum above -span_max, else exact
                 if worst > -span_max:
                     # k_j e^{s_b − G_j} = ky_j e^{s_b − e_b}, at most e^{span_max}
                     kinv = ky * tl.exp(_by_block(-e0[None, :], (e0 - e1)[None, :], (e1 - e2)[None, :],
                                                  (e2 - e3)[None, :], BTc, BCc))
-                    Ad = _mm(bkx, tl.trans(kinv), MM_PREC)                # [BT, BKC] @ [BKC, BT]
-                    Pd = _mm(qx, tl.trans(kinv), MM_PREC)                 # [BT, BKC] @ [BKC, BT]
+                    Ad = _mm(bkx, tl.trans(kinv), MM_PREC)                                   # [BT, BKC] @ [BKC, BT]
+                    Pd = _mm(qx, tl.trans(kinv), MM_PREC)                                    # [BT, BKC] @ [BKC, BT]
                 else:
                     # rare: each column j exactly from e^{G_i − G_j}, i ≥ j
                     Ad, Pd = _kda_diag_exact(kf, qf, kf * b_beta[:, None], b_G, BTc, BCc)
@@ -435,9 +436,9 @@ def chunk_prepare_kernel(
         b_do = tl.load(tl.make_block_ptr(do + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf),
                                          (1, 0)), boundary_check=(0, 1))
         if WU_LOWP:     # P in the input dtype, as the backward's W / U recompute does at BWD_LOWP 2
-            b_drl = _mm(tl.trans(P.to(b_do.dtype)), b_do, MM_PREC)    # [BT, BT] @ [BT, BV]
+            b_drl = _mm(tl.trans(P.to(b_do.dtype)), b_do, MM_PREC)                       # [BT, BT] @ [BT, BV]
         else:
-            b_drl = _mm(tl.trans(P), b_do.to(tl.float32), MM_PREC)    # [BT, BT] @ [BT, BV]
+            b_drl = _mm(tl.trans(P), b_do.to(tl.float32), MM_PREC)                       # [BT, BT] @ [BT, BV]
         tl.store(tl.make_block_ptr(drl + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf), (1, 0)),
                  (b_drl * scale).to(drl.dtype.element_ty), boundary_check=(0, 1))
     if WU_LOWP:         # W, U products in the input dtype (tensor cores at the 16-bit rate), as fla does
@@ -452,16 +453,16 @@ def chunk_prepare_kernel(
                                             (1, 0)), boundary_check=(0, 1)).to(tl.float32)
             b_G = tl.cumsum(tl.where(b_g < g_floor, g_floor, b_g), 0)
             Xk = kf * b_beta[:, None] * tl.exp(b_G)
-            b_w = _mm(Tm, Xk.to(Tm.dtype), MM_PREC)                   # [BT, BT] @ [BT, BKC]
+            b_w = _mm(Tm, Xk.to(Tm.dtype), MM_PREC)                                      # [BT, BT] @ [BT, BKC]
             tl.store(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
                                        (1, 0)), b_w.to(w.dtype.element_ty), boundary_check=(0, 1))
     else:
-        b_w = _mm(Tm, Xk.to(Tm.dtype), MM_PREC)                       # [BT, BT] @ [BT, BK]
+        b_w = _mm(Tm, Xk.to(Tm.dtype), MM_PREC)                                          # [BT, BT] @ [BT, BK]
         tl.store(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK), (1, 0)),
                  b_w.to(w.dtype.element_ty), boundary_check=(0, 1))
     Xv = tl.load(tl.make_block_ptr(v + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf), (1, 0)),
                  boundary_check=(0, 1)).to(tl.float32) * b_beta[:, None]
-    b_u = _mm(Tm, Xv.to(Tm.dtype), MM_PREC)                           # [BT, BT] @ [BT, BV]
+    b_u = _mm(Tm, Xv.to(Tm.dtype), MM_PREC)                                              # [BT, BT] @ [BT, BV]
     tl.store(tl.make_block_ptr(u + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf), (1, 0)),
              b_u.to(u.dtype.element_ty), boundary_check=(0, 1))
 
