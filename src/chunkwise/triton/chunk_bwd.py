@@ -1185,9 +1185,12 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     # fp32: three tf32 products (~fp32 accuracy on the tensor cores); "ieee" lowers every product to FMA
     # loops: offline sm_90 at K = 128 the key-side kernel took 90.6 s to compile and spilled 102 KB per
     # thread (tf32x3: 15.1 s, 7.5 KB)
-    # 16-bit inputs: the products of fp32 operands in tf32, or as CHUNKWISE_BWD_PREC16 says ("tf32rn": operands
-    # rounded to nearest first, "tf32x3"; the tensor cores truncate fp32 operands to tf32: NOTES.md, session 7)
-    prec = "tf32x3" if q.dtype == torch.float32 else prec_env("CHUNKWISE_BWD_PREC16", "tf32")
+    # 16-bit inputs: the products of fp32 operands in tf32 (bf16) or "tf32rn" (fp16: operands rounded to the
+    # nearest tf32 first, since the tensor cores truncate fp32 operands toward zero, a bias fp16's finer
+    # rounding does not hide: on the H200 KDA's fp16 dq / dg were 8.2e-4 / 1.4e-3 at tf32 against fla's
+    # 4.8e-4 / 6.0e-4, NOTES.md session 8); CHUNKWISE_BWD_PREC16 overrides (tf32, tf32rn, tf32x3)
+    prec16 = "tf32rn" if q.dtype == torch.float16 else "tf32"
+    prec = "tf32x3" if q.dtype == torch.float32 else prec_env("CHUNKWISE_BWD_PREC16", prec16)
     # 16-bit product operands (BWD_LOWP), 16-bit inputs only
     level = int(os.environ.get("CHUNKWISE_BWD_LOWP", BWD_LOWP)) if q.dtype in (torch.bfloat16, torch.float16) else 0
     lowp, lowp_wu = level >= 1, level >= 2

@@ -723,15 +723,16 @@ def _dot_prec(dtype, gate: int = 0) -> tuple[str, str, str]:
     here and spilled 38-41 KB per thread (tf32x3: 45-50 s, < 2.4 KB).
     bf16 / fp16 inputs: factored fp32 products in tf32 (10-bit mantissa, fp32 range); the solve in tf32
     (bf16: already finer than the bf16 inverse fla keeps) or tf32x3 (fp16). KDA with fp16 inputs (gate 2):
-    its per-channel A / P / W / U products also in tf32x3 (CHUNKWISE_FP16_MM_PREC overrides): the tensor
-    cores truncate fp32 operands to tf32 (toward zero, triton#4574), a bias that does not average out
-    over the 128-channel sums. On the H200 the KDA fp16 output error at real size was 1.13e-3 against fla's
-    4.7e-4 with tf32 there (bf16's own rounding, 3e-3, hides it).
+    its per-channel A / P / W / U products in "tf32rn", both operands rounded to the nearest tf32 first
+    (CHUNKWISE_FP16_MM_PREC overrides: tf32, tf32x3): the tensor cores truncate fp32 operands to tf32
+    (toward zero, triton#4574), a bias that does not average out over the 128-channel sums. On the H200
+    (B2-T1000-H8 error, B1-T32768-H32 time; fla 5.67e-4, 3.90 ms): tf32 1.16e-3 at 5.09 ms, tf32rn 5.49e-4
+    at 5.44 ms, tf32x3 4.23e-4 at 11.37 ms (bf16's own rounding, 3e-3, hides the bias: tf32 there).
     """
     if dtype == torch.float32:
         return "tf32x3", "tf32x3", "tf32x3"
     if dtype == torch.float16:
-        mm = prec_env("CHUNKWISE_FP16_MM_PREC", "tf32x3") if gate == 2 else "tf32"
+        mm = prec_env("CHUNKWISE_FP16_MM_PREC", "tf32rn") if gate == 2 else "tf32"
         return "tf32", mm, "tf32x3"
     return "tf32", "tf32", "tf32"
 
