@@ -109,7 +109,7 @@ def test_kda_pairwise_blocks(dtype, gate, bkc, form, monkeypatch):
 @pytest.mark.parametrize("prec", ["tf32", "tf32rn", "tf32x3"])
 def test_kda_fp16_product_precisions(prec, monkeypatch):
     """KDA with fp16 inputs, stage 1's fp32 factor products at each precision CHUNKWISE_FP16_MM_PREC offers
-    (tf32rn, the default, rounds the operands to the nearest tf32 first: the tensor cores truncate them), with strong
+    (tf32x3 is the default: the tensor cores truncate tf32 operands; "tf32rn" rounds them first), with strong
     gates and a steep block: within the fp16 tolerance of the float64 recurrence."""
     monkeypatch.setenv("CHUNKWISE_FP16_MM_PREC", prec)
     inp = make_inputs("kda", B=1, T=T_LONG, H=1, HV=2, K=KS[1], V=VS[0], dtype=torch.float16, gate="strong", seed=8)

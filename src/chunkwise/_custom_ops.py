@@ -283,11 +283,11 @@ def _save_stage1_wanted(mode, backend, beta, *tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _stage1_shapes(q, v, beta):
+def _stage1_shapes(q, v, g, beta):
     """(w, u, p, t) shapes and dtypes the saving forward returns (empty [0] tensors where it saves nothing)."""
     from .triton.chunk_fwd import BT, saves_stage1
     B, T, HV, K, V = q.shape[0], q.shape[1], v.shape[2], q.shape[3], v.shape[3]
-    if not saves_stage1(q, v, beta):
+    if not saves_stage1(q, v, g, beta):
         return [(_EMPTY_SHAPE, q.dtype)] * 4
     return [((B, T, HV, K), q.dtype), ((B, T, HV, V), q.dtype), ((B, T, HV, BT), q.dtype),
             ((B, T, HV, BT), torch.float32)]
@@ -301,7 +301,8 @@ def chunk_fwd_saved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Option
                     backend: str) -> _StageTuple:
     """chunk_fwd (triton, delta families) that also returns stage 1 for the backward:
     (o, final state or empty, w [B,T,HV,K], u [B,T,HV,V], p [B,T,HV,64] in q's dtype, t [B,T,HV,64] fp32),
-    the last four empty [0] tensors where the head dims are padded or 16-bit K > 128 runs in fp32."""
+    the last four empty [0] tensors where the head dims are padded, 16-bit K > 128 runs in fp32, or GDN / DeltaNet
+    take fp16 inputs (see triton.chunk_fwd.saves_stage1)."""
     from .triton.chunk_fwd import chunk_fwd as triton_chunk_fwd
     saved: dict = {}
     o, ht = triton_chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
@@ -318,7 +319,7 @@ def _(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, ch
       chunk_size, backend):
     o, ht = _forward_fake(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_indices,
                           transpose_state_layout, chunk_size, backend)
-    return (o, ht, *(q.new_empty(shape, dtype=dt) for shape, dt in _stage1_shapes(q, v, beta)))
+    return (o, ht, *(q.new_empty(shape, dtype=dt) for shape, dt in _stage1_shapes(q, v, g, beta)))
 
 
 @torch.library.custom_op("chunkwise::chunk_bwd_saved", mutates_args=())

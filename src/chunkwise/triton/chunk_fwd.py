@@ -723,16 +723,17 @@ def _dot_prec(dtype, gate: int = 0) -> tuple[str, str, str]:
     here and spilled 38-41 KB per thread (tf32x3: 45-50 s, < 2.4 KB).
     bf16 / fp16 inputs: factored fp32 products in tf32 (10-bit mantissa, fp32 range); the solve in tf32
     (bf16: already finer than the bf16 inverse fla keeps) or tf32x3 (fp16). KDA with fp16 inputs (gate 2):
-    its per-channel A / P / W / U products in "tf32rn", both operands rounded to the nearest tf32 first
-    (CHUNKWISE_FP16_MM_PREC overrides: tf32, tf32x3): the tensor cores truncate fp32 operands to tf32
-    (toward zero, triton#4574), a bias that does not average out over the 128-channel sums. On the H200
-    (B2-T1000-H8 error, B1-T32768-H32 time; fla 5.67e-4, 3.90 ms): tf32 1.16e-3 at 5.09 ms, tf32rn 5.49e-4
-    at 5.44 ms, tf32x3 4.23e-4 at 11.37 ms (bf16's own rounding, 3e-3, hides the bias: tf32 there).
+    its per-channel A / P / W / U products also in tf32x3 (CHUNKWISE_FP16_MM_PREC overrides: tf32, tf32rn):
+    the tensor cores truncate fp32 operands to tf32 (toward zero, triton#4574), a bias that does not average
+    out over the 128-channel sums. On the H200 (kda_fp16_prec.py: B2-T1000-H8 error, B1-T32768-H32 time; fla
+    5.67e-4, 3.90 ms): tf32 1.16e-3 at 5.09 ms, tf32rn (operands rounded to the nearest tf32 first) 5.49e-4
+    at 5.44 ms, tf32x3 4.23e-4 at 11.37 ms; on the GPU test's inputs tf32rn was 5.17e-4 against fla's
+    4.71e-4 (tf32x3 3.85e-4), above fla's, so tf32x3 stays (bf16's own rounding, 3e-3, hides the bias).
     """
     if dtype == torch.float32:
         return "tf32x3", "tf32x3", "tf32x3"
     if dtype == torch.float16:
-        mm = prec_env("CHUNKWISE_FP16_MM_PREC", "tf32rn") if gate == 2 else "tf32"
+        mm = prec_env("CHUNKWISE_FP16_MM_PREC", "tf32x3") if gate == 2 else "tf32"
         return "tf32", mm, "tf32x3"
     return "tf32", "tf32", "tf32"
 
@@ -904,10 +905,15 @@ def _pick_segments(NT: int, programs: int, n_sm: int) -> int:
     return nseg
 
 
-def saves_stage1(q, v, beta) -> bool:
+def saves_stage1(q, v, g, beta) -> bool:
     """Whether chunk_fwd(saved_out=...) fills saved_out for these inputs: the delta families at head dims the
-    kernels take as they are (not padded, not 16-bit with K > WIDE_16BIT_K, which run in fp32)."""
+    kernels take as they are (not padded, not 16-bit with K > WIDE_16BIT_K, which run in fp32), except GDN and
+    DeltaNet with fp16 inputs: on the H200 (triton 3.6) their saved stage 1 gave inf gradients at small tiles
+    (K = 16, V = 32; the interpreter and real sizes were right, NOTES.md session 8), so their backward
+    recomputes it with the intra / solve / wu kernels that fp16 always took before."""
     if beta is None or (q.dtype != torch.float32 and q.shape[-1] > WIDE_16BIT_K):
+        return False
+    if q.dtype == torch.float16 and (g is None or g.dim() == 3):
         return False
     return padded_dims(q, v) == (q.shape[-1], v.shape[-1])
 
@@ -940,7 +946,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
                           transpose_state_layout=transpose_state_layout, p_in=p_in, bv=bv, num_stages=num_stages,
                           num_warps=num_warps, segments=segments, seg_phase1=seg_phase1, seg_sub=seg_sub)
         return o.to(q.dtype), ht
-    save = saved_out is not None and saves_stage1(q, v, beta)      # (on the unpadded inputs)
+    save = saved_out is not None and saves_stage1(q, v, g, beta)      # (on the unpadded inputs)
     K0, V0 = q.shape[-1], v.shape[-1]
     Kp, Vp = padded_dims(q, v)
     padded = (Kp, Vp) != (K0, V0)
