@@ -77,7 +77,9 @@ def warm_benchmarks(only: str = ""):
                          ("sweep_bwd", ["--warm", "--warps", "4,8"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "pair"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "regs"]),
-                         ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "save"])):
+                         ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "save"]),
+                         ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "lowp"]),
+                         ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "slices"])):
         if only not in " ".join([script] + argv):
             continue
         t = time.time()
