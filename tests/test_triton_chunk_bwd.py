@@ -439,15 +439,18 @@ def test_grads_saved_stage1(fam, dtype, monkeypatch):
     monkeypatch.setattr(cb, "chunk_bwd", spy)
     monkeypatch.delenv("CHUNKWISE_SAVE_STAGE1", raising=False)          # the default saves
     saved = _compare(inp, TOL[dtype], dtype=dtype)
-    assert seen == [True]
+    keeps = not (dtype == torch.float16 and fam in ("gdn", "delta"))     # see test_saved_stage1_rule
+    assert seen == [keeps]
     monkeypatch.setenv("CHUNKWISE_SAVE_STAGE1", "0")
     again = _grads(inp, "triton", dtype)
     ours = _grads(inp, "triton", dtype)
     monkeypatch.setenv("CHUNKWISE_SAVE_STAGE1", "1")
     with_saved = _grads(inp, "triton", dtype)
-    assert seen == [True, False, False, True]
+    assert seen == [keeps, False, False, keeps]
+    # the two paths round differently where fp16's backward takes tf32rn products (the saved stage 1 is the
+    # forward's, in tf32x3; the interpreter runs tf32 / tf32x3 in fp32 but applies tf32rn's rounding)
     for n in ours:
-        assert rel_err(with_saved[n], ours[n]) <= TOL[dtype] / 4, n
+        assert rel_err(with_saved[n], ours[n]) <= TOL[dtype] / 2, n
     assert set(saved) == set(again)
 
 
