@@ -358,15 +358,20 @@ def test_saved_stage1_rule(fam, dtype):
     assert saves_stage1(q, v, inp.g, inp.beta) == want
 
 
+BF16_SMALL = {"k16": ([1, 70, 30], 16), "k16-nolen1": ([70, 30], 16), "k64": ([1, 70, 30], 64)}
+
+
 @pytest.mark.skipif(not ON_GPU, reason="bf16 is wrong under the interpreter")
+@pytest.mark.parametrize("shape", list(BF16_SMALL))
 @pytest.mark.parametrize("save", [1, 0])
 @pytest.mark.parametrize("fam", FAMS)
-def test_grads_bf16_small_tiles(fam, save, monkeypatch):
-    """bf16 at small tiles (K = 16, V = 32), varlen with a length-1 sequence and grouped heads, stage 1 saved
-    by the forward (the default) or recomputed: the sm_90 builds of small tiles are not the real-size ones
-    (fp16 GDN / DeltaNet gave inf gradients there with the saved stage 1, session 8)."""
+def test_grads_bf16_small_tiles(fam, save, shape, monkeypatch):
+    """bf16 at small tiles (K = 16 or 64, V = 32), varlen (with or without a length-1 sequence) and grouped
+    heads, stage 1 saved by the forward (the default) or recomputed: the sm_90 builds of small tiles are not
+    the real-size ones (fp16 GDN / DeltaNet gave inf gradients there with the saved stage 1, session 8)."""
     monkeypatch.setenv("CHUNKWISE_SAVE_STAGE1", str(save))
-    inp = make_inputs(fam, lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, seed=8)
+    lengths, K = BF16_SMALL[shape]
+    inp = make_inputs(fam, lengths=lengths, H=1, HV=2, K=K, V=32, seed=8)
     _compare(inp, TOL[torch.bfloat16], dtype=torch.bfloat16)
 
 
