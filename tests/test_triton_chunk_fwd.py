@@ -310,3 +310,13 @@ def test_gla_with_p_from_its_own_kernel(case, gate):
     o2, ht2 = chunk_fwd(inp.q, inp.k, inp.v, g, None, K ** -0.5, inp.h0, final, inp.cu_seqlens, p_in=False)
     _check(inp, o, ht, TOL[torch.float32], final=final)
     assert rel_err(o, o2) <= TOL[torch.float32]
+
+
+def test_stage1_wu_16_bit_only_at_128():
+    """Stage 1 forms W / U from 16-bit operands only for 16-bit inputs at a 128-wide key tile (K = 65..128):
+    at K = 16 / 64 the sm_90 build of that form crashed or was wrong on the H200 (session 8); K = 256 in 16
+    bits runs in fp32 (WIDE_16BIT_K)."""
+    from chunkwise.triton.chunk_fwd import wu_lowp_ok
+    assert wu_lowp_ok(torch.bfloat16, 128) and wu_lowp_ok(torch.float16, 128) and wu_lowp_ok(torch.bfloat16, 100)
+    assert not any(wu_lowp_ok(dt, K) for dt in (torch.bfloat16, torch.float16) for K in (16, 32, 40, 64))
+    assert not wu_lowp_ok(torch.float32, 128)

@@ -762,6 +762,16 @@ def reg_cap(name: str) -> dict:
     return {}
 
 
+def wu_lowp_ok(dtype: torch.dtype, K: int) -> bool:
+    """Whether stage 1 (chunk_prepare_kernel, forward or the backward's recompute) may form W / U with 16-bit
+    product operands: 16-bit inputs at a 128-wide key tile only. On the H200 (triton 3.6, session 8) the
+    16-bit W / U products at K = 16 and 64 (bf16) crashed with an illegal memory access in
+    chunk_prepare_kernel or gave wrong gradients (rel. error ~1), and fp16 at K = 16 gave inf gradients;
+    with fp32 operands (CHUNKWISE_PREP_WU_LOWP=0) the same tests passed. K = 128 (also K = 100, padded to
+    128) passed every real-size test in both forms."""
+    return dtype != torch.float32 and _dim(K) == 128
+
+
 def prep_config(gate: int) -> tuple[int, int, int, int]:
     """The stage-1 launch of a gate kind: PREP_CONFIG, overridden by CHUNKWISE_PREP_CONFIG
     ("gate:lowp,warps[,bkc[,form]];..." as the sweep prints it) and then by CHUNKWISE_PREP_WU_LOWP /
@@ -817,7 +827,7 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
             q, k, v, g, beta, w, u, p, qg, kg, glast, None, t, None, cu_seqlens, chunk_indices, T, NT,
             H=H, HV=HV, K=K, V=V, scale=1.0, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)), GATE=gate,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=solve_prec,
-            g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and dt != torch.float32,
+            g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(dt, K),
             AP_FORM=form if gate == 2 else 0, STORE_T=save_t, num_warps=warps, num_stages=1, **reg_cap("prep_fwd"))
     return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, t=t)
 
@@ -841,7 +851,7 @@ def chunk_prepare_bwd(q, k, v, g, beta, do, scale, w, u, t_out, drl, cu_seqlens=
             q, k, v, g, beta, w, u, None, None, None, None, do, t_out, drl, cu_seqlens, chunk_indices, T, NT,
             H=H, HV=HV, K=K, V=V, scale=scale, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)),
             GATE=gate, IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=solve_prec,
-            g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and q.dtype != torch.float32, BWD=True,
+            g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(q.dtype, K), BWD=True,
             num_warps=num_warps, num_stages=1, **reg_cap("prep"))
 
 
