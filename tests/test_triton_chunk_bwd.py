@@ -470,3 +470,16 @@ def test_grads_saved_stage1_padded_dims(monkeypatch):
     monkeypatch.setenv("CHUNKWISE_SAVE_STAGE1", "1")
     _compare(inp, TOL[torch.float32])
     assert seen == [False]          # the op returned empty stage-1 tensors
+
+
+def test_bwd_lowp_default_level(monkeypatch):
+    """The backward's 16-bit product level: 4 (the key side in 16 bits but its pairwise products) for bf16 at
+    a 128-wide key tile, the one measured on the H200; 2 for fp16 and other tiles; fp32 none; the
+    environment variable overrides 16-bit inputs only."""
+    from chunkwise.triton.chunk_bwd import bwd_lowp_level
+    monkeypatch.delenv("CHUNKWISE_BWD_LOWP", raising=False)
+    assert bwd_lowp_level(torch.bfloat16, 128) == 4
+    assert [bwd_lowp_level(torch.bfloat16, bk) for bk in (16, 32, 64, 256)] == [2, 2, 2, 2]
+    assert bwd_lowp_level(torch.float16, 128) == 2 and bwd_lowp_level(torch.float32, 128) == 0
+    monkeypatch.setenv("CHUNKWISE_BWD_LOWP", "1")
+    assert bwd_lowp_level(torch.bfloat16, 128) == 1 and bwd_lowp_level(torch.float32, 128) == 0

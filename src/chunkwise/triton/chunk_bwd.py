@@ -1131,12 +1131,28 @@ BWD_KSPLIT = 64
 # X, dT, dA and dP (a variant: on the H200, run of a3986d3, fwd+bwd DeltaNet 7.07 -> 6.36 ms, GDN 8.42 -> 7.68,
 # KDA 26.49 -> 25.08, but at real size in bf16 GDN's dg error rose to 9.5e-3 and GLA's to 1.6e-2 (bound 8e-3,
 # LOWP 2: 1.9-3.3e-3), and with fp16 inputs dk / dβ / dg errors reached 0.6-4.7 (verify_d9ad4c6): not a
-# default). 4 (a variant, unmeasured): level 3 but the pairwise products (dP, dA with q, k) in fp32 operands,
-# where the dg error comes from. On the H200 (run of 3422a18, B1-T32768-H32)
-# level 2 took fwd+bwd from 11.71 to 9.05 ms (GDN), 10.27 to 7.77 (DeltaNet), 38.15 to 35.85 (KDA), with
-# gradient errors against float64 at fla's (ours / fla, bf16: DeltaNet k 5.41e-3 / 5.72e-3, v 4.06e-3 /
-# 4.05e-3; KDA beta 3.45e-3 / 3.42e-3, every other input at or under fla's). CHUNKWISE_BWD_LOWP overrides.
+# default). 4: level 3 but the pairwise products (dP, dA with q, k) in fp32 operands, where the dg error comes
+# from: the default for bf16 inputs at a 128-wide key tile (BWD_LOWP_BF16_128). On the H200 (run of 028da63,
+# B1-T32768-H32 bf16 fwd+bwd, levels 2 / 4) KDA 21.46 / 21.22 ms, DeltaNet 6.89 / 6.69, GDN 8.08 / 7.91 (the
+# key side 0.17-0.19 ms faster), and every real-size bf16 test and both Hopper pins passed at level 4
+# (sessions 7 and 8: DeltaNet dk 5.52e-3 against fla's 5.72e-3, GDN's pinned dg 1.95e-3); KDA and GLA at
+# small tiles (K = 16 / 64) too. Not for fp16: at K = 16 DeltaNet's dk was 0.52 (an sm_90-only failure, like
+# level 3's) and GDN's dg 4.0e-3 (bound 2e-3); nor at other key tiles (unchecked on the GPU). On the H200 (run
+# of 3422a18, B1-T32768-H32) level 2 took fwd+bwd from 11.71 to 9.05 ms (GDN), 10.27 to 7.77 (DeltaNet),
+# 38.15 to 35.85 (KDA), with gradient errors against float64 at fla's (ours / fla, bf16: DeltaNet k 5.41e-3 /
+# 5.72e-3, v 4.06e-3 / 4.05e-3; KDA beta 3.45e-3 / 3.42e-3, every other input at or under fla's).
+# CHUNKWISE_BWD_LOWP overrides both.
 BWD_LOWP = 2
+BWD_LOWP_BF16_128 = 4
+
+
+def bwd_lowp_level(dtype: torch.dtype, BK: int) -> int:
+    """The 16-bit product level (above) of inputs of this dtype at key tile BK: 0 for fp32 inputs,
+    CHUNKWISE_BWD_LOWP if set, else 4 for bf16 at BK = 128 and 2 otherwise."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return 0
+    default = BWD_LOWP_BF16_128 if dtype == torch.bfloat16 and BK == 128 else BWD_LOWP
+    return int(os.environ.get("CHUNKWISE_BWD_LOWP", default))
 # Scalar / no gate with the delta rule: recompute T, W, U and dR_local in one pass per chunk with the forward's
 # stage-1 kernel (A and P never reach memory: ~2.4 GB of traffic instead of ~5.4 GB at B1-T32768-H32)
 # instead of the intra / solve / wu kernels (1.5-1.6 ms on the H200, run of b699467). Unmeasured on the GPU;
@@ -1264,7 +1280,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     prec16 = "tf32rn" if q.dtype == torch.float16 else "tf32"
     prec = "tf32x3" if q.dtype == torch.float32 else prec_env("CHUNKWISE_BWD_PREC16", prec16)
     # 16-bit product operands (BWD_LOWP), 16-bit inputs only
-    level = int(os.environ.get("CHUNKWISE_BWD_LOWP", BWD_LOWP)) if q.dtype in (torch.bfloat16, torch.float16) else 0
+    level = bwd_lowp_level(q.dtype, BK)
     lowp, lowp_wu = level >= 1, level >= 2
     # the key side's LOWP constexpr: level 3 every product in 16 bits (True), level 4 all but the pairwise ones (2)
     lowp_key = {3: True, 4: 2}.get(level, False)
