@@ -56,12 +56,6 @@ KERNELS = {
                                 dbp="fp32", dG="fp32"),
                            dict(T="i32", s_dbp="i32"),
                            dict(BC=cb.SUB, span_max=cb.SPAN_MAX, OFFDIAG=True, DIAG=False, BKP=n)) for n in (16, 32)},
-    **{f"bwd_slices{n}": ("_bwd_pair_kernel",      # the same by column-block slices (CHUNKWISE_BWD_PAIR_SLICES=1)
-                          dict(q="in", k="in", beta="in", G="fp32", Pmat="fp32", Amat="fp32", dq="g", dk="g",
-                               dbp="fp32", dG="fp32"),
-                          dict(T="i32", s_dbp="i32"),
-                          dict(BC=cb.SUB, span_max=cb.SPAN_MAX, OFFDIAG=True, DIAG=False, BKP=n, SLICES=True))
-       for n in (32, 64, 128)},
     "wu": ("_wu_kernel",
            dict(k="in", v="in", beta="in", G="fp32", Tmat="fp32", Pmat="fp32", do="in", W="s", U="s", dRl="s"),
            dict(T="i32", scale="fp32"), {}),

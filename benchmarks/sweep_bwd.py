@@ -75,15 +75,7 @@ REG_VARIANTS = ";".join(["base:"] + [f"r{n}:CHUNKWISE_MAXNREG=" + "/".join(f"{k}
 SAVE_VARIANTS = "recompute:CHUNKWISE_SAVE_STAGE1=0;save:CHUNKWISE_SAVE_STAGE1=1"
 # the key side with 16-bit operands but its pairwise products (level 4) against the default level 2
 LOWP_VARIANTS = "lowp2:;lowp4:CHUNKWISE_BWD_LOWP=4"
-# --variants slices: KDA's off-diagonal pairwise products by column-block slices (CHUNKWISE_BWD_PAIR_SLICES=1;
-# offline sm_90 32 channels: 255 registers / 104 B spilled / 10 KB shared at 4 warps, 250 / 0 at 8, against the
-# whole tiles' 255 / 344 B / 80 KB), at 4 and 8 warps, 64 channels, and with the diagonal blocks in the program
-SLICES_VARIANTS = ("p32:;s32:CHUNKWISE_BWD_PAIR_SLICES=1;"
-                   "s32w8:CHUNKWISE_BWD_PAIR_SLICES=1,CHUNKWISE_BWD_WARPS=bwd_pair:8;"
-                   "s64w8:CHUNKWISE_BWD_PAIR_SLICES=1,CHUNKWISE_BWD_PAIR_SPLIT=64,CHUNKWISE_BWD_WARPS=bwd_pair:8;"
-                   "s32diag:CHUNKWISE_BWD_PAIR_SLICES=1,CHUNKWISE_BWD_PAIR_DIAG=1")
-NAMED = {"pair": PAIR_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
-         "slices": SLICES_VARIANTS}
+NAMED = {"pair": PAIR_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS}
 
 
 def run_env(fam, x, do, env, warm):

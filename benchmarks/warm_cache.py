@@ -78,8 +78,7 @@ def warm_benchmarks(only: str = ""):
                          ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "pair"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "regs"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "save"]),
-                         ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "lowp"]),
-                         ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "slices"])):
+                         ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "lowp"])):
         if only not in " ".join([script] + argv):
             continue
         t = time.time()

@@ -752,50 +752,6 @@ def _pairwise_grads_channel(b_dP, b_dPt, b_dA, b_dAt, b_q, b_k, b_kb, b_G, C: tl
 
 
 @triton.jit
-def _pairwise_grads_slices(Pmat, Amat, k, G, dk, dG, b_q, b_kb, b_G, b_last, t0, L, i_h, i_hk, o_k, m_k,
-                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
-                           DELTA: tl.constexpr, PREC: tl.constexpr, OPD: tl.constexpr):
-    """_pairwise_grads_channel by column-block slices: for column block J (rows jb·BC + [0, BC), last token r)
-    only dP[i > r, J] and dA[i > r, J] take part, so each product is [C, BC] @ [BC, BKW] or [BC, C] @ [C, BKW]
-    (a quarter of the multiply-adds of the whole-tile form) on [C, BC] slices loaded per block, not four
-    [C, C] fp32 tiles held across the loop (which spilled). d(q) and d(βk) accumulate over the blocks as
-    [C, BKW] tiles and are returned; block J's rows of dk (from P and A's right side) are final after block
-    J, so they are added to dk in place, with their −k ⊙ dk share of dG (this program owns these rows and
-    channels; the caller puts a barrier before it reads dk / dG back)."""
-    o_t = tl.arange(0, C)
-    o_i = tl.arange(0, BC)
-    m_t = o_t < L
-    rows = (t0 + o_t).to(tl.int64)
-    b_dqp = tl.zeros_like(b_q)
-    b_dkb = tl.zeros_like(b_q)
-    for jb in tl.static_range(C // BC - 1):
-        r = jb * BC + BC - 1
-        o_j = jb * BC + o_i
-        m_j = o_j < L
-        rows_j = (t0 + o_j).to(tl.int64)
-        m_jk, p_jk, p_hjk = _col_offsets(rows_j, m_j, o_k, m_k, i_h, i_hk, H, HV, K)
-        b_Gr = tl.sum(tl.where((o_t == r)[:, None], b_G, 0.), axis=0)                       # [BKW]
-        b_Gj = tl.where(m_j[:, None], tl.load(G + p_hjk, mask=m_jk, other=0.), b_last[None, :])
-        b_right = tl.exp(b_Gr[None, :] - b_Gj)                                              # [BC, BKW], <= 1
-        b_left = tl.exp(tl.where((o_t > r)[:, None], b_G - b_Gr[None, :], float("-inf")))  # [C, BKW], 0 for i <= r
-        b_kj = tl.load(k + p_jk, mask=m_jk, other=0.).to(tl.float32)
-        b_kr = (b_kj * b_right).to(OPD)
-        m_cj = ((o_t > r) & m_t)[:, None] & m_j[None, :]
-        p_cj = (rows[:, None] * HV + i_h) * C + o_j[None, :]
-        b_dPj = tl.load(Pmat + p_cj, mask=m_cj, other=0.).to(OPD)                          # dP[:, J] [C, BC]
-        b_dqp += _mm(b_dPj, b_kr, PREC) * b_left                                            # [C, BC] @ [BC, BKW]
-        b_dkj = _mm(tl.trans(b_dPj), (b_q * b_left).to(OPD), PREC)                          # [BC, C] @ [C, BKW]
-        if DELTA:
-            b_dAj = tl.load(Amat + p_cj, mask=m_cj, other=0.).to(OPD)                      # dA[:, J] [C, BC]
-            b_dkb += _mm(b_dAj, b_kr, PREC) * b_left                                        # [C, BC] @ [BC, BKW]
-            b_dkj += _mm(tl.trans(b_dAj), (b_kb * b_left).to(OPD), PREC)                    # [BC, C] @ [C, BKW]
-        b_dkj = b_dkj * b_right
-        tl.store(dk + p_hjk, tl.load(dk + p_hjk, mask=m_jk, other=0.) + b_dkj, mask=m_jk)
-        tl.store(dG + p_hjk, tl.load(dG + p_hjk, mask=m_jk, other=0.) - b_kj * b_dkj, mask=m_jk)
-    return b_dqp, b_dkb
-
-
-@triton.jit
 def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, dk, dbeta, dG,
                            cu_seqlens, chunk_indices, T, scale,
                            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
@@ -965,15 +921,14 @@ def _bwd_pair_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, cu_seqlens, chu
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BKP: tl.constexpr, C: tl.constexpr,
                      BC: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
                      span_max: tl.constexpr, OFFDIAG: tl.constexpr, LOWP: tl.constexpr = 0,
-                     DIAG: tl.constexpr = True, SLICES: tl.constexpr = False):
+                     DIAG: tl.constexpr = True):
     """Per-channel gates, after _bwd_grad_kernel: the gradients through the pairwise products P = tril(⟨q_i,
     Γ_ij k_j⟩) and A = strict_tril(⟨βk_i, Γ_ij k_j⟩) (dP, dA in Pmat, Amat), added to dq, dk, dG in place,
     then dG becomes dg (reverse cumsum over the chunk). Grid (chunks, B·HV, cdiv(K, BKP)): everything here is
     local to a key channel, so each program takes one block of BKP channels.
 
-        OFFDIAG: the blocks off the 16×16 diagonal first, on whole [C, BKP] tiles (_pairwise_grads_channel)
-                 or, SLICES, by column-block slices of dP / dA (_pairwise_grads_slices); off only in the
-                 diagonal-only second launch (DIAG below).
+        OFFDIAG: the blocks off the 16×16 diagonal first, on whole [C, BKP] tiles (_pairwise_grads_channel);
+                 off only in the diagonal-only second launch (DIAG below).
         DIAG:    then the diagonal blocks, last to first: four products of factored operands when a block's
                  gates span less than span_max (_diag_factors), else the exact column loop (rare), and the
                  reverse cumsum; otherwise a second launch (OFFDIAG off, all channels) does them.
@@ -989,30 +944,7 @@ def _bwd_pair_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, cu_seqlens, chu
     o_k = i_kb * BKP + tl.arange(0, BKP)
     m_k = o_k < K
     b_last = tl.load(G + ((t0 + L - 1).to(tl.int64) * HV + i_h) * K + o_k, mask=m_k, other=0.)
-    if OFFDIAG and SLICES:
-        OPD_S: tl.constexpr = q.dtype.element_ty if LOWP else tl.float32
-        o_t, m_t, rows, m_cc, p_cc, p_ccT = _chunk_rows(t0, L, i_h, HV, C)
-        if DELTA:
-            b_beta = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.).to(tl.float32)
-        else:
-            b_beta = tl.zeros([C], dtype=tl.float32)
-        m_tk, p_tk, p_hk = _col_offsets(rows, m_t, o_k, m_k, i_h, i_hk, H, HV, K)
-        b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
-        b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
-        b_kb = b_k * b_beta[:, None]
-        b_Gh, _ = _load_gate_cols(G, t0, L, i_h, o_k, m_k, HV, K, C)
-        b_dqp, b_dkb = _pairwise_grads_slices(Pmat, Amat, k, G, dk, dG, b_q, b_kb, b_Gh, b_last, t0, L, i_h, i_hk,
-                                              o_k, m_k, H, HV, K, C, BC, DELTA, PREC, OPD_S)
-        tl.debug_barrier()      # the rows of dk / dG the slices updated are read back below by other threads
-        b_dq = tl.load(dq + p_hk, mask=m_tk, other=0.) + b_dqp
-        tl.store(dq + p_hk, b_dq, mask=m_tk)
-        b_dGm = tl.load(dG + p_hk, mask=m_tk, other=0.) + b_q * b_dq + b_kb * b_dkb
-        tl.store(dG + p_hk, b_dGm, mask=m_tk)
-        tl.store(dk + p_hk, tl.load(dk + p_hk, mask=m_tk, other=0.) + b_beta[:, None] * b_dkb, mask=m_tk)
-        if DELTA:
-            tl.store(dbp + i_kb.to(tl.int64) * s_dbp + rows * HV + i_h, tl.sum(b_k * b_dkb, axis=1), mask=m_t)
-        tl.debug_barrier()      # the diagonal blocks below read these rows back (other threads wrote them)
-    elif OFFDIAG:
+    if OFFDIAG:
         o_t, m_t, rows, m_cc, p_cc, p_ccT = _chunk_rows(t0, L, i_h, HV, C)
         OPD: tl.constexpr = q.dtype.element_ty if LOWP else tl.float32
         b_dP = tl.load(Pmat + p_cc, mask=m_cc & (o_t[:, None] >= o_t[None, :]), other=0.).to(OPD)   # dP [C, C]
@@ -1153,6 +1085,8 @@ def bwd_lowp_level(dtype: torch.dtype, BK: int) -> int:
         return 0
     default = BWD_LOWP_BF16_128 if dtype == torch.bfloat16 and BK == 128 else BWD_LOWP
     return int(os.environ.get("CHUNKWISE_BWD_LOWP", default))
+
+
 # Scalar / no gate with the delta rule: recompute T, W, U and dR_local in one pass per chunk with the forward's
 # stage-1 kernel (A and P never reach memory: ~2.4 GB of traffic instead of ~5.4 GB at B1-T32768-H32)
 # instead of the intra / solve / wu kernels (1.5-1.6 ms on the H200, run of b699467). Unmeasured on the GPU;
@@ -1166,10 +1100,6 @@ BWD_FUSED_PREP = 1
 # 448 B spilled, 72 / 80 / 96 KB. On the H200 (sweep of a3986d3) 9.45 ms at 4 warps; KDA fwd+bwd 31.72 -> 26.49 ms.
 # CHUNKWISE_BWD_PAIR_SPLIT=0: one program over all channels.
 BWD_PAIR_SPLIT = 32
-# 1: the off-diagonal pairwise products by column-block slices (_pairwise_grads_slices: [C, 16] slices of dP / dA
-# loaded per column block, a quarter of the multiply-adds, no [C, C] fp32 tiles held); 0: on whole tiles
-# (_pairwise_grads_channel). CHUNKWISE_BWD_PAIR_SLICES overrides.
-BWD_PAIR_SLICES = 0
 BWD_PAIR_DIAG = 0     # 0: the diagonal blocks in a second launch over all channels (bwd_diag warps), the split
 # launch only the off-diagonal part. On the H200 (sweep of 1695bb2, KDA B1-T32768-H32 bf16) the pair kernels
 # 9.53 -> 8.10 ms, fwd+bwd 26.74 -> 25.31 ms (offline sm_90, 32 channels: the off-diagonal part alone 73
@@ -1397,9 +1327,8 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         dbp = buf(nkb + split_diag, B * T * HV) if delta else None
         pair = dict(s_dbp=B * T * HV, H=H, HV=HV, K=K, C=C, BC=BC, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
                     span_max=SPAN_MAX, LOWP=lowp_key is True, num_stages=ns, **common)
-        slices = bool(int(os.environ.get("CHUNKWISE_BWD_PAIR_SLICES", BWD_PAIR_SLICES)))
         _bwd_pair_kernel[(NT, B * HV, nkb)](q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, BKP=bkp, OFFDIAG=True,
-                                            DIAG=not split_diag, SLICES=slices, num_warps=_warps("bwd_pair", gate, wide8), **_regs("bwd_pair", gate, wide8), **pair)
+                                            DIAG=not split_diag, num_warps=_warps("bwd_pair", gate, wide8), **_regs("bwd_pair", gate, wide8), **pair)
         if split_diag:
             _bwd_pair_kernel[(NT, B * HV, 1)](q, k, beta, G, Pmat, Amat, dq, dk, None if dbp is None else dbp[nkb:], dG,
                                               BKP=BK, OFFDIAG=False, DIAG=True, num_warps=_warps("bwd_diag", gate, wide8), **_regs("bwd_diag", gate, wide8),
