@@ -20,8 +20,19 @@ set -u
 PARTS=${*:-fwd tests}
 has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
 # every log goes to $LOG; at exit it is packed into $FINAL/run.tgz (the device tool returns 8 files at most)
-FINAL=${OUT:-bench_out}; LOG=/tmp/gpu_session; mkdir -p "$FINAL" "$LOG"; OUT=$LOG
-trap 'tar czf "$FINAL/run.tgz" -C "$LOG" . ; cp "$LOG"/*.png "$LOG"/*.json "$FINAL"/ 2>/dev/null' EXIT
+FINAL=$(realpath -m "${OUT:-bench_out}"); LOG=/tmp/gpu_session; mkdir -p "$FINAL" "$LOG"; OUT=$LOG
+touch /tmp/gpu_session_start
+# the Triton cache entries this run added (fla's autotuning results and kernels, ours compiled here) come back
+# in $FINAL/new_cache.tgz, or only the autotuning results where all of it passes 15 MB: merged into the
+# prebuilt cache here with `python benchmarks/warm_cache.py --merge <new_cache.tgz>`, the next run skips them
+harvest() { local d=${TRITON_CACHE_DIR:-}; [ -d "$d" ] || return 0
+  ( cd "$(dirname "$d")" && find "$(basename "$d")" -type f -newer /tmp/gpu_session_start \( -name '*.json' -o -name '*.cubin' \
+      -o -name '__grp__*' \) > /tmp/new_cache.list && [ -s /tmp/new_cache.list ] || exit 0
+    tar czf "$FINAL/new_cache.tgz" -T /tmp/new_cache.list
+    if [ "$(stat -c %s "$FINAL/new_cache.tgz")" -gt 15000000 ]; then
+      grep 'autotune.json$' /tmp/new_cache.list > /tmp/new_cache_at.list; tar czf "$FINAL/new_cache.tgz" -T /tmp/new_cache_at.list; fi
+    echo "new cache entries: $(wc -l < /tmp/new_cache.list) files, packed $(stat -c %s "$FINAL/new_cache.tgz") B" ) }
+trap 'tar czf "$FINAL/run.tgz" -C "$LOG" . ; cp "$LOG"/*.png "$LOG"/*.json "$FINAL"/ 2>/dev/null; harvest' EXIT
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD/src:$PWD/benchmarks:${PYTHONPATH:-} || exit 1
 export PYTHONUNBUFFERED=1 CHUNKWISE_FAILLOG=$OUT/failures.txt

@@ -111,6 +111,10 @@ def main():
     ap.add_argument("--bench", action="store_true", help="also the benchmarks' and sweeps' warm-up launches")
     ap.add_argument("--no-tests", action="store_true", help="no tests (with --bench: the benchmarks only)")
     ap.add_argument("--bench-only", default="", help="with --bench: only the warm-ups whose command contains this")
+    ap.add_argument("--merge", action="append", default=[],
+                    help="a new_cache.tgz a device run returned (gpu_session.sh): its entries (fla's autotuning "
+                         "results and kernels compiled there) join the cache before it is packed (with --no-tests: "
+                         "only that)")
     ap.add_argument("pytest_args", nargs="*", help=f"tests to warm (default: {' '.join(VERIFY)})")
     a, rest = ap.parse_known_args()
     a.pytest_args += rest
@@ -119,6 +123,10 @@ def main():
     os.environ.pop("TRITON_INTERPRET", None)
     install_sm90()
     t0 = time.time()
+    for path in a.merge:        # entries under triton_cache_sm90/ (the same absolute path on the device)
+        with tarfile.open(path) as tar:
+            tar.extractall(os.path.dirname(CACHE), filter="data")
+        print(f"warm_cache: merged {path}", file=sys.stderr)
     if not a.no_tests:
         import pytest
         pytest.main(["-q", "-p", "no:cacheprovider", "-o", "addopts=", "--tb=no", "-p", "no:randomly"]
