@@ -432,8 +432,9 @@ def test_grads_saved_stage1(fam, dtype, monkeypatch):
     assert seen == [keeps, False, False, keeps]
     # the two paths round differently where fp16's backward takes tf32rn products (the saved stage 1 is the
     # forward's, in tf32x3; the interpreter runs tf32 / tf32x3 in fp32 but applies tf32rn's rounding)
+    bound = TOL[dtype] / (2 if dtype == torch.float16 else 4)
     for n in ours:
-        assert rel_err(with_saved[n], ours[n]) <= TOL[dtype] / 2, n
+        assert rel_err(with_saved[n], ours[n]) <= bound, n
     assert set(saved) == set(again)
 
 

@@ -923,7 +923,7 @@ def saves_stage1(q, v, g, beta) -> bool:
     recomputes it with the intra / solve / wu kernels that fp16 always took before."""
     if beta is None or (q.dtype != torch.float32 and q.shape[-1] > WIDE_16BIT_K):
         return False
-    if q.dtype == torch.float16 and (g is None or g.dim() == 3):
+    if q.dtype == torch.float16 and _gate_kind(g) < 2:
         return False
     return padded_dims(q, v) == (q.shape[-1], v.shape[-1])
 
