@@ -54,6 +54,15 @@ PRESETS = {
         + [(f"test_grads_bf16_small_tiles[{f}-1-{sh}]", "CHUNKWISE_BWD_LOWP=4") for f in ("kda", "gla")
            for sh in ("k16", "k64")]
     ),
+    # session 9 (run of 4f6f22a): KDA bf16 at K = 64 with stage 1 recomputed wrong (every gradient ~1; saved
+    # passed), KDA fp16 real-size dg 1.16e-3 against fla's 5.97e-4 (tf32rn products)
+    "session9": (
+        [("test_grads_bf16_small_tiles[kda-0-k64]", e)
+         for e in ("", "CHUNKWISE_BWD_LOWP=1", "CHUNKWISE_BWD_LOWP=0", "CHUNKWISE_BWD_WARPS=all:4")]
+        + [("test_real_size_grads_vs_fla[kda-fp16]", e)
+           for e in ("", "CHUNKWISE_BWD_PREC16=tf32x3", "CHUNKWISE_BWD_LOWP=0", "CHUNKWISE_BWD_LOWP=1",
+                     "CHUNKWISE_SAVE_STAGE1=0")]
+    ),
 }
 
 

@@ -339,11 +339,34 @@ def test_grads_16_bit_products(fam, level, save, monkeypatch):
     serial state passes; 2, the default: also the W / U / dR_local recompute; 3: also the key side; 4: the key
     side but its pairwise products), with the forward's stage 1 saved (the default) or recomputed
     (CHUNKWISE_SAVE_STAGE1=0): fp16 gradients of every input within the fp16 tolerance, varlen and grouped
-    heads."""
+    heads. (On the GPU levels 3 and 4 fall back to 2 here: test_16_bit_levels_on_the_gpu.)"""
     monkeypatch.setenv("CHUNKWISE_SAVE_STAGE1", str(save))
     monkeypatch.setenv("CHUNKWISE_BWD_LOWP", str(level))
     inp = make_inputs(fam, lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, seed=8)
     _compare(inp, TOL[torch.float16], dtype=torch.float16)
+
+
+def test_16_bit_levels_on_the_gpu(monkeypatch):
+    """Off the interpreter, CHUNKWISE_BWD_LOWP takes only the levels that gave right gradients on the H200:
+    level 3 never, level 4 for bf16 at a 128-wide key tile; otherwise the default, with a warning. A
+    malformed value names the variable."""
+    import chunkwise.triton.chunk_bwd as cb
+    monkeypatch.setattr(cb, "_INTERPRET", False)
+    monkeypatch.setattr(cb, "_lowp_warned", set())
+    bf16, fp16 = torch.bfloat16, torch.float16
+    monkeypatch.delenv("CHUNKWISE_BWD_LOWP", raising=False)
+    assert (cb.bwd_lowp_level(bf16, 128), cb.bwd_lowp_level(bf16, 64), cb.bwd_lowp_level(fp16, 128)) == (4, 2, 2)
+    assert cb.bwd_lowp_level(torch.float32, 128) == 0
+    for level, dtype, BK, want in ((0, fp16, 16, 0), (1, bf16, 128, 1), (2, bf16, 128, 2), (4, bf16, 128, 4)):
+        monkeypatch.setenv("CHUNKWISE_BWD_LOWP", str(level))
+        assert cb.bwd_lowp_level(dtype, BK) == want
+    for level, dtype, BK, want in ((3, bf16, 128, 4), (3, fp16, 16, 2), (4, fp16, 16, 2), (4, bf16, 64, 2)):
+        monkeypatch.setenv("CHUNKWISE_BWD_LOWP", str(level))
+        with pytest.warns(RuntimeWarning, match="CHUNKWISE_BWD_LOWP"):
+            assert cb.bwd_lowp_level(dtype, BK) == want
+    monkeypatch.setenv("CHUNKWISE_BWD_LOWP", "high")
+    with pytest.raises(ValueError, match="CHUNKWISE_BWD_LOWP"):
+        cb.bwd_lowp_level(bf16, 128)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])

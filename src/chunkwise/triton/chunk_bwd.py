@@ -40,7 +40,7 @@ import triton.language as tl
 
 from ..api import TRITON_MAX_HEAD_DIM as MAX_K   # the backward's kernels fit one H200 SM's shared memory up to it
 from .align import cut_state, pad_last, pad_state, padded_dims
-from .chunk_fwd import WIDE_16BIT_K, _mm, prec_env, reg_cap
+from .chunk_fwd import WIDE_16BIT_K, _mm, prec_env, reg_cap, wu_lowp_ok
 
 CHUNK = 64
 SUB = 16
@@ -1073,18 +1073,37 @@ BWD_KSPLIT = 64
 # of 3422a18, B1-T32768-H32) level 2 took fwd+bwd from 11.71 to 9.05 ms (GDN), 10.27 to 7.77 (DeltaNet),
 # 38.15 to 35.85 (KDA), with gradient errors against float64 at fla's (ours / fla, bf16: DeltaNet k 5.41e-3 /
 # 5.72e-3, v 4.06e-3 / 4.05e-3; KDA beta 3.45e-3 / 3.42e-3, every other input at or under fla's).
-# CHUNKWISE_BWD_LOWP overrides both.
+# CHUNKWISE_BWD_LOWP overrides both, within what was correct on the GPU: there level 3 is never taken and
+# level 4 only for bf16 at a 128-wide key tile (on the H200, session 9, fp16 at K = 16 forced to level 3 / 4
+# still gave GDN / DeltaNet dk errors of 0.5-1.2); the rest falls back to the default with a warning. Under
+# the interpreter (CPU tests) every level runs as asked.
 BWD_LOWP = 2
 BWD_LOWP_BF16_128 = 4
+_lowp_warned: set = set()
 
 
 def bwd_lowp_level(dtype: torch.dtype, BK: int) -> int:
     """The 16-bit product level (above) of inputs of this dtype at key tile BK: 0 for fp32 inputs,
-    CHUNKWISE_BWD_LOWP if set, else 4 for bf16 at BK = 128 and 2 otherwise."""
+    CHUNKWISE_BWD_LOWP if set and correct on the GPU for this dtype and tile, else 4 for bf16 at BK = 128 and
+    2 otherwise."""
     if dtype not in (torch.bfloat16, torch.float16):
         return 0
     default = BWD_LOWP_BF16_128 if dtype == torch.bfloat16 and BK == 128 else BWD_LOWP
-    return int(os.environ.get("CHUNKWISE_BWD_LOWP", default))
+    env = os.environ.get("CHUNKWISE_BWD_LOWP")
+    if env is None:
+        return default
+    if env not in ("0", "1", "2", "3", "4"):
+        raise ValueError(f"CHUNKWISE_BWD_LOWP={env!r}: expected 0, 1, 2, 3 or 4")
+    level = int(env)
+    if not _INTERPRET and (level == 3 or (level == 4 and default != 4)):
+        key = (level, dtype, BK)
+        if key not in _lowp_warned:
+            _lowp_warned.add(key)
+            import warnings
+            warnings.warn(f"CHUNKWISE_BWD_LOWP={level} gave wrong gradients on the GPU for {dtype} at key tile {BK} "
+                          f"(benchmarks/NOTES.md); using level {default}", RuntimeWarning, stacklevel=3)
+        return default
+    return level
 
 
 # Scalar / no gate with the delta rule: recompute T, W, U and dR_local in one pass per chunk with the forward's
@@ -1211,7 +1230,9 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     prec = "tf32x3" if q.dtype == torch.float32 else prec_env("CHUNKWISE_BWD_PREC16", prec16)
     # 16-bit product operands (BWD_LOWP), 16-bit inputs only
     level = bwd_lowp_level(q.dtype, BK)
-    lowp, lowp_wu = level >= 1, level >= 2
+    # W / U with 16-bit operands only at 128-wide key tiles, as in the forward's stage 1 (wu_lowp_ok): on the
+    # H200 (session 9) KDA's bf16 recompute at K = 64 gave gradient errors of ~1 with them
+    lowp, lowp_wu = level >= 1, level >= 2 and wu_lowp_ok(q.dtype, K)
     # the key side's LOWP constexpr: level 3 every product in 16 bits (True), level 4 all but the pairwise ones (2)
     lowp_key = {3: True, 4: 2}.get(level, False)
     ns = _num_stages(q.dtype, BK)
