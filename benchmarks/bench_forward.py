@@ -134,9 +134,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--families", default=",".join(FAMILIES))
-    ap.add_argument("--variant-set", default="all", choices=("all", "seg", "dseg"),
-                    help="seg: only simple GLA's segment variants; dseg: only the delta families' segment split "
-                         "at B = 1 (segments x value block x the first pass's block; with --variants)")
+    ap.add_argument("--variant-set", default="all", choices=("all", "seg"),
+                    help="seg: only simple GLA's segment variants (with --variants)")
     ap.add_argument("--variants", action="store_true", help="also time stage-2 variants (BV 16/32/64 x 4/8 warps x 2/3 stages; GLA also with P from its own kernel, GDN with the decays from stage 1)")
     ap.add_argument("--shapes", default="")
     ap.add_argument("--warm", action="store_true", help="compile everything on tiny inputs, time nothing")
@@ -179,17 +178,7 @@ def main():
                     except Exception as e:  # noqa: BLE001
                         var[key] = repr(e)[:120]
                 own = dict(p_in=False) if fam == "gla" else {}      # GLA: P formed in the serial loop
-                if a.variant_set == "dseg" and fam != "gla" and x["q"].shape[0] == 1 and x["cu"] is None:
-                    # the delta rule's segment split (chunk_fwd(segments=)): segments x stage 2's value block x
-                    # the first pass's (end states and transfer matrices) value block and warps
-                    time_variant("seg1-bv32-nw4", bv=32, num_warps=4, segments=1)
-                    for nseg in (2, 4, 8):
-                        for bv in (32, 64):
-                            for p1 in (None, (64, 4), (128, 8)):
-                                tag = "" if p1 is None else f"-p1bv{p1[0]}w{p1[1]}"
-                                time_variant(f"seg{nseg}-bv{bv}-nw4{tag}", bv=bv, num_warps=4, segments=nseg,
-                                             seg_phase1=p1)
-                if fam == "gla" and a.variant_set != "dseg" and x["q"].shape[0] == 1 and x["cu"] is None:
+                if fam == "gla" and x["q"].shape[0] == 1 and x["cu"] is None:
                     # the segment split's first pass in sub-segments (chunk_fwd(seg_sub=)), 4 segments, at the
                     # second pass's value block (64, 4 warps) or its own
                     for sub, p1 in ((1, (128, 4)), (2, (128, 4)), (4, (128, 4)), (2, (128, 4, 3)), (2, (128, 4, 1)),

@@ -185,30 +185,6 @@ def test_gla_sequence_segments(nseg, gate, h0, transpose):
     assert rel_err(o3, o1) <= TOL[torch.float32] and rel_err(ht3, ht1) <= TOL[torch.float32]
 
 
-@pytest.mark.parametrize("nseg", [2, 3, 8])
-@pytest.mark.parametrize("fam,h0,transpose", [("delta", True, False), ("gdn", True, True), ("kda", False, False),
-                                              ("kda", True, True), ("gdn", False, False)])
-def test_delta_sequence_segments(fam, nseg, h0, transpose):
-    """The delta families with each sequence split into segments run side by side (each segment's end
-    state from zero and its [K, K] transfer matrix, their combination, then each segment from its start
-    state): equal to the float64 recurrence and to the unsplit run, output and final state, two sequences,
-    grouped heads, 5 chunks (8 segments leave three empty); also with the first pass's own value block."""
-    from chunkwise.triton.chunk_fwd import chunk_fwd
-    inp = make_inputs(fam, B=2, T=300, H=1, HV=2, K=KS[0], V=VS[0], dtype=torch.float32, seed=43, h0=h0)
-    K = inp.q.shape[-1]
-    h_in = inp.h0 if inp.h0 is None or not transpose else inp.h0.transpose(-1, -2).contiguous()
-    run = lambda n, p1=None: chunk_fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, K ** -0.5, h_in, True, None,  # noqa: E731
-                                       transpose_state_layout=transpose, segments=n, seg_phase1=p1)
-    o, ht = run(nseg)
-    o1, ht1 = run(1)
-    o2, ht2 = run(nseg, (16, 8))
-    if transpose:
-        ht, ht1, ht2 = (x.transpose(-1, -2) for x in (ht, ht1, ht2))
-    _check(inp, o, ht, TOL[torch.float32])
-    assert rel_err(o, o1) <= TOL[torch.float32] and rel_err(ht, ht1) <= TOL[torch.float32]
-    assert rel_err(o2, o1) <= TOL[torch.float32] and rel_err(ht2, ht1) <= TOL[torch.float32]
-
-
 @pytest.mark.parametrize("fam", FAMS)
 def test_fp16(fam):
     inp = make_inputs(fam, B=1, T=T_LONG, H=1, HV=2, K=KS[0], V=VS[0], dtype=torch.float16, seed=5)

@@ -522,41 +522,6 @@ def _state_step(i_t, S, k, v, g, bos, T_seq, i_h, i_hk, i_v, H, HV, K, V, BTc: t
 
 
 @triton.jit
-def _delta_state_step(i_t, S, k, w, u, g, kg, glast, bos, T_seq, slot0, i_h, i_hk, i_v, H, HV, K, V, Vu,
-                      BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
-                      DOT_PREC: tl.constexpr, g_floor: tl.constexpr):
-    """One chunk of a delta family's state alone (no output), with the casts of _state_output_step:
-    S ← D S + K_dᵀ (U − W S), where D = e^{G_last} (per channel for KDA) and K_d = K ⊙ e^{G_last − G}.
-    U's columns are read below Vu (V, or 0 for no U): without U the same map acts on columns of a
-    segment's transfer matrix M = Π_c (D_c − K_dᵀ W_c) [K, K], R = −W S (the loads are masked off)."""
-    o_k = tl.arange(0, BK)
-    o_t = tl.arange(0, BTc)
-    t0 = i_t * BTc
-    b_w = tl.load(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK), (1, 0)),
-                  boundary_check=(0, 1))
-    b_R = -tl.dot(b_w, S.to(b_w.dtype), input_precision=DOT_PREC)                # [BT, BK] @ [BK, BV]
-    b_R += tl.load(tl.make_block_ptr(u + (bos * HV + i_h) * V, (T_seq, Vu), (HV * V, 1), (t0, i_v * BV), (BTc, BV),
-                                     (1, 0)), boundary_check=(0, 1)).to(tl.float32)
-    if GATE == 2:
-        b_kd = tl.load(tl.make_block_ptr(kg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK), (1, 0)),
-                       boundary_check=(0, 1))
-        S = S * tl.load(glast + ((slot0 + i_t) * HV + i_h) * K + o_k, mask=o_k < K, other=0.)[:, None]
-        b_Rd = b_R.to(b_kd.dtype)
-    else:
-        b_kd = tl.load(tl.make_block_ptr(k + (bos * H + i_hk) * K, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
-                       boundary_check=(0, 1))
-        if GATE == 1:
-            Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor)                # [BT]
-            G_last = tl.sum(tl.where(o_t == BTc - 1, Gc, 0.), 0)
-            S = S * tl.exp(G_last)
-            b_Rd = (b_R * tl.exp(G_last - Gc)[:, None]).to(b_kd.dtype)
-        else:
-            b_Rd = b_R.to(b_kd.dtype)
-    S += tl.dot(tl.trans(b_kd), b_Rd, input_precision=DOT_PREC)                  # [BK, BT] @ [BT, BV]
-    return S
-
-
-@triton.jit
 def _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, T_seq, slot0, i_h, i_hk, i_v, scale,
                        H, HV, K, V,
                        BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -641,20 +606,13 @@ def chunk_state_output_kernel(
 ):
     """Stage 2 (module docstring). Grid (cdiv(V, BV), N·HV); S [BK, BV] fp32 stays in registers.
 
-    SEG (no varlen): each sequence split into NSEG segments of seg_len chunks, grid
-    (cdiv(V, BV), N·NSEG·HV), so that a short batch still fills the GPU. Simple GLA's state is linear in
-    the inputs, so a segment's start state is the earlier segments' local end states, decayed:
+    SEG (simple GLA, no varlen): each sequence split into NSEG segments of seg_len chunks, grid
+    (cdiv(V, BV), N·NSEG·HV), so that a short batch still fills the GPU. Its state is linear in the
+    inputs, so a segment's start state is the earlier segments' local end states, decayed:
         SEG = 1: each segment's local end state (from zero) -> sloc, its total decay e^{Σ g} -> gam
         SEG = 2: S = h0; S ← gam[s'] S + sloc[s'] for the earlier segments s'; then the segment as usual
     SUB (SEG = 2): the first pass ran SUB sub-segments per segment (NSEG·SUB local states of seg_len / SUB
-    chunks each), so that it fills the GPU with its own, shorter programs.
-    The delta rule's state is affine in its start state, S_end = M S_start + S_local, with the segment's
-    transfer matrix M = Π_c (D_c − K_dᵀ W_c) [K, K] (D_c the chunk's decay, K_d its decayed keys):
-        SEG = 1: grid (cdiv(V, BV) + cdiv(K, BV), N·NSEG·HV); segment 0 runs from h0 and the segments
-                 after it from zero -> sloc (the value columns), and from I -> gam [N·NSEG, HV, K, K]
-                 (the columns of M, programs past cdiv(V, BV); not for segment 0); the last segment idles
-        chunk_seg_combine_kernel: sloc[s] ← M_s sloc[s − 1] + sloc[s], s = 1 .. NSEG − 2 (start states)
-        SEG = 2: S = h0 (segment 0) or sloc[s − 1]; then the segment as usual
+    chunks each), so that it fills the GPU with its own, shorter programs
 
     Per chunk (C = BT rows, masked past the sequence end)::
 
@@ -691,35 +649,7 @@ def chunk_state_output_kernel(
     if SEG > 0:
         c0 = tl.minimum(i_s * seg_len, n_chunks)
         c1 = tl.minimum(c0 + seg_len, n_chunks)
-    if SEG == 1 and DELTA:      # the segment's end state from h0 / zero (value columns) or from I (columns of M)
-        n_vb = tl.cdiv(V, BV)
-        o_c = (i_v - n_vb) * BV + tl.arange(0, BV)          # the columns of M (programs i_v >= n_vb)
-        i_seg = (i_n * NSEG + i_s).to(tl.int64)
-        if i_s == NSEG - 1 or (i_v >= n_vb and i_s == 0):
-            c1 = c0                                         # no one's start state / segment 0's M: unused
-        Vu = tl.where(i_v >= n_vb, 0, V)                    # M's columns read no U
-        if i_v >= n_vb:
-            S = tl.where(o_k[:, None] == o_c[None, :], 1., 0.)
-        elif USE_H0 and i_s == 0:
-            p_h0 = h0 + i_n * s_h0n + i_h * s_h0h + o_k[:, None] * s_h0k + o_v[None, :] * s_h0v
-            S += tl.load(p_h0, mask=m_kv, other=0.).to(tl.float32)
-        if LOOP_WHILE:
-            i_t = c0
-            while i_t < c1:
-                S = _delta_state_step(i_t, S, k, w, u, g, kg, glast, bos, T_seq, slot0, i_h, i_hk, i_v, H, HV, K, V,
-                                      Vu, BTc, BK, BV, GATE, DOT_PREC, g_floor)
-                i_t += 1
-        else:
-            for i_t in range(c0, c1):
-                S = _delta_state_step(i_t, S, k, w, u, g, kg, glast, bos, T_seq, slot0, i_h, i_hk, i_v, H, HV, K, V,
-                                      Vu, BTc, BK, BV, GATE, DOT_PREC, g_floor)
-        if i_v >= n_vb:
-            if i_s > 0:
-                tl.store(gam + ((i_seg * HV + i_h) * K + o_k[:, None]) * K + o_c[None, :], S,
-                         mask=(o_k < K)[:, None] & (o_c < K)[None, :])
-        else:
-            tl.store(sloc + ((i_seg * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :], S, mask=m_kv)
-    elif SEG == 1:      # simple GLA: the segment's local end state and total decay
+    if SEG == 1:        # the segment's local end state and total decay
         d = tl.full([], 1., tl.float32)
         if LOOP_WHILE:
             i_t = c0
@@ -738,17 +668,10 @@ def chunk_state_output_kernel(
         if i_v == 0:
             tl.store(gam + i_seg * HV + i_h, d)
     else:
-        if SEG == 2 and DELTA:      # the start state: h0, or the combined end state of the segment before
-            if i_s > 0:
-                i_seg = (i_n * NSEG + i_s - 1).to(tl.int64)
-                S += tl.load(sloc + ((i_seg * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.)
-            elif USE_H0:
-                p_h0 = h0 + i_n * s_h0n + i_h * s_h0h + o_k[:, None] * s_h0k + o_v[None, :] * s_h0v
-                S += tl.load(p_h0, mask=m_kv, other=0.).to(tl.float32)
-        elif USE_H0:
+        if USE_H0:
             p_h0 = h0 + i_n * s_h0n + i_h * s_h0h + o_k[:, None] * s_h0k + o_v[None, :] * s_h0v
             S += tl.load(p_h0, mask=m_kv, other=0.).to(tl.float32)
-        if SEG == 2 and not DELTA:  # the start state: the earlier (sub-)segments, in order
+        if SEG == 2:    # the start state: the earlier (sub-)segments, in order
             for i_p in tl.static_range(NSEG * SUB - 1):
                 if i_p < i_s * SUB:
                     i_seg = (i_n * NSEG * SUB + i_p).to(tl.int64)
@@ -771,29 +694,6 @@ def chunk_state_output_kernel(
         if i_s == NSEG - 1:     # the last segment (always, without SEG)
             p_ht = ht + i_n * s_htn + i_h * s_hth + o_k[:, None] * s_htk + o_v[None, :] * s_htv
             tl.store(p_ht, S, mask=m_kv)
-
-
-@triton.jit
-def chunk_seg_combine_kernel(sloc, mseg, HV, K, V, NSEG: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    """The delta rule's segment split (chunk_state_output_kernel, SEG): the start states of segments
-    2 .. NSEG − 1, in place over the first pass's end states. Grid (cdiv(V, BV), N·HV)::
-
-        sloc[s] ← M_s sloc[s − 1] + sloc[s]     s = 1 .. NSEG − 2     [K, K] @ [K, BV], fp32
-
-    (sloc[0] is segment 0's end state from h0 already)."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // HV, i_nh % HV
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
-    m_kk = (o_k < K)[:, None] & (o_k < K)[None, :]
-    i_seg = (i_n * NSEG).to(tl.int64)
-    S = tl.load(sloc + ((i_seg * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.)
-    for i_s in tl.static_range(1, NSEG - 1):
-        p_s = sloc + (((i_seg + i_s) * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :]
-        b_M = tl.load(mseg + (((i_seg + i_s) * HV + i_h) * K + o_k[:, None]) * K + o_k[None, :], mask=m_kk, other=0.)
-        S = tl.dot(b_M, S, input_precision="ieee") + tl.load(p_s, mask=m_kv, other=0.)   # [BK, BK] @ [BK, BV]
-        tl.store(p_s, S, mask=m_kv)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1001,7 +901,6 @@ def _pick_stages(elt: int, BK: int, bv: int, delta: bool, p_in: bool, busy: bool
 WIDE_16BIT_K = 128
 
 SEG_MIN_CHUNKS = 16   # simple GLA's segments: at least this many chunks each (the split's overhead, once per segment)
-DELTA_SEG_MIN_CHUNKS = 4   # the delta families' default split: at least this many chunks per segment
 SEG_P1_BV = 128       # simple GLA's split: the value block of its first pass (local end states), at 4 warps, 3 stages
 
 
@@ -1014,15 +913,6 @@ def _pick_segments(NT: int, programs: int, n_sm: int) -> int:
     while programs * nseg * 2 <= 2 * n_sm and nseg < 16 and triton.cdiv(NT, nseg * 2) >= SEG_MIN_CHUNKS:
         nseg *= 2
     return nseg
-
-
-def delta_segments() -> int:
-    """Segments per sequence of the delta families' split where the unsplit grid leaves SMs idle
-    (CHUNKWISE_FWD_DELTA_SEG, default 4; 1 turns the split off)."""
-    value = int(os.environ.get("CHUNKWISE_FWD_DELTA_SEG", "4"))
-    if value < 1:
-        raise ValueError(f"CHUNKWISE_FWD_DELTA_SEG={value}: expected a positive number of segments")
-    return value
 
 
 def saves_stage1(q, v, g, beta) -> bool:
@@ -1110,13 +1000,6 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
                 seg_sub = 1
                 while p1 * seg_sub * 2 <= 2 * n_sm and seg_sub < 8 and triton.cdiv(NT, nseg * seg_sub * 2) >= 4:
                     seg_sub *= 2
-    elif delta and cu_seqlens is None and (segments or (tuned and few)) and \
-            (segments or min(delta_segments(), NT // DELTA_SEG_MIN_CHUNKS)) > 1:
-        # the delta rule: its state is affine in the start state, so segments run side by side too, at the cost
-        # of a first pass that also forms each segment's [K, K] transfer matrix (SEG in chunk_state_output_kernel)
-        nseg = segments or min(delta_segments(), max(1, NT // DELTA_SEG_MIN_CHUNKS))
-        if seg_phase1 is None:
-            seg_phase1 = (int(os.environ.get("CHUNKWISE_FWD_SEG_P1_BV", bv)), num_warps)
     if p_in is None:
         # simple GLA (no prepare stage) forms P inside its serial loop when the SMs are busy, and takes it from
         # its own chunk-parallel kernel when they are not (H200, B1-T32768-H32: 1.17 -> 0.95 ms; B8-T4096-H32:
@@ -1154,16 +1037,14 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         num_stages = _pick_stages(q.element_size(), _dim(K), bv, delta, p_in, busy)
     grid = (triton.cdiv(V, bv), N * nseg * HV)
     sloc = gam = None
-    sub = (seg_sub or 1) if nseg > 1 and not delta else 1
+    sub = (seg_sub or 1) if nseg > 1 else 1
     sub_len = triton.cdiv(NT, nseg * sub)           # the first pass's (sub-)segments; a segment is sub of them
     seg_len = sub_len * sub
     if nseg > 1:
         sloc = _alloc((N * nseg * sub, HV, K, V), torch.float32, q.device)
-        # simple GLA: each segment's total decay; the delta rule: each segment's transfer matrix M
-        gam = _alloc((N * nseg, HV, K, K) if delta else (N * nseg * sub, HV), torch.float32, q.device)
+        gam = _alloc((N * nseg * sub, HV), torch.float32, q.device)
     for seg_mode in ((1, 2) if nseg > 1 else (0,)):
         bv_m, warps_m, rows_m, len_m, nseg_m, stages_m = bv, num_warps, grid[1], seg_len, nseg, num_stages
-        cols_m = triton.cdiv(V, bv)
         if seg_mode == 1:
             rows_m, len_m, nseg_m = N * nseg * sub * HV, sub_len, nseg * sub
             if seg_phase1 is not None:
@@ -1171,12 +1052,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
                 # second pass reads at its own BV): a wider block reads each k tile once for more of V
                 bv_m, warps_m = min(seg_phase1[0], _dim(V)), seg_phase1[1]
                 stages_m = seg_phase1[2] if len(seg_phase1) > 2 else num_stages
-            cols_m = triton.cdiv(V, bv_m) + (triton.cdiv(K, bv_m) if delta else 0)   # delta: M's columns too
-        elif seg_mode == 2 and delta and nseg > 2:
-            bv_c = min(32, _dim(V))
-            chunk_seg_combine_kernel[(triton.cdiv(V, bv_c), N * HV)](
-                sloc, gam, HV, K, V, NSEG=nseg, BK=_dim(K), BV=bv_c, num_warps=8)
-        chunk_state_output_kernel[(cols_m, rows_m)](
+        chunk_state_output_kernel[(triton.cdiv(V, bv_m), rows_m)](
             q, k, v, stage1["w"], stage1["u"], stage1["p"], g, stage1["qg"], stage1["kg"], stage1["glast"],
             o, initial_state, ht, sloc, gam, cu_seqlens, scale, T, NT, len_m,
             *strides(initial_state), *strides(ht),
