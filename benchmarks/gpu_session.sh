@@ -15,7 +15,7 @@
 #   save:  fwd+bwd with the forward's stage 1 kept for the backward (CHUNKWISE_SAVE_STAGE1=1) against the default
 #   lowp:  fwd+bwd with the key side's 16-bit operands but its pairwise products (CHUNKWISE_BWD_LOWP=4) against the default 2
 #   regs:  registers per thread capped (CHUNKWISE_MAXNREG) in the chunk-parallel kernels, fwd+bwd per kernel
-#   variants: stage-2 launch variants (VAR_FAMS, default gla,gdn; VARIANT_SET=seg: only GLA's segment split) (BV x warps x stages) of GLA and GDN at B1 / B8 (~3 min)
+#   variants: stage-2 launch variants (VAR_FAMS, default gla,gdn; VAR_SHAPES; VARIANT_SET=seg: only GLA's segment split, pfree: P in stage 2) (BV x warps x stages) of GLA and GDN at B1 / B8 (~3 min)
 set -u
 PARTS=${*:-fwd tests}
 has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
@@ -57,7 +57,7 @@ VAR_FAMS=${VAR_FAMS:-gla,gdn} VARIANT_SET=${VARIANT_SET:-all}   # the variants p
 FWD_FAMS=${FWD_FAMS:-gdn,kda,delta,gla}       # the families of the fwd part (stage-1 sweep: those with a stage 1)
 S1_FAMS=$(echo "$FWD_FAMS" | tr , '\n' | grep -v gla | paste -sd, -)
 warm_variants() { for f in ${VAR_FAMS//,/ }; do timeout 150 python3 benchmarks/bench_forward.py --warm --variants --families $f \
-      --variant-set "$VARIANT_SET" --shapes B1-T32768-H32,B8-T4096-H32 > "$OUT/warm_var_$f.log" 2>&1 & done; wait; }
+      --variant-set "$VARIANT_SET" --shapes "${VAR_SHAPES:-B1-T32768-H32,B8-T4096-H32}" > "$OUT/warm_var_$f.log" 2>&1 & done; wait; }
 if has fwd; then
   # the stage-1 variants compile in parallel (CPU), then are timed alone; the pick is used from here on
   ( has variants && warm_variants &
@@ -140,7 +140,7 @@ fi
 if has variants; then
   has fwd || warm_variants
   TAILN=4 step 120 bench_variants python3 benchmarks/bench_forward.py --variants --families "$VAR_FAMS" \
-    --variant-set "$VARIANT_SET" --shapes B1-T32768-H32,B8-T4096-H32 --out "$OUT/variants"
+    --variant-set "$VARIANT_SET" --shapes "${VAR_SHAPES:-B1-T32768-H32,B8-T4096-H32}" --out "$OUT/variants"
   grep -h '"variants"' "$OUT/bench_variants.log" | python3 -c "
 import json, sys
 for line in sys.stdin:

@@ -185,6 +185,22 @@ def test_gla_sequence_segments(nseg, gate, h0, transpose):
     assert rel_err(o3, o1) <= TOL[torch.float32] and rel_err(ht3, ht1) <= TOL[torch.float32]
 
 
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("fam", ["gdn", "delta"])
+def test_p_formed_in_stage2(fam, varlen, monkeypatch):
+    """GDN / DeltaNet with P formed in stage 2's serial loop (CHUNKWISE_FWD_P_IN=0: stage 1 reads no q and
+    writes no P): equal to the float64 recurrence and to P from stage 1, output and final state, grouped heads,
+    a carried-in state, varlen with a length-1 sequence."""
+    mk = dict(lengths=[1, 130, 70]) if varlen else dict(B=2, T=T_LONG)
+    inp = make_inputs(fam, H=1, HV=2, K=KS[0], V=VS[0], dtype=torch.float32, seed=19, **mk)
+    monkeypatch.setenv("CHUNKWISE_FWD_P_IN", "0")
+    o, ht = _run(inp)
+    monkeypatch.setenv("CHUNKWISE_FWD_P_IN", "1")
+    o1, ht1 = _run(inp)
+    _check(inp, o, ht, TOL[torch.float32])
+    assert rel_err(o, o1) <= TOL[torch.float32] and rel_err(ht, ht1) <= TOL[torch.float32]
+
+
 @pytest.mark.parametrize("fam", FAMS)
 def test_fp16(fam):
     inp = make_inputs(fam, B=1, T=T_LONG, H=1, HV=2, K=KS[0], V=VS[0], dtype=torch.float16, seed=5)

@@ -315,13 +315,14 @@ def chunk_prepare_kernel(
     GATE: tl.constexpr,          # 0 none, 1 scalar, 2 per channel
     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, MM_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
     g_floor: tl.constexpr, span_max: tl.constexpr, WU_LOWP: tl.constexpr = 0, AP_FORM: tl.constexpr = 0,
-    BWD: tl.constexpr = 0, STORE_T: tl.constexpr = 0,
+    BWD: tl.constexpr = 0, STORE_T: tl.constexpr = 0, STORE_P: tl.constexpr = 1,
 ):
     """One chunk of one value head: see the module docstring (stage 1). Grid (chunks, B·HV).
 
     BWD (the backward's recompute, scalar / no gate): instead of P, write T = (I + A)⁻¹ (fp32) and
     dR_local = scale Pᵀ dO, next to W and U; A and P never reach memory.
-    STORE_T (forward, for a backward that reuses stage 1): also write T = (I + A)⁻¹ (fp32) to t_out."""
+    STORE_T (forward, for a backward that reuses stage 1): also write T = (I + A)⁻¹ (fp32) to t_out.
+    STORE_P = 0 (forward, scalar / no gate): no P (stage 2 forms it), q is not read."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
     i_hk = i_h // (HV // H)
@@ -408,23 +409,26 @@ def chunk_prepare_kernel(
             A = tl.where(strict, _stack_rows(A0, A1, A2, A3), 0.)
             P = tl.where(incl, _stack_rows(P0, P1, P2, P3), 0.)
     else:
-        b_q = tl.load(tl.make_block_ptr(q_base, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
-                      boundary_check=(0, 1))
         b_k = tl.load(tl.make_block_ptr(k_base, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
                       boundary_check=(0, 1))
         KK = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PREC)                       # [BT, BK] @ [BK, BT]
-        QK = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)                       # [BT, BK] @ [BK, BT]
+        if BWD or STORE_P:
+            b_q = tl.load(tl.make_block_ptr(q_base, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
+                          boundary_check=(0, 1))
+            QK = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)                   # [BT, BK] @ [BK, BT]
         if GATE == 1:
             Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor)                  # [BT]
             dec = tl.exp(tl.where(incl, Gc[:, None] - Gc[None, :], float("-inf")))     # e^{G_i − G_j}, i ≥ j
             A = tl.where(strict, KK * dec, 0.) * b_beta[:, None]
-            P = QK * dec
+            if BWD or STORE_P:
+                P = QK * dec
             Xk = b_k.to(tl.float32) * (b_beta * tl.exp(Gc))[:, None]
         else:
             A = tl.where(strict, KK, 0.) * b_beta[:, None]
-            P = tl.where(incl, QK, 0.)
+            if BWD or STORE_P:
+                P = tl.where(incl, QK, 0.)
             Xk = b_k.to(tl.float32) * b_beta[:, None]
-    if not BWD:
+    if not BWD and STORE_P:
         tl.store(tl.make_block_ptr(p + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0), (BTc, BTc),
                                    (1, 0)), P.to(p.dtype.element_ty), boundary_check=(0, 1))
 
@@ -789,7 +793,7 @@ def prep_config(gate: int) -> tuple[int, int, int, int]:
     return cfg[0], cfg[1], cfg[2], cfg[3]
 
 
-def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=False):
+def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=False, store_p=True):
     """Stage 1 for the delta families.
 
     Args: q, k [B,T,H,K]; v [B,T,HV,V]; g None | [B,T,HV] fp32 | [B,T,HV,K] fp32 (raw log-decays);
@@ -797,7 +801,8 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     Returns dict: w [B,T,HV,K], u [B,T,HV,V], p [B,T,HV,64] (q's dtype) and, for per-channel g,
     qg, kg [B,T,HV,K] (q's dtype) and glast [slots, HV, K] fp32 (e^{G_last} per chunk; the slot of
     chunk i of sequence n is n·NT + i, or n + start_token // 64 with cu_seqlens); with ``save_t`` also
-    t = (I + A)⁻¹ [B,T,HV,64] fp32 (for a backward that reuses stage 1).
+    t = (I + A)⁻¹ [B,T,HV,64] fp32 (for a backward that reuses stage 1). ``store_p=False`` (scalar / no
+    gate): p is None, for a stage 2 that forms P itself.
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -806,7 +811,8 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     dev, dt = q.device, q.dtype
     w = _alloc((B, T, HV, K), dt, dev)
     u = _alloc((B, T, HV, V), dt, dev)
-    p = _alloc((B, T, HV, BT), dt, dev)
+    store_p = store_p or gate == 2
+    p = _alloc((B, T, HV, BT), dt, dev) if store_p else None
     if cu_seqlens is not None:
         n_chunks = chunk_indices.shape[0]
         slots = cu_seqlens.numel() - 1 + NT + 1
@@ -828,7 +834,8 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
             H=H, HV=HV, K=K, V=V, scale=1.0, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)), GATE=gate,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=solve_prec,
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(dt, K),
-            AP_FORM=form if gate == 2 else 0, STORE_T=save_t, num_warps=warps, num_stages=1, **reg_cap("prep_fwd"))
+            AP_FORM=form if gate == 2 else 0, STORE_T=save_t, STORE_P=store_p, num_warps=warps, num_stages=1,
+            **reg_cap("prep_fwd"))
     return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, t=t)
 
 
@@ -913,6 +920,18 @@ def _pick_segments(NT: int, programs: int, n_sm: int) -> int:
     while programs * nseg * 2 <= 2 * n_sm and nseg < 16 and triton.cdiv(NT, nseg * 2) >= SEG_MIN_CHUNKS:
         nseg *= 2
     return nseg
+
+
+DELTA_P_IN = 1   # GDN / DeltaNet forward: P from stage 1 (1) or formed in stage 2's serial loop (0)
+
+
+def _delta_p_in() -> bool:
+    """GDN / DeltaNet forward (not saved for a backward): whether stage 1 writes P for stage 2
+    (CHUNKWISE_FWD_P_IN, default DELTA_P_IN) or stage 2 forms it (stage 1 then reads no q)."""
+    value = os.environ.get("CHUNKWISE_FWD_P_IN", str(DELTA_P_IN))
+    if value not in ("0", "1"):
+        raise ValueError(f"CHUNKWISE_FWD_P_IN={value!r}: expected 0 or 1")
+    return value == "1"
 
 
 def saves_stage1(q, v, g, beta) -> bool:
@@ -1003,15 +1022,17 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     if p_in is None:
         # simple GLA (no prepare stage) forms P inside its serial loop when the SMs are busy, and takes it from
         # its own chunk-parallel kernel when they are not (H200, B1-T32768-H32: 1.17 -> 0.95 ms; B8-T4096-H32:
-        # 0.55 ms inside at 2 stages, 0.67 taken at 3)
-        p_in = delta or not busy
+        # 0.55 ms inside at 2 stages, 0.67 taken at 3); the delta families take it from stage 1 (which then
+        # writes it) unless CHUNKWISE_FWD_P_IN=0
+        p_in = (save or _delta_p_in()) if delta else not busy
     if gate == 2:
         p_in = True
     if cu_seqlens is not None and chunk_indices is None and (delta or p_in):
         from ..api import prepare_chunk_indices
         chunk_indices = prepare_chunk_indices(cu_seqlens, BT)
 
-    stage1 = chunk_prepare(q, k, v, g, beta, cu_seqlens, chunk_indices, save_t=save) if delta else \
+    stage1 = chunk_prepare(q, k, v, g, beta, cu_seqlens, chunk_indices, save_t=save, store_p=p_in or save) \
+        if delta else \
         dict(w=None, u=None, p=None, qg=None, kg=None, glast=None)
     if save:
         saved_out.update(w=stage1["w"], u=stage1["u"], p=stage1["p"], t=stage1["t"])
