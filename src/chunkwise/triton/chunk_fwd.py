@@ -922,13 +922,18 @@ def _pick_segments(NT: int, programs: int, n_sm: int) -> int:
     return nseg
 
 
-DELTA_P_IN = 1   # GDN / DeltaNet forward: P from stage 1 (1) or formed in stage 2's serial loop (0)
+# GDN / DeltaNet forward (not saved for a backward), per gate kind: P from stage 1 (1) or formed in stage 2's
+# serial loop (0; stage 1 then reads no q and writes no P). On the H200 (run of 310dd0e, bf16, ms, stage 1 /
+# stage 2's P): DeltaNet B1-T32768-H32 1.329 / 1.227, B8-T4096-H32 1.078 / 1.002, B4-T8192-H16/HV32 1.071 /
+# 1.008, varlen16 1.127 / 1.051; GDN 1.641 / 1.921, 1.445 / 1.645, 1.429 / 1.627, 1.529 / 1.681 (its decay
+# mask e^{G_i − G_j} on the serial path costs more than stage 1 saves)
+DELTA_P_IN = {0: 0, 1: 1}
 
 
-def _delta_p_in() -> bool:
+def _delta_p_in(gate: int) -> bool:
     """GDN / DeltaNet forward (not saved for a backward): whether stage 1 writes P for stage 2
-    (CHUNKWISE_FWD_P_IN, default DELTA_P_IN) or stage 2 forms it (stage 1 then reads no q)."""
-    value = os.environ.get("CHUNKWISE_FWD_P_IN", str(DELTA_P_IN))
+    (CHUNKWISE_FWD_P_IN, default DELTA_P_IN of the gate kind) or stage 2 forms it."""
+    value = os.environ.get("CHUNKWISE_FWD_P_IN", str(DELTA_P_IN.get(gate, 1)))
     if value not in ("0", "1"):
         raise ValueError(f"CHUNKWISE_FWD_P_IN={value!r}: expected 0 or 1")
     return value == "1"
@@ -1022,9 +1027,9 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     if p_in is None:
         # simple GLA (no prepare stage) forms P inside its serial loop when the SMs are busy, and takes it from
         # its own chunk-parallel kernel when they are not (H200, B1-T32768-H32: 1.17 -> 0.95 ms; B8-T4096-H32:
-        # 0.55 ms inside at 2 stages, 0.67 taken at 3); the delta families take it from stage 1 (which then
-        # writes it) unless CHUNKWISE_FWD_P_IN=0
-        p_in = (save or _delta_p_in()) if delta else not busy
+        # 0.55 ms inside at 2 stages, 0.67 taken at 3); GDN / KDA take it from stage 1, DeltaNet forms it in
+        # stage 2 (DELTA_P_IN) unless stage 1 is saved for a backward (which needs P)
+        p_in = (save or _delta_p_in(gate)) if delta else not busy
     if gate == 2:
         p_in = True
     if cu_seqlens is not None and chunk_indices is None and (delta or p_in):
