@@ -201,6 +201,23 @@ def test_p_formed_in_stage2(fam, varlen, monkeypatch):
     assert rel_err(o, o1) <= TOL[torch.float32] and rel_err(ht, ht1) <= TOL[torch.float32]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("fam", ["gdn", "kda", "delta"])
+def test_folded_output(fam, varlen, dtype, monkeypatch):
+    """The delta families with the output folded by stage 1 (CHUNKWISE_FWD_FOLD=1: o = Q' S + P U with
+    Q' = (Q ⊙ e^G) − P W): equal to the float64 recurrence and to the unfolded run, output and final state,
+    grouped heads, a carried-in state in the transposed layout, varlen with a length-1 sequence."""
+    mk = dict(lengths=[1, 130, 70]) if varlen else dict(B=2, T=T_LONG)
+    inp = make_inputs(fam, H=1, HV=2, K=KS[1] if fam == "kda" else KS[0], V=VS[0], dtype=dtype, seed=23, **mk)
+    monkeypatch.setenv("CHUNKWISE_FWD_FOLD", "1")
+    o, ht = _run(inp, transpose=True)
+    monkeypatch.setenv("CHUNKWISE_FWD_FOLD", "0")
+    o1, ht1 = _run(inp, transpose=True)
+    _check(inp, o, ht, TOL[dtype])
+    assert rel_err(o, o1) <= TOL[dtype] and rel_err(ht, ht1) <= TOL[dtype]
+
+
 @pytest.mark.parametrize("fam", FAMS)
 def test_fp16(fam):
     inp = make_inputs(fam, B=1, T=T_LONG, H=1, HV=2, K=KS[0], V=VS[0], dtype=torch.float16, seed=5)

@@ -111,6 +111,16 @@ def _mm(a, b, MM_PREC: tl.constexpr):
 
 
 @triton.jit
+def _fold_mm(P, X, dt: tl.constexpr, LOWP: tl.constexpr, MM_PREC: tl.constexpr):
+    """P X for FOLD ([BT, BT] fp32 @ [BT, ·] fp32), X rounded to the stored dtype first (stage 2 reads W and U
+    stored), with 16-bit operands under LOWP as the W / U products."""
+    Xs = X.to(dt)
+    if LOWP:
+        return _mm(P.to(dt), Xs, MM_PREC)
+    return _mm(P, Xs.to(tl.float32), MM_PREC)
+
+
+@triton.jit
 def _solve_unit_lower(A, PREC: tl.constexpr, BTc: tl.constexpr, BCc: tl.constexpr):
     """T = (I + A)⁻¹ for A [BT, BT] fp32 strictly lower triangular (BT = 4 BC). Returns [BT, BT] fp32.
 
@@ -309,20 +319,23 @@ def chunk_prepare_kernel(
     w, u, p,                     # out: [B,T,HV,K] [B,T,HV,V] [B,T,HV,BT] (input dtype)
     qg, kg, glast,               # out (GATE == 2): [B,T,HV,K] [B,T,HV,K] input dtype, [slots,HV,K] fp32
     do, t_out, drl,              # BWD: [B,T,HV,V] in; out [B,T,HV,BT] fp32, [B,T,HV,V] (do's dtype)
+    pu,                          # out (FOLD): [B,T,HV,V] input dtype, P U; qg then holds (Q ⊙ e^G) − P W
     cu_seqlens, chunk_indices,   # varlen: [N+1], [NT_total, 2] (sequence, chunk in sequence)
     T, NT, H, HV, K, V, scale,
     BTc: tl.constexpr, BCc: tl.constexpr, BK: tl.constexpr, BVf: tl.constexpr, BKC: tl.constexpr,
     GATE: tl.constexpr,          # 0 none, 1 scalar, 2 per channel
     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, MM_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
     g_floor: tl.constexpr, span_max: tl.constexpr, WU_LOWP: tl.constexpr = 0, AP_FORM: tl.constexpr = 0,
-    BWD: tl.constexpr = 0, STORE_T: tl.constexpr = 0, STORE_P: tl.constexpr = 1,
+    BWD: tl.constexpr = 0, STORE_T: tl.constexpr = 0, STORE_P: tl.constexpr = 1, FOLD: tl.constexpr = 0,
 ):
     """One chunk of one value head: see the module docstring (stage 1). Grid (chunks, B·HV).
 
     BWD (the backward's recompute, scalar / no gate): instead of P, write T = (I + A)⁻¹ (fp32) and
     dR_local = scale Pᵀ dO, next to W and U; A and P never reach memory.
     STORE_T (forward, for a backward that reuses stage 1): also write T = (I + A)⁻¹ (fp32) to t_out.
-    STORE_P = 0 (forward, scalar / no gate): no P (stage 2 forms it), q is not read."""
+    STORE_P = 0 (forward, scalar / no gate): no P (stage 2 forms it), q is not read.
+    FOLD (forward): the output's intra-chunk part folded into two tiles, so that stage 2 needs one product for o:
+    o = (Q ⊙ e^G) S + P (U − W S) = Q' S + P U with Q' = (Q ⊙ e^G) − P W; writes Q' to qg and P U to pu."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
     i_hk = i_h // (HV // H)
@@ -396,10 +409,12 @@ def chunk_prepare_kernel(
                     Ad, Pd = _kda_diag_exact(kf, qf, kf * b_beta[:, None], b_G, BTc, BCc)
                 A += tl.where(same & strict, Ad, 0.)
                 P += tl.where(same & incl, Pd, 0.)
-            # q e^G, k e^{G_last − G} for stage 2 (both exponents ≤ 0)
+            # q e^G, k e^{G_last − G} for stage 2 (both exponents ≤ 0); with FOLD q e^G − P W, in the W loop
             G_last = _row_of(b_G, BTc - 1, BTc)                                          # [BKC]
-            tl.store(tl.make_block_ptr(qg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
-                                       (1, 0)), (qf * tl.exp(b_G)).to(qg.dtype.element_ty), boundary_check=(0, 1))
+            if not FOLD:
+                tl.store(tl.make_block_ptr(qg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0),
+                                           (BTc, BKC), (1, 0)), (qf * tl.exp(b_G)).to(qg.dtype.element_ty),
+                         boundary_check=(0, 1))
             tl.store(tl.make_block_ptr(kg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
                                        (1, 0)), (kf * tl.exp(G_last[None, :] - b_G)).to(kg.dtype.element_ty),
                      boundary_check=(0, 1))
@@ -460,15 +475,55 @@ def chunk_prepare_kernel(
             b_w = _mm(Tm, Xk.to(Tm.dtype), MM_PREC)                                      # [BT, BT] @ [BT, BKC]
             tl.store(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
                                        (1, 0)), b_w.to(w.dtype.element_ty), boundary_check=(0, 1))
+            if FOLD:        # Q' = q e^G − P W on this column chunk
+                qf = tl.load(tl.make_block_ptr(q_base, (T_seq, K), (H * K, 1), (t0, kc0), (BTc, BKC), (1, 0)),
+                             boundary_check=(0, 1)).to(tl.float32)
+                b_qf = qf * tl.exp(b_G) - _fold_mm(P, b_w, w.dtype.element_ty, WU_LOWP, MM_PREC)
+                tl.store(tl.make_block_ptr(qg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0),
+                                           (BTc, BKC), (1, 0)), b_qf.to(qg.dtype.element_ty), boundary_check=(0, 1))
     else:
         b_w = _mm(Tm, Xk.to(Tm.dtype), MM_PREC)                                          # [BT, BT] @ [BT, BK]
         tl.store(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK), (1, 0)),
                  b_w.to(w.dtype.element_ty), boundary_check=(0, 1))
     Xv = tl.load(tl.make_block_ptr(v + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf), (1, 0)),
                  boundary_check=(0, 1)).to(tl.float32) * b_beta[:, None]
-    b_u = _mm(Tm, Xv.to(Tm.dtype), MM_PREC)                                              # [BT, BT] @ [BT, BV]
+    b_u = _mm(Tm, Xv.to(Tm.dtype), MM_PREC).to(u.dtype.element_ty)                      # [BT, BT] @ [BT, BV]
     tl.store(tl.make_block_ptr(u + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf), (1, 0)),
-             b_u.to(u.dtype.element_ty), boundary_check=(0, 1))
+             b_u, boundary_check=(0, 1))
+    if FOLD:
+        # W and U read back as stored (the barrier makes the program's stores visible to all its threads), in
+        # column blocks of FB: fewer live registers than keeping them through the U product
+        tl.debug_barrier()
+        if GATE != 2 and not (BWD or STORE_P):
+            # P formed here, not live across the solve
+            b_q = tl.load(tl.make_block_ptr(q_base, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
+                          boundary_check=(0, 1))
+            b_k = tl.load(tl.make_block_ptr(k_base, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
+                          boundary_check=(0, 1))
+            P = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)                      # [BT, BK] @ [BK, BT]
+            if GATE == 1:
+                P = P * tl.exp(tl.where(incl, Gc[:, None] - Gc[None, :], float("-inf")))
+            else:
+                P = tl.where(incl, P, 0.)
+        FB: tl.constexpr = 64 if BVf > 64 else BVf
+        for i_c in tl.static_range(BVf // FB):       # P U
+            b_uc = tl.load(tl.make_block_ptr(u + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, i_c * FB),
+                                             (BTc, FB), (1, 0)), boundary_check=(0, 1))
+            b_pu = _fold_mm(P, b_uc, u.dtype.element_ty, WU_LOWP, MM_PREC)                # [BT, BT] @ [BT, FB]
+            tl.store(tl.make_block_ptr(pu + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, i_c * FB),
+                                       (BTc, FB), (1, 0)), b_pu.to(pu.dtype.element_ty), boundary_check=(0, 1))
+        if GATE != 2:       # Q' = Q ⊙ e^G − P W (KDA's per column chunk in its W loop above)
+            FK: tl.constexpr = 64 if BK > 64 else BK
+            for i_c in tl.static_range(BK // FK):
+                b_wc = tl.load(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, i_c * FK),
+                                                 (BTc, FK), (1, 0)), boundary_check=(0, 1))
+                b_qf = tl.load(tl.make_block_ptr(q_base, (T_seq, K), (H * K, 1), (t0, i_c * FK), (BTc, FK), (1, 0)),
+                               boundary_check=(0, 1)).to(tl.float32)
+                if GATE == 1:
+                    b_qf = b_qf * tl.exp(Gc)[:, None]
+                b_qf -= _fold_mm(P, b_wc, w.dtype.element_ty, WU_LOWP, MM_PREC)            # [BT, BT] @ [BT, FK]
+                tl.store(tl.make_block_ptr(qg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, i_c * FK),
+                                           (BTc, FK), (1, 0)), b_qf.to(qg.dtype.element_ty), boundary_check=(0, 1))
 
 
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
@@ -592,10 +647,56 @@ def _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, 
     return S
 
 
+@triton.jit
+def _fold_state_output_step(i_t, S, k, w, u, g, qg, kg, glast, pu, o_base, bos, T_seq, slot0, i_h, i_hk, i_v, scale,
+                            H, HV, K, V, BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
+                            DOT_PREC: tl.constexpr, g_floor: tl.constexpr):
+    """One chunk of stage 2 with the output folded by stage 1 (FOLD): three products instead of four or five,
+    one of them off the state's chain::
+
+        R = U − W S        o = scale · (Q' S + P U)        S ← D S + K_dᵀ R
+
+    with Q' = (Q ⊙ e^G) − P W and P U from stage 1 (the same o: P R = P U − P W S)."""
+    o_k = tl.arange(0, BK)
+    o_t = tl.arange(0, BTc)
+    t0 = i_t * BTc
+    b_w = tl.load(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK), (1, 0)),
+                  boundary_check=(0, 1))
+    b_u = tl.load(tl.make_block_ptr(u + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, i_v * BV), (BTc, BV),
+                                    (1, 0)), boundary_check=(0, 1))
+    b_S = S.to(b_w.dtype)
+    b_R = b_u.to(tl.float32) - tl.dot(b_w, b_S, input_precision=DOT_PREC)                # [BT, BK] @ [BK, BV]
+    b_qf = tl.load(tl.make_block_ptr(qg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK), (1, 0)),
+                   boundary_check=(0, 1))
+    b_o = tl.dot(b_qf, b_S, input_precision=DOT_PREC)                                   # [BT, BK] @ [BK, BV]
+    b_o += tl.load(tl.make_block_ptr(pu + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, i_v * BV), (BTc, BV),
+                                     (1, 0)), boundary_check=(0, 1)).to(tl.float32)
+    tl.store(tl.make_block_ptr(o_base, (T_seq, V), (HV * V, 1), (t0, i_v * BV), (BTc, BV), (1, 0)),
+             (b_o * scale).to(o_base.dtype.element_ty), boundary_check=(0, 1))
+    if GATE == 2:
+        b_kd = tl.load(tl.make_block_ptr(kg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK), (1, 0)),
+                       boundary_check=(0, 1))
+        S = S * tl.load(glast + ((slot0 + i_t) * HV + i_h) * K + o_k, mask=o_k < K, other=0.)[:, None]
+        b_Rd = b_R.to(b_kd.dtype)
+    else:
+        b_kd = tl.load(tl.make_block_ptr(k + (bos * H + i_hk) * K, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
+                       boundary_check=(0, 1))
+        if GATE == 1:
+            Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor)                    # [BT]
+            G_last = tl.sum(tl.where(o_t == BTc - 1, Gc, 0.), 0)
+            S = S * tl.exp(G_last)
+            b_Rd = (b_R * tl.exp(G_last - Gc)[:, None]).to(b_kd.dtype)
+        else:
+            b_Rd = b_R.to(b_kd.dtype)
+    S += tl.dot(tl.trans(b_kd), b_Rd, input_precision=DOT_PREC)                      # [BK, BT] @ [BT, BV]
+    return S
+
+
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV", "seg_len"])
 def chunk_state_output_kernel(
     q, k, v, w, u, p, g,         # [B,T,H,K] [B,T,H,K] [B,T,HV,V] [B,T,HV,K] [B,T,HV,V] [B,T,HV,BT] [B,T,HV] fp32
-    qg, kg, glast,               # GATE == 2: [B,T,HV,K] [B,T,HV,K] [slots,HV,K] fp32
+    qg, kg, glast,               # GATE == 2: [B,T,HV,K] [B,T,HV,K] [slots,HV,K] fp32 (FOLD: qg is Q' for any gate)
+    pu,                          # FOLD: [B,T,HV,V] P U
     o, h0, ht,                   # out [B,T,HV,V]; [N,HV,·,·] any float; out [N,HV,·,·] fp32
     sloc, gam,                   # SEG > 0: [N·NSEG, HV, K, V] fp32 segment-local end states, [N·NSEG, HV] fp32 decays
     cu_seqlens, scale, T, NT, seg_len,
@@ -606,7 +707,7 @@ def chunk_state_output_kernel(
     GATE: tl.constexpr, DELTA: tl.constexpr, P_IN: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
     DOT_PREC: tl.constexpr, g_floor: tl.constexpr, LOOP_WHILE: tl.constexpr,
-    SEG: tl.constexpr = 0, NSEG: tl.constexpr = 1, SUB: tl.constexpr = 1,
+    SEG: tl.constexpr = 0, NSEG: tl.constexpr = 1, SUB: tl.constexpr = 1, FOLD: tl.constexpr = 0,
 ):
     """Stage 2 (module docstring). Grid (cdiv(V, BV), N·HV); S [BK, BV] fp32 stays in registers.
 
@@ -684,15 +785,25 @@ def chunk_state_output_kernel(
         if LOOP_WHILE:      # the triton 3.6 interpreter cannot take a tensor bound in range()
             i_t = c0
             while i_t < c1:
-                S = _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, T_seq, slot0, i_h,
-                                       i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, DOT_PREC,
-                                       g_floor)
+                if FOLD:
+                    S = _fold_state_output_step(i_t, S, k, w, u, g, qg, kg, glast, pu, o_base, bos, T_seq, slot0,
+                                                i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DOT_PREC,
+                                                g_floor)
+                else:
+                    S = _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, T_seq, slot0,
+                                           i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN,
+                                           DOT_PREC, g_floor)
                 i_t += 1
         else:               # compiled: a for loop, so that the loads of later chunks are pipelined
             for i_t in range(c0, c1):
-                S = _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, T_seq, slot0, i_h,
-                                       i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, DOT_PREC,
-                                       g_floor)
+                if FOLD:
+                    S = _fold_state_output_step(i_t, S, k, w, u, g, qg, kg, glast, pu, o_base, bos, T_seq, slot0,
+                                                i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DOT_PREC,
+                                                g_floor)
+                else:
+                    S = _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, T_seq, slot0,
+                                           i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN,
+                                           DOT_PREC, g_floor)
 
     if STORE_HT and SEG != 1:
         if i_s == NSEG - 1:     # the last segment (always, without SEG)
@@ -793,7 +904,7 @@ def prep_config(gate: int) -> tuple[int, int, int, int]:
     return cfg[0], cfg[1], cfg[2], cfg[3]
 
 
-def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=False, store_p=True):
+def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=False, store_p=True, fold=False):
     """Stage 1 for the delta families.
 
     Args: q, k [B,T,H,K]; v [B,T,HV,V]; g None | [B,T,HV] fp32 | [B,T,HV,K] fp32 (raw log-decays);
@@ -802,7 +913,8 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     qg, kg [B,T,HV,K] (q's dtype) and glast [slots, HV, K] fp32 (e^{G_last} per chunk; the slot of
     chunk i of sequence n is n·NT + i, or n + start_token // 64 with cu_seqlens); with ``save_t`` also
     t = (I + A)⁻¹ [B,T,HV,64] fp32 (for a backward that reuses stage 1). ``store_p=False`` (scalar / no
-    gate): p is None, for a stage 2 that forms P itself.
+    gate): p is None, for a stage 2 that forms P itself. ``fold``: also qg = (Q ⊙ e^G) − P W [B,T,HV,K] and
+    pu = P U [B,T,HV,V] (q's dtype; every gate kind), for a stage 2 that forms o = qg S + pu.
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -811,7 +923,7 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     dev, dt = q.device, q.dtype
     w = _alloc((B, T, HV, K), dt, dev)
     u = _alloc((B, T, HV, V), dt, dev)
-    store_p = store_p or gate == 2
+    store_p = store_p or (gate == 2 and not fold)
     p = _alloc((B, T, HV, BT), dt, dev) if store_p else None
     if cu_seqlens is not None:
         n_chunks = chunk_indices.shape[0]
@@ -824,19 +936,21 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
         kg = _alloc((B, T, HV, K), dt, dev)
         glast = _alloc((slots, HV, K), torch.float32, dev)
     else:
-        qg = kg = glast = None
+        qg = _alloc((B, T, HV, K), dt, dev) if fold else None
+        kg = glast = None
+    pu = _alloc((B, T, HV, V), dt, dev) if fold else None
     t = _alloc((B, T, HV, BT), torch.float32, dev) if save_t else None
     dot_prec, mm_prec, solve_prec = _dot_prec(dt, gate)
     wu_lowp, warps, bkc, form = prep_config(gate)
     if n_chunks > 0:
         chunk_prepare_kernel[(n_chunks, B * HV)](
-            q, k, v, g, beta, w, u, p, qg, kg, glast, None, t, None, cu_seqlens, chunk_indices, T, NT,
+            q, k, v, g, beta, w, u, p, qg, kg, glast, None, t, None, pu, cu_seqlens, chunk_indices, T, NT,
             H=H, HV=HV, K=K, V=V, scale=1.0, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)), GATE=gate,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=solve_prec,
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(dt, K),
-            AP_FORM=form if gate == 2 else 0, STORE_T=save_t, STORE_P=store_p, num_warps=warps, num_stages=1,
-            **reg_cap("prep_fwd"))
-    return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, t=t)
+            AP_FORM=form if gate == 2 else 0, STORE_T=save_t, STORE_P=store_p, FOLD=fold, num_warps=warps,
+            num_stages=1, **reg_cap("prep_fwd"))
+    return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, t=t, pu=pu)
 
 
 def chunk_prepare_bwd(q, k, v, g, beta, do, scale, w, u, t_out, drl, cu_seqlens=None, chunk_indices=None,
@@ -855,7 +969,7 @@ def chunk_prepare_bwd(q, k, v, g, beta, do, scale, w, u, t_out, drl, cu_seqlens=
     bkc = prep_config(gate)[2]
     if n_chunks > 0:
         chunk_prepare_kernel[(n_chunks, B * HV)](
-            q, k, v, g, beta, w, u, None, None, None, None, do, t_out, drl, cu_seqlens, chunk_indices, T, NT,
+            q, k, v, g, beta, w, u, None, None, None, None, do, t_out, drl, None, cu_seqlens, chunk_indices, T, NT,
             H=H, HV=HV, K=K, V=V, scale=scale, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)),
             GATE=gate, IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=solve_prec,
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(q.dtype, K), BWD=True,
@@ -930,6 +1044,18 @@ def _pick_segments(NT: int, programs: int, n_sm: int) -> int:
 DELTA_P_IN = {0: 0, 1: 1}
 
 
+FWD_FOLD = 0     # the delta families' forward: o = Q' S + P U in stage 2 (1) or o = (Q ⊙ e^G) S + P R (0)
+
+
+def _fwd_fold() -> bool:
+    """Whether the delta families' forward folds its output (CHUNKWISE_FWD_FOLD, default FWD_FOLD; see
+    _fold_state_output_step)."""
+    value = os.environ.get("CHUNKWISE_FWD_FOLD", str(FWD_FOLD))
+    if value not in ("0", "1"):
+        raise ValueError(f"CHUNKWISE_FWD_FOLD={value!r}: expected 0 or 1")
+    return value == "1"
+
+
 def _delta_p_in(gate: int) -> bool:
     """GDN / DeltaNet forward (not saved for a backward): whether stage 1 writes P for stage 2
     (CHUNKWISE_FWD_P_IN, default DELTA_P_IN of the gate kind) or stage 2 forms it."""
@@ -958,7 +1084,7 @@ def _num_sms(device: torch.device) -> int:
 
 def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, *,
               chunk_indices=None, transpose_state_layout=False, p_in=None, bv=None, num_stages=None, num_warps=4,
-              segments=None, seg_phase1=None, seg_sub=None, saved_out=None):
+              segments=None, seg_phase1=None, seg_sub=None, saved_out=None, fold=None):
     """The chunk forward of all four families (canonical inputs: see chunkwise.triton).
 
     Returns (o [B,T,HV,V] in q's dtype, final state fp32 [N,HV,K,V] ([N,HV,V,K] transposed) or None).
@@ -971,6 +1097,8 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     one wave; with ``segments`` given: stage 2's BV and warps, no sub-segments).
     ``saved_out``: a dict that, for the delta families at head dims the kernels take as they are, receives
     stage 1's w, u, p and t = (I + A)⁻¹ (fp32) for a backward that reuses them (chunk_bwd's ``saved``).
+    ``fold`` (delta families): stage 1 folds the output's intra-chunk part, o = Q' S + P U (default:
+    CHUNKWISE_FWD_FOLD).
     Head dims the kernels do not take as they are run zero-padded (triton/align.py).
     """
     if q.dtype != torch.float32 and q.shape[-1] > WIDE_16BIT_K:
@@ -978,7 +1106,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         o, ht = chunk_fwd(q.float(), k.float(), v.float(), g, None if beta is None else beta.float(), scale,
                           initial_state, output_final_state, cu_seqlens, chunk_indices=chunk_indices,
                           transpose_state_layout=transpose_state_layout, p_in=p_in, bv=bv, num_stages=num_stages,
-                          num_warps=num_warps, segments=segments, seg_phase1=seg_phase1, seg_sub=seg_sub)
+                          num_warps=num_warps, segments=segments, seg_phase1=seg_phase1, seg_sub=seg_sub, fold=fold)
         return o.to(q.dtype), ht
     save = saved_out is not None and saves_stage1(q, v, g, beta)      # (on the unpadded inputs)
     K0, V0 = q.shape[-1], v.shape[-1]
@@ -1036,8 +1164,12 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         from ..api import prepare_chunk_indices
         chunk_indices = prepare_chunk_indices(cu_seqlens, BT)
 
-    stage1 = chunk_prepare(q, k, v, g, beta, cu_seqlens, chunk_indices, save_t=save, store_p=p_in or save) \
-        if delta else \
+    # the output's intra-chunk part folded by stage 1 (CHUNKWISE_FWD_FOLD=1): stage 2 needs neither P nor q
+    fold = delta and (_fwd_fold() if fold is None else bool(fold))
+    if fold:
+        p_in = False
+    stage1 = chunk_prepare(q, k, v, g, beta, cu_seqlens, chunk_indices, save_t=save, store_p=p_in or save,
+                           fold=fold) if delta else \
         dict(w=None, u=None, p=None, qg=None, kg=None, glast=None)
     if save:
         saved_out.update(w=stage1["w"], u=stage1["u"], p=stage1["p"], t=stage1["t"])
@@ -1080,12 +1212,12 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
                 stages_m = seg_phase1[2] if len(seg_phase1) > 2 else num_stages
         chunk_state_output_kernel[(triton.cdiv(V, bv_m), rows_m)](
             q, k, v, stage1["w"], stage1["u"], stage1["p"], g, stage1["qg"], stage1["kg"], stage1["glast"],
-            o, initial_state, ht, sloc, gam, cu_seqlens, scale, T, NT, len_m,
+            stage1.get("pu"), o, initial_state, ht, sloc, gam, cu_seqlens, scale, T, NT, len_m,
             *strides(initial_state), *strides(ht),
             H=H, HV=HV, K=K, V=V, BTc=BT, BK=_dim(K), BV=bv_m, GATE=gate, DELTA=delta, P_IN=p_in,
             USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=cu_seqlens is not None,
             DOT_PREC=dot_prec, g_floor=G_FLOOR, LOOP_WHILE=_INTERPRET, SEG=seg_mode, NSEG=nseg_m,
-            SUB=sub if seg_mode == 2 else 1,
+            SUB=sub if seg_mode == 2 else 1, FOLD=fold,
             num_warps=warps_m, num_stages=stages_m, **reg_cap("fwd_o"))
     if padded:
         o, ht = o[..., :V0].contiguous(), cut_state(ht, K0, V0, transpose_state_layout)
