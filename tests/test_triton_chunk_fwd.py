@@ -207,9 +207,11 @@ def test_p_formed_in_stage2(fam, varlen, monkeypatch):
 def test_folded_output(fam, varlen, dtype, monkeypatch):
     """The delta families with the output folded by stage 1 (CHUNKWISE_FWD_FOLD=1: o = Q' S + P U with
     Q' = (Q ⊙ e^G) − P W): equal to the float64 recurrence and to the unfolded run, output and final state,
-    grouped heads, a carried-in state in the transposed layout, varlen with a length-1 sequence."""
+    grouped heads, a carried-in state in the transposed layout, varlen with a length-1 sequence (there with
+    strong gates: chunks whose gates sum below -100 and a hard reset)."""
     mk = dict(lengths=[1, 130, 70]) if varlen else dict(B=2, T=T_LONG)
-    inp = make_inputs(fam, H=1, HV=2, K=KS[1] if fam == "kda" else KS[0], V=VS[0], dtype=dtype, seed=23, **mk)
+    inp = make_inputs(fam, H=1, HV=2, K=KS[1] if fam == "kda" else KS[0], V=VS[0], dtype=dtype, seed=23,
+                      gate="strong" if varlen and fam != "delta" else "normal", **mk)
     monkeypatch.setenv("CHUNKWISE_FWD_FOLD", "1")
     o, ht = _run(inp, transpose=True)
     monkeypatch.setenv("CHUNKWISE_FWD_FOLD", "0")
