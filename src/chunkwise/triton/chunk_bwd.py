@@ -33,6 +33,7 @@ differences of cumsums stay accurate after a hard reset (g = −1e4).
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import triton
@@ -1079,7 +1080,6 @@ BWD_KSPLIT = 64
 # the interpreter (CPU tests) every level runs as asked.
 BWD_LOWP = 2
 BWD_LOWP_BF16_128 = 4
-_lowp_warned: set = set()
 
 
 def bwd_lowp_level(dtype: torch.dtype, BK: int) -> int:
@@ -1096,12 +1096,9 @@ def bwd_lowp_level(dtype: torch.dtype, BK: int) -> int:
         raise ValueError(f"CHUNKWISE_BWD_LOWP={env!r}: expected 0, 1, 2, 3 or 4")
     level = int(env)
     if not _INTERPRET and (level == 3 or (level == 4 and default != 4)):
-        key = (level, dtype, BK)
-        if key not in _lowp_warned:
-            _lowp_warned.add(key)
-            import warnings
-            warnings.warn(f"CHUNKWISE_BWD_LOWP={level} gave wrong gradients on the GPU for {dtype} at key tile {BK} "
-                          f"(benchmarks/NOTES.md); using level {default}", RuntimeWarning, stacklevel=3)
+        # (the warnings registry shows each message once per calling line)
+        warnings.warn(f"CHUNKWISE_BWD_LOWP={level} gave wrong gradients on the GPU for {dtype} at key tile {BK} "
+                      f"(benchmarks/NOTES.md); using level {default}", RuntimeWarning, stacklevel=3)
         return default
     return level
 

@@ -692,6 +692,21 @@ def _fold_state_output_step(i_t, S, k, w, u, g, qg, kg, glast, pu, o_base, bos, 
     return S
 
 
+@triton.jit
+def _chunk_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, pu, o_base, bos, T_seq, slot0, i_h, i_hk, i_v, scale,
+                H, HV, K, V, BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
+                DELTA: tl.constexpr, P_IN: tl.constexpr, FOLD: tl.constexpr, DOT_PREC: tl.constexpr,
+                g_floor: tl.constexpr):
+    """One chunk of stage 2 in the form FOLD selects (both loop forms of chunk_state_output_kernel call it)."""
+    if FOLD:
+        S = _fold_state_output_step(i_t, S, k, w, u, g, qg, kg, glast, pu, o_base, bos, T_seq, slot0, i_h, i_hk,
+                                    i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DOT_PREC, g_floor)
+    else:
+        S = _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, T_seq, slot0, i_h, i_hk,
+                               i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, DOT_PREC, g_floor)
+    return S
+
+
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV", "seg_len"])
 def chunk_state_output_kernel(
     q, k, v, w, u, p, g,         # [B,T,H,K] [B,T,H,K] [B,T,HV,V] [B,T,HV,K] [B,T,HV,V] [B,T,HV,BT] [B,T,HV] fp32
@@ -785,25 +800,13 @@ def chunk_state_output_kernel(
         if LOOP_WHILE:      # the triton 3.6 interpreter cannot take a tensor bound in range()
             i_t = c0
             while i_t < c1:
-                if FOLD:
-                    S = _fold_state_output_step(i_t, S, k, w, u, g, qg, kg, glast, pu, o_base, bos, T_seq, slot0,
-                                                i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DOT_PREC,
-                                                g_floor)
-                else:
-                    S = _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, T_seq, slot0,
-                                           i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN,
-                                           DOT_PREC, g_floor)
+                S = _chunk_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, pu, o_base, bos, T_seq, slot0, i_h, i_hk,
+                                i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, FOLD, DOT_PREC, g_floor)
                 i_t += 1
         else:               # compiled: a for loop, so that the loads of later chunks are pipelined
             for i_t in range(c0, c1):
-                if FOLD:
-                    S = _fold_state_output_step(i_t, S, k, w, u, g, qg, kg, glast, pu, o_base, bos, T_seq, slot0,
-                                                i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DOT_PREC,
-                                                g_floor)
-                else:
-                    S = _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, T_seq, slot0,
-                                           i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN,
-                                           DOT_PREC, g_floor)
+                S = _chunk_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, pu, o_base, bos, T_seq, slot0, i_h, i_hk,
+                                i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, FOLD, DOT_PREC, g_floor)
 
     if STORE_HT and SEG != 1:
         if i_s == NSEG - 1:     # the last segment (always, without SEG)
@@ -1047,21 +1050,11 @@ DELTA_P_IN = {0: 0, 1: 1}
 FWD_FOLD = 0     # the delta families' forward: o = Q' S + P U in stage 2 (1) or o = (Q ⊙ e^G) S + P R (0)
 
 
-def _fwd_fold() -> bool:
-    """Whether the delta families' forward folds its output (CHUNKWISE_FWD_FOLD, default FWD_FOLD; see
-    _fold_state_output_step)."""
-    value = os.environ.get("CHUNKWISE_FWD_FOLD", str(FWD_FOLD))
+def _env_switch(name: str, default: int) -> bool:
+    """A 0 / 1 launch choice from the environment variable ``name`` (``default`` when unset)."""
+    value = os.environ.get(name, str(default))
     if value not in ("0", "1"):
-        raise ValueError(f"CHUNKWISE_FWD_FOLD={value!r}: expected 0 or 1")
-    return value == "1"
-
-
-def _delta_p_in(gate: int) -> bool:
-    """GDN / DeltaNet forward (not saved for a backward): whether stage 1 writes P for stage 2
-    (CHUNKWISE_FWD_P_IN, default DELTA_P_IN of the gate kind) or stage 2 forms it."""
-    value = os.environ.get("CHUNKWISE_FWD_P_IN", str(DELTA_P_IN.get(gate, 1)))
-    if value not in ("0", "1"):
-        raise ValueError(f"CHUNKWISE_FWD_P_IN={value!r}: expected 0 or 1")
+        raise ValueError(f"{name}={value!r}: expected 0 or 1")
     return value == "1"
 
 
@@ -1157,7 +1150,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         # its own chunk-parallel kernel when they are not (H200, B1-T32768-H32: 1.17 -> 0.95 ms; B8-T4096-H32:
         # 0.55 ms inside at 2 stages, 0.67 taken at 3); GDN / KDA take it from stage 1, DeltaNet forms it in
         # stage 2 (DELTA_P_IN) unless stage 1 is saved for a backward (which needs P)
-        p_in = (save or _delta_p_in(gate)) if delta else not busy
+        p_in = (save or _env_switch("CHUNKWISE_FWD_P_IN", DELTA_P_IN.get(gate, 1))) if delta else not busy
     if gate == 2:
         p_in = True
     if cu_seqlens is not None and chunk_indices is None and (delta or p_in):
@@ -1165,12 +1158,12 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         chunk_indices = prepare_chunk_indices(cu_seqlens, BT)
 
     # the output's intra-chunk part folded by stage 1 (CHUNKWISE_FWD_FOLD=1): stage 2 needs neither P nor q
-    fold = delta and (_fwd_fold() if fold is None else bool(fold))
+    fold = delta and (_env_switch("CHUNKWISE_FWD_FOLD", FWD_FOLD) if fold is None else bool(fold))
     if fold:
         p_in = False
     stage1 = chunk_prepare(q, k, v, g, beta, cu_seqlens, chunk_indices, save_t=save, store_p=p_in or save,
                            fold=fold) if delta else \
-        dict(w=None, u=None, p=None, qg=None, kg=None, glast=None)
+        dict(w=None, u=None, p=None, qg=None, kg=None, glast=None, pu=None)
     if save:
         saved_out.update(w=stage1["w"], u=stage1["u"], p=stage1["p"], t=stage1["t"])
     if p_in and not delta:                # simple GLA with P formed once per chunk
@@ -1212,7 +1205,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
                 stages_m = seg_phase1[2] if len(seg_phase1) > 2 else num_stages
         chunk_state_output_kernel[(triton.cdiv(V, bv_m), rows_m)](
             q, k, v, stage1["w"], stage1["u"], stage1["p"], g, stage1["qg"], stage1["kg"], stage1["glast"],
-            stage1.get("pu"), o, initial_state, ht, sloc, gam, cu_seqlens, scale, T, NT, len_m,
+            stage1["pu"], o, initial_state, ht, sloc, gam, cu_seqlens, scale, T, NT, len_m,
             *strides(initial_state), *strides(ht),
             H=H, HV=HV, K=K, V=V, BTc=BT, BK=_dim(K), BV=bv_m, GATE=gate, DELTA=delta, P_IN=p_in,
             USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=cu_seqlens is not None,
