@@ -111,16 +111,6 @@ def _mm(a, b, MM_PREC: tl.constexpr):
 
 
 @triton.jit
-def _fold_mm(P, X, dt: tl.constexpr, LOWP: tl.constexpr, MM_PREC: tl.constexpr):
-    """P X for FOLD ([BT, BT] fp32 @ [BT, ·] fp32), X rounded to the stored dtype first (stage 2 reads W and U
-    stored), with 16-bit operands under LOWP as the W / U products."""
-    Xs = X.to(dt)
-    if LOWP:
-        return _mm(P.to(dt), Xs, MM_PREC)
-    return _mm(P, Xs.to(tl.float32), MM_PREC)
-
-
-@triton.jit
 def _solve_unit_lower(A, PREC: tl.constexpr, BTc: tl.constexpr, BCc: tl.constexpr):
     """T = (I + A)⁻¹ for A [BT, BT] fp32 strictly lower triangular (BT = 4 BC). Returns [BT, BT] fp32.
 
@@ -319,14 +309,14 @@ def chunk_prepare_kernel(
     w, u, p,                     # out: [B,T,HV,K] [B,T,HV,V] [B,T,HV,BT] (input dtype)
     qg, kg, glast,               # out (GATE == 2): [B,T,HV,K] [B,T,HV,K] input dtype, [slots,HV,K] fp32
     do, t_out, drl,              # BWD: [B,T,HV,V] in; out [B,T,HV,BT] fp32, [B,T,HV,V] (do's dtype)
-    pu,                          # out (FOLD): [B,T,HV,V] input dtype, P U; qg then holds (Q ⊙ e^G) − P W
+    kp,                          # out (STACK): [slots,HV,BK+BT,BT] input dtype, (K ⊙ e^{G_last − G})ᵀ over P
     cu_seqlens, chunk_indices,   # varlen: [N+1], [NT_total, 2] (sequence, chunk in sequence)
     T, NT, H, HV, K, V, scale,
     BTc: tl.constexpr, BCc: tl.constexpr, BK: tl.constexpr, BVf: tl.constexpr, BKC: tl.constexpr,
     GATE: tl.constexpr,          # 0 none, 1 scalar, 2 per channel
     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, MM_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
     g_floor: tl.constexpr, span_max: tl.constexpr, WU_LOWP: tl.constexpr = 0, AP_FORM: tl.constexpr = 0,
-    BWD: tl.constexpr = 0, STORE_T: tl.constexpr = 0, STORE_P: tl.constexpr = 1, FOLD: tl.constexpr = 0,
+    BWD: tl.constexpr = 0, STORE_T: tl.constexpr = 0, STORE_P: tl.constexpr = 1, STACK: tl.constexpr = 0,
 ):
     """One chunk of one value head: see the module docstring (stage 1). Grid (chunks, B·HV).
 
@@ -334,8 +324,8 @@ def chunk_prepare_kernel(
     dR_local = scale Pᵀ dO, next to W and U; A and P never reach memory.
     STORE_T (forward, for a backward that reuses stage 1): also write T = (I + A)⁻¹ (fp32) to t_out.
     STORE_P = 0 (forward, scalar / no gate): no P (stage 2 forms it), q is not read.
-    FOLD (forward): the output's intra-chunk part folded into two tiles, so that stage 2 needs one product for o:
-    o = (Q ⊙ e^G) S + P (U − W S) = Q' S + P U with Q' = (Q ⊙ e^G) − P W; writes Q' to qg and P U to pu."""
+    STACK (forward, stage 2's stacked form): instead of P (and KDA's kg), write per chunk slot kp [BK + BT, BT]:
+    rows 0 .. BK − 1 the decayed keys transposed, (K ⊙ e^{G_last − G})ᵀ, rows BK .. BK + BT − 1 P."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
     i_hk = i_h // (HV // H)
@@ -409,15 +399,18 @@ def chunk_prepare_kernel(
                     Ad, Pd = _kda_diag_exact(kf, qf, kf * b_beta[:, None], b_G, BTc, BCc)
                 A += tl.where(same & strict, Ad, 0.)
                 P += tl.where(same & incl, Pd, 0.)
-            # q e^G, k e^{G_last − G} for stage 2 (both exponents ≤ 0); with FOLD q e^G − P W, in the W loop
+            # q e^G, k e^{G_last − G} for stage 2 (both exponents ≤ 0); STACK: the latter transposed into kp
             G_last = _row_of(b_G, BTc - 1, BTc)                                          # [BKC]
-            if not FOLD:
-                tl.store(tl.make_block_ptr(qg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0),
-                                           (BTc, BKC), (1, 0)), (qf * tl.exp(b_G)).to(qg.dtype.element_ty),
-                         boundary_check=(0, 1))
-            tl.store(tl.make_block_ptr(kg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
-                                       (1, 0)), (kf * tl.exp(G_last[None, :] - b_G)).to(kg.dtype.element_ty),
+            tl.store(tl.make_block_ptr(qg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0),
+                                       (BTc, BKC), (1, 0)), (qf * tl.exp(b_G)).to(qg.dtype.element_ty),
                      boundary_check=(0, 1))
+            b_kd = (kf * tl.exp(G_last[None, :] - b_G)).to(qg.dtype.element_ty)
+            if STACK:
+                tl.store(tl.make_block_ptr(kp + (slot * HV + i_h) * (BK + BTc) * BTc, (BK + BTc, BTc), (BTc, 1),
+                                           (kc0, 0), (BKC, BTc), (1, 0)), tl.trans(b_kd))
+            else:
+                tl.store(tl.make_block_ptr(kg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0),
+                                           (BTc, BKC), (1, 0)), b_kd, boundary_check=(0, 1))
             o_k = kc0 + tl.arange(0, BKC)
             tl.store(glast + (slot * HV + i_h) * K + o_k, tl.exp(G_last), mask=o_k < K)
         if AP_FORM == 1:
@@ -444,8 +437,21 @@ def chunk_prepare_kernel(
                 P = tl.where(incl, QK, 0.)
             Xk = b_k.to(tl.float32) * b_beta[:, None]
     if not BWD and STORE_P:
-        tl.store(tl.make_block_ptr(p + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0), (BTc, BTc),
-                                   (1, 0)), P.to(p.dtype.element_ty), boundary_check=(0, 1))
+        if STACK:   # kp of this chunk: (K ⊙ e^{G_last − G})ᵀ [BK, BT] (KDA's written above), then P [BT, BT]
+            kp_base = kp + (slot * HV + i_h) * (BK + BTc) * BTc
+            tl.store(tl.make_block_ptr(kp_base, (BK + BTc, BTc), (BTc, 1), (BK, 0), (BTc, BTc), (1, 0)),
+                     P.to(kp.dtype.element_ty))
+            if GATE != 2:
+                if GATE == 1:
+                    G_end = tl.sum(tl.where(o_t == BTc - 1, Gc, 0.), 0)
+                    b_kd = (b_k.to(tl.float32) * tl.exp(G_end - Gc)[:, None]).to(kp.dtype.element_ty)
+                else:
+                    b_kd = b_k.to(kp.dtype.element_ty)
+                tl.store(tl.make_block_ptr(kp_base, (BK + BTc, BTc), (BTc, 1), (0, 0), (BK, BTc), (1, 0)),
+                         tl.trans(b_kd))
+        else:
+            tl.store(tl.make_block_ptr(p + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0), (BTc, BTc),
+                                       (1, 0)), P.to(p.dtype.element_ty), boundary_check=(0, 1))
 
     Tm = _solve_unit_lower(A, SOLVE_PREC, BTc, BCc)                                      # (I + A)^-1
     if BWD or STORE_T:
@@ -475,12 +481,6 @@ def chunk_prepare_kernel(
             b_w = _mm(Tm, Xk.to(Tm.dtype), MM_PREC)                                      # [BT, BT] @ [BT, BKC]
             tl.store(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
                                        (1, 0)), b_w.to(w.dtype.element_ty), boundary_check=(0, 1))
-            if FOLD:        # Q' = q e^G − P W on this column chunk
-                qf = tl.load(tl.make_block_ptr(q_base, (T_seq, K), (H * K, 1), (t0, kc0), (BTc, BKC), (1, 0)),
-                             boundary_check=(0, 1)).to(tl.float32)
-                b_qf = qf * tl.exp(b_G) - _fold_mm(P, b_w, w.dtype.element_ty, WU_LOWP, MM_PREC)
-                tl.store(tl.make_block_ptr(qg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0),
-                                           (BTc, BKC), (1, 0)), b_qf.to(qg.dtype.element_ty), boundary_check=(0, 1))
     else:
         b_w = _mm(Tm, Xk.to(Tm.dtype), MM_PREC)                                          # [BT, BT] @ [BT, BK]
         tl.store(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK), (1, 0)),
@@ -490,40 +490,6 @@ def chunk_prepare_kernel(
     b_u = _mm(Tm, Xv.to(Tm.dtype), MM_PREC).to(u.dtype.element_ty)                      # [BT, BT] @ [BT, BV]
     tl.store(tl.make_block_ptr(u + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf), (1, 0)),
              b_u, boundary_check=(0, 1))
-    if FOLD:
-        # W and U read back as stored (the barrier makes the program's stores visible to all its threads), in
-        # column blocks of FB: fewer live registers than keeping them through the U product
-        tl.debug_barrier()
-        if GATE != 2 and not (BWD or STORE_P):
-            # P formed here, not live across the solve
-            b_q = tl.load(tl.make_block_ptr(q_base, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
-                          boundary_check=(0, 1))
-            b_k = tl.load(tl.make_block_ptr(k_base, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
-                          boundary_check=(0, 1))
-            P = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)                      # [BT, BK] @ [BK, BT]
-            if GATE == 1:
-                P = P * tl.exp(tl.where(incl, Gc[:, None] - Gc[None, :], float("-inf")))
-            else:
-                P = tl.where(incl, P, 0.)
-        FB: tl.constexpr = 64 if BVf > 64 else BVf
-        for i_c in tl.static_range(BVf // FB):       # P U
-            b_uc = tl.load(tl.make_block_ptr(u + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, i_c * FB),
-                                             (BTc, FB), (1, 0)), boundary_check=(0, 1))
-            b_pu = _fold_mm(P, b_uc, u.dtype.element_ty, WU_LOWP, MM_PREC)                # [BT, BT] @ [BT, FB]
-            tl.store(tl.make_block_ptr(pu + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, i_c * FB),
-                                       (BTc, FB), (1, 0)), b_pu.to(pu.dtype.element_ty), boundary_check=(0, 1))
-        if GATE != 2:       # Q' = Q ⊙ e^G − P W (KDA's per column chunk in its W loop above)
-            FK: tl.constexpr = 64 if BK > 64 else BK
-            for i_c in tl.static_range(BK // FK):
-                b_wc = tl.load(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, i_c * FK),
-                                                 (BTc, FK), (1, 0)), boundary_check=(0, 1))
-                b_qf = tl.load(tl.make_block_ptr(q_base, (T_seq, K), (H * K, 1), (t0, i_c * FK), (BTc, FK), (1, 0)),
-                               boundary_check=(0, 1)).to(tl.float32)
-                if GATE == 1:
-                    b_qf = b_qf * tl.exp(Gc)[:, None]
-                b_qf -= _fold_mm(P, b_wc, w.dtype.element_ty, WU_LOWP, MM_PREC)            # [BT, BT] @ [BT, FK]
-                tl.store(tl.make_block_ptr(qg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, i_c * FK),
-                                           (BTc, FK), (1, 0)), b_qf.to(qg.dtype.element_ty), boundary_check=(0, 1))
 
 
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
@@ -648,59 +614,78 @@ def _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, 
 
 
 @triton.jit
-def _fold_state_output_step(i_t, S, k, w, u, g, qg, kg, glast, pu, o_base, bos, T_seq, slot0, i_h, i_hk, i_v, scale,
-                            H, HV, K, V, BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
-                            DOT_PREC: tl.constexpr, g_floor: tl.constexpr):
-    """One chunk of stage 2 with the output folded by stage 1 (FOLD): three products instead of four or five,
-    one of them off the state's chain::
-
-        R = U − W S        o = scale · (Q' S + P U)        S ← D S + K_dᵀ R
-
-    with Q' = (Q ⊙ e^G) − P W and P U from stage 1 (the same o: P R = P U − P W S)."""
-    o_k = tl.arange(0, BK)
-    o_t = tl.arange(0, BTc)
-    t0 = i_t * BTc
-    b_w = tl.load(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK), (1, 0)),
-                  boundary_check=(0, 1))
-    b_u = tl.load(tl.make_block_ptr(u + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, i_v * BV), (BTc, BV),
-                                    (1, 0)), boundary_check=(0, 1))
-    b_S = S.to(b_w.dtype)
-    b_R = b_u.to(tl.float32) - tl.dot(b_w, b_S, input_precision=DOT_PREC)                # [BT, BK] @ [BK, BV]
-    b_qf = tl.load(tl.make_block_ptr(qg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK), (1, 0)),
-                   boundary_check=(0, 1))
-    b_o = tl.dot(b_qf, b_S, input_precision=DOT_PREC)                                   # [BT, BK] @ [BK, BV]
-    b_o += tl.load(tl.make_block_ptr(pu + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, i_v * BV), (BTc, BV),
-                                     (1, 0)), boundary_check=(0, 1)).to(tl.float32)
-    tl.store(tl.make_block_ptr(o_base, (T_seq, V), (HV * V, 1), (t0, i_v * BV), (BTc, BV), (1, 0)),
-             (b_o * scale).to(o_base.dtype.element_ty), boundary_check=(0, 1))
-    if GATE == 2:
-        b_kd = tl.load(tl.make_block_ptr(kg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK), (1, 0)),
-                       boundary_check=(0, 1))
-        S = S * tl.load(glast + ((slot0 + i_t) * HV + i_h) * K + o_k, mask=o_k < K, other=0.)[:, None]
-        b_Rd = b_R.to(b_kd.dtype)
-    else:
-        b_kd = tl.load(tl.make_block_ptr(k + (bos * H + i_hk) * K, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
-                       boundary_check=(0, 1))
-        if GATE == 1:
-            Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor)                    # [BT]
-            G_last = tl.sum(tl.where(o_t == BTc - 1, Gc, 0.), 0)
-            S = S * tl.exp(G_last)
-            b_Rd = (b_R * tl.exp(G_last - Gc)[:, None]).to(b_kd.dtype)
-        else:
-            b_Rd = b_R.to(b_kd.dtype)
-    S += tl.dot(tl.trans(b_kd), b_Rd, input_precision=DOT_PREC)                      # [BK, BT] @ [BT, BV]
-    return S
+def _row_halves(x):
+    """The two row halves of x [2R, N] as [R, N] tiles (a reshape and a split: in the tensor-core accumulator's
+    layout the halves sit in different registers of the same threads, so no data moves)."""
+    R: tl.constexpr = x.shape[0] // 2
+    N: tl.constexpr = x.shape[1]
+    return tl.split(tl.permute(tl.reshape(x, [2, R, N]), (1, 2, 0)))
 
 
 @triton.jit
-def _chunk_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, pu, o_base, bos, T_seq, slot0, i_h, i_hk, i_v, scale,
+def _stack_step(i_t, S, q, w, u, g, qg, glast, kp, o_base, bos, T_seq, slot0, i_h, i_hk, i_v, scale,
                 H, HV, K, V, BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
-                DELTA: tl.constexpr, P_IN: tl.constexpr, FOLD: tl.constexpr, DOT_PREC: tl.constexpr,
+                DOT_PREC: tl.constexpr, g_floor: tl.constexpr):
+    """One chunk of stage 2 in the stacked form (STACK): the four products of the plain form as two, one per
+    operand the state's chain waits on, since each product is a tensor-core round trip that the serial loop
+    cannot hide (B1: one program per SM)::
+
+        [X_q; X_w] = [Q_d; W] S              [2C, BK] @ [BK, BV]    Q_d = Q (⊙ e^G for KDA)
+        R = U − X_w
+        [Y_s; Y_o] = kp R                    [BK + C (padded), C] @ [C, BV]    kp = [K_dᵀ; P] from stage 1
+        o = scale · (X_q (⊙ e^G for GDN) + Y_o)        S ← D S + Y_s
+
+    with K_d = K ⊙ e^{G_last − G}: the decays the plain form applies to R are in K_d, so both products over R
+    take R itself. The same products as the plain form, so the same roundings (P, R, K_d in the input dtype)."""
+    o_k = tl.arange(0, BK)
+    o_r = tl.arange(0, 2 * BTc)                   # stacked rows: C rows of Q, then C rows of W
+    top = o_r < BTc
+    t0 = i_t * BTc
+    # the decays first: their loads are not pipelined, issued here they overlap the products
+    if GATE == 1:
+        Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor)                        # [BT]
+        b_eg = tl.exp(Gc)
+        b_dl = tl.exp(tl.sum(tl.where(tl.arange(0, BTc) == BTc - 1, Gc, 0.), 0))       # e^{G_last}
+    elif GATE == 2:
+        b_dl = tl.load(glast + ((slot0 + i_t) * HV + i_h) * K + o_k, mask=o_k < K, other=0.)[:, None]
+    t_r = t0 + tl.where(top, o_r, o_r - BTc)      # each stacked row's token in the sequence
+    m_rk = (t_r < T_seq)[:, None] & (o_k < K)[None, :]
+    r_w = (bos + t_r).to(tl.int64)[:, None] * (HV * K) + i_h * K + o_k[None, :]
+    if GATE == 2:
+        p_q = qg + r_w
+    else:
+        p_q = q + (bos + t_r).to(tl.int64)[:, None] * (H * K) + i_hk * K + o_k[None, :]
+    b_M = tl.load(tl.where(top[:, None], p_q, w + r_w), mask=m_rk, other=0.)             # [2C, BK]: Q_d; W
+    b_X = tl.dot(b_M, S.to(b_M.dtype), input_precision=DOT_PREC)                         # [2C, BK] @ [BK, BV]
+    b_Xq, b_Xw = _row_halves(b_X)                                                        # [C, BV] each
+    b_u = tl.load(tl.make_block_ptr(u + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, i_v * BV), (BTc, BV),
+                                    (1, 0)), boundary_check=(0, 1))
+    b_R = (b_u.to(tl.float32) - b_Xw).to(b_M.dtype)
+    KPR: tl.constexpr = 2 * BK                    # BK + C rows padded to a power of two (BK = 64 or 128)
+    b_kp = tl.load(tl.make_block_ptr(kp + ((slot0 + i_t) * HV + i_h) * (BK + BTc) * BTc, (BK + BTc, BTc), (BTc, 1),
+                                     (0, 0), (KPR, BTc), (1, 0)), boundary_check=(0,))     # [KPR, C]: K_dᵀ; P; 0
+    b_Y = tl.dot(b_kp, b_R, input_precision=DOT_PREC)                                    # [KPR, C] @ [C, BV]
+    b_Ys, b_Yo = _row_halves(b_Y)                                                        # [BK, BV] each
+    if BK > BTc:
+        b_Yo, _ = _row_halves(b_Yo)                                                      # [C, BV]: P R
+    if GATE == 1:
+        b_Xq = b_Xq * b_eg[:, None]
+    if GATE != 0:
+        S = S * b_dl
+    tl.store(tl.make_block_ptr(o_base, (T_seq, V), (HV * V, 1), (t0, i_v * BV), (BTc, BV), (1, 0)),
+             ((b_Xq + b_Yo) * scale).to(o_base.dtype.element_ty), boundary_check=(0, 1))
+    return S + b_Ys
+
+
+@triton.jit
+def _chunk_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, kp, o_base, bos, T_seq, slot0, i_h, i_hk, i_v, scale,
+                H, HV, K, V, BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
+                DELTA: tl.constexpr, P_IN: tl.constexpr, STACK: tl.constexpr, DOT_PREC: tl.constexpr,
                 g_floor: tl.constexpr):
-    """One chunk of stage 2 in the form FOLD selects (both loop forms of chunk_state_output_kernel call it)."""
-    if FOLD:
-        S = _fold_state_output_step(i_t, S, k, w, u, g, qg, kg, glast, pu, o_base, bos, T_seq, slot0, i_h, i_hk,
-                                    i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DOT_PREC, g_floor)
+    """One chunk of stage 2 in the form STACK selects (both loop forms of chunk_state_output_kernel call it)."""
+    if STACK:
+        S = _stack_step(i_t, S, q, w, u, g, qg, glast, kp, o_base, bos, T_seq, slot0, i_h, i_hk, i_v, scale,
+                        H, HV, K, V, BTc, BK, BV, GATE, DOT_PREC, g_floor)
     else:
         S = _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, T_seq, slot0, i_h, i_hk,
                                i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, DOT_PREC, g_floor)
@@ -710,8 +695,8 @@ def _chunk_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, pu, o_base, bos, T_s
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV", "seg_len"])
 def chunk_state_output_kernel(
     q, k, v, w, u, p, g,         # [B,T,H,K] [B,T,H,K] [B,T,HV,V] [B,T,HV,K] [B,T,HV,V] [B,T,HV,BT] [B,T,HV] fp32
-    qg, kg, glast,               # GATE == 2: [B,T,HV,K] [B,T,HV,K] [slots,HV,K] fp32 (FOLD: qg is Q' for any gate)
-    pu,                          # FOLD: [B,T,HV,V] P U
+    qg, kg, glast,               # GATE == 2: [B,T,HV,K] [B,T,HV,K] [slots,HV,K] fp32
+    kp,                          # STACK: [slots,HV,BK+BT,BT] (K ⊙ e^{G_last − G})ᵀ over P (stage 1)
     o, h0, ht,                   # out [B,T,HV,V]; [N,HV,·,·] any float; out [N,HV,·,·] fp32
     sloc, gam,                   # SEG > 0: [N·NSEG, HV, K, V] fp32 segment-local end states, [N·NSEG, HV] fp32 decays
     cu_seqlens, scale, T, NT, seg_len,
@@ -722,7 +707,7 @@ def chunk_state_output_kernel(
     GATE: tl.constexpr, DELTA: tl.constexpr, P_IN: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
     DOT_PREC: tl.constexpr, g_floor: tl.constexpr, LOOP_WHILE: tl.constexpr,
-    SEG: tl.constexpr = 0, NSEG: tl.constexpr = 1, SUB: tl.constexpr = 1, FOLD: tl.constexpr = 0,
+    SEG: tl.constexpr = 0, NSEG: tl.constexpr = 1, SUB: tl.constexpr = 1, STACK: tl.constexpr = 0,
 ):
     """Stage 2 (module docstring). Grid (cdiv(V, BV), N·HV); S [BK, BV] fp32 stays in registers.
 
@@ -800,13 +785,13 @@ def chunk_state_output_kernel(
         if LOOP_WHILE:      # the triton 3.6 interpreter cannot take a tensor bound in range()
             i_t = c0
             while i_t < c1:
-                S = _chunk_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, pu, o_base, bos, T_seq, slot0, i_h, i_hk,
-                                i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, FOLD, DOT_PREC, g_floor)
+                S = _chunk_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, kp, o_base, bos, T_seq, slot0, i_h, i_hk,
+                                i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, STACK, DOT_PREC, g_floor)
                 i_t += 1
         else:               # compiled: a for loop, so that the loads of later chunks are pipelined
             for i_t in range(c0, c1):
-                S = _chunk_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, pu, o_base, bos, T_seq, slot0, i_h, i_hk,
-                                i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, FOLD, DOT_PREC, g_floor)
+                S = _chunk_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, kp, o_base, bos, T_seq, slot0, i_h, i_hk,
+                                i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, STACK, DOT_PREC, g_floor)
 
     if STORE_HT and SEG != 1:
         if i_s == NSEG - 1:     # the last segment (always, without SEG)
@@ -907,7 +892,7 @@ def prep_config(gate: int) -> tuple[int, int, int, int]:
     return cfg[0], cfg[1], cfg[2], cfg[3]
 
 
-def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=False, store_p=True, fold=False):
+def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=False, store_p=True, stack=False):
     """Stage 1 for the delta families.
 
     Args: q, k [B,T,H,K]; v [B,T,HV,V]; g None | [B,T,HV] fp32 | [B,T,HV,K] fp32 (raw log-decays);
@@ -916,8 +901,9 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     qg, kg [B,T,HV,K] (q's dtype) and glast [slots, HV, K] fp32 (e^{G_last} per chunk; the slot of
     chunk i of sequence n is n·NT + i, or n + start_token // 64 with cu_seqlens); with ``save_t`` also
     t = (I + A)⁻¹ [B,T,HV,64] fp32 (for a backward that reuses stage 1). ``store_p=False`` (scalar / no
-    gate): p is None, for a stage 2 that forms P itself. ``fold``: also qg = (Q ⊙ e^G) − P W [B,T,HV,K] and
-    pu = P U [B,T,HV,V] (q's dtype; every gate kind), for a stage 2 that forms o = qg S + pu.
+    gate): p is None, for a stage 2 that forms P itself. ``stack`` (stage 2's stacked form, K <= 128): instead of
+    p and kg, kp [slots, HV, BK + 64, 64] (q's dtype; BK = K padded to 64 or 128): per chunk slot the decayed
+    keys transposed, (K ⊙ e^{G_last − G})ᵀ [BK, 64], over P [64, 64].
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -926,7 +912,7 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     dev, dt = q.device, q.dtype
     w = _alloc((B, T, HV, K), dt, dev)
     u = _alloc((B, T, HV, V), dt, dev)
-    store_p = store_p or (gate == 2 and not fold)
+    store_p = store_p or gate == 2 or stack
     p = _alloc((B, T, HV, BT), dt, dev) if store_p else None
     if cu_seqlens is not None:
         n_chunks = chunk_indices.shape[0]
@@ -936,24 +922,28 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
         slots = B * NT
     if gate == 2:
         qg = _alloc((B, T, HV, K), dt, dev)
-        kg = _alloc((B, T, HV, K), dt, dev)
+        kg = None if stack else _alloc((B, T, HV, K), dt, dev)
         glast = _alloc((slots, HV, K), torch.float32, dev)
     else:
-        qg = _alloc((B, T, HV, K), dt, dev) if fold else None
-        kg = glast = None
-    pu = _alloc((B, T, HV, V), dt, dev) if fold else None
+        qg = kg = glast = None
+    if stack:
+        assert _dim(K) in (64, 128), "the stacked stage 2 takes K <= 128 (padded to 64 or 128)"
+        p = None
+        kp = _alloc((slots, HV, _dim(K) + BT, BT), dt, dev)
+    else:
+        kp = None
     t = _alloc((B, T, HV, BT), torch.float32, dev) if save_t else None
     dot_prec, mm_prec, solve_prec = _dot_prec(dt, gate)
     wu_lowp, warps, bkc, form = prep_config(gate)
     if n_chunks > 0:
         chunk_prepare_kernel[(n_chunks, B * HV)](
-            q, k, v, g, beta, w, u, p, qg, kg, glast, None, t, None, pu, cu_seqlens, chunk_indices, T, NT,
+            q, k, v, g, beta, w, u, p, qg, kg, glast, None, t, None, kp, cu_seqlens, chunk_indices, T, NT,
             H=H, HV=HV, K=K, V=V, scale=1.0, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)), GATE=gate,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=solve_prec,
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(dt, K),
-            AP_FORM=form if gate == 2 else 0, STORE_T=save_t, STORE_P=store_p, FOLD=fold, num_warps=warps,
+            AP_FORM=form if gate == 2 else 0, STORE_T=save_t, STORE_P=store_p, STACK=stack, num_warps=warps,
             num_stages=1, **reg_cap("prep_fwd"))
-    return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, t=t, pu=pu)
+    return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, t=t, kp=kp)
 
 
 def chunk_prepare_bwd(q, k, v, g, beta, do, scale, w, u, t_out, drl, cu_seqlens=None, chunk_indices=None,
@@ -1006,13 +996,16 @@ def _pick_bv(V: int, K: int, programs: int) -> int:
     return min(bv, _dim(V))
 
 
-def _pick_stages(elt: int, BK: int, bv: int, delta: bool, p_in: bool, busy: bool) -> int:
+def _pick_stages(elt: int, BK: int, bv: int, delta: bool, p_in: bool, busy: bool, stack: bool = False) -> int:
     """Pipeline depth of stage 2: 3 (best measured for bf16, K = V = 128) while the tiles of one chunk,
     times the depth, stay under ~200 KB of the H200's 227 KB shared memory; fp32 or K = 256 get 1-2.
     ``busy`` (at least two programs per SM): the deepest of 2-3 stages at which two programs share an SM,
     where one exists (simple GLA: B8-T4096-H32, BV = 64, 0.96 -> 0.55 ms at 2 stages instead of 3; the delta
-    families' three [C, K] tiles per stage leave no such depth)."""
+    families' three [C, K] tiles per stage leave no such depth). ``stack``: the stacked form's [2C, K] and
+    [2K, C] tiles."""
     per_stage = elt * (BT * BK * (3 if delta else 2) + (BT * BT if p_in else 0) + BT * bv)
+    if stack:
+        per_stage = elt * (4 * BT * BK + BT * bv)
     if busy and 2 * 2 * per_stage <= 200 * 1024:
         return min(3, (100 * 1024) // per_stage)
     return max(1, min(3, (200 * 1024) // per_stage))
@@ -1047,7 +1040,9 @@ def _pick_segments(NT: int, programs: int, n_sm: int) -> int:
 DELTA_P_IN = {0: 0, 1: 1}
 
 
-FWD_FOLD = 0     # the delta families' forward: o = Q' S + P U in stage 2 (1) or o = (Q ⊙ e^G) S + P R (0)
+# the delta families' forward outside autograd, per gate kind: stage 2 in the stacked form (1: two products per
+# chunk over [Q; W] and [K_dᵀ; P], _stack_step) or the plain one (0: four or five). K <= 128 only.
+FWD_STACK = {0: 0, 1: 0, 2: 0}
 
 
 def _env_switch(name: str, default: int) -> bool:
@@ -1077,7 +1072,7 @@ def _num_sms(device: torch.device) -> int:
 
 def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, *,
               chunk_indices=None, transpose_state_layout=False, p_in=None, bv=None, num_stages=None, num_warps=4,
-              segments=None, seg_phase1=None, seg_sub=None, saved_out=None, fold=None):
+              segments=None, seg_phase1=None, seg_sub=None, saved_out=None, stack=None):
     """The chunk forward of all four families (canonical inputs: see chunkwise.triton).
 
     Returns (o [B,T,HV,V] in q's dtype, final state fp32 [N,HV,K,V] ([N,HV,V,K] transposed) or None).
@@ -1090,8 +1085,8 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     one wave; with ``segments`` given: stage 2's BV and warps, no sub-segments).
     ``saved_out``: a dict that, for the delta families at head dims the kernels take as they are, receives
     stage 1's w, u, p and t = (I + A)⁻¹ (fp32) for a backward that reuses them (chunk_bwd's ``saved``).
-    ``fold`` (delta families): stage 1 folds the output's intra-chunk part, o = Q' S + P U (default:
-    CHUNKWISE_FWD_FOLD).
+    ``stack`` (delta families at K <= 128, not saved for a backward): stage 2 in the stacked form, two
+    products per chunk (default: FWD_STACK per gate kind, overridden by CHUNKWISE_FWD_STACK).
     Head dims the kernels do not take as they are run zero-padded (triton/align.py).
     """
     if q.dtype != torch.float32 and q.shape[-1] > WIDE_16BIT_K:
@@ -1099,7 +1094,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         o, ht = chunk_fwd(q.float(), k.float(), v.float(), g, None if beta is None else beta.float(), scale,
                           initial_state, output_final_state, cu_seqlens, chunk_indices=chunk_indices,
                           transpose_state_layout=transpose_state_layout, p_in=p_in, bv=bv, num_stages=num_stages,
-                          num_warps=num_warps, segments=segments, seg_phase1=seg_phase1, seg_sub=seg_sub, fold=fold)
+                          num_warps=num_warps, segments=segments, seg_phase1=seg_phase1, seg_sub=seg_sub, stack=stack)
         return o.to(q.dtype), ht
     save = saved_out is not None and saves_stage1(q, v, g, beta)      # (on the unpadded inputs)
     K0, V0 = q.shape[-1], v.shape[-1]
@@ -1157,13 +1152,18 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         from ..api import prepare_chunk_indices
         chunk_indices = prepare_chunk_indices(cu_seqlens, BT)
 
-    # the output's intra-chunk part folded by stage 1 (CHUNKWISE_FWD_FOLD=1): stage 2 needs neither P nor q
-    fold = delta and (_env_switch("CHUNKWISE_FWD_FOLD", FWD_FOLD) if fold is None else bool(fold))
-    if fold:
+    # stage 2 in the stacked form: stage 1 writes [K_dᵀ; P] per chunk (kp) in place of P (and KDA's kg)
+    stackable = delta and not save and _dim(K) in (64, 128)
+    if stack is None:
+        stack = _env_switch("CHUNKWISE_FWD_STACK", FWD_STACK.get(gate, 0)) and stackable
+    elif stack and not stackable:
+        raise ValueError("stack=True: the stacked stage 2 takes the delta families at K in 33..128 outside autograd")
+    stack = bool(stack)
+    if stack:
         p_in = False
     stage1 = chunk_prepare(q, k, v, g, beta, cu_seqlens, chunk_indices, save_t=save, store_p=p_in or save,
-                           fold=fold) if delta else \
-        dict(w=None, u=None, p=None, qg=None, kg=None, glast=None, pu=None)
+                           stack=stack) if delta else \
+        dict(w=None, u=None, p=None, qg=None, kg=None, glast=None, kp=None)
     if save:
         saved_out.update(w=stage1["w"], u=stage1["u"], p=stage1["p"], t=stage1["t"])
     if p_in and not delta:                # simple GLA with P formed once per chunk
@@ -1185,7 +1185,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
 
     dot_prec = _dot_prec(q.dtype)[0]
     if num_stages is None:
-        num_stages = _pick_stages(q.element_size(), _dim(K), bv, delta, p_in, busy)
+        num_stages = _pick_stages(q.element_size(), _dim(K), bv, delta, p_in, busy, stack)
     grid = (triton.cdiv(V, bv), N * nseg * HV)
     sloc = gam = None
     sub = (seg_sub or 1) if nseg > 1 else 1
@@ -1205,12 +1205,12 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
                 stages_m = seg_phase1[2] if len(seg_phase1) > 2 else num_stages
         chunk_state_output_kernel[(triton.cdiv(V, bv_m), rows_m)](
             q, k, v, stage1["w"], stage1["u"], stage1["p"], g, stage1["qg"], stage1["kg"], stage1["glast"],
-            stage1["pu"], o, initial_state, ht, sloc, gam, cu_seqlens, scale, T, NT, len_m,
+            stage1["kp"], o, initial_state, ht, sloc, gam, cu_seqlens, scale, T, NT, len_m,
             *strides(initial_state), *strides(ht),
             H=H, HV=HV, K=K, V=V, BTc=BT, BK=_dim(K), BV=bv_m, GATE=gate, DELTA=delta, P_IN=p_in,
             USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=cu_seqlens is not None,
             DOT_PREC=dot_prec, g_floor=G_FLOOR, LOOP_WHILE=_INTERPRET, SEG=seg_mode, NSEG=nseg_m,
-            SUB=sub if seg_mode == 2 else 1, FOLD=fold,
+            SUB=sub if seg_mode == 2 else 1, STACK=stack,
             num_warps=warps_m, num_stages=stages_m, **reg_cap("fwd_o"))
     if padded:
         o, ht = o[..., :V0].contiguous(), cut_state(ht, K0, V0, transpose_state_layout)
