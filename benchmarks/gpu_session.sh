@@ -11,7 +11,7 @@
 #   verify: the real-size bf16 tests (fwd, bwd, Hopper pin, >2^31 offsets), again with CHUNKWISE_BWD_LOWP=$VERIFY_LOWP (4)
 #   diag:  backward test failures, each test x launch setting in its own process (benchmarks/diag_bwd.py)
 #   pair:  KDA's pairwise-gradient kernel variants (sweep_bwd.py PAIR_VARIANTS: channels per program, warps, diagonal launch)
-#   ncu:   Nsight Compute reports of the largest kernels (NCU_TARGETS; summary by benchmarks/ncu_summary.py)
+#   ncu:   Nsight Compute reports of the largest kernels (NCU_TARGETS; NCU_EXTRA more ncu arguments; summary by benchmarks/ncu_summary.py)
 #   save:  fwd+bwd with the forward's stage 1 kept for the backward (CHUNKWISE_SAVE_STAGE1=1) against the default
 #   lowp:  fwd+bwd with the key side's 16-bit operands but its pairwise products (CHUNKWISE_BWD_LOWP=4) against the default 2
 #   regs:  registers per thread capped (CHUNKWISE_MAXNREG) in the chunk-parallel kernels, fwd+bwd per kernel
@@ -129,7 +129,7 @@ if has ncu; then        # Nsight Compute on the kernels NOTES.md asks about (ben
   NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   for tgt in ${NCU_TARGETS:-kda:fwd:chunk_prepare_kernel|chunk_state_output_kernel:2 gla:fwd:chunk_state_output_kernel:2 gdn:fwd:chunk_prepare_kernel|chunk_state_output_kernel:2 delta:train:_bwd_grad_kernel|_bwd_dv_kernel|_bwd_dh_kernel:3 kda:train:_bwd_pair_kernel|_bwd_grad_kernel:3}; do
     IFS=: read -r fam mode rx cnt <<< "$tgt"
-    TAILN=0 step ${NCU_T:-150} "ncu_${fam}_$mode" "$NCU" --clock-control none \
+    TAILN=0 step ${NCU_T:-150} "ncu_${fam}_$mode" "$NCU" --clock-control none ${NCU_EXTRA:-} \
       -k "regex:$rx" -s "$cnt" -c "$cnt" --section SpeedOfLight --section Occupancy --section LaunchStats \
       --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
       --section MemoryWorkloadAnalysis --section InstructionStats \
