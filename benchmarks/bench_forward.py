@@ -191,7 +191,22 @@ def main():
                     time_variant("stack", stack=True)
                     time_variant("stack-ns3", stack=True, num_stages=3)
                     time_variant("stack-ns1", stack=True, num_stages=1)
-                    for key, kw in (("stage1-plain", {}), ("stage1-stack", dict(stack=True))):
+                    # 8 warps: the stacked products' row blocks go to two warpgroups side by side, and each
+                    # warp's share of the element-wise work per chunk halves
+                    time_variant("plain-w8", stack=False, num_warps=8)
+                    time_variant("stack-w8", stack=True, num_warps=8)
+                    time_variant("stack-ns3-w8", stack=True, num_warps=8, num_stages=3)
+                    # stage 1 in persistent programs, (programs per SM, stages), CHUNKWISE_PREP_PERSIST
+                    os.environ["CHUNKWISE_PREP_PERSIST"] = "2,2"
+                    time_variant("persist-2-2")
+                    os.environ["CHUNKWISE_PREP_PERSIST"] = "1,2"
+                    time_variant("persist-1-2")
+                    os.environ.pop("CHUNKWISE_PREP_PERSIST")
+                    for key, kw in (("stage1-plain", {}), ("stage1-stack", dict(stack=True)),
+                                    ("stage1-persist-1-2", dict(persist=(1, 2))),
+                                    ("stage1-persist-2-2", dict(persist=(2, 2))),
+                                    ("stage1-persist-3-2", dict(persist=(3, 2))),
+                                    ("stage1-persist-2-3", dict(persist=(2, 3)))):
                         try:
                             var[key] = bench(lambda: chunk_prepare(x["q"], x["k"], x["v"], x["g"], x["beta"], x["cu"],
                                                                    x["chunk_indices"], **kw))[0]

@@ -222,6 +222,27 @@ def test_stacked_stage2(fam, varlen, dtype, K, monkeypatch):
     assert rel_err(o, o1) <= TOL[dtype] and rel_err(ht, ht1) <= TOL[dtype]
 
 
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("fam", ["gdn", "kda", "delta"])
+def test_persistent_stage1(fam, varlen, monkeypatch):
+    """Stage 1 in persistent programs (CHUNKWISE_PREP_PERSIST: each program loops over chunks p, p + P, ...),
+    here 3 programs for all chunks x heads (the SM count patched to 1), so every program takes several
+    chunks of several heads: equal to the float64 recurrence and to one program per chunk, output and final
+    state, grouped heads, varlen with a length-1 sequence."""
+    import chunkwise.triton.chunk_fwd as cf
+    mk = dict(lengths=[1, 130, 70]) if varlen else dict(B=2, T=T_LONG)
+    inp = make_inputs(fam, H=1, HV=2, K=KS[1], V=VS[0], dtype=torch.float32, seed=29, **mk)
+    o1, ht1 = _run(inp)
+    monkeypatch.setattr(cf, "_num_sms", lambda device: 1)
+    monkeypatch.setenv("CHUNKWISE_PREP_PERSIST", "3,2")
+    o, ht = _run(inp)
+    _check(inp, o, ht, TOL[torch.float32])
+    assert rel_err(o, o1) <= 1e-6 and rel_err(ht, ht1) <= 1e-6
+    monkeypatch.setenv("CHUNKWISE_PREP_PERSIST", "2,x")
+    with pytest.raises(ValueError, match="CHUNKWISE_PREP_PERSIST"):
+        _run(inp)
+
+
 def test_stack_choice_checked(monkeypatch):
     """CHUNKWISE_FWD_STACK other than 0 / 1 is refused with its name; stack=True where the stacked form does not
     apply (K = 32: its [K + 64, 64] tile is not a power of two) is refused, not silently ignored."""

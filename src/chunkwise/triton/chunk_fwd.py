@@ -111,7 +111,7 @@ def _mm(a, b, MM_PREC: tl.constexpr):
 
 
 @triton.jit
-def _solve_unit_lower(A, PREC: tl.constexpr, BTc: tl.constexpr, BCc: tl.constexpr):
+def _solve_unit_lower(A, PREC: tl.constexpr, BTc: tl.constexpr, BCc: tl.constexpr, UNROLL: tl.constexpr = 0):
     """T = (I + A)⁻¹ for A [BT, BT] fp32 strictly lower triangular (BT = 4 BC). Returns [BT, BT] fp32.
 
     With D the 16×16 diagonal blocks of A and L = A − D (strictly block-lower):
@@ -125,7 +125,8 @@ def _solve_unit_lower(A, PREC: tl.constexpr, BTc: tl.constexpr, BCc: tl.constexp
     formed: with nearly parallel keys (D ≈ −0.97 below the diagonal) the product form
     (I − D)(I + D²)(I + D⁴)(I + D⁸) cost 75× the error of a triangular solve (3.5e-5 vs 4.7e-7 in fp32,
     tests/test_triton_chunk_fwd.py::test_correlated_keys_fp32). M's powers stop at M² (4 block steps).
-    Every product is a dot (tensor cores for bf16/fp16 inputs).
+    Every product is a dot (tensor cores for bf16/fp16 inputs). UNROLL: the substitution steps unrolled (no loop
+    inside, so that a loop around the caller can be software-pipelined: Triton pipelines innermost loops only).
     """
     NB: tl.constexpr = BTc // BCc
     o_t = tl.arange(0, BTc)
@@ -138,8 +139,12 @@ def _solve_unit_lower(A, PREC: tl.constexpr, BTc: tl.constexpr, BCc: tl.constexp
     Dd = tl.sum(tl.where(on_diag, A4, 0.), 1)                                          # [NB, BC, BC]
     eye_b = tl.where(o_c[:, None] == o_c[None, :], 1., 0.)[None, :, :]
     X = eye_b - Dd
-    for _ in range(BCc - 2):
-        X = eye_b - tl.dot(Dd, X, input_precision=PREC)                                # [NB, BC, BC] @ [NB, BC, BC]
+    if UNROLL:
+        for _ in tl.static_range(BCc - 2):
+            X = eye_b - tl.dot(Dd, X, input_precision=PREC)                            # [NB, BC, BC] @ [NB, BC, BC]
+    else:
+        for _ in range(BCc - 2):
+            X = eye_b - tl.dot(Dd, X, input_precision=PREC)                            # [NB, BC, BC] @ [NB, BC, BC]
     Dinv = tl.reshape(tl.permute(tl.where(on_diag, tl.expand_dims(X, 1), 0.), (0, 2, 1, 3)), [BTc, BTc])
     L = tl.where(same, 0., A)
     M = tl.dot(Dinv, L, input_precision=PREC)                                          # [BT, BT] @ [BT, BT]
@@ -303,8 +308,10 @@ def _kda_ap_rows(A0, A1, A2, A3, P0, P1, P2, P3, kf, qf, b_G, b_beta, k_base, q_
     return A0, A1, A2, A3, P0, P1, P2, P3
 
 
-@triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
-def chunk_prepare_kernel(
+@triton.jit
+def _prepare_chunk(
+    i_t, i_bh,                   # the chunk (its row of chunk_indices with varlen), batch row x value head
+
     q, k, v, g, beta,            # [B,T,H,K] [B,T,H,K] [B,T,HV,V] None|[B,T,HV]|[B,T,HV,K] fp32, [B,T,HV]
     w, u, p,                     # out: [B,T,HV,K] [B,T,HV,V] [B,T,HV,BT] (input dtype)
     qg, kg, glast,               # out (GATE == 2): [B,T,HV,K] [B,T,HV,K] input dtype, [slots,HV,K] fp32
@@ -317,16 +324,9 @@ def chunk_prepare_kernel(
     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, MM_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
     g_floor: tl.constexpr, span_max: tl.constexpr, WU_LOWP: tl.constexpr = 0, AP_FORM: tl.constexpr = 0,
     BWD: tl.constexpr = 0, STORE_T: tl.constexpr = 0, STORE_P: tl.constexpr = 1, STACK: tl.constexpr = 0,
+    PERSIST: tl.constexpr = 0,
 ):
-    """One chunk of one value head: see the module docstring (stage 1). Grid (chunks, B·HV).
-
-    BWD (the backward's recompute, scalar / no gate): instead of P, write T = (I + A)⁻¹ (fp32) and
-    dR_local = scale Pᵀ dO, next to W and U; A and P never reach memory.
-    STORE_T (forward, for a backward that reuses stage 1): also write T = (I + A)⁻¹ (fp32) to t_out.
-    STORE_P = 0 (forward, scalar / no gate): no P (stage 2 forms it), q is not read.
-    STACK (forward, stage 2's stacked form): instead of P (and KDA's kg), write per chunk slot kp [BK + BT, BT]:
-    rows 0 .. BK − 1 the decayed keys transposed, (K ⊙ e^{G_last − G})ᵀ, rows BK .. BK + BT − 1 P."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    """Stage 1 for chunk i_t of batch row x value head i_bh (chunk_prepare_kernel)."""
     i_b, i_h = i_bh // HV, i_bh % HV
     i_hk = i_h // (HV // H)
     bos, T_seq, t0, slot = _chunk_span(i_t, i_b, cu_seqlens, chunk_indices, T, NT, BTc, IS_VARLEN)
@@ -453,7 +453,7 @@ def chunk_prepare_kernel(
             tl.store(tl.make_block_ptr(p + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0), (BTc, BTc),
                                        (1, 0)), P.to(p.dtype.element_ty), boundary_check=(0, 1))
 
-    Tm = _solve_unit_lower(A, SOLVE_PREC, BTc, BCc)                                      # (I + A)^-1
+    Tm = _solve_unit_lower(A, SOLVE_PREC, BTc, BCc, PERSIST)                             # (I + A)^-1
     if BWD or STORE_T:
         tl.store(tl.make_block_ptr(t_out + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0),
                                    (BTc, BTc), (1, 0)), Tm, boundary_check=(0, 1))
@@ -490,6 +490,54 @@ def chunk_prepare_kernel(
     b_u = _mm(Tm, Xv.to(Tm.dtype), MM_PREC).to(u.dtype.element_ty)                      # [BT, BT] @ [BT, BV]
     tl.store(tl.make_block_ptr(u + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf), (1, 0)),
              b_u, boundary_check=(0, 1))
+
+
+@triton.jit(do_not_specialize=["T", "NT", "NCH", "NBH", "H", "HV"])
+def chunk_prepare_kernel(
+    q, k, v, g, beta,            # [B,T,H,K] [B,T,H,K] [B,T,HV,V] None|[B,T,HV]|[B,T,HV,K] fp32, [B,T,HV]
+    w, u, p,                     # out: [B,T,HV,K] [B,T,HV,V] [B,T,HV,BT] (input dtype)
+    qg, kg, glast,               # out (GATE == 2): [B,T,HV,K] [B,T,HV,K] input dtype, [slots,HV,K] fp32
+    do, t_out, drl,              # BWD: [B,T,HV,V] in; out [B,T,HV,BT] fp32, [B,T,HV,V] (do's dtype)
+    kp,                          # out (STACK): [slots,HV,BK+BT,BT] input dtype, (K ⊙ e^{G_last − G})ᵀ over P
+    cu_seqlens, chunk_indices,   # varlen: [N+1], [NT_total, 2] (sequence, chunk in sequence)
+    T, NT, NCH, NBH, H, HV, K, V, scale,   # NCH, NBH: the grid without PERSIST (chunks, B·HV)
+    BTc: tl.constexpr, BCc: tl.constexpr, BK: tl.constexpr, BVf: tl.constexpr, BKC: tl.constexpr,
+    GATE: tl.constexpr,          # 0 none, 1 scalar, 2 per channel
+    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, MM_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
+    g_floor: tl.constexpr, span_max: tl.constexpr, WU_LOWP: tl.constexpr = 0, AP_FORM: tl.constexpr = 0,
+    BWD: tl.constexpr = 0, STORE_T: tl.constexpr = 0, STORE_P: tl.constexpr = 1, STACK: tl.constexpr = 0,
+    PERSIST: tl.constexpr = 0, LOOP_WHILE: tl.constexpr = 0,
+):
+    """One chunk of one value head: see the module docstring (stage 1). Grid (NCH, NBH) = (chunks, B·HV), or with
+    PERSIST (P,): program p takes work items p, p + P, ... of the NCH · NBH (chunk fastest) in a loop, so that the
+    loads of its next chunk are in flight while it computes this one (num_stages >= 2).
+
+    BWD (the backward's recompute, scalar / no gate): instead of P, write T = (I + A)⁻¹ (fp32) and
+    dR_local = scale Pᵀ dO, next to W and U; A and P never reach memory.
+    STORE_T (forward, for a backward that reuses stage 1): also write T = (I + A)⁻¹ (fp32) to t_out.
+    STORE_P = 0 (forward, scalar / no gate): no P (stage 2 forms it), q is not read.
+    STACK (forward, stage 2's stacked form): instead of P (and KDA's kg), write per chunk slot kp [BK + BT, BT]:
+    rows 0 .. BK − 1 the decayed keys transposed, (K ⊙ e^{G_last − G})ᵀ, rows BK .. BK + BT − 1 P."""
+    if PERSIST:
+        if LOOP_WHILE:      # the triton 3.6 interpreter cannot take a tensor bound in range()
+            i_w = tl.program_id(0)
+            while i_w < NCH * NBH:
+                _prepare_chunk(
+                    i_w % NCH, i_w // NCH, q, k, v, g, beta, w, u, p, qg, kg, glast, do, t_out, drl, kp, cu_seqlens,
+                    chunk_indices, T, NT, H, HV, K, V, scale, BTc, BCc, BK, BVf, BKC, GATE, IS_VARLEN, DOT_PREC,
+                    MM_PREC, SOLVE_PREC, g_floor, span_max, WU_LOWP, AP_FORM, BWD, STORE_T, STORE_P, STACK, PERSIST)
+                i_w += tl.num_programs(0)
+        else:
+            for i_w in range(tl.program_id(0), NCH * NBH, tl.num_programs(0)):
+                _prepare_chunk(
+                    i_w % NCH, i_w // NCH, q, k, v, g, beta, w, u, p, qg, kg, glast, do, t_out, drl, kp, cu_seqlens,
+                    chunk_indices, T, NT, H, HV, K, V, scale, BTc, BCc, BK, BVf, BKC, GATE, IS_VARLEN, DOT_PREC,
+                    MM_PREC, SOLVE_PREC, g_floor, span_max, WU_LOWP, AP_FORM, BWD, STORE_T, STORE_P, STACK, PERSIST)
+    else:
+        _prepare_chunk(
+            tl.program_id(0), tl.program_id(1), q, k, v, g, beta, w, u, p, qg, kg, glast, do, t_out, drl, kp,
+            cu_seqlens, chunk_indices, T, NT, H, HV, K, V, scale, BTc, BCc, BK, BVf, BKC, GATE, IS_VARLEN, DOT_PREC,
+            MM_PREC, SOLVE_PREC, g_floor, span_max, WU_LOWP, AP_FORM, BWD, STORE_T, STORE_P, STACK, PERSIST)
 
 
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
@@ -875,6 +923,27 @@ def wu_lowp_ok(dtype: torch.dtype, K: int) -> bool:
     return dtype != torch.float32 and _dim(K) == 128
 
 
+# stage 1 of the forward per gate kind: (programs per SM, pipeline stages) of its persistent form, each program
+# looping over chunks so that its next chunk's loads overlap this one's work; (0, 1): one program per chunk
+PREP_PERSIST = {0: (0, 1), 1: (0, 1), 2: (0, 1)}
+
+
+def prep_persist(gate: int) -> tuple[int, int]:
+    """Stage 1's persistent form for a gate kind: PREP_PERSIST, overridden by CHUNKWISE_PREP_PERSIST
+    ("programs_per_sm[,stages]", stages default 2; "0": one program per chunk)."""
+    env = os.environ.get("CHUNKWISE_PREP_PERSIST")
+    if not env:
+        return PREP_PERSIST[gate]
+    try:
+        vals = [int(x) for x in env.split(",")]
+        if len(vals) > 2 or min(vals) < 0:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"CHUNKWISE_PREP_PERSIST={env!r}: expected programs_per_sm[,stages], "
+                         "non-negative integers") from None
+    return (vals[0], vals[1] if len(vals) > 1 else 2) if vals[0] else (0, 1)
+
+
 def prep_config(gate: int) -> tuple[int, int, int, int]:
     """The stage-1 launch of a gate kind: PREP_CONFIG, overridden by CHUNKWISE_PREP_CONFIG
     ("gate:lowp,warps[,bkc[,form]];..." as the sweep prints it) and then by CHUNKWISE_PREP_WU_LOWP /
@@ -892,7 +961,8 @@ def prep_config(gate: int) -> tuple[int, int, int, int]:
     return cfg[0], cfg[1], cfg[2], cfg[3]
 
 
-def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=False, store_p=True, stack=False):
+def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=False, store_p=True, stack=False,
+                  persist=None):
     """Stage 1 for the delta families.
 
     Args: q, k [B,T,H,K]; v [B,T,HV,V]; g None | [B,T,HV] fp32 | [B,T,HV,K] fp32 (raw log-decays);
@@ -903,7 +973,8 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     t = (I + A)⁻¹ [B,T,HV,64] fp32 (for a backward that reuses stage 1). ``store_p=False`` (scalar / no
     gate): p is None, for a stage 2 that forms P itself. ``stack`` (stage 2's stacked form, K <= 128): instead of
     p and kg, kp [slots, HV, BK + 64, 64] (q's dtype; BK = K padded to 64 or 128): per chunk slot the decayed
-    keys transposed, (K ⊙ e^{G_last − G})ᵀ [BK, 64], over P [64, 64].
+    keys transposed, (K ⊙ e^{G_last − G})ᵀ [BK, 64], over P [64, 64]. ``persist`` = (programs per SM, pipeline
+    stages): the kernel in that many persistent programs, each looping over chunks (default: prep_persist).
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -935,14 +1006,18 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     t = _alloc((B, T, HV, BT), torch.float32, dev) if save_t else None
     dot_prec, mm_prec, solve_prec = _dot_prec(dt, gate)
     wu_lowp, warps, bkc, form = prep_config(gate)
+    per_sm, stages = persist or prep_persist(gate)
+    grid = (min(n_chunks * B * HV, per_sm * _num_sms(dev)),) if per_sm else (n_chunks, B * HV)
     if n_chunks > 0:
-        chunk_prepare_kernel[(n_chunks, B * HV)](
+        chunk_prepare_kernel[grid](
             q, k, v, g, beta, w, u, p, qg, kg, glast, None, t, None, kp, cu_seqlens, chunk_indices, T, NT,
+            n_chunks, B * HV,
             H=H, HV=HV, K=K, V=V, scale=1.0, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)), GATE=gate,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=solve_prec,
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(dt, K),
-            AP_FORM=form if gate == 2 else 0, STORE_T=save_t, STORE_P=store_p, STACK=stack, num_warps=warps,
-            num_stages=1, **reg_cap("prep_fwd"))
+            AP_FORM=form if gate == 2 else 0, STORE_T=save_t, STORE_P=store_p, STACK=stack,
+            PERSIST=bool(per_sm), LOOP_WHILE=_INTERPRET, num_warps=warps, num_stages=stages if per_sm else 1,
+            **reg_cap("prep_fwd"))
     return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, t=t, kp=kp)
 
 
@@ -963,6 +1038,7 @@ def chunk_prepare_bwd(q, k, v, g, beta, do, scale, w, u, t_out, drl, cu_seqlens=
     if n_chunks > 0:
         chunk_prepare_kernel[(n_chunks, B * HV)](
             q, k, v, g, beta, w, u, None, None, None, None, do, t_out, drl, None, cu_seqlens, chunk_indices, T, NT,
+            n_chunks, B * HV,
             H=H, HV=HV, K=K, V=V, scale=scale, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)),
             GATE=gate, IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=solve_prec,
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(q.dtype, K), BWD=True,
