@@ -134,10 +134,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--families", default=",".join(FAMILIES))
-    ap.add_argument("--variant-set", default="all", choices=("all", "seg", "pfree", "stack"),
+    ap.add_argument("--variant-set", default="all", choices=("all", "seg", "pfree"),
                     help="seg: only simple GLA's segment variants; pfree: only GDN / DeltaNet with P formed in "
-                         "stage 2 instead of stage 1; stack: the delta families' stage 2 plain or stacked (two products "
-                         "per chunk), 2 or 3 stages, and stage 1 alone for each (with --variants)")
+                         "stage 2 instead of stage 1 (with --variants)")
     ap.add_argument("--variants", action="store_true", help="also time stage-2 variants (BV 16/32/64 x 4/8 warps x 2/3 stages; GLA also with P from its own kernel, GDN with the decays from stage 1)")
     ap.add_argument("--shapes", default="")
     ap.add_argument("--warm", action="store_true", help="compile everything on tiny inputs, time nothing")
@@ -185,34 +184,7 @@ def main():
                     time_variant("p-stage1", p_in=True)
                     time_variant("p-stage2", p_in=False)
                     time_variant("p-stage2-ns2", p_in=False, num_stages=2)
-                if a.variant_set == "stack" and fam != "gla":
-                    # stage 2 plain (four or five products per chunk) or stacked (two, _stack_step)
-                    time_variant("plain", stack=False)
-                    time_variant("stack", stack=True)
-                    time_variant("stack-ns3", stack=True, num_stages=3)
-                    time_variant("stack-ns1", stack=True, num_stages=1)
-                    # 8 warps: the stacked products' row blocks go to two warpgroups side by side, and each
-                    # warp's share of the element-wise work per chunk halves
-                    time_variant("plain-w8", stack=False, num_warps=8)
-                    time_variant("stack-w8", stack=True, num_warps=8)
-                    time_variant("stack-ns3-w8", stack=True, num_warps=8, num_stages=3)
-                    # stage 1 in persistent programs, (programs per SM, stages), CHUNKWISE_PREP_PERSIST
-                    os.environ["CHUNKWISE_PREP_PERSIST"] = "2,2"
-                    time_variant("persist-2-2")
-                    os.environ["CHUNKWISE_PREP_PERSIST"] = "1,2"
-                    time_variant("persist-1-2")
-                    os.environ.pop("CHUNKWISE_PREP_PERSIST")
-                    for key, kw in (("stage1-plain", {}), ("stage1-stack", dict(stack=True)),
-                                    ("stage1-persist-1-2", dict(persist=(1, 2))),
-                                    ("stage1-persist-2-2", dict(persist=(2, 2))),
-                                    ("stage1-persist-3-2", dict(persist=(3, 2))),
-                                    ("stage1-persist-2-3", dict(persist=(2, 3)))):
-                        try:
-                            var[key] = bench(lambda: chunk_prepare(x["q"], x["k"], x["v"], x["g"], x["beta"], x["cu"],
-                                                                   x["chunk_indices"], **kw))[0]
-                        except Exception as e:  # noqa: BLE001
-                            var[key] = repr(e)[:120]
-                if fam == "gla" and a.variant_set not in ("pfree", "stack") and x["q"].shape[0] == 1 and x["cu"] is None:
+                if fam == "gla" and a.variant_set != "pfree" and x["q"].shape[0] == 1 and x["cu"] is None:
                     # the segment split's first pass in sub-segments (chunk_fwd(seg_sub=)), 4 segments, at the
                     # second pass's value block (64, 4 warps) or its own
                     for sub, p1 in ((1, (128, 4)), (2, (128, 4)), (4, (128, 4)), (2, (128, 4, 3)), (2, (128, 4, 1)),

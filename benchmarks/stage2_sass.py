@@ -1,18 +1,16 @@
 """Inspect stage 2 of the chunk forward (chunk_state_output_kernel, the serial state pass) for Hopper without a
 GPU: registers, spills, shared memory and the SASS of its chunk loop (tensor-core ops, the waits on them,
-barriers, shared-memory traffic, global loads outside the pipeline) for each family, plain or stacked form
-(STACK), compiled with
+barriers, shared-memory traffic, global loads outside the pipeline) for each family, compiled with
 `triton.compile(..., target=GPUTarget("cuda", 90, 32))`.
 
 The serial loop is latency-bound at B1 (one program per SM): each wgmma group it waits on (`WARPGROUP.DEPBAR`)
 is a round trip on the chunk's critical path, so `waits` is the number to read.
 
-Usage: python benchmarks/stage2_sass.py [--fams gdn,kda,delta] [--stack 0,1] [--bv 32] [--stages N]   (CPU only)
+Usage: python benchmarks/stage2_sass.py [--fams gdn,kda,delta] [--bv 32] [--warps 4] [--stages N]   (CPU only)
 """
 from __future__ import annotations
 
 import argparse
-import itertools
 import re
 
 import triton
@@ -24,26 +22,24 @@ from sass_util import assemble
 from chunkwise.triton.chunk_fwd import BT, DELTA_P_IN, G_FLOOR, _pick_stages, chunk_state_output_kernel as KERNEL
 
 GATES = {"gdn": 1, "kda": 2, "delta": 0}
-BF16 = ("q", "k", "v", "w", "u", "p", "qg", "kg", "kp", "o")
+BF16 = ("q", "k", "v", "w", "u", "p", "qg", "kg", "o")
 FP32 = ("g", "glast", "h0", "ht", "sloc", "gam")
 
 
-def compile_variant(fam="gdn", stack=0, bv=32, K=128, V=128, num_warps=4, num_stages=None):
+def compile_variant(fam="gdn", bv=32, K=128, V=128, num_warps=4, num_stages=None):
     gate = GATES[fam]
-    p_in = not stack and (gate == 2 or DELTA_P_IN[gate])
+    p_in = gate == 2 or DELTA_P_IN[gate]
     if num_stages is None:
-        num_stages = _pick_stages(2, K, bv, True, p_in, False, bool(stack))
+        num_stages = _pick_stages(2, K, bv, True, p_in, False)
     sig = {a: "*bf16" for a in BF16} | {a: "*fp32" for a in FP32}
     sig |= {a: "i32" for a in ("T", "NT", "seg_len", "H", "HV")} | {"scale": "fp32"}
     sig |= {a: "i32" for a in ("s_h0n", "s_h0h", "s_h0k", "s_h0v", "s_htn", "s_hth", "s_htk", "s_htv")}
     consts = dict(cu_seqlens=None, K=K, V=V, BTc=BT, BK=K, BV=bv, GATE=gate, DELTA=True, P_IN=int(p_in),
                   USE_H0=False, STORE_HT=False, IS_VARLEN=False, DOT_PREC="tf32", g_floor=G_FLOOR, LOOP_WHILE=False,
-                  SEG=0, NSEG=1, SUB=1, STACK=stack)
+                  SEG=0, NSEG=1, SUB=1)
     absent = ["h0", "ht", "sloc", "gam", "v"]
-    absent += (["k", "p", "kg"] + ([] if gate == 2 else ["qg"])) if stack else \
-        (["kp"] + ([] if p_in else ["p"]) + ([] if gate == 2 else ["qg", "kg", "glast"]))
+    absent += ([] if p_in else ["p"]) + ([] if gate == 2 else ["qg", "kg", "glast"])
     absent += ["g"] if gate != 1 else []
-    absent += ["glast"] if stack and gate != 2 else []
     for name in absent:
         del sig[name]
         consts[name] = None
@@ -65,16 +61,16 @@ def summary(compiled) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--fams", default="gdn,kda,delta")
-    ap.add_argument("--stack", default="0,1", help="plain (0) and / or stacked (1) form")
+    ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--bv", type=int, default=32)
     ap.add_argument("--stages", type=int, default=None, help="pipeline depth (default: _pick_stages)")
     args = ap.parse_args()
-    print(f"{'fam':5s} {'stack':>5s} {'stg':>3s} {'regs':>4s} {'spill':>5s} {'smem':>6s} {'instrs':>6s} {'mma':>4s} "
+    print(f"{'fam':5s} {'stg':>3s} {'regs':>4s} {'spill':>5s} {'smem':>6s} {'instrs':>6s} {'mma':>4s} "
           f"{'waits':>5s} {'bar':>4s} {'lds':>4s} {'sts':>4s} {'ldg':>4s}")
-    for fam, stack in itertools.product(args.fams.split(","), map(int, args.stack.split(","))):
-        c, stages = compile_variant(fam, stack, args.bv, num_stages=args.stages)
+    for fam in args.fams.split(","):
+        c, stages = compile_variant(fam, args.bv, num_warps=args.warps, num_stages=args.stages)
         s = summary(c)
-        print(f"{fam:5s} {stack:5d} {stages:3d} {s['regs']:4d} {s['spill']:5d} {s['smem']:6d} {s['instrs']:6d} "
+        print(f"{fam:5s} {stages:3d} {s['regs']:4d} {s['spill']:5d} {s['smem']:6d} {s['instrs']:6d} "
               f"{s['mma']:4d} {s['waits']:5d} {s['bar']:4d} {s['lds']:4d} {s['sts']:4d} {s['ldg']:4d}", flush=True)
 
 

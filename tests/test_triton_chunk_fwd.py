@@ -201,62 +201,6 @@ def test_p_formed_in_stage2(fam, varlen, monkeypatch):
     assert rel_err(o, o1) <= TOL[torch.float32] and rel_err(ht, ht1) <= TOL[torch.float32]
 
 
-@pytest.mark.parametrize("K", [64, KS[1]])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("varlen", [False, True])
-@pytest.mark.parametrize("fam", ["gdn", "kda", "delta"])
-def test_stacked_stage2(fam, varlen, dtype, K, monkeypatch):
-    """Stage 2 in the stacked form (CHUNKWISE_FWD_STACK=1: [Q; W] S and [K_dᵀ; P] R, two products per chunk,
-    stage 1 writing kp): equal to the float64 recurrence and to the plain form, output and final state, at a
-    64- and a 128-wide key tile (K = 80 on the CPU: masked channels), grouped heads, a carried-in state in the
-    transposed layout, varlen with a length-1 sequence (there with strong gates: chunks whose gates sum below
-    -100 and a hard reset)."""
-    mk = dict(lengths=[1, 130, 70]) if varlen else dict(B=2, T=T_LONG)
-    inp = make_inputs(fam, H=1, HV=2, K=K, V=VS[0], dtype=dtype, seed=23,
-                      gate="strong" if varlen and fam != "delta" else "normal", **mk)
-    monkeypatch.setenv("CHUNKWISE_FWD_STACK", "1")
-    o, ht = _run(inp, transpose=True)
-    monkeypatch.setenv("CHUNKWISE_FWD_STACK", "0")
-    o1, ht1 = _run(inp, transpose=True)
-    _check(inp, o, ht, TOL[dtype])
-    assert rel_err(o, o1) <= TOL[dtype] and rel_err(ht, ht1) <= TOL[dtype]
-
-
-@pytest.mark.parametrize("varlen", [False, True])
-@pytest.mark.parametrize("fam", ["gdn", "kda", "delta"])
-def test_persistent_stage1(fam, varlen, monkeypatch):
-    """Stage 1 in persistent programs (CHUNKWISE_PREP_PERSIST: each program loops over chunks p, p + P, ...),
-    here 3 programs for all chunks x heads (the SM count patched to 1), so every program takes several
-    chunks of several heads: equal to the float64 recurrence and to one program per chunk, output and final
-    state, grouped heads, varlen with a length-1 sequence."""
-    import chunkwise.triton.chunk_fwd as cf
-    mk = dict(lengths=[1, 130, 70]) if varlen else dict(B=2, T=T_LONG)
-    inp = make_inputs(fam, H=1, HV=2, K=KS[1], V=VS[0], dtype=torch.float32, seed=29, **mk)
-    o1, ht1 = _run(inp)
-    monkeypatch.setattr(cf, "_num_sms", lambda device: 1)
-    monkeypatch.setenv("CHUNKWISE_PREP_PERSIST", "3,2")
-    o, ht = _run(inp)
-    _check(inp, o, ht, TOL[torch.float32])
-    assert rel_err(o, o1) <= 1e-6 and rel_err(ht, ht1) <= 1e-6
-    monkeypatch.setenv("CHUNKWISE_PREP_PERSIST", "2,x")
-    with pytest.raises(ValueError, match="CHUNKWISE_PREP_PERSIST"):
-        _run(inp)
-
-
-def test_stack_choice_checked(monkeypatch):
-    """CHUNKWISE_FWD_STACK other than 0 / 1 is refused with its name; stack=True where the stacked form does not
-    apply (K = 32: its [K + 64, 64] tile is not a power of two) is refused, not silently ignored."""
-    from chunkwise.triton.chunk_fwd import chunk_fwd
-    inp = make_inputs("delta", B=1, T=20, H=1, HV=1, K=32, V=VS[0], dtype=torch.float32, seed=3)
-    args = (inp.q, inp.k, inp.v, None, inp.beta, 1.0, None, False, None)
-    monkeypatch.setenv("CHUNKWISE_FWD_STACK", "2")
-    with pytest.raises(ValueError, match="CHUNKWISE_FWD_STACK"):
-        chunk_fwd(*args)
-    monkeypatch.delenv("CHUNKWISE_FWD_STACK")
-    with pytest.raises(ValueError, match="stack"):
-        chunk_fwd(*args, stack=True)
-
-
 @pytest.mark.parametrize("fam", FAMS)
 def test_fp16(fam):
     inp = make_inputs(fam, B=1, T=T_LONG, H=1, HV=2, K=KS[0], V=VS[0], dtype=torch.float16, seed=5)

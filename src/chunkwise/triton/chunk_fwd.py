@@ -111,7 +111,7 @@ def _mm(a, b, MM_PREC: tl.constexpr):
 
 
 @triton.jit
-def _solve_unit_lower(A, PREC: tl.constexpr, BTc: tl.constexpr, BCc: tl.constexpr, UNROLL: tl.constexpr = 0):
+def _solve_unit_lower(A, PREC: tl.constexpr, BTc: tl.constexpr, BCc: tl.constexpr):
     """T = (I + A)⁻¹ for A [BT, BT] fp32 strictly lower triangular (BT = 4 BC). Returns [BT, BT] fp32.
 
     With D the 16×16 diagonal blocks of A and L = A − D (strictly block-lower):
@@ -125,8 +125,7 @@ def _solve_unit_lower(A, PREC: tl.constexpr, BTc: tl.constexpr, BCc: tl.constexp
     formed: with nearly parallel keys (D ≈ −0.97 below the diagonal) the product form
     (I − D)(I + D²)(I + D⁴)(I + D⁸) cost 75× the error of a triangular solve (3.5e-5 vs 4.7e-7 in fp32,
     tests/test_triton_chunk_fwd.py::test_correlated_keys_fp32). M's powers stop at M² (4 block steps).
-    Every product is a dot (tensor cores for bf16/fp16 inputs). UNROLL: the substitution steps unrolled (no loop
-    inside, so that a loop around the caller can be software-pipelined: Triton pipelines innermost loops only).
+    Every product is a dot (tensor cores for bf16/fp16 inputs).
     """
     NB: tl.constexpr = BTc // BCc
     o_t = tl.arange(0, BTc)
@@ -139,12 +138,8 @@ def _solve_unit_lower(A, PREC: tl.constexpr, BTc: tl.constexpr, BCc: tl.constexp
     Dd = tl.sum(tl.where(on_diag, A4, 0.), 1)                                          # [NB, BC, BC]
     eye_b = tl.where(o_c[:, None] == o_c[None, :], 1., 0.)[None, :, :]
     X = eye_b - Dd
-    if UNROLL:
-        for _ in tl.static_range(BCc - 2):
-            X = eye_b - tl.dot(Dd, X, input_precision=PREC)                            # [NB, BC, BC] @ [NB, BC, BC]
-    else:
-        for _ in range(BCc - 2):
-            X = eye_b - tl.dot(Dd, X, input_precision=PREC)                            # [NB, BC, BC] @ [NB, BC, BC]
+    for _ in range(BCc - 2):
+        X = eye_b - tl.dot(Dd, X, input_precision=PREC)                                # [NB, BC, BC] @ [NB, BC, BC]
     Dinv = tl.reshape(tl.permute(tl.where(on_diag, tl.expand_dims(X, 1), 0.), (0, 2, 1, 3)), [BTc, BTc])
     L = tl.where(same, 0., A)
     M = tl.dot(Dinv, L, input_precision=PREC)                                          # [BT, BT] @ [BT, BT]
@@ -308,25 +303,27 @@ def _kda_ap_rows(A0, A1, A2, A3, P0, P1, P2, P3, kf, qf, b_G, b_beta, k_base, q_
     return A0, A1, A2, A3, P0, P1, P2, P3
 
 
-@triton.jit
-def _prepare_chunk(
-    i_t, i_bh,                   # the chunk (its row of chunk_indices with varlen), batch row x value head
-
+@triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
+def chunk_prepare_kernel(
     q, k, v, g, beta,            # [B,T,H,K] [B,T,H,K] [B,T,HV,V] None|[B,T,HV]|[B,T,HV,K] fp32, [B,T,HV]
     w, u, p,                     # out: [B,T,HV,K] [B,T,HV,V] [B,T,HV,BT] (input dtype)
     qg, kg, glast,               # out (GATE == 2): [B,T,HV,K] [B,T,HV,K] input dtype, [slots,HV,K] fp32
     do, t_out, drl,              # BWD: [B,T,HV,V] in; out [B,T,HV,BT] fp32, [B,T,HV,V] (do's dtype)
-    kp,                          # out (STACK): [slots,HV,BK+BT,BT] input dtype, (K ⊙ e^{G_last − G})ᵀ over P
     cu_seqlens, chunk_indices,   # varlen: [N+1], [NT_total, 2] (sequence, chunk in sequence)
     T, NT, H, HV, K, V, scale,
     BTc: tl.constexpr, BCc: tl.constexpr, BK: tl.constexpr, BVf: tl.constexpr, BKC: tl.constexpr,
     GATE: tl.constexpr,          # 0 none, 1 scalar, 2 per channel
     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, MM_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
     g_floor: tl.constexpr, span_max: tl.constexpr, WU_LOWP: tl.constexpr = 0, AP_FORM: tl.constexpr = 0,
-    BWD: tl.constexpr = 0, STORE_T: tl.constexpr = 0, STORE_P: tl.constexpr = 1, STACK: tl.constexpr = 0,
-    PERSIST: tl.constexpr = 0,
+    BWD: tl.constexpr = 0, STORE_T: tl.constexpr = 0, STORE_P: tl.constexpr = 1,
 ):
-    """Stage 1 for chunk i_t of batch row x value head i_bh (chunk_prepare_kernel)."""
+    """One chunk of one value head: see the module docstring (stage 1). Grid (chunks, B·HV).
+
+    BWD (the backward's recompute, scalar / no gate): instead of P, write T = (I + A)⁻¹ (fp32) and
+    dR_local = scale Pᵀ dO, next to W and U; A and P never reach memory.
+    STORE_T (forward, for a backward that reuses stage 1): also write T = (I + A)⁻¹ (fp32) to t_out.
+    STORE_P = 0 (forward, scalar / no gate): no P (stage 2 forms it), q is not read."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
     i_hk = i_h // (HV // H)
     bos, T_seq, t0, slot = _chunk_span(i_t, i_b, cu_seqlens, chunk_indices, T, NT, BTc, IS_VARLEN)
@@ -399,18 +396,14 @@ def _prepare_chunk(
                     Ad, Pd = _kda_diag_exact(kf, qf, kf * b_beta[:, None], b_G, BTc, BCc)
                 A += tl.where(same & strict, Ad, 0.)
                 P += tl.where(same & incl, Pd, 0.)
-            # q e^G, k e^{G_last − G} for stage 2 (both exponents ≤ 0); STACK: the latter transposed into kp
+            # q e^G, k e^{G_last − G} for stage 2 (both exponents ≤ 0)
             G_last = _row_of(b_G, BTc - 1, BTc)                                          # [BKC]
             tl.store(tl.make_block_ptr(qg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0),
                                        (BTc, BKC), (1, 0)), (qf * tl.exp(b_G)).to(qg.dtype.element_ty),
                      boundary_check=(0, 1))
-            b_kd = (kf * tl.exp(G_last[None, :] - b_G)).to(qg.dtype.element_ty)
-            if STACK:
-                tl.store(tl.make_block_ptr(kp + (slot * HV + i_h) * (BK + BTc) * BTc, (BK + BTc, BTc), (BTc, 1),
-                                           (kc0, 0), (BKC, BTc), (1, 0)), tl.trans(b_kd))
-            else:
-                tl.store(tl.make_block_ptr(kg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0),
-                                           (BTc, BKC), (1, 0)), b_kd, boundary_check=(0, 1))
+            tl.store(tl.make_block_ptr(kg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
+                                       (1, 0)), (kf * tl.exp(G_last[None, :] - b_G)).to(kg.dtype.element_ty),
+                     boundary_check=(0, 1))
             o_k = kc0 + tl.arange(0, BKC)
             tl.store(glast + (slot * HV + i_h) * K + o_k, tl.exp(G_last), mask=o_k < K)
         if AP_FORM == 1:
@@ -437,23 +430,10 @@ def _prepare_chunk(
                 P = tl.where(incl, QK, 0.)
             Xk = b_k.to(tl.float32) * b_beta[:, None]
     if not BWD and STORE_P:
-        if STACK:   # kp of this chunk: (K ⊙ e^{G_last − G})ᵀ [BK, BT] (KDA's written above), then P [BT, BT]
-            kp_base = kp + (slot * HV + i_h) * (BK + BTc) * BTc
-            tl.store(tl.make_block_ptr(kp_base, (BK + BTc, BTc), (BTc, 1), (BK, 0), (BTc, BTc), (1, 0)),
-                     P.to(kp.dtype.element_ty))
-            if GATE != 2:
-                if GATE == 1:
-                    G_end = tl.sum(tl.where(o_t == BTc - 1, Gc, 0.), 0)
-                    b_kd = (b_k.to(tl.float32) * tl.exp(G_end - Gc)[:, None]).to(kp.dtype.element_ty)
-                else:
-                    b_kd = b_k.to(kp.dtype.element_ty)
-                tl.store(tl.make_block_ptr(kp_base, (BK + BTc, BTc), (BTc, 1), (0, 0), (BK, BTc), (1, 0)),
-                         tl.trans(b_kd))
-        else:
-            tl.store(tl.make_block_ptr(p + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0), (BTc, BTc),
-                                       (1, 0)), P.to(p.dtype.element_ty), boundary_check=(0, 1))
+        tl.store(tl.make_block_ptr(p + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0), (BTc, BTc),
+                                   (1, 0)), P.to(p.dtype.element_ty), boundary_check=(0, 1))
 
-    Tm = _solve_unit_lower(A, SOLVE_PREC, BTc, BCc, PERSIST)                             # (I + A)^-1
+    Tm = _solve_unit_lower(A, SOLVE_PREC, BTc, BCc)                                      # (I + A)^-1
     if BWD or STORE_T:
         tl.store(tl.make_block_ptr(t_out + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0),
                                    (BTc, BTc), (1, 0)), Tm, boundary_check=(0, 1))
@@ -490,54 +470,6 @@ def _prepare_chunk(
     b_u = _mm(Tm, Xv.to(Tm.dtype), MM_PREC).to(u.dtype.element_ty)                      # [BT, BT] @ [BT, BV]
     tl.store(tl.make_block_ptr(u + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf), (1, 0)),
              b_u, boundary_check=(0, 1))
-
-
-@triton.jit(do_not_specialize=["T", "NT", "NCH", "NBH", "H", "HV"])
-def chunk_prepare_kernel(
-    q, k, v, g, beta,            # [B,T,H,K] [B,T,H,K] [B,T,HV,V] None|[B,T,HV]|[B,T,HV,K] fp32, [B,T,HV]
-    w, u, p,                     # out: [B,T,HV,K] [B,T,HV,V] [B,T,HV,BT] (input dtype)
-    qg, kg, glast,               # out (GATE == 2): [B,T,HV,K] [B,T,HV,K] input dtype, [slots,HV,K] fp32
-    do, t_out, drl,              # BWD: [B,T,HV,V] in; out [B,T,HV,BT] fp32, [B,T,HV,V] (do's dtype)
-    kp,                          # out (STACK): [slots,HV,BK+BT,BT] input dtype, (K ⊙ e^{G_last − G})ᵀ over P
-    cu_seqlens, chunk_indices,   # varlen: [N+1], [NT_total, 2] (sequence, chunk in sequence)
-    T, NT, NCH, NBH, H, HV, K, V, scale,   # NCH, NBH: the grid without PERSIST (chunks, B·HV)
-    BTc: tl.constexpr, BCc: tl.constexpr, BK: tl.constexpr, BVf: tl.constexpr, BKC: tl.constexpr,
-    GATE: tl.constexpr,          # 0 none, 1 scalar, 2 per channel
-    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, MM_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
-    g_floor: tl.constexpr, span_max: tl.constexpr, WU_LOWP: tl.constexpr = 0, AP_FORM: tl.constexpr = 0,
-    BWD: tl.constexpr = 0, STORE_T: tl.constexpr = 0, STORE_P: tl.constexpr = 1, STACK: tl.constexpr = 0,
-    PERSIST: tl.constexpr = 0, LOOP_WHILE: tl.constexpr = 0,
-):
-    """One chunk of one value head: see the module docstring (stage 1). Grid (NCH, NBH) = (chunks, B·HV), or with
-    PERSIST (P,): program p takes work items p, p + P, ... of the NCH · NBH (chunk fastest) in a loop, so that the
-    loads of its next chunk are in flight while it computes this one (num_stages >= 2).
-
-    BWD (the backward's recompute, scalar / no gate): instead of P, write T = (I + A)⁻¹ (fp32) and
-    dR_local = scale Pᵀ dO, next to W and U; A and P never reach memory.
-    STORE_T (forward, for a backward that reuses stage 1): also write T = (I + A)⁻¹ (fp32) to t_out.
-    STORE_P = 0 (forward, scalar / no gate): no P (stage 2 forms it), q is not read.
-    STACK (forward, stage 2's stacked form): instead of P (and KDA's kg), write per chunk slot kp [BK + BT, BT]:
-    rows 0 .. BK − 1 the decayed keys transposed, (K ⊙ e^{G_last − G})ᵀ, rows BK .. BK + BT − 1 P."""
-    if PERSIST:
-        if LOOP_WHILE:      # the triton 3.6 interpreter cannot take a tensor bound in range()
-            i_w = tl.program_id(0)
-            while i_w < NCH * NBH:
-                _prepare_chunk(
-                    i_w % NCH, i_w // NCH, q, k, v, g, beta, w, u, p, qg, kg, glast, do, t_out, drl, kp, cu_seqlens,
-                    chunk_indices, T, NT, H, HV, K, V, scale, BTc, BCc, BK, BVf, BKC, GATE, IS_VARLEN, DOT_PREC,
-                    MM_PREC, SOLVE_PREC, g_floor, span_max, WU_LOWP, AP_FORM, BWD, STORE_T, STORE_P, STACK, PERSIST)
-                i_w += tl.num_programs(0)
-        else:
-            for i_w in range(tl.program_id(0), NCH * NBH, tl.num_programs(0)):
-                _prepare_chunk(
-                    i_w % NCH, i_w // NCH, q, k, v, g, beta, w, u, p, qg, kg, glast, do, t_out, drl, kp, cu_seqlens,
-                    chunk_indices, T, NT, H, HV, K, V, scale, BTc, BCc, BK, BVf, BKC, GATE, IS_VARLEN, DOT_PREC,
-                    MM_PREC, SOLVE_PREC, g_floor, span_max, WU_LOWP, AP_FORM, BWD, STORE_T, STORE_P, STACK, PERSIST)
-    else:
-        _prepare_chunk(
-            tl.program_id(0), tl.program_id(1), q, k, v, g, beta, w, u, p, qg, kg, glast, do, t_out, drl, kp,
-            cu_seqlens, chunk_indices, T, NT, H, HV, K, V, scale, BTc, BCc, BK, BVf, BKC, GATE, IS_VARLEN, DOT_PREC,
-            MM_PREC, SOLVE_PREC, g_floor, span_max, WU_LOWP, AP_FORM, BWD, STORE_T, STORE_P, STACK, PERSIST)
 
 
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
@@ -661,90 +593,10 @@ def _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, 
     return S
 
 
-@triton.jit
-def _row_halves(x):
-    """The two row halves of x [2R, N] as [R, N] tiles (a reshape and a split: in the tensor-core accumulator's
-    layout the halves sit in different registers of the same threads, so no data moves)."""
-    R: tl.constexpr = x.shape[0] // 2
-    N: tl.constexpr = x.shape[1]
-    return tl.split(tl.permute(tl.reshape(x, [2, R, N]), (1, 2, 0)))
-
-
-@triton.jit
-def _stack_step(i_t, S, q, w, u, g, qg, glast, kp, o_base, bos, T_seq, slot0, i_h, i_hk, i_v, scale,
-                H, HV, K, V, BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
-                DOT_PREC: tl.constexpr, g_floor: tl.constexpr):
-    """One chunk of stage 2 in the stacked form (STACK): the four products of the plain form as two, one per
-    operand the state's chain waits on, since each product is a tensor-core round trip that the serial loop
-    cannot hide (B1: one program per SM)::
-
-        [X_q; X_w] = [Q_d; W] S              [2C, BK] @ [BK, BV]    Q_d = Q (⊙ e^G for KDA)
-        R = U − X_w
-        [Y_s; Y_o] = kp R                    [BK + C (padded), C] @ [C, BV]    kp = [K_dᵀ; P] from stage 1
-        o = scale · (X_q (⊙ e^G for GDN) + Y_o)        S ← D S + Y_s
-
-    with K_d = K ⊙ e^{G_last − G}: the decays the plain form applies to R are in K_d, so both products over R
-    take R itself. The same products as the plain form, so the same roundings (P, R, K_d in the input dtype)."""
-    o_k = tl.arange(0, BK)
-    o_r = tl.arange(0, 2 * BTc)                   # stacked rows: C rows of Q, then C rows of W
-    top = o_r < BTc
-    t0 = i_t * BTc
-    # the decays first: their loads are not pipelined, issued here they overlap the products
-    if GATE == 1:
-        Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor)                        # [BT]
-        b_eg = tl.exp(Gc)
-        b_dl = tl.exp(tl.sum(tl.where(tl.arange(0, BTc) == BTc - 1, Gc, 0.), 0))       # e^{G_last}
-    elif GATE == 2:
-        b_dl = tl.load(glast + ((slot0 + i_t) * HV + i_h) * K + o_k, mask=o_k < K, other=0.)[:, None]
-    t_r = t0 + tl.where(top, o_r, o_r - BTc)      # each stacked row's token in the sequence
-    m_rk = (t_r < T_seq)[:, None] & (o_k < K)[None, :]
-    r_w = (bos + t_r).to(tl.int64)[:, None] * (HV * K) + i_h * K + o_k[None, :]
-    if GATE == 2:
-        p_q = qg + r_w
-    else:
-        p_q = q + (bos + t_r).to(tl.int64)[:, None] * (H * K) + i_hk * K + o_k[None, :]
-    b_M = tl.load(tl.where(top[:, None], p_q, w + r_w), mask=m_rk, other=0.)             # [2C, BK]: Q_d; W
-    b_X = tl.dot(b_M, S.to(b_M.dtype), input_precision=DOT_PREC)                         # [2C, BK] @ [BK, BV]
-    b_Xq, b_Xw = _row_halves(b_X)                                                        # [C, BV] each
-    b_u = tl.load(tl.make_block_ptr(u + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, i_v * BV), (BTc, BV),
-                                    (1, 0)), boundary_check=(0, 1))
-    b_R = (b_u.to(tl.float32) - b_Xw).to(b_M.dtype)
-    KPR: tl.constexpr = 2 * BK                    # BK + C rows padded to a power of two (BK = 64 or 128)
-    b_kp = tl.load(tl.make_block_ptr(kp + ((slot0 + i_t) * HV + i_h) * (BK + BTc) * BTc, (BK + BTc, BTc), (BTc, 1),
-                                     (0, 0), (KPR, BTc), (1, 0)), boundary_check=(0,))     # [KPR, C]: K_dᵀ; P; 0
-    b_Y = tl.dot(b_kp, b_R, input_precision=DOT_PREC)                                    # [KPR, C] @ [C, BV]
-    b_Ys, b_Yo = _row_halves(b_Y)                                                        # [BK, BV] each
-    if BK > BTc:
-        b_Yo, _ = _row_halves(b_Yo)                                                      # [C, BV]: P R
-    if GATE == 1:
-        b_Xq = b_Xq * b_eg[:, None]
-    if GATE != 0:
-        S = S * b_dl
-    tl.store(tl.make_block_ptr(o_base, (T_seq, V), (HV * V, 1), (t0, i_v * BV), (BTc, BV), (1, 0)),
-             ((b_Xq + b_Yo) * scale).to(o_base.dtype.element_ty), boundary_check=(0, 1))
-    return S + b_Ys
-
-
-@triton.jit
-def _chunk_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, kp, o_base, bos, T_seq, slot0, i_h, i_hk, i_v, scale,
-                H, HV, K, V, BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
-                DELTA: tl.constexpr, P_IN: tl.constexpr, STACK: tl.constexpr, DOT_PREC: tl.constexpr,
-                g_floor: tl.constexpr):
-    """One chunk of stage 2 in the form STACK selects (both loop forms of chunk_state_output_kernel call it)."""
-    if STACK:
-        S = _stack_step(i_t, S, q, w, u, g, qg, glast, kp, o_base, bos, T_seq, slot0, i_h, i_hk, i_v, scale,
-                        H, HV, K, V, BTc, BK, BV, GATE, DOT_PREC, g_floor)
-    else:
-        S = _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, T_seq, slot0, i_h, i_hk,
-                               i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, DOT_PREC, g_floor)
-    return S
-
-
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV", "seg_len"])
 def chunk_state_output_kernel(
     q, k, v, w, u, p, g,         # [B,T,H,K] [B,T,H,K] [B,T,HV,V] [B,T,HV,K] [B,T,HV,V] [B,T,HV,BT] [B,T,HV] fp32
     qg, kg, glast,               # GATE == 2: [B,T,HV,K] [B,T,HV,K] [slots,HV,K] fp32
-    kp,                          # STACK: [slots,HV,BK+BT,BT] (K ⊙ e^{G_last − G})ᵀ over P (stage 1)
     o, h0, ht,                   # out [B,T,HV,V]; [N,HV,·,·] any float; out [N,HV,·,·] fp32
     sloc, gam,                   # SEG > 0: [N·NSEG, HV, K, V] fp32 segment-local end states, [N·NSEG, HV] fp32 decays
     cu_seqlens, scale, T, NT, seg_len,
@@ -755,7 +607,7 @@ def chunk_state_output_kernel(
     GATE: tl.constexpr, DELTA: tl.constexpr, P_IN: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
     DOT_PREC: tl.constexpr, g_floor: tl.constexpr, LOOP_WHILE: tl.constexpr,
-    SEG: tl.constexpr = 0, NSEG: tl.constexpr = 1, SUB: tl.constexpr = 1, STACK: tl.constexpr = 0,
+    SEG: tl.constexpr = 0, NSEG: tl.constexpr = 1, SUB: tl.constexpr = 1,
 ):
     """Stage 2 (module docstring). Grid (cdiv(V, BV), N·HV); S [BK, BV] fp32 stays in registers.
 
@@ -833,13 +685,13 @@ def chunk_state_output_kernel(
         if LOOP_WHILE:      # the triton 3.6 interpreter cannot take a tensor bound in range()
             i_t = c0
             while i_t < c1:
-                S = _chunk_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, kp, o_base, bos, T_seq, slot0, i_h, i_hk,
-                                i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, STACK, DOT_PREC, g_floor)
+                S = _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, T_seq, slot0, i_h,
+                                       i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, DOT_PREC, g_floor)
                 i_t += 1
         else:               # compiled: a for loop, so that the loads of later chunks are pipelined
             for i_t in range(c0, c1):
-                S = _chunk_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, kp, o_base, bos, T_seq, slot0, i_h, i_hk,
-                                i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, STACK, DOT_PREC, g_floor)
+                S = _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, T_seq, slot0, i_h,
+                                       i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, DOT_PREC, g_floor)
 
     if STORE_HT and SEG != 1:
         if i_s == NSEG - 1:     # the last segment (always, without SEG)
@@ -923,27 +775,6 @@ def wu_lowp_ok(dtype: torch.dtype, K: int) -> bool:
     return dtype != torch.float32 and _dim(K) == 128
 
 
-# stage 1 of the forward per gate kind: (programs per SM, pipeline stages) of its persistent form, each program
-# looping over chunks so that its next chunk's loads overlap this one's work; (0, 1): one program per chunk
-PREP_PERSIST = {0: (0, 1), 1: (0, 1), 2: (0, 1)}
-
-
-def prep_persist(gate: int) -> tuple[int, int]:
-    """Stage 1's persistent form for a gate kind: PREP_PERSIST, overridden by CHUNKWISE_PREP_PERSIST
-    ("programs_per_sm[,stages]", stages default 2; "0": one program per chunk)."""
-    env = os.environ.get("CHUNKWISE_PREP_PERSIST")
-    if not env:
-        return PREP_PERSIST[gate]
-    try:
-        vals = [int(x) for x in env.split(",")]
-        if len(vals) > 2 or min(vals) < 0:
-            raise ValueError
-    except ValueError:
-        raise ValueError(f"CHUNKWISE_PREP_PERSIST={env!r}: expected programs_per_sm[,stages], "
-                         "non-negative integers") from None
-    return (vals[0], vals[1] if len(vals) > 1 else 2) if vals[0] else (0, 1)
-
-
 def prep_config(gate: int) -> tuple[int, int, int, int]:
     """The stage-1 launch of a gate kind: PREP_CONFIG, overridden by CHUNKWISE_PREP_CONFIG
     ("gate:lowp,warps[,bkc[,form]];..." as the sweep prints it) and then by CHUNKWISE_PREP_WU_LOWP /
@@ -961,8 +792,7 @@ def prep_config(gate: int) -> tuple[int, int, int, int]:
     return cfg[0], cfg[1], cfg[2], cfg[3]
 
 
-def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=False, store_p=True, stack=False,
-                  persist=None):
+def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=False, store_p=True):
     """Stage 1 for the delta families.
 
     Args: q, k [B,T,H,K]; v [B,T,HV,V]; g None | [B,T,HV] fp32 | [B,T,HV,K] fp32 (raw log-decays);
@@ -971,10 +801,7 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     qg, kg [B,T,HV,K] (q's dtype) and glast [slots, HV, K] fp32 (e^{G_last} per chunk; the slot of
     chunk i of sequence n is n·NT + i, or n + start_token // 64 with cu_seqlens); with ``save_t`` also
     t = (I + A)⁻¹ [B,T,HV,64] fp32 (for a backward that reuses stage 1). ``store_p=False`` (scalar / no
-    gate): p is None, for a stage 2 that forms P itself. ``stack`` (stage 2's stacked form, K <= 128): instead of
-    p and kg, kp [slots, HV, BK + 64, 64] (q's dtype; BK = K padded to 64 or 128): per chunk slot the decayed
-    keys transposed, (K ⊙ e^{G_last − G})ᵀ [BK, 64], over P [64, 64]. ``persist`` = (programs per SM, pipeline
-    stages): the kernel in that many persistent programs, each looping over chunks (default: prep_persist).
+    gate): p is None, for a stage 2 that forms P itself.
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -983,7 +810,7 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     dev, dt = q.device, q.dtype
     w = _alloc((B, T, HV, K), dt, dev)
     u = _alloc((B, T, HV, V), dt, dev)
-    store_p = store_p or gate == 2 or stack
+    store_p = store_p or gate == 2
     p = _alloc((B, T, HV, BT), dt, dev) if store_p else None
     if cu_seqlens is not None:
         n_chunks = chunk_indices.shape[0]
@@ -993,32 +820,22 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
         slots = B * NT
     if gate == 2:
         qg = _alloc((B, T, HV, K), dt, dev)
-        kg = None if stack else _alloc((B, T, HV, K), dt, dev)
+        kg = _alloc((B, T, HV, K), dt, dev)
         glast = _alloc((slots, HV, K), torch.float32, dev)
     else:
         qg = kg = glast = None
-    if stack:
-        assert _dim(K) in (64, 128), "the stacked stage 2 takes K <= 128 (padded to 64 or 128)"
-        p = None
-        kp = _alloc((slots, HV, _dim(K) + BT, BT), dt, dev)
-    else:
-        kp = None
     t = _alloc((B, T, HV, BT), torch.float32, dev) if save_t else None
     dot_prec, mm_prec, solve_prec = _dot_prec(dt, gate)
     wu_lowp, warps, bkc, form = prep_config(gate)
-    per_sm, stages = persist or prep_persist(gate)
-    grid = (min(n_chunks * B * HV, per_sm * _num_sms(dev)),) if per_sm else (n_chunks, B * HV)
     if n_chunks > 0:
-        chunk_prepare_kernel[grid](
-            q, k, v, g, beta, w, u, p, qg, kg, glast, None, t, None, kp, cu_seqlens, chunk_indices, T, NT,
-            n_chunks, B * HV,
+        chunk_prepare_kernel[(n_chunks, B * HV)](
+            q, k, v, g, beta, w, u, p, qg, kg, glast, None, t, None, cu_seqlens, chunk_indices, T, NT,
             H=H, HV=HV, K=K, V=V, scale=1.0, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)), GATE=gate,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=solve_prec,
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(dt, K),
-            AP_FORM=form if gate == 2 else 0, STORE_T=save_t, STORE_P=store_p, STACK=stack,
-            PERSIST=bool(per_sm), LOOP_WHILE=_INTERPRET, num_warps=warps, num_stages=stages if per_sm else 1,
-            **reg_cap("prep_fwd"))
-    return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, t=t, kp=kp)
+            AP_FORM=form if gate == 2 else 0, STORE_T=save_t, STORE_P=store_p, num_warps=warps,
+            num_stages=1, **reg_cap("prep_fwd"))
+    return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, t=t)
 
 
 def chunk_prepare_bwd(q, k, v, g, beta, do, scale, w, u, t_out, drl, cu_seqlens=None, chunk_indices=None,
@@ -1037,8 +854,7 @@ def chunk_prepare_bwd(q, k, v, g, beta, do, scale, w, u, t_out, drl, cu_seqlens=
     bkc = prep_config(gate)[2]
     if n_chunks > 0:
         chunk_prepare_kernel[(n_chunks, B * HV)](
-            q, k, v, g, beta, w, u, None, None, None, None, do, t_out, drl, None, cu_seqlens, chunk_indices, T, NT,
-            n_chunks, B * HV,
+            q, k, v, g, beta, w, u, None, None, None, None, do, t_out, drl, cu_seqlens, chunk_indices, T, NT,
             H=H, HV=HV, K=K, V=V, scale=scale, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)),
             GATE=gate, IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=solve_prec,
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(q.dtype, K), BWD=True,
@@ -1072,16 +888,13 @@ def _pick_bv(V: int, K: int, programs: int) -> int:
     return min(bv, _dim(V))
 
 
-def _pick_stages(elt: int, BK: int, bv: int, delta: bool, p_in: bool, busy: bool, stack: bool = False) -> int:
+def _pick_stages(elt: int, BK: int, bv: int, delta: bool, p_in: bool, busy: bool) -> int:
     """Pipeline depth of stage 2: 3 (best measured for bf16, K = V = 128) while the tiles of one chunk,
     times the depth, stay under ~200 KB of the H200's 227 KB shared memory; fp32 or K = 256 get 1-2.
     ``busy`` (at least two programs per SM): the deepest of 2-3 stages at which two programs share an SM,
     where one exists (simple GLA: B8-T4096-H32, BV = 64, 0.96 -> 0.55 ms at 2 stages instead of 3; the delta
-    families' three [C, K] tiles per stage leave no such depth). ``stack``: the stacked form's [2C, K] and
-    [2K, C] tiles."""
+    families' three [C, K] tiles per stage leave no such depth)."""
     per_stage = elt * (BT * BK * (3 if delta else 2) + (BT * BT if p_in else 0) + BT * bv)
-    if stack:
-        per_stage = elt * (4 * BT * BK + BT * bv)
     if busy and 2 * 2 * per_stage <= 200 * 1024:
         return min(3, (100 * 1024) // per_stage)
     return max(1, min(3, (200 * 1024) // per_stage))
@@ -1116,11 +929,6 @@ def _pick_segments(NT: int, programs: int, n_sm: int) -> int:
 DELTA_P_IN = {0: 0, 1: 1}
 
 
-# the delta families' forward outside autograd, per gate kind: stage 2 in the stacked form (1: two products per
-# chunk over [Q; W] and [K_dᵀ; P], _stack_step) or the plain one (0: four or five). K <= 128 only.
-FWD_STACK = {0: 0, 1: 0, 2: 0}
-
-
 def _env_switch(name: str, default: int) -> bool:
     """A 0 / 1 launch choice from the environment variable ``name`` (``default`` when unset)."""
     value = os.environ.get(name, str(default))
@@ -1148,7 +956,7 @@ def _num_sms(device: torch.device) -> int:
 
 def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, *,
               chunk_indices=None, transpose_state_layout=False, p_in=None, bv=None, num_stages=None, num_warps=4,
-              segments=None, seg_phase1=None, seg_sub=None, saved_out=None, stack=None):
+              segments=None, seg_phase1=None, seg_sub=None, saved_out=None):
     """The chunk forward of all four families (canonical inputs: see chunkwise.triton).
 
     Returns (o [B,T,HV,V] in q's dtype, final state fp32 [N,HV,K,V] ([N,HV,V,K] transposed) or None).
@@ -1161,8 +969,6 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     one wave; with ``segments`` given: stage 2's BV and warps, no sub-segments).
     ``saved_out``: a dict that, for the delta families at head dims the kernels take as they are, receives
     stage 1's w, u, p and t = (I + A)⁻¹ (fp32) for a backward that reuses them (chunk_bwd's ``saved``).
-    ``stack`` (delta families at K <= 128, not saved for a backward): stage 2 in the stacked form, two
-    products per chunk (default: FWD_STACK per gate kind, overridden by CHUNKWISE_FWD_STACK).
     Head dims the kernels do not take as they are run zero-padded (triton/align.py).
     """
     if q.dtype != torch.float32 and q.shape[-1] > WIDE_16BIT_K:
@@ -1170,7 +976,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         o, ht = chunk_fwd(q.float(), k.float(), v.float(), g, None if beta is None else beta.float(), scale,
                           initial_state, output_final_state, cu_seqlens, chunk_indices=chunk_indices,
                           transpose_state_layout=transpose_state_layout, p_in=p_in, bv=bv, num_stages=num_stages,
-                          num_warps=num_warps, segments=segments, seg_phase1=seg_phase1, seg_sub=seg_sub, stack=stack)
+                          num_warps=num_warps, segments=segments, seg_phase1=seg_phase1, seg_sub=seg_sub)
         return o.to(q.dtype), ht
     save = saved_out is not None and saves_stage1(q, v, g, beta)      # (on the unpadded inputs)
     K0, V0 = q.shape[-1], v.shape[-1]
@@ -1228,18 +1034,8 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         from ..api import prepare_chunk_indices
         chunk_indices = prepare_chunk_indices(cu_seqlens, BT)
 
-    # stage 2 in the stacked form: stage 1 writes [K_dᵀ; P] per chunk (kp) in place of P (and KDA's kg)
-    stackable = delta and not save and _dim(K) in (64, 128)
-    if stack is None:
-        stack = _env_switch("CHUNKWISE_FWD_STACK", FWD_STACK.get(gate, 0)) and stackable
-    elif stack and not stackable:
-        raise ValueError("stack=True: the stacked stage 2 takes the delta families at K in 33..128 outside autograd")
-    stack = bool(stack)
-    if stack:
-        p_in = False
-    stage1 = chunk_prepare(q, k, v, g, beta, cu_seqlens, chunk_indices, save_t=save, store_p=p_in or save,
-                           stack=stack) if delta else \
-        dict(w=None, u=None, p=None, qg=None, kg=None, glast=None, kp=None)
+    stage1 = chunk_prepare(q, k, v, g, beta, cu_seqlens, chunk_indices, save_t=save, store_p=p_in or save) \
+        if delta else dict(w=None, u=None, p=None, qg=None, kg=None, glast=None)
     if save:
         saved_out.update(w=stage1["w"], u=stage1["u"], p=stage1["p"], t=stage1["t"])
     if p_in and not delta:                # simple GLA with P formed once per chunk
@@ -1261,7 +1057,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
 
     dot_prec = _dot_prec(q.dtype)[0]
     if num_stages is None:
-        num_stages = _pick_stages(q.element_size(), _dim(K), bv, delta, p_in, busy, stack)
+        num_stages = _pick_stages(q.element_size(), _dim(K), bv, delta, p_in, busy)
     grid = (triton.cdiv(V, bv), N * nseg * HV)
     sloc = gam = None
     sub = (seg_sub or 1) if nseg > 1 else 1
@@ -1281,12 +1077,12 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
                 stages_m = seg_phase1[2] if len(seg_phase1) > 2 else num_stages
         chunk_state_output_kernel[(triton.cdiv(V, bv_m), rows_m)](
             q, k, v, stage1["w"], stage1["u"], stage1["p"], g, stage1["qg"], stage1["kg"], stage1["glast"],
-            stage1["kp"], o, initial_state, ht, sloc, gam, cu_seqlens, scale, T, NT, len_m,
+            o, initial_state, ht, sloc, gam, cu_seqlens, scale, T, NT, len_m,
             *strides(initial_state), *strides(ht),
             H=H, HV=HV, K=K, V=V, BTc=BT, BK=_dim(K), BV=bv_m, GATE=gate, DELTA=delta, P_IN=p_in,
             USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=cu_seqlens is not None,
             DOT_PREC=dot_prec, g_floor=G_FLOOR, LOOP_WHILE=_INTERPRET, SEG=seg_mode, NSEG=nseg_m,
-            SUB=sub if seg_mode == 2 else 1, STACK=stack,
+            SUB=sub if seg_mode == 2 else 1,
             num_warps=warps_m, num_stages=stages_m, **reg_cap("fwd_o"))
     if padded:
         o, ht = o[..., :V0].contiguous(), cut_state(ht, K0, V0, transpose_state_layout)
