@@ -23,7 +23,7 @@ from chunkwise.triton.chunk_fwd import BT, DELTA_P_IN, G_FLOOR, _pick_stages, ch
 
 GATES = {"gdn": 1, "kda": 2, "delta": 0}
 BF16 = ("q", "k", "v", "w", "u", "p", "qg", "kg", "o")
-FP32 = ("g", "glast", "h0", "ht", "sloc", "gam")
+FP32 = ("g", "glast", "gcum", "h0", "ht", "sloc", "gam")
 
 
 def compile_variant(fam="gdn", bv=32, K=128, V=128, num_warps=4, num_stages=None):
@@ -36,9 +36,10 @@ def compile_variant(fam="gdn", bv=32, K=128, V=128, num_warps=4, num_stages=None
     sig |= {a: "i32" for a in ("s_h0n", "s_h0h", "s_h0k", "s_h0v", "s_htn", "s_hth", "s_htk", "s_htv")}
     consts = dict(cu_seqlens=None, K=K, V=V, BTc=BT, BK=K, BV=bv, GATE=gate, DELTA=True, P_IN=int(p_in),
                   USE_H0=False, STORE_HT=False, IS_VARLEN=False, DOT_PREC="tf32", g_floor=G_FLOOR, LOOP_WHILE=False,
-                  SEG=0, NSEG=1, SUB=1)
+                  SEG=0, NSEG=1, SUB=1, GC_IN=int(gate == 1))
     absent = ["h0", "ht", "sloc", "gam", "v"]
-    absent += ([] if p_in else ["p"]) + ([] if gate == 2 else ["qg", "kg", "glast"])
+    absent += ([] if p_in else ["p"]) + ([] if gate == 2 else ["qg", "kg"] + ([] if gate == 1 else ["glast"]))
+    absent += [] if gate == 1 else ["gcum"]
     absent += ["g"] if gate != 1 else []
     for name in absent:
         del sig[name]

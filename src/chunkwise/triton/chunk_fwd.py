@@ -308,6 +308,7 @@ def chunk_prepare_kernel(
     q, k, v, g, beta,            # [B,T,H,K] [B,T,H,K] [B,T,HV,V] None|[B,T,HV]|[B,T,HV,K] fp32, [B,T,HV]
     w, u, p,                     # out: [B,T,HV,K] [B,T,HV,V] [B,T,HV,BT] (input dtype)
     qg, kg, glast,               # out (GATE == 2): [B,T,HV,K] [B,T,HV,K] input dtype, [slots,HV,K] fp32
+    gcum,                        # out (GC_OUT, GATE == 1): [B,T,HV] fp32 G; glast then [slots,HV] fp32 G_last
     do, t_out, drl,              # BWD: [B,T,HV,V] in; out [B,T,HV,BT] fp32, [B,T,HV,V] (do's dtype)
     cu_seqlens, chunk_indices,   # varlen: [N+1], [NT_total, 2] (sequence, chunk in sequence)
     T, NT, H, HV, K, V, scale,
@@ -315,14 +316,16 @@ def chunk_prepare_kernel(
     GATE: tl.constexpr,          # 0 none, 1 scalar, 2 per channel
     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, MM_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
     g_floor: tl.constexpr, span_max: tl.constexpr, WU_LOWP: tl.constexpr = 0, AP_FORM: tl.constexpr = 0,
-    BWD: tl.constexpr = 0, STORE_T: tl.constexpr = 0, STORE_P: tl.constexpr = 1,
+    BWD: tl.constexpr = 0, STORE_T: tl.constexpr = 0, STORE_P: tl.constexpr = 1, GC_OUT: tl.constexpr = 0,
 ):
     """One chunk of one value head: see the module docstring (stage 1). Grid (chunks, B·HV).
 
     BWD (the backward's recompute, scalar / no gate): instead of P, write T = (I + A)⁻¹ (fp32) and
     dR_local = scale Pᵀ dO, next to W and U; A and P never reach memory.
     STORE_T (forward, for a backward that reuses stage 1): also write T = (I + A)⁻¹ (fp32) to t_out.
-    STORE_P = 0 (forward, scalar / no gate): no P (stage 2 forms it), q is not read."""
+    STORE_P = 0 (forward, scalar / no gate): no P (stage 2 forms it), q is not read.
+    GC_OUT (forward, scalar gate): also write the chunk-local cumulative gate G per token and G_last per chunk,
+    so that stage 2's serial loop neither scans nor reduces the gate."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
     i_hk = i_h // (HV // H)
@@ -419,6 +422,9 @@ def chunk_prepare_kernel(
             QK = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)                   # [BT, BK] @ [BK, BT]
         if GATE == 1:
             Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor)                  # [BT]
+            if GC_OUT:
+                tl.store(gcum + (bos + t0 + o_t) * HV + i_h, Gc, mask=t0 + o_t < T_seq)
+                tl.store(glast + slot * HV + i_h, tl.sum(tl.where(o_t == BTc - 1, Gc, 0.), 0))
             dec = tl.exp(tl.where(incl, Gc[:, None] - Gc[None, :], float("-inf")))     # e^{G_i − G_j}, i ≥ j
             A = tl.where(strict, KK * dec, 0.) * b_beta[:, None]
             if BWD or STORE_P:
@@ -527,12 +533,27 @@ def _state_step(i_t, S, k, v, g, bos, T_seq, i_h, i_hk, i_v, H, HV, K, V, BTc: t
 
 
 @triton.jit
-def _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, T_seq, slot0, i_h, i_hk, i_v, scale,
+def _chunk_decay(glast, slot0, i_t, c1, i_h, HV, K, BK: tl.constexpr, GATE: tl.constexpr, GC_IN: tl.constexpr):
+    """Chunk i_t's decay from stage 1 (zero past c1): e^{G_last} [BK] (per-channel gate), G_last (scalar gate
+    with GC_IN), else a dummy 0. Loaded one chunk ahead by the serial loop: a load the software pipeline does
+    not take (not a product's operand) would otherwise expose its latency on every chunk."""
+    o_k = tl.arange(0, BK)
+    if GATE == 2:
+        b_gl = tl.load(glast + ((slot0 + i_t) * HV + i_h) * K + o_k, mask=(o_k < K) & (i_t < c1), other=0.)
+    elif GC_IN:
+        b_gl = tl.load(glast + (slot0 + i_t) * HV + i_h, mask=i_t < c1, other=0.)
+    else:
+        b_gl = tl.zeros([], dtype=tl.float32)
+    return b_gl
+
+
+@triton.jit
+def _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, bos, T_seq, i_h, i_hk, i_v, scale,
                        H, HV, K, V,
                        BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                       GATE: tl.constexpr, DELTA: tl.constexpr, P_IN: tl.constexpr,
+                       GATE: tl.constexpr, DELTA: tl.constexpr, P_IN: tl.constexpr, GC_IN: tl.constexpr,
                        DOT_PREC: tl.constexpr, g_floor: tl.constexpr):
-    """One chunk of stage 2: returns the state after chunk i_t, writes its rows of o."""
+    """One chunk of stage 2: returns the state after chunk i_t, writes its rows of o. b_gl: _chunk_decay's."""
     o_k = tl.arange(0, BK)
     o_t = tl.arange(0, BTc)
     t0 = i_t * BTc
@@ -551,15 +572,19 @@ def _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, 
                        boundary_check=(0, 1))
         b_kd = tl.load(tl.make_block_ptr(kg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK), (1, 0)),
                        boundary_check=(0, 1))
-        b_dl = tl.load(glast + ((slot0 + i_t) * HV + i_h) * K + o_k, mask=o_k < K, other=0.)[:, None]
+        b_dl = b_gl[:, None]
     else:
         b_q = tl.load(tl.make_block_ptr(q + (bos * H + i_hk) * K, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
                       boundary_check=(0, 1))
         b_k = tl.load(tl.make_block_ptr(k + (bos * H + i_hk) * K, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
                       boundary_check=(0, 1))
         if GATE == 1:
-            Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor)                # [BT]
-            G_last = tl.sum(tl.where(o_t == BTc - 1, Gc, 0.), 0)
+            if GC_IN:       # from stage 1: no scan, no reduction on the serial path
+                Gc = tl.load(gcum + (bos + t0 + o_t) * HV + i_h, mask=t0 + o_t < T_seq, other=0.)   # [BT]
+                G_last = b_gl
+            else:
+                Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor)            # [BT]
+                G_last = tl.sum(tl.where(o_t == BTc - 1, Gc, 0.), 0)
             b_dl = tl.exp(G_last)
             b_eg = tl.exp(Gc)
             b_ek = tl.exp(G_last - Gc)
@@ -596,7 +621,8 @@ def _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, 
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV", "seg_len"])
 def chunk_state_output_kernel(
     q, k, v, w, u, p, g,         # [B,T,H,K] [B,T,H,K] [B,T,HV,V] [B,T,HV,K] [B,T,HV,V] [B,T,HV,BT] [B,T,HV] fp32
-    qg, kg, glast,               # GATE == 2: [B,T,HV,K] [B,T,HV,K] [slots,HV,K] fp32
+    qg, kg, glast,               # GATE == 2: [B,T,HV,K] [B,T,HV,K] [slots,HV,K] fp32; GC_IN: glast [slots,HV]
+    gcum,                        # GC_IN: [B,T,HV] fp32 chunk-local cumulative scalar gate (stage 1)
     o, h0, ht,                   # out [B,T,HV,V]; [N,HV,·,·] any float; out [N,HV,·,·] fp32
     sloc, gam,                   # SEG > 0: [N·NSEG, HV, K, V] fp32 segment-local end states, [N·NSEG, HV] fp32 decays
     cu_seqlens, scale, T, NT, seg_len,
@@ -607,7 +633,7 @@ def chunk_state_output_kernel(
     GATE: tl.constexpr, DELTA: tl.constexpr, P_IN: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
     DOT_PREC: tl.constexpr, g_floor: tl.constexpr, LOOP_WHILE: tl.constexpr,
-    SEG: tl.constexpr = 0, NSEG: tl.constexpr = 1, SUB: tl.constexpr = 1,
+    SEG: tl.constexpr = 0, NSEG: tl.constexpr = 1, SUB: tl.constexpr = 1, GC_IN: tl.constexpr = 0,
 ):
     """Stage 2 (module docstring). Grid (cdiv(V, BV), N·HV); S [BK, BV] fp32 stays in registers.
 
@@ -682,16 +708,23 @@ def chunk_state_output_kernel(
                     i_seg = (i_n * NSEG * SUB + i_p).to(tl.int64)
                     S = S * tl.load(gam + i_seg * HV + i_h) + \
                         tl.load(sloc + ((i_seg * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.)
+        b_gl = _chunk_decay(glast, slot0, c0, c1, i_h, HV, K, BK, GATE, GC_IN)
         if LOOP_WHILE:      # the triton 3.6 interpreter cannot take a tensor bound in range()
             i_t = c0
             while i_t < c1:
-                S = _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, T_seq, slot0, i_h,
-                                       i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, DOT_PREC, g_floor)
+                b_gl_next = _chunk_decay(glast, slot0, i_t + 1, c1, i_h, HV, K, BK, GATE, GC_IN)
+                S = _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, bos, T_seq, i_h,
+                                       i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, GC_IN, DOT_PREC,
+                                       g_floor)
+                b_gl = b_gl_next
                 i_t += 1
         else:               # compiled: a for loop, so that the loads of later chunks are pipelined
             for i_t in range(c0, c1):
-                S = _state_output_step(i_t, S, q, k, v, w, u, p, g, qg, kg, glast, o_base, bos, T_seq, slot0, i_h,
-                                       i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, DOT_PREC, g_floor)
+                b_gl_next = _chunk_decay(glast, slot0, i_t + 1, c1, i_h, HV, K, BK, GATE, GC_IN)
+                S = _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, bos, T_seq, i_h,
+                                       i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, GC_IN, DOT_PREC,
+                                       g_floor)
+                b_gl = b_gl_next
 
     if STORE_HT and SEG != 1:
         if i_s == NSEG - 1:     # the last segment (always, without SEG)
@@ -799,7 +832,8 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     beta [B,T,HV]; cu_seqlens [N+1] with chunk_indices [NT_total, 2] (varlen, B = 1).
     Returns dict: w [B,T,HV,K], u [B,T,HV,V], p [B,T,HV,64] (q's dtype) and, for per-channel g,
     qg, kg [B,T,HV,K] (q's dtype) and glast [slots, HV, K] fp32 (e^{G_last} per chunk; the slot of
-    chunk i of sequence n is n·NT + i, or n + start_token // 64 with cu_seqlens); with ``save_t`` also
+    chunk i of sequence n is n·NT + i, or n + start_token // 64 with cu_seqlens), for scalar g gcum [B,T,HV]
+    fp32 (the chunk-local cumulative gate G) and glast [slots, HV] fp32 (G_last per chunk); with ``save_t`` also
     t = (I + A)⁻¹ [B,T,HV,64] fp32 (for a backward that reuses stage 1). ``store_p=False`` (scalar / no
     gate): p is None, for a stage 2 that forms P itself.
     """
@@ -818,24 +852,28 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     else:
         n_chunks = NT
         slots = B * NT
+    gcum = None
     if gate == 2:
         qg = _alloc((B, T, HV, K), dt, dev)
         kg = _alloc((B, T, HV, K), dt, dev)
         glast = _alloc((slots, HV, K), torch.float32, dev)
     else:
         qg = kg = glast = None
+        if gate == 1:       # G and G_last for stage 2 (GC_IN)
+            gcum = _alloc((B, T, HV), torch.float32, dev)
+            glast = _alloc((slots, HV), torch.float32, dev)
     t = _alloc((B, T, HV, BT), torch.float32, dev) if save_t else None
     dot_prec, mm_prec, solve_prec = _dot_prec(dt, gate)
     wu_lowp, warps, bkc, form = prep_config(gate)
     if n_chunks > 0:
         chunk_prepare_kernel[(n_chunks, B * HV)](
-            q, k, v, g, beta, w, u, p, qg, kg, glast, None, t, None, cu_seqlens, chunk_indices, T, NT,
+            q, k, v, g, beta, w, u, p, qg, kg, glast, gcum, None, t, None, cu_seqlens, chunk_indices, T, NT,
             H=H, HV=HV, K=K, V=V, scale=1.0, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)), GATE=gate,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=solve_prec,
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(dt, K),
-            AP_FORM=form if gate == 2 else 0, STORE_T=save_t, STORE_P=store_p, num_warps=warps,
+            AP_FORM=form if gate == 2 else 0, STORE_T=save_t, STORE_P=store_p, GC_OUT=gate == 1, num_warps=warps,
             num_stages=1, **reg_cap("prep_fwd"))
-    return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, t=t)
+    return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, gcum=gcum, t=t)
 
 
 def chunk_prepare_bwd(q, k, v, g, beta, do, scale, w, u, t_out, drl, cu_seqlens=None, chunk_indices=None,
@@ -854,7 +892,7 @@ def chunk_prepare_bwd(q, k, v, g, beta, do, scale, w, u, t_out, drl, cu_seqlens=
     bkc = prep_config(gate)[2]
     if n_chunks > 0:
         chunk_prepare_kernel[(n_chunks, B * HV)](
-            q, k, v, g, beta, w, u, None, None, None, None, do, t_out, drl, cu_seqlens, chunk_indices, T, NT,
+            q, k, v, g, beta, w, u, None, None, None, None, None, do, t_out, drl, cu_seqlens, chunk_indices, T, NT,
             H=H, HV=HV, K=K, V=V, scale=scale, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)),
             GATE=gate, IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=solve_prec,
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(q.dtype, K), BWD=True,
@@ -1035,7 +1073,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         chunk_indices = prepare_chunk_indices(cu_seqlens, BT)
 
     stage1 = chunk_prepare(q, k, v, g, beta, cu_seqlens, chunk_indices, save_t=save, store_p=p_in or save) \
-        if delta else dict(w=None, u=None, p=None, qg=None, kg=None, glast=None)
+        if delta else dict(w=None, u=None, p=None, qg=None, kg=None, glast=None, gcum=None)
     if save:
         saved_out.update(w=stage1["w"], u=stage1["u"], p=stage1["p"], t=stage1["t"])
     if p_in and not delta:                # simple GLA with P formed once per chunk
@@ -1077,12 +1115,12 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
                 stages_m = seg_phase1[2] if len(seg_phase1) > 2 else num_stages
         chunk_state_output_kernel[(triton.cdiv(V, bv_m), rows_m)](
             q, k, v, stage1["w"], stage1["u"], stage1["p"], g, stage1["qg"], stage1["kg"], stage1["glast"],
-            o, initial_state, ht, sloc, gam, cu_seqlens, scale, T, NT, len_m,
+            stage1["gcum"], o, initial_state, ht, sloc, gam, cu_seqlens, scale, T, NT, len_m,
             *strides(initial_state), *strides(ht),
             H=H, HV=HV, K=K, V=V, BTc=BT, BK=_dim(K), BV=bv_m, GATE=gate, DELTA=delta, P_IN=p_in,
             USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=cu_seqlens is not None,
             DOT_PREC=dot_prec, g_floor=G_FLOOR, LOOP_WHILE=_INTERPRET, SEG=seg_mode, NSEG=nseg_m,
-            SUB=sub if seg_mode == 2 else 1,
+            SUB=sub if seg_mode == 2 else 1, GC_IN=delta and gate == 1,
             num_warps=warps_m, num_stages=stages_m, **reg_cap("fwd_o"))
     if padded:
         o, ht = o[..., :V0].contiguous(), cut_state(ht, K0, V0, transpose_state_layout)
