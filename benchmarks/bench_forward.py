@@ -134,9 +134,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--families", default=",".join(FAMILIES))
-    ap.add_argument("--variant-set", default="all", choices=("all", "seg", "pfree"),
+    ap.add_argument("--variant-set", default="all", choices=("all", "seg", "pfree", "tma"),
                     help="seg: only simple GLA's segment variants; pfree: only GDN / DeltaNet with P formed in "
-                         "stage 2 instead of stage 1 (with --variants)")
+                         "stage 2 instead of stage 1; tma: every family's serial stage with its tiles loaded through tensor "
+                         "descriptors or not (with --variants)")
     ap.add_argument("--variants", action="store_true", help="also time stage-2 variants (BV 16/32/64 x 4/8 warps x 2/3 stages; GLA also with P from its own kernel, GDN with the decays from stage 1)")
     ap.add_argument("--shapes", default="")
     ap.add_argument("--warm", action="store_true", help="compile everything on tiny inputs, time nothing")
@@ -184,7 +185,13 @@ def main():
                     time_variant("p-stage1", p_in=True)
                     time_variant("p-stage2", p_in=False)
                     time_variant("p-stage2-ns2", p_in=False, num_stages=2)
-                if fam == "gla" and a.variant_set != "pfree" and x["q"].shape[0] == 1 and x["cu"] is None:
+                if a.variant_set == "tma":
+                    # the serial stage's tiles through tensor descriptors (CHUNKWISE_FWD_TMA) or not
+                    for key, val in (("no-tma", "0"), ("tma", "1")):
+                        os.environ["CHUNKWISE_FWD_TMA"] = val
+                        time_variant(key)
+                    os.environ.pop("CHUNKWISE_FWD_TMA")
+                if fam == "gla" and a.variant_set not in ("pfree", "tma") and x["q"].shape[0] == 1 and x["cu"] is None:
                     # the segment split's first pass in sub-segments (chunk_fwd(seg_sub=)), 4 segments, at the
                     # second pass's value block (64, 4 warps) or its own
                     for sub, p1 in ((1, (128, 4)), (2, (128, 4)), (4, (128, 4)), (2, (128, 4, 3)), (2, (128, 4, 1)),

@@ -75,6 +75,7 @@ def warm_benchmarks(only: str = ""):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     for script, argv in (("bench_forward", ["--warm", "--variants"]), ("sweep_stage1", ["--warm"]),
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "pfree"]),
+                         ("bench_forward", ["--warm", "--variants", "--variant-set", "tma"]),
                          ("sweep_bwd", ["--warm", "--warps", "4,8"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "pair"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "regs"]),

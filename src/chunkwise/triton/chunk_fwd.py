@@ -548,36 +548,52 @@ def _chunk_decay(glast, slot0, i_t, c1, i_h, HV, K, BK: tl.constexpr, GATE: tl.c
 
 
 @triton.jit
+def _tile(x, base, n_rows, n_cols, row_stride, r0, c0, R: tl.constexpr, C: tl.constexpr, TMA: tl.constexpr):
+    """Rows r0 .. r0 + R − 1, columns c0 .. c0 + C − 1 of the [n_rows, n_cols] matrix at x + base (row stride
+    row_stride), zero outside it. TMA: x is a tensor descriptor of that matrix (made once per program by
+    _tma_view; one copy instruction per tile instead of per-thread addresses and masks)."""
+    if TMA:
+        t = x.load([r0, c0])
+    else:
+        t = tl.load(tl.make_block_ptr(x + base, (n_rows, n_cols), (row_stride, 1), (r0, c0), (R, C), (1, 0)),
+                    boundary_check=(0, 1))
+    return t
+
+
+@triton.jit
+def _tma_view(x, base, n_rows, n_cols, row_stride, R: tl.constexpr, C: tl.constexpr, TMA: tl.constexpr):
+    """A tensor descriptor of the [n_rows, n_cols] matrix at x + base for [R, C] tiles (TMA), else x itself."""
+    if TMA:
+        d = tl.make_tensor_descriptor(x + base, [n_rows, n_cols], [row_stride, 1], [R, C])
+    else:
+        d = x
+    return d
+
+
+@triton.jit
 def _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, bos, T_seq, i_h, i_hk, i_v, scale,
                        H, HV, K, V,
                        BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        GATE: tl.constexpr, DELTA: tl.constexpr, P_IN: tl.constexpr, GC_IN: tl.constexpr,
-                       DOT_PREC: tl.constexpr, g_floor: tl.constexpr):
-    """One chunk of stage 2: returns the state after chunk i_t, writes its rows of o. b_gl: _chunk_decay's."""
+                       DOT_PREC: tl.constexpr, g_floor: tl.constexpr, TMA: tl.constexpr = 0):
+    """One chunk of stage 2: returns the state after chunk i_t, writes its rows of o. b_gl: _chunk_decay's.
+    TMA: q, k, v, w, u, p, qg, kg are _tma_view descriptors."""
     o_k = tl.arange(0, BK)
     o_t = tl.arange(0, BTc)
     t0 = i_t * BTc
     if DELTA:
-        b_w = tl.load(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK), (1, 0)),
-                      boundary_check=(0, 1))
-        b_u = tl.load(tl.make_block_ptr(u + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, i_v * BV), (BTc, BV),
-                                        (1, 0)),
-                      boundary_check=(0, 1))
+        b_w = _tile(w, (bos * HV + i_h) * K, T_seq, K, HV * K, t0, 0, BTc, BK, TMA)
+        b_u = _tile(u, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, i_v * BV, BTc, BV, TMA)
         b_R = b_u.to(tl.float32) - tl.dot(b_w, S.to(b_w.dtype), input_precision=DOT_PREC)   # [BT, BK] @ [BK, BV]
     else:
-        b_R = tl.load(tl.make_block_ptr(v + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, i_v * BV), (BTc, BV),
-                                        (1, 0)), boundary_check=(0, 1)).to(tl.float32)
+        b_R = _tile(v, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, i_v * BV, BTc, BV, TMA).to(tl.float32)
     if GATE == 2:
-        b_qd = tl.load(tl.make_block_ptr(qg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK), (1, 0)),
-                       boundary_check=(0, 1))
-        b_kd = tl.load(tl.make_block_ptr(kg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK), (1, 0)),
-                       boundary_check=(0, 1))
+        b_qd = _tile(qg, (bos * HV + i_h) * K, T_seq, K, HV * K, t0, 0, BTc, BK, TMA)
+        b_kd = _tile(kg, (bos * HV + i_h) * K, T_seq, K, HV * K, t0, 0, BTc, BK, TMA)
         b_dl = b_gl[:, None]
     else:
-        b_q = tl.load(tl.make_block_ptr(q + (bos * H + i_hk) * K, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
-                      boundary_check=(0, 1))
-        b_k = tl.load(tl.make_block_ptr(k + (bos * H + i_hk) * K, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
-                      boundary_check=(0, 1))
+        b_q = _tile(q, (bos * H + i_hk) * K, T_seq, K, H * K, t0, 0, BTc, BK, TMA)
+        b_k = _tile(k, (bos * H + i_hk) * K, T_seq, K, H * K, t0, 0, BTc, BK, TMA)
         if GATE == 1:
             if GC_IN:       # from stage 1: no scan, no reduction on the serial path
                 Gc = tl.load(gcum + (bos + t0 + o_t) * HV + i_h, mask=t0 + o_t < T_seq, other=0.)   # [BT]
@@ -591,9 +607,7 @@ def _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, 
         b_qd = b_q
         b_kd = b_k
     if P_IN:
-        b_P = tl.load(tl.make_block_ptr(p + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0), (BTc, BTc),
-                                        (1, 0)),
-                      boundary_check=(0, 1))
+        b_P = _tile(p, (bos * HV + i_h) * BTc, T_seq, BTc, HV * BTc, t0, 0, BTc, BTc, TMA)
     else:
         b_P = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)              # [BT, BK] @ [BK, BT]
         if GATE == 1:
@@ -634,6 +648,7 @@ def chunk_state_output_kernel(
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
     DOT_PREC: tl.constexpr, g_floor: tl.constexpr, LOOP_WHILE: tl.constexpr,
     SEG: tl.constexpr = 0, NSEG: tl.constexpr = 1, SUB: tl.constexpr = 1, GC_IN: tl.constexpr = 0,
+    TMA: tl.constexpr = 0,
 ):
     """Stage 2 (module docstring). Grid (cdiv(V, BV), N·HV); S [BK, BV] fp32 stays in registers.
 
@@ -709,13 +724,22 @@ def chunk_state_output_kernel(
                     S = S * tl.load(gam + i_seg * HV + i_h) + \
                         tl.load(sloc + ((i_seg * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.)
         b_gl = _chunk_decay(glast, slot0, c0, c1, i_h, HV, K, BK, GATE, GC_IN)
+        if TMA:         # the tiles the loop loads, as tensor descriptors of this sequence and head (made once)
+            q = _tma_view(q, (bos * H + i_hk) * K, T_seq, K, H * K, BTc, BK, GATE != 2)
+            k = _tma_view(k, (bos * H + i_hk) * K, T_seq, K, H * K, BTc, BK, GATE != 2)
+            w = _tma_view(w, (bos * HV + i_h) * K, T_seq, K, HV * K, BTc, BK, DELTA)
+            u = _tma_view(u, (bos * HV + i_h) * V, T_seq, V, HV * V, BTc, BV, DELTA)
+            v = _tma_view(v, (bos * HV + i_h) * V, T_seq, V, HV * V, BTc, BV, not DELTA)
+            p = _tma_view(p, (bos * HV + i_h) * BTc, T_seq, BTc, HV * BTc, BTc, BTc, P_IN)
+            qg = _tma_view(qg, (bos * HV + i_h) * K, T_seq, K, HV * K, BTc, BK, GATE == 2)
+            kg = _tma_view(kg, (bos * HV + i_h) * K, T_seq, K, HV * K, BTc, BK, GATE == 2)
         if LOOP_WHILE:      # the triton 3.6 interpreter cannot take a tensor bound in range()
             i_t = c0
             while i_t < c1:
                 b_gl_next = _chunk_decay(glast, slot0, i_t + 1, c1, i_h, HV, K, BK, GATE, GC_IN)
                 S = _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, bos, T_seq, i_h,
                                        i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, GC_IN, DOT_PREC,
-                                       g_floor)
+                                       g_floor, TMA)
                 b_gl = b_gl_next
                 i_t += 1
         else:               # compiled: a for loop, so that the loads of later chunks are pipelined
@@ -723,7 +747,7 @@ def chunk_state_output_kernel(
                 b_gl_next = _chunk_decay(glast, slot0, i_t + 1, c1, i_h, HV, K, BK, GATE, GC_IN)
                 S = _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, bos, T_seq, i_h,
                                        i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, GC_IN, DOT_PREC,
-                                       g_floor)
+                                       g_floor, TMA)
                 b_gl = b_gl_next
 
     if STORE_HT and SEG != 1:
@@ -967,6 +991,19 @@ def _pick_segments(NT: int, programs: int, n_sm: int) -> int:
 DELTA_P_IN = {0: 0, 1: 1}
 
 
+# the serial stage's tile loads through tensor descriptors (TMA: one copy instruction per tile) or per-thread
+# addresses and masks (0); CHUNKWISE_FWD_TMA overrides
+FWD_TMA = 0
+
+
+def _ensure_allocator():
+    """Tensor descriptors made inside a kernel need Triton's scratch allocator: a torch one unless the caller
+    has set their own."""
+    from triton.runtime import _allocation
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+
+
 def _env_switch(name: str, default: int) -> bool:
     """A 0 / 1 launch choice from the environment variable ``name`` (``default`` when unset)."""
     value = os.environ.get(name, str(default))
@@ -1094,6 +1131,9 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         return (sn, sh, s3, s2) if transpose_state_layout else (sn, sh, s2, s3)
 
     dot_prec = _dot_prec(q.dtype)[0]
+    tma = _env_switch("CHUNKWISE_FWD_TMA", FWD_TMA)
+    if tma and not _INTERPRET:
+        _ensure_allocator()
     if num_stages is None:
         num_stages = _pick_stages(q.element_size(), _dim(K), bv, delta, p_in, busy)
     grid = (triton.cdiv(V, bv), N * nseg * HV)
@@ -1120,7 +1160,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
             H=H, HV=HV, K=K, V=V, BTc=BT, BK=_dim(K), BV=bv_m, GATE=gate, DELTA=delta, P_IN=p_in,
             USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=cu_seqlens is not None,
             DOT_PREC=dot_prec, g_floor=G_FLOOR, LOOP_WHILE=_INTERPRET, SEG=seg_mode, NSEG=nseg_m,
-            SUB=sub if seg_mode == 2 else 1, GC_IN=delta and gate == 1,
+            SUB=sub if seg_mode == 2 else 1, GC_IN=delta and gate == 1, TMA=tma,
             num_warps=warps_m, num_stages=stages_m, **reg_cap("fwd_o"))
     if padded:
         o, ht = o[..., :V0].contiguous(), cut_state(ht, K0, V0, transpose_state_layout)
