@@ -187,10 +187,12 @@ def main():
                     time_variant("p-stage2-ns2", p_in=False, num_stages=2)
                 if a.variant_set == "tma":
                     # the serial stage's tiles through tensor descriptors (CHUNKWISE_FWD_TMA) or not
-                    for key, val in (("no-tma", "0"), ("tma", "1")):
+                    for key, val in (("no-tma", "0"), ("tma", "1"), ("tma-o", "1")):
                         os.environ["CHUNKWISE_FWD_TMA"] = val
+                        os.environ["CHUNKWISE_FWD_TMA_O"] = "1" if key == "tma-o" else "0"
                         time_variant(key)
                     os.environ.pop("CHUNKWISE_FWD_TMA")
+                    os.environ.pop("CHUNKWISE_FWD_TMA_O")
                 if fam == "gla" and a.variant_set not in ("pfree", "tma") and x["q"].shape[0] == 1 and x["cu"] is None:
                     # the segment split's first pass in sub-segments (chunk_fwd(seg_sub=)), 4 segments, at the
                     # second pass's value block (64, 4 warps) or its own

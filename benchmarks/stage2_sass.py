@@ -36,7 +36,7 @@ def compile_variant(fam="gdn", bv=32, K=128, V=128, num_warps=4, num_stages=None
     sig |= {a: "i32" for a in ("s_h0n", "s_h0h", "s_h0k", "s_h0v", "s_htn", "s_hth", "s_htk", "s_htv")}
     consts = dict(cu_seqlens=None, K=K, V=V, BTc=BT, BK=K, BV=bv, GATE=gate, DELTA=True, P_IN=int(p_in),
                   USE_H0=False, STORE_HT=False, IS_VARLEN=False, DOT_PREC="tf32", g_floor=G_FLOOR, LOOP_WHILE=False,
-                  SEG=0, NSEG=1, SUB=1, GC_IN=int(gate == 1), TMA=tma)
+                  SEG=0, NSEG=1, SUB=1, GC_IN=int(gate == 1), TMA=int(tma > 0), TMA_O=int(tma > 1))
     absent = ["h0", "ht", "sloc", "gam", "v"]
     absent += ([] if p_in else ["p"]) + ([] if gate == 2 else ["qg", "kg"] + ([] if gate == 1 else ["glast"]))
     absent += [] if gate == 1 else ["gcum"]
@@ -63,7 +63,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--fams", default="gdn,kda,delta")
     ap.add_argument("--warps", type=int, default=4)
-    ap.add_argument("--tma", type=int, default=0, help="1: the loop's tiles through tensor descriptors (TMA)")
+    ap.add_argument("--tma", type=int, default=0, help="1: the loop's tile loads through tensor descriptors (TMA), 2: its output stores too")
     ap.add_argument("--bv", type=int, default=32)
     ap.add_argument("--stages", type=int, default=None, help="pipeline depth (default: _pick_stages)")
     args = ap.parse_args()

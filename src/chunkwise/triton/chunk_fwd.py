@@ -575,9 +575,10 @@ def _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, 
                        H, HV, K, V,
                        BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        GATE: tl.constexpr, DELTA: tl.constexpr, P_IN: tl.constexpr, GC_IN: tl.constexpr,
-                       DOT_PREC: tl.constexpr, g_floor: tl.constexpr, TMA: tl.constexpr = 0):
+                       DOT_PREC: tl.constexpr, g_floor: tl.constexpr, TMA: tl.constexpr = 0,
+                       TMA_O: tl.constexpr = 0):
     """One chunk of stage 2: returns the state after chunk i_t, writes its rows of o. b_gl: _chunk_decay's.
-    TMA: q, k, v, w, u, p, qg, kg are _tma_view descriptors."""
+    TMA: q, k, v, w, u, p, qg, kg are _tma_view descriptors; TMA_O: o_base too (the output's stores)."""
     o_k = tl.arange(0, BK)
     o_t = tl.arange(0, BTc)
     t0 = i_t * BTc
@@ -621,8 +622,11 @@ def _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, 
     if GATE == 1:
         b_o = b_o * b_eg[:, None]
     b_o += tl.dot(b_P.to(b_qd.dtype), b_Rd, input_precision=DOT_PREC)             # [BT, BT] @ [BT, BV]
-    tl.store(tl.make_block_ptr(o_base, (T_seq, V), (HV * V, 1), (t0, i_v * BV), (BTc, BV), (1, 0)),
-             (b_o * scale).to(o_base.dtype.element_ty), boundary_check=(0, 1))
+    if TMA_O:       # o_base: a descriptor of this sequence's rows (the copy stops at its end)
+        o_base.store([t0, i_v * BV], (b_o * scale).to(o_base.dtype))
+    else:
+        tl.store(tl.make_block_ptr(o_base, (T_seq, V), (HV * V, 1), (t0, i_v * BV), (BTc, BV), (1, 0)),
+                 (b_o * scale).to(o_base.dtype.element_ty), boundary_check=(0, 1))
     if GATE == 1:
         S = S * b_dl
         b_Rd = (b_R * b_ek[:, None]).to(b_qd.dtype)
@@ -648,7 +652,7 @@ def chunk_state_output_kernel(
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
     DOT_PREC: tl.constexpr, g_floor: tl.constexpr, LOOP_WHILE: tl.constexpr,
     SEG: tl.constexpr = 0, NSEG: tl.constexpr = 1, SUB: tl.constexpr = 1, GC_IN: tl.constexpr = 0,
-    TMA: tl.constexpr = 0,
+    TMA: tl.constexpr = 0, TMA_O: tl.constexpr = 0,
 ):
     """Stage 2 (module docstring). Grid (cdiv(V, BV), N·HV); S [BK, BV] fp32 stays in registers.
 
@@ -733,13 +737,14 @@ def chunk_state_output_kernel(
             p = _tma_view(p, (bos * HV + i_h) * BTc, T_seq, BTc, HV * BTc, BTc, BTc, P_IN)
             qg = _tma_view(qg, (bos * HV + i_h) * K, T_seq, K, HV * K, BTc, BK, GATE == 2)
             kg = _tma_view(kg, (bos * HV + i_h) * K, T_seq, K, HV * K, BTc, BK, GATE == 2)
+        o_base = _tma_view(o_base, 0, T_seq, V, HV * V, BTc, BV, TMA_O)
         if LOOP_WHILE:      # the triton 3.6 interpreter cannot take a tensor bound in range()
             i_t = c0
             while i_t < c1:
                 b_gl_next = _chunk_decay(glast, slot0, i_t + 1, c1, i_h, HV, K, BK, GATE, GC_IN)
                 S = _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, bos, T_seq, i_h,
                                        i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, GC_IN, DOT_PREC,
-                                       g_floor, TMA)
+                                       g_floor, TMA, TMA_O)
                 b_gl = b_gl_next
                 i_t += 1
         else:               # compiled: a for loop, so that the loads of later chunks are pipelined
@@ -747,7 +752,7 @@ def chunk_state_output_kernel(
                 b_gl_next = _chunk_decay(glast, slot0, i_t + 1, c1, i_h, HV, K, BK, GATE, GC_IN)
                 S = _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, bos, T_seq, i_h,
                                        i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, GC_IN, DOT_PREC,
-                                       g_floor, TMA)
+                                       g_floor, TMA, TMA_O)
                 b_gl = b_gl_next
 
     if STORE_HT and SEG != 1:
@@ -992,8 +997,15 @@ DELTA_P_IN = {0: 0, 1: 1}
 
 
 # the serial stage's tile loads through tensor descriptors (TMA: one copy instruction per tile) or per-thread
-# addresses and masks (0); CHUNKWISE_FWD_TMA overrides
-FWD_TMA = 0
+# addresses and masks. On the H200 (run of f2967b1, bf16, forward ms, without / with; fla 0.6.0 in brackets):
+#   B1-T32768-H32        GDN 1.562 / 1.432 (1.925)  KDA 4.171 / 4.105 (3.868)  DeltaNet 1.240 / 1.187 (2.100)
+#                        simple GLA 0.694 / 0.652 (0.902)
+#   B8-T4096-H32         GDN 1.279 / 1.193  KDA 4.102 / 3.925  DeltaNet 1.012 / 0.976  simple GLA 0.552 / 0.526
+#   B4-T8192-H16/HV32    GDN 1.263 / 1.158  KDA 4.085 / 3.890  DeltaNet 1.018 / 0.957  simple GLA 0.637 / 0.584
+#   varlen16-T32768-H32  GDN 1.615 / 1.293  KDA 4.189 / 4.064  DeltaNet 1.058 / 1.045  simple GLA 0.581 / 0.601
+# so on, except simple GLA with cu_seqlens; CHUNKWISE_FWD_TMA=0 / 1 overrides. FWD_TMA_O: the output's stores too
+# (CHUNKWISE_FWD_TMA_O, with TMA only).
+FWD_TMA_O = 0
 
 
 def _ensure_allocator():
@@ -1131,7 +1143,8 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         return (sn, sh, s3, s2) if transpose_state_layout else (sn, sh, s2, s3)
 
     dot_prec = _dot_prec(q.dtype)[0]
-    tma = _env_switch("CHUNKWISE_FWD_TMA", FWD_TMA)
+    tma = _env_switch("CHUNKWISE_FWD_TMA", int(delta or cu_seqlens is None))
+    tma_o = tma and _env_switch("CHUNKWISE_FWD_TMA_O", FWD_TMA_O)
     if tma and not _INTERPRET:
         _ensure_allocator()
     if num_stages is None:
@@ -1161,6 +1174,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
             USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=cu_seqlens is not None,
             DOT_PREC=dot_prec, g_floor=G_FLOOR, LOOP_WHILE=_INTERPRET, SEG=seg_mode, NSEG=nseg_m,
             SUB=sub if seg_mode == 2 else 1, GC_IN=delta and gate == 1, TMA=tma,
+            TMA_O=tma_o,
             num_warps=warps_m, num_stages=stages_m, **reg_cap("fwd_o"))
     if padded:
         o, ht = o[..., :V0].contiguous(), cut_state(ht, K0, V0, transpose_state_layout)
