@@ -201,6 +201,21 @@ def test_p_formed_in_stage2(fam, varlen, monkeypatch):
     assert rel_err(o, o1) <= TOL[torch.float32] and rel_err(ht, ht1) <= TOL[torch.float32]
 
 
+@pytest.mark.parametrize("tma", ["0,0", "1,0", "1,1"])
+@pytest.mark.parametrize("fam", FAMS)
+def test_tile_paths(fam, tma, monkeypatch):
+    """The serial stage with its tiles loaded (and its output stored) through tensor descriptors or through
+    per-thread addresses (CHUNKWISE_FWD_TMA, CHUNKWISE_FWD_TMA_O): each equal to the float64 recurrence, varlen
+    with a length-1 sequence and grouped heads (the descriptors are per sequence and head: their bounds are
+    what masks the rows past each sequence's end)."""
+    load, store = tma.split(",")
+    monkeypatch.setenv("CHUNKWISE_FWD_TMA", load)
+    monkeypatch.setenv("CHUNKWISE_FWD_TMA_O", store)
+    inp = make_inputs(fam, lengths=[1, 130, 70], H=1, HV=2, K=KS[0], V=VS[0], dtype=torch.float32, seed=31)
+    o, ht = _run(inp)
+    _check(inp, o, ht, TOL[torch.float32])
+
+
 @pytest.mark.parametrize("fam", FAMS)
 def test_fp16(fam):
     inp = make_inputs(fam, B=1, T=T_LONG, H=1, HV=2, K=KS[0], V=VS[0], dtype=torch.float16, seed=5)

@@ -996,16 +996,21 @@ def _pick_segments(NT: int, programs: int, n_sm: int) -> int:
 DELTA_P_IN = {0: 0, 1: 1}
 
 
-# the serial stage's tile loads through tensor descriptors (TMA: one copy instruction per tile) or per-thread
-# addresses and masks. On the H200 (run of f2967b1, bf16, forward ms, without / with; fla 0.6.0 in brackets):
-#   B1-T32768-H32        GDN 1.562 / 1.432 (1.925)  KDA 4.171 / 4.105 (3.868)  DeltaNet 1.240 / 1.187 (2.100)
-#                        simple GLA 0.694 / 0.652 (0.902)
-#   B8-T4096-H32         GDN 1.279 / 1.193  KDA 4.102 / 3.925  DeltaNet 1.012 / 0.976  simple GLA 0.552 / 0.526
-#   B4-T8192-H16/HV32    GDN 1.263 / 1.158  KDA 4.085 / 3.890  DeltaNet 1.018 / 0.957  simple GLA 0.637 / 0.584
-#   varlen16-T32768-H32  GDN 1.615 / 1.293  KDA 4.189 / 4.064  DeltaNet 1.058 / 1.045  simple GLA 0.581 / 0.601
-# so on, except simple GLA with cu_seqlens; CHUNKWISE_FWD_TMA=0 / 1 overrides. FWD_TMA_O: the output's stores too
-# (CHUNKWISE_FWD_TMA_O, with TMA only).
-FWD_TMA_O = 0
+# the serial stage's tile loads (TMA) and output stores (TMA_O) through tensor descriptors: one copy instruction
+# per tile instead of per-thread addresses and masks. On the H200 (run of f109703, bf16, forward ms, plain / TMA
+# loads / loads and stores; fla 0.6.0 in brackets):
+#   B1-T32768-H32        GDN 1.553 / 1.426 / 1.407 (1.924)  KDA 4.144 / 4.081 / 4.080 (3.861)
+#                        DeltaNet 1.229 / 1.178 / 1.166 (2.096)  simple GLA 0.689 / 0.652 / 0.662 (0.901)
+#   B8-T4096-H32         GDN 1.270 / 1.184 / 1.186  KDA 4.064 / 3.894 / 3.895  DeltaNet 1.002 / 0.968 / 0.967
+#                        simple GLA 0.552 / 0.531 / 0.471
+#   B4-T8192-H16/HV32    GDN 1.255 / 1.152 / 1.144  KDA 4.052 / 3.867 / 3.857  DeltaNet 1.010 / 0.951 / 0.947
+#                        simple GLA 0.632 / 0.580 / 0.569
+#   varlen16-T32768-H32  GDN 1.602 / 1.285 / 1.279  KDA 4.159 / 4.029 / 4.026  DeltaNet 1.051 / 1.033 / 1.030
+#                        simple GLA 0.579 / 0.601 / 0.509
+# so both on, except the stores for simple GLA's segment split (B1). CHUNKWISE_FWD_TMA / CHUNKWISE_FWD_TMA_O
+# (0 / 1) override; the stores go through a descriptor only with the loads.
+FWD_TMA = 1
+FWD_TMA_O = 1
 
 
 def _ensure_allocator():
@@ -1143,8 +1148,8 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         return (sn, sh, s3, s2) if transpose_state_layout else (sn, sh, s2, s3)
 
     dot_prec = _dot_prec(q.dtype)[0]
-    tma = _env_switch("CHUNKWISE_FWD_TMA", int(delta or cu_seqlens is None))
-    tma_o = tma and _env_switch("CHUNKWISE_FWD_TMA_O", FWD_TMA_O)
+    tma = _env_switch("CHUNKWISE_FWD_TMA", FWD_TMA)
+    tma_o = tma and _env_switch("CHUNKWISE_FWD_TMA_O", int(FWD_TMA_O and nseg == 1))
     if tma and not _INTERPRET:
         _ensure_allocator()
     if num_stages is None:
