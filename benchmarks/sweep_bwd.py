@@ -75,10 +75,7 @@ REG_VARIANTS = ";".join(["base:"] + [f"r{n}:CHUNKWISE_MAXNREG=" + "/".join(f"{k}
 SAVE_VARIANTS = "recompute:CHUNKWISE_SAVE_STAGE1=0;save:CHUNKWISE_SAVE_STAGE1=1"
 # the key side with 16-bit operands but its pairwise products (level 4) against the default level 2
 LOWP_VARIANTS = "lowp2:;lowp4:CHUNKWISE_BWD_LOWP=4"
-# the serial state passes' loads through tensor descriptors or not (CHUNKWISE_BWD_TMA)
-TMA_VARIANTS = "base:CHUNKWISE_BWD_TMA=0;tma:CHUNKWISE_BWD_TMA=1"
-NAMED = {"pair": PAIR_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
-         "tma": TMA_VARIANTS}
+NAMED = {"pair": PAIR_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS}
 
 
 def run_env(fam, x, do, env, warm):

@@ -41,14 +41,13 @@ import triton.language as tl
 
 from ..api import TRITON_MAX_HEAD_DIM as MAX_K   # the backward's kernels fit one H200 SM's shared memory up to it
 from .align import cut_state, pad_last, pad_state, padded_dims
-from .chunk_fwd import WIDE_16BIT_K, _ensure_allocator, _env_switch, _mm, _tile, _tma_view, prec_env, reg_cap, wu_lowp_ok
+from .chunk_fwd import WIDE_16BIT_K, _mm, prec_env, reg_cap, wu_lowp_ok
 
 CHUNK = 64
 SUB = 16
 GATE_FLOOR = 40.0
 SPAN_MAX = 80.0   # a 16-token diagonal block whose gates span more takes the exact pair-by-pair path
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-BWD_TMA = 0      # the backward's serial passes: tile loads through tensor descriptors (1) or per-thread (0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -433,12 +432,10 @@ def _wu_kernel(k, v, beta, G, Tmat, Pmat, do, W, U, dRl, cu_seqlens, chunk_indic
 @triton.jit
 def _fwd_h_step(k, v, G, W, U, h, R, b_S, i_c, bos, eos, boh, i_h, i_hk, o_v, H: tl.constexpr, HV: tl.constexpr,
                 K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-                GATE: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
-                TMA: tl.constexpr = 0):
+                GATE: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr):
     """One chunk of the forward state pass: store S, R = U − W S, S ← γ S + Kendᵀ R.
     LOWP: the products' operands in the 16-bit input dtype (S and R cast, fp32 accumulation), as the
-    forward's serial stage does; else fp32 operands in PREC. TMA: k, v, W, U are tensor descriptors of this
-    sequence and head (chunk_fwd._tma_view)."""
+    forward's serial stage does; else fp32 operands in PREC."""
     o_t = tl.arange(0, C)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
@@ -452,24 +449,13 @@ def _fwd_h_step(k, v, G, W, U, h, R, b_S, i_c, bos, eos, boh, i_h, i_hk, o_v, H:
     m_tk = m_t[:, None] & m_k[None, :]
     m_tv = m_t[:, None] & m_v[None, :]
     p_tv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
-    r0 = (i_c * C).to(tl.int32)
-    v0 = tl.min(o_v, 0)
-    if TMA:
-        b_k = _tile(k, 0, 0, 0, 0, r0, 0, C, BK, True)
-    else:
-        b_k = tl.load(k + (rows[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.)
+    b_k = tl.load(k + (rows[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.)
     op_dt = b_k.dtype if LOWP else tl.float32                                       # the products' operands
     if DELTA:
-        if TMA:
-            b_w = _tile(W, 0, 0, 0, 0, r0, 0, C, BK, True).to(op_dt)
-            b_u = _tile(U, 0, 0, 0, 0, r0, v0, C, BV, True).to(tl.float32)
-        else:
-            b_w = tl.load(W + (rows[:, None] * HV + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(op_dt)
-            b_u = tl.load(U + p_tv, mask=m_tv, other=0.).to(tl.float32)
-        b_R = b_u - _mm(b_w, b_S.to(op_dt), PREC)                                    # [C, BK] @ [BK, BV]
+        b_w = tl.load(W + (rows[:, None] * HV + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(op_dt)
+        b_R = tl.load(U + p_tv, mask=m_tv, other=0.).to(tl.float32) - \
+            _mm(b_w, b_S.to(op_dt), PREC)                                            # [C, BK] @ [BK, BV]
         tl.store(R + p_tv, b_R, mask=m_tv)
-    elif TMA:
-        b_R = _tile(v, 0, 0, 0, 0, r0, v0, C, BV, True).to(tl.float32)
     else:
         b_R = tl.load(v + p_tv, mask=m_tv, other=0.).to(tl.float32)
     if GATE == 2:
@@ -490,9 +476,9 @@ def _fwd_h_kernel(k, v, G, W, U, h0, h, R, cu_seqlens, chunk_offsets, T,
                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                   BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
                   HAS_H0: tl.constexpr, TRANSPOSE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-                  LOOP_WHILE: tl.constexpr, LOWP: tl.constexpr = 0, TMA: tl.constexpr = 0):
+                  LOOP_WHILE: tl.constexpr, LOWP: tl.constexpr = 0):
     """h: [NC, HV, K, V] fp32, the state entering each chunk; R: [B, T, HV, V] fp32 (delta only).
-    h0: [N, HV, K, V] ([N, HV, V, K] if TRANSPOSE). TMA: the loop's loads through tensor descriptors."""
+    h0: [N, HV, K, V] ([N, HV, V, K] if TRANSPOSE)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
     i_hk = i_h // (HV // H)
@@ -509,22 +495,16 @@ def _fwd_h_kernel(k, v, G, W, U, h0, h, R, cu_seqlens, chunk_offsets, T,
         else:
             p0 = (i_nh * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :]
         b_S += tl.load(h0 + p0, mask=m_kv, other=0.).to(tl.float32)
-    if TMA:         # this sequence's rows of this head, made once
-        T_seq = (eos - bos).to(tl.int32)
-        k = _tma_view(k, (bos * H + i_hk) * K, T_seq, K, H * K, C, BK, True)
-        W = _tma_view(W, (bos * HV + i_h) * K, T_seq, K, HV * K, C, BK, DELTA)
-        U = _tma_view(U, (bos * HV + i_h) * V, T_seq, V, HV * V, C, BV, DELTA)
-        v = _tma_view(v, (bos * HV + i_h) * V, T_seq, V, HV * V, C, BV, not DELTA)
     if LOOP_WHILE:  # the interpreter cannot take a loaded bound in range()
         i_c = 0
         while i_c < NTs:
             b_S = _fwd_h_step(k, v, G, W, U, h, R, b_S, i_c, bos, eos, boh, i_h, i_hk, o_v, H, HV, K, V, BK, BV, C,
-                              GATE, DELTA, PREC, LOWP, TMA)
+                              GATE, DELTA, PREC, LOWP)
             i_c += 1
     else:
         for i_c in range(NTs):
             b_S = _fwd_h_step(k, v, G, W, U, h, R, b_S, i_c, bos, eos, boh, i_h, i_hk, o_v, H, HV, K, V, BK, BV, C,
-                              GATE, DELTA, PREC, LOWP, TMA)
+                              GATE, DELTA, PREC, LOWP)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -534,11 +514,9 @@ def _fwd_h_kernel(k, v, G, W, U, h0, h, R, cu_seqlens, chunk_offsets, T,
 @triton.jit
 def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, i_c, bos, eos, boh, i_h, i_hk, o_v, scale, H: tl.constexpr,
                  HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                 C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
-                 TMA: tl.constexpr = 0):
+                 C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr):
     """One chunk of the reverse state pass: store dS', dR = dR_local + Kend dS', dS = γ dS' + ...
-    LOWP: the products' operands in the 16-bit input dtype (see _fwd_h_step). TMA: q, k, W, dRl, do are tensor
-    descriptors of this sequence and head."""
+    LOWP: the products' operands in the 16-bit input dtype (see _fwd_h_step)."""
     o_t = tl.arange(0, C)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
@@ -553,17 +531,10 @@ def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, i_c, bos, eos, boh, i_h, i_h
     m_tv = m_t[:, None] & m_v[None, :]
     p_tv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
     p_tk = (rows[:, None] * H + i_hk) * K + o_k[None, :]
-    r0 = (i_c * C).to(tl.int32)
-    v0 = tl.min(o_v, 0)
-    if TMA:
-        b_k = _tile(k, 0, 0, 0, 0, r0, 0, C, BK, True)
-        b_q = _tile(q, 0, 0, 0, 0, r0, 0, C, BK, True)
-        b_do = _tile(do, 0, 0, 0, 0, r0, v0, C, BV, True).to(tl.float32)
-    else:
-        b_k = tl.load(k + p_tk, mask=m_tk, other=0.)
-        b_q = tl.load(q + p_tk, mask=m_tk, other=0.)
-        b_do = tl.load(do + p_tv, mask=m_tv, other=0.).to(tl.float32)
+    b_k = tl.load(k + p_tk, mask=m_tk, other=0.)
+    b_q = tl.load(q + p_tk, mask=m_tk, other=0.)
     op_dt = b_k.dtype if LOWP else tl.float32                                       # the products' operands
+    b_do = tl.load(do + p_tv, mask=m_tv, other=0.).to(tl.float32)
     if GATE == 2:
         b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, True)
         b_eG, b_ekend = _gate_factors(b_G, b_last, GATE)
@@ -575,10 +546,7 @@ def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, i_c, bos, eos, boh, i_h, i_h
         b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
         b_kdS = b_kdS * tl.exp(b_last - b_G)[:, None]
         b_do = b_do * tl.exp(b_G)[:, None]
-    if TMA:
-        b_dR = _tile(dRl, 0, 0, 0, 0, r0, v0, C, BV, True).to(tl.float32) + b_kdS
-    else:
-        b_dR = tl.load(dRl + p_tv, mask=m_tv, other=0.).to(tl.float32) + b_kdS
+    b_dR = tl.load(dRl + p_tv, mask=m_tv, other=0.).to(tl.float32) + b_kdS
     tl.store(dR + p_tv, b_dR, mask=m_tv)
     if GATE == 2:
         b_dS *= tl.exp(b_last)[:, None]
@@ -586,10 +554,7 @@ def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, i_c, bos, eos, boh, i_h, i_h
         b_dS *= tl.exp(b_last)
     b_dS += scale * _mm(tl.trans(b_q), b_do.to(op_dt), PREC)                       # [BK, C] @ [C, BV]
     if DELTA:
-        if TMA:
-            b_w = _tile(W, 0, 0, 0, 0, r0, 0, C, BK, True).to(op_dt)
-        else:
-            b_w = tl.load(W + (rows[:, None] * HV + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(op_dt)
+        b_w = tl.load(W + (rows[:, None] * HV + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(op_dt)
         b_dS -= _mm(tl.trans(b_w), b_dR.to(op_dt), PREC)                            # [BK, C] @ [C, BV]
     return b_dS
 
@@ -599,9 +564,8 @@ def _bwd_dh_kernel(q, k, G, W, dRl, do, dht, dh, dR, dh0, cu_seqlens, chunk_offs
                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                    BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
                    HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, TRANSPOSE: tl.constexpr,
-                   IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOOP_WHILE: tl.constexpr, LOWP: tl.constexpr = 0,
-                   TMA: tl.constexpr = 0):
-    """dR = dR_local + Kend dS';  dS = γ dS' + scale Qgᵀ dO − Wᵀ dR. TMA: the loop's loads through descriptors.
+                   IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOOP_WHILE: tl.constexpr, LOWP: tl.constexpr = 0):
+    """dR = dR_local + Kend dS';  dS = γ dS' + scale Qgᵀ dO − Wᵀ dR.
     dh: [NC, HV, K, V] fp32; dR: [B, T, HV, V] fp32; dht, dh0 in the state layout (dh0 fp32)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
@@ -619,23 +583,16 @@ def _bwd_dh_kernel(q, k, G, W, dRl, do, dht, dh, dR, dh0, cu_seqlens, chunk_offs
     b_dS = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_DHT:
         b_dS += tl.load(dht + p0, mask=m_kv, other=0.).to(tl.float32)
-    if TMA:         # this sequence's rows of this head, made once
-        T_seq = (eos - bos).to(tl.int32)
-        q = _tma_view(q, (bos * H + i_hk) * K, T_seq, K, H * K, C, BK, True)
-        k = _tma_view(k, (bos * H + i_hk) * K, T_seq, K, H * K, C, BK, True)
-        W = _tma_view(W, (bos * HV + i_h) * K, T_seq, K, HV * K, C, BK, DELTA)
-        dRl = _tma_view(dRl, (bos * HV + i_h) * V, T_seq, V, HV * V, C, BV, True)
-        do = _tma_view(do, (bos * HV + i_h) * V, T_seq, V, HV * V, C, BV, True)
     if LOOP_WHILE:  # the interpreter cannot take a loaded bound in range()
         i_c = NTs - 1
         while i_c >= 0:
             b_dS = _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, i_c, bos, eos, boh, i_h, i_hk, o_v, scale,
-                                H, HV, K, V, BK, BV, C, GATE, DELTA, PREC, LOWP, TMA)
+                                H, HV, K, V, BK, BV, C, GATE, DELTA, PREC, LOWP)
             i_c -= 1
     else:
         for i_r in range(NTs):
             b_dS = _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, NTs - 1 - i_r, bos, eos, boh, i_h, i_hk, o_v, scale,
-                                H, HV, K, V, BK, BV, C, GATE, DELTA, PREC, LOWP, TMA)
+                                H, HV, K, V, BK, BV, C, GATE, DELTA, PREC, LOWP)
     if HAS_H0:
         tl.store(dh0 + p0, b_dS, mask=m_kv)
 
@@ -1282,10 +1239,6 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     # small tiles on the H200, fp32 inputs in session 5, fp16 with CHUNKWISE_BWD_PREC16=tf32x3 in session 8)
     wide8 = q.dtype in (torch.bfloat16, torch.float16) and BK <= 128 and prec != "tf32x3"
     ns_state = _num_stages(q.dtype, BK, state_pass=True)
-    # the serial state passes' tile loads through tensor descriptors (CHUNKWISE_BWD_TMA; off until timed)
-    tma = _env_switch("CHUNKWISE_BWD_TMA", BWD_TMA)
-    if tma and not _INTERPRET:
-        _ensure_allocator()
     q, k, v, do = (x.contiguous() for x in (q, k, v, do))
     if do.dtype != q.dtype:
         do = do.to(q.dtype)
@@ -1357,8 +1310,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     seq = dict(cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, T=T)
     _fwd_h_kernel[grid_s](k, v, G, W, U, h0, h, R, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate,
                           DELTA=delta, HAS_H0=has_h0, TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen,
-                          PREC=prec, LOOP_WHILE=_INTERPRET, LOWP=lowp, TMA=tma, num_warps=_warps("fwd_h", gate, wide8),
-                          **_regs("fwd_h", gate, wide8), num_stages=ns_state,
+                          PREC=prec, LOOP_WHILE=_INTERPRET, LOWP=lowp, num_warps=_warps("fwd_h", gate, wide8), **_regs("fwd_h", gate, wide8), num_stages=ns_state,
                           **seq)
     dh = buf(NC, HV, K, V, dtype=sdt)
     dR = buf(B, T, HV, V, dtype=sdt)
@@ -1366,8 +1318,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     _bwd_dh_kernel[grid_s](q, k, G, W, dRl, do, dht, dh, dR, dh0, scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
                            C=C, GATE=gate, DELTA=delta, HAS_DHT=dht is not None, HAS_H0=has_h0,
                            TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen, PREC=prec, LOOP_WHILE=_INTERPRET,
-                           LOWP=lowp, TMA=tma, num_warps=_warps("bwd_dh", gate, wide8), **_regs("bwd_dh", gate, wide8),
-                           num_stages=ns_state, **seq)
+                           LOWP=lowp, num_warps=_warps("bwd_dh", gate, wide8), **_regs("bwd_dh", gate, wide8), num_stages=ns_state, **seq)
     del dRl
 
     # gradients go out in the input dtype directly unless they are summed over head groups or
