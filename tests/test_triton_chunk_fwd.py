@@ -216,6 +216,24 @@ def test_tile_paths(fam, tma, monkeypatch):
     _check(inp, o, ht, TOL[torch.float32])
 
 
+def test_tma_allocator_kept():
+    """The forward sets Triton's scratch allocator (for its tensor descriptors) only where none is set: a
+    caller's own allocator is kept."""
+    from triton.runtime import _allocation
+    import chunkwise.triton.chunk_fwd as cf
+    before = _allocation._allocator.get()
+    try:
+        triton.set_allocator(_allocation.NullAllocator())
+        cf._ensure_allocator()
+        assert _allocation._allocator.get() is cf._torch_scratch
+        mine = lambda size, alignment, stream: None  # noqa: E731
+        triton.set_allocator(mine)
+        cf._ensure_allocator()
+        assert _allocation._allocator.get() is mine
+    finally:
+        triton.set_allocator(before)
+
+
 @pytest.mark.parametrize("fam", FAMS)
 def test_fp16(fam):
     inp = make_inputs(fam, B=1, T=T_LONG, H=1, HV=2, K=KS[0], V=VS[0], dtype=torch.float16, seed=5)

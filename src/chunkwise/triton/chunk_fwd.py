@@ -1013,12 +1013,22 @@ FWD_TMA = 1
 FWD_TMA_O = 1
 
 
+def _torch_scratch(size: int, alignment: int, stream):
+    """Triton's scratch memory for tensor descriptors made inside a kernel, from torch's caching allocator (on the
+    current device, where Triton launches; capture-safe under CUDA graphs)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
 def _ensure_allocator():
-    """Tensor descriptors made inside a kernel need Triton's scratch allocator: a torch one unless the caller
-    has set their own."""
-    from triton.runtime import _allocation
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    """Tensor descriptors made inside a kernel need Triton's scratch allocator: ours (_torch_scratch) unless the
+    caller has set their own."""
+    try:
+        from triton.runtime import _allocation
+        unset = isinstance(_allocation._allocator.get(), _allocation.NullAllocator)
+    except (ImportError, AttributeError):       # a triton without this internal: set ours
+        unset = True
+    if unset:
+        triton.set_allocator(_torch_scratch)
 
 
 def _env_switch(name: str, default: int) -> bool:
