@@ -463,6 +463,18 @@ def test_grads_saved_stage1(fam, dtype, monkeypatch):
     assert set(saved) == set(again)
 
 
+@pytest.mark.parametrize("save", ["1", "0"])
+def test_kda_state_passes_from_scaled_keys(save, monkeypatch):
+    """KDA's backward with the serial state passes taking q ⊙ e^G and k ⊙ e^{G_last − G} from the chunk-parallel
+    _gate_scaled_kernel (CHUNKWISE_BWD_KD_IN=1; fp16: the passes' 16-bit operands): every gradient equals the
+    reference's (varlen with a length-1 sequence, grouped heads, the final state read by the loss), with stage 1
+    saved and recomputed."""
+    monkeypatch.setenv("CHUNKWISE_BWD_KD_IN", "1")
+    monkeypatch.setenv("CHUNKWISE_SAVE_STAGE1", save)
+    inp = make_inputs("kda", lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, seed=14)
+    _compare(inp, TOL[torch.float16], dtype=torch.float16)
+
+
 def test_grads_saved_stage1_padded_dims(monkeypatch):
     """Head dims the kernels pad (fp32 K = 18, V = 10): the forward saves nothing and the backward
     recomputes stage 1; gradients equal the reference's."""

@@ -41,13 +41,17 @@ import triton.language as tl
 
 from ..api import TRITON_MAX_HEAD_DIM as MAX_K   # the backward's kernels fit one H200 SM's shared memory up to it
 from .align import cut_state, pad_last, pad_state, padded_dims
-from .chunk_fwd import WIDE_16BIT_K, _mm, prec_env, reg_cap, wu_lowp_ok
+from .chunk_fwd import WIDE_16BIT_K, _env_switch, _mm, prec_env, reg_cap, wu_lowp_ok
 
 CHUNK = 64
 SUB = 16
 GATE_FLOOR = 40.0
 SPAN_MAX = 80.0   # a 16-token diagonal block whose gates span more takes the exact pair-by-pair path
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# KDA's backward: the serial state passes take q ⊙ e^G and k ⊙ e^{G_last − G} from a chunk-parallel kernel (1)
+# or form them per chunk on their serial path (0); CHUNKWISE_BWD_KD_IN overrides. Offline sm_90 the per-chunk
+# form costs _bwd_dh_kernel 132 exponentials per thread per chunk and spills at 255 registers (NOTES.md, next run)
+BWD_KD_IN = 0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -425,6 +429,37 @@ def _wu_kernel(k, v, beta, G, Tmat, Pmat, do, W, U, dRl, cu_seqlens, chunk_indic
             tl.store(U + p_tv, _mm(b_T, b_y.to(op_dt), PREC), mask=m_tv)                      # [C, C] @ [C, BV]
 
 
+@triton.jit
+def _gate_scaled_kernel(q, k, G, qd, kd, cu_seqlens, chunk_indices, T, H: tl.constexpr, HV: tl.constexpr,
+                        K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Per-channel gate (KD_IN): qd = q ⊙ e^G, kd = k ⊙ e^{G_last − G} [B, T, HV, K] in the input dtype, what the
+    serial state passes take as their products' 16-bit operands, formed once here instead of on their serial
+    path (a [C, K] fp32 gate tile and two exponentials per element per chunk there)."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // HV, i_bh % HV
+    i_hk = i_h // (HV // H)
+    t0, L, _ = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
+    o_t = tl.arange(0, C)
+    o_k = tl.arange(0, BK)
+    rows = (t0 + o_t).to(tl.int64)
+    m_tk = (o_t < L)[:, None] & (o_k < K)[None, :]
+    b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, True)
+    b_eG, b_ekend = _gate_factors(b_G, b_last, 2)
+    p_in = (rows[:, None] * H + i_hk) * K + o_k[None, :]
+    p_out = (rows[:, None] * HV + i_h) * K + o_k[None, :]
+    b_q = tl.load(q + p_in, mask=m_tk, other=0.).to(tl.float32)
+    b_k = tl.load(k + p_in, mask=m_tk, other=0.).to(tl.float32)
+    tl.store(qd + p_out, (b_q * b_eG).to(qd.dtype.element_ty), mask=m_tk)
+    tl.store(kd + p_out, (b_k * b_ekend).to(kd.dtype.element_ty), mask=m_tk)
+
+
+@triton.jit
+def _gate_last(G, t0, L, i_h, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """G_last [BK] of a per-channel chunk gate (its last valid row)."""
+    o_k = tl.arange(0, BK)
+    return tl.load(G + ((t0 + L - 1).to(tl.int64) * HV + i_h) * K + o_k, mask=o_k < K, other=0.)
+
+
 # ------------------------------------------------------------------------------------------------
 # stage 4: forward state pass (recomputes S entering each chunk and R = U − W S)
 # ------------------------------------------------------------------------------------------------
@@ -432,10 +467,12 @@ def _wu_kernel(k, v, beta, G, Tmat, Pmat, do, W, U, dRl, cu_seqlens, chunk_indic
 @triton.jit
 def _fwd_h_step(k, v, G, W, U, h, R, b_S, i_c, bos, eos, boh, i_h, i_hk, o_v, H: tl.constexpr, HV: tl.constexpr,
                 K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-                GATE: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr):
+                GATE: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
+                KD_IN: tl.constexpr = 0):
     """One chunk of the forward state pass: store S, R = U − W S, S ← γ S + Kendᵀ R.
     LOWP: the products' operands in the 16-bit input dtype (S and R cast, fp32 accumulation), as the
-    forward's serial stage does; else fp32 operands in PREC."""
+    forward's serial stage does; else fp32 operands in PREC. KD_IN (per-channel gate, LOWP): k is
+    _gate_scaled_kernel's kd [B, T, HV, K], already k ⊙ e^{G_last − G}."""
     o_t = tl.arange(0, C)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
@@ -449,7 +486,10 @@ def _fwd_h_step(k, v, G, W, U, h, R, b_S, i_c, bos, eos, boh, i_h, i_hk, o_v, H:
     m_tk = m_t[:, None] & m_k[None, :]
     m_tv = m_t[:, None] & m_v[None, :]
     p_tv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
-    b_k = tl.load(k + (rows[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.)
+    if KD_IN:
+        b_k = tl.load(k + (rows[:, None] * HV + i_h) * K + o_k[None, :], mask=m_tk, other=0.)
+    else:
+        b_k = tl.load(k + (rows[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.)
     op_dt = b_k.dtype if LOWP else tl.float32                                       # the products' operands
     if DELTA:
         b_w = tl.load(W + (rows[:, None] * HV + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(op_dt)
@@ -458,7 +498,9 @@ def _fwd_h_step(k, v, G, W, U, h, R, b_S, i_c, bos, eos, boh, i_h, i_hk, o_v, H:
         tl.store(R + p_tv, b_R, mask=m_tv)
     else:
         b_R = tl.load(v + p_tv, mask=m_tv, other=0.).to(tl.float32)
-    if GATE == 2:
+    if GATE == 2 and KD_IN:
+        b_S *= tl.exp(_gate_last(G, t0, L, i_h, HV, K, BK))[:, None]
+    elif GATE == 2:
         b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, True)
         _, b_ekend = _gate_factors(b_G, b_last, GATE)
         b_k = b_k.to(tl.float32) * b_ekend
@@ -476,7 +518,7 @@ def _fwd_h_kernel(k, v, G, W, U, h0, h, R, cu_seqlens, chunk_offsets, T,
                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                   BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
                   HAS_H0: tl.constexpr, TRANSPOSE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-                  LOOP_WHILE: tl.constexpr, LOWP: tl.constexpr = 0):
+                  LOOP_WHILE: tl.constexpr, LOWP: tl.constexpr = 0, KD_IN: tl.constexpr = 0):
     """h: [NC, HV, K, V] fp32, the state entering each chunk; R: [B, T, HV, V] fp32 (delta only).
     h0: [N, HV, K, V] ([N, HV, V, K] if TRANSPOSE)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -499,12 +541,12 @@ def _fwd_h_kernel(k, v, G, W, U, h0, h, R, cu_seqlens, chunk_offsets, T,
         i_c = 0
         while i_c < NTs:
             b_S = _fwd_h_step(k, v, G, W, U, h, R, b_S, i_c, bos, eos, boh, i_h, i_hk, o_v, H, HV, K, V, BK, BV, C,
-                              GATE, DELTA, PREC, LOWP)
+                              GATE, DELTA, PREC, LOWP, KD_IN)
             i_c += 1
     else:
         for i_c in range(NTs):
             b_S = _fwd_h_step(k, v, G, W, U, h, R, b_S, i_c, bos, eos, boh, i_h, i_hk, o_v, H, HV, K, V, BK, BV, C,
-                              GATE, DELTA, PREC, LOWP)
+                              GATE, DELTA, PREC, LOWP, KD_IN)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -514,9 +556,11 @@ def _fwd_h_kernel(k, v, G, W, U, h0, h, R, cu_seqlens, chunk_offsets, T,
 @triton.jit
 def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, i_c, bos, eos, boh, i_h, i_hk, o_v, scale, H: tl.constexpr,
                  HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                 C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr):
+                 C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
+                 KD_IN: tl.constexpr = 0):
     """One chunk of the reverse state pass: store dS', dR = dR_local + Kend dS', dS = γ dS' + ...
-    LOWP: the products' operands in the 16-bit input dtype (see _fwd_h_step)."""
+    LOWP: the products' operands in the 16-bit input dtype (see _fwd_h_step). KD_IN: q, k are
+    _gate_scaled_kernel's qd, kd [B, T, HV, K]."""
     o_t = tl.arange(0, C)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
@@ -530,12 +574,17 @@ def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, i_c, bos, eos, boh, i_h, i_h
     m_tk = m_t[:, None] & m_k[None, :]
     m_tv = m_t[:, None] & m_v[None, :]
     p_tv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
-    p_tk = (rows[:, None] * H + i_hk) * K + o_k[None, :]
+    if KD_IN:
+        p_tk = (rows[:, None] * HV + i_h) * K + o_k[None, :]
+    else:
+        p_tk = (rows[:, None] * H + i_hk) * K + o_k[None, :]
     b_k = tl.load(k + p_tk, mask=m_tk, other=0.)
     b_q = tl.load(q + p_tk, mask=m_tk, other=0.)
     op_dt = b_k.dtype if LOWP else tl.float32                                       # the products' operands
     b_do = tl.load(do + p_tv, mask=m_tv, other=0.).to(tl.float32)
-    if GATE == 2:
+    if GATE == 2 and KD_IN:
+        b_last = _gate_last(G, t0, L, i_h, HV, K, BK)
+    elif GATE == 2:
         b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, True)
         b_eG, b_ekend = _gate_factors(b_G, b_last, GATE)
         b_k = b_k.to(tl.float32) * b_ekend
@@ -564,7 +613,8 @@ def _bwd_dh_kernel(q, k, G, W, dRl, do, dht, dh, dR, dh0, cu_seqlens, chunk_offs
                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                    BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
                    HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, TRANSPOSE: tl.constexpr,
-                   IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOOP_WHILE: tl.constexpr, LOWP: tl.constexpr = 0):
+                   IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOOP_WHILE: tl.constexpr, LOWP: tl.constexpr = 0,
+                   KD_IN: tl.constexpr = 0):
     """dR = dR_local + Kend dS';  dS = γ dS' + scale Qgᵀ dO − Wᵀ dR.
     dh: [NC, HV, K, V] fp32; dR: [B, T, HV, V] fp32; dht, dh0 in the state layout (dh0 fp32)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -587,12 +637,12 @@ def _bwd_dh_kernel(q, k, G, W, dRl, do, dht, dh, dR, dh0, cu_seqlens, chunk_offs
         i_c = NTs - 1
         while i_c >= 0:
             b_dS = _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, i_c, bos, eos, boh, i_h, i_hk, o_v, scale,
-                                H, HV, K, V, BK, BV, C, GATE, DELTA, PREC, LOWP)
+                                H, HV, K, V, BK, BV, C, GATE, DELTA, PREC, LOWP, KD_IN)
             i_c -= 1
     else:
         for i_r in range(NTs):
             b_dS = _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, NTs - 1 - i_r, bos, eos, boh, i_h, i_hk, o_v, scale,
-                                H, HV, K, V, BK, BV, C, GATE, DELTA, PREC, LOWP)
+                                H, HV, K, V, BK, BV, C, GATE, DELTA, PREC, LOWP, KD_IN)
     if HAS_H0:
         tl.store(dh0 + p0, b_dS, mask=m_kv)
 
@@ -1308,18 +1358,27 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     if delta:
         R = buf(B, T, HV, V, dtype=sdt)
     seq = dict(cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, T=T)
-    _fwd_h_kernel[grid_s](k, v, G, W, U, h0, h, R, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate,
+    # per-channel gate with 16-bit operands: the state passes take q ⊙ e^G and k ⊙ e^{G_last − G} formed once by a
+    # chunk-parallel kernel (CHUNKWISE_BWD_KD_IN, off until timed on the GPU)
+    kd_in = gate == 2 and lowp and _env_switch("CHUNKWISE_BWD_KD_IN", BWD_KD_IN)
+    q_s, k_s = q, k
+    if kd_in:
+        q_s, k_s = buf(B, T, HV, K, dtype=q.dtype), buf(B, T, HV, K, dtype=q.dtype)
+        _gate_scaled_kernel[grid_c](q, k, G, q_s, k_s, H=H, HV=HV, K=K, BK=BK, C=C, IS_VARLEN=varlen, **common)
+    _fwd_h_kernel[grid_s](k_s, v, G, W, U, h0, h, R, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate,
                           DELTA=delta, HAS_H0=has_h0, TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen,
-                          PREC=prec, LOOP_WHILE=_INTERPRET, LOWP=lowp, num_warps=_warps("fwd_h", gate, wide8), **_regs("fwd_h", gate, wide8), num_stages=ns_state,
+                          PREC=prec, LOOP_WHILE=_INTERPRET, LOWP=lowp, KD_IN=kd_in,
+                          num_warps=_warps("fwd_h", gate, wide8), **_regs("fwd_h", gate, wide8), num_stages=ns_state,
                           **seq)
     dh = buf(NC, HV, K, V, dtype=sdt)
     dR = buf(B, T, HV, V, dtype=sdt)
     dh0 = buf(*h0.shape) if has_h0 else None
-    _bwd_dh_kernel[grid_s](q, k, G, W, dRl, do, dht, dh, dR, dh0, scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
-                           C=C, GATE=gate, DELTA=delta, HAS_DHT=dht is not None, HAS_H0=has_h0,
+    _bwd_dh_kernel[grid_s](q_s, k_s, G, W, dRl, do, dht, dh, dR, dh0, scale=scale, H=H, HV=HV, K=K, V=V, BK=BK,
+                           BV=BV, C=C, GATE=gate, DELTA=delta, HAS_DHT=dht is not None, HAS_H0=has_h0,
                            TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen, PREC=prec, LOOP_WHILE=_INTERPRET,
-                           LOWP=lowp, num_warps=_warps("bwd_dh", gate, wide8), **_regs("bwd_dh", gate, wide8), num_stages=ns_state, **seq)
-    del dRl
+                           LOWP=lowp, KD_IN=kd_in, num_warps=_warps("bwd_dh", gate, wide8),
+                           **_regs("bwd_dh", gate, wide8), num_stages=ns_state, **seq)
+    del dRl, q_s, k_s
 
     # gradients go out in the input dtype directly unless they are summed over head groups or
     # finished by the per-channel diagonal kernel
