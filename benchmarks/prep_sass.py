@@ -10,11 +10,8 @@ import argparse
 import itertools
 import re
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
-from sass_util import assemble
+from sass_util import assemble, compile_sm90
 
 from chunkwise.triton.chunk_fwd import BC, BT, G_FLOOR, SPAN_MAX, chunk_prepare_kernel as KERNEL
 
@@ -36,13 +33,8 @@ def compile_variant(fam="gdn", wu_lowp=0, num_warps=4, K=128, V=128, BKC=64, for
     absent += [] if bwd else ["do", "t_out", "drl"]
     if gate == 0:
         absent.append("g")
-    for name in absent:
-        del sig[name]
-        consts[name] = None
-    sig.update({name: "constexpr" for name in consts})
-    attrs = {(KERNEL.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if sig[a].startswith("*")}
-    return triton.compile(ASTSource(KERNEL, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=1, **({"maxnreg": maxnreg} if maxnreg else {})))
+    return compile_sm90(KERNEL, sig, consts, absent, num_warps=num_warps, num_stages=1,
+                        **({"maxnreg": maxnreg} if maxnreg else {}))
 
 
 def summary(compiled) -> dict:

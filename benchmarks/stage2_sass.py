@@ -13,11 +13,8 @@ from __future__ import annotations
 import argparse
 import re
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
-from sass_util import assemble
+from sass_util import assemble, compile_sm90
 
 from chunkwise.triton.chunk_fwd import BT, DELTA_P_IN, G_FLOOR, _pick_stages, chunk_state_output_kernel as KERNEL
 
@@ -41,13 +38,7 @@ def compile_variant(fam="gdn", bv=32, K=128, V=128, num_warps=4, num_stages=None
     absent += ([] if p_in else ["p"]) + ([] if gate == 2 else ["qg", "kg"] + ([] if gate == 1 else ["glast"]))
     absent += [] if gate == 1 else ["gcum"]
     absent += ["g"] if gate != 1 else []
-    for name in absent:
-        del sig[name]
-        consts[name] = None
-    sig.update({name: "constexpr" for name in consts})
-    attrs = {(KERNEL.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if sig[a].startswith("*")}
-    return triton.compile(ASTSource(KERNEL, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages)), num_stages
+    return compile_sm90(KERNEL, sig, consts, absent, num_warps=num_warps, num_stages=num_stages), num_stages
 
 
 def summary(compiled) -> dict:
