@@ -19,7 +19,7 @@ GATES = {"gdn": 1, "kda": 2, "delta": 0}
 
 
 def compile_variant(fam="gdn", wu_lowp=0, num_warps=4, K=128, V=128, BKC=64, form=0, bwd=False, maxnreg=None,
-                    mm_prec="tf32", store_p=True):
+                    mm_prec="tf32", store_p=True, one_ref=0):
     gate = GATES[fam]
     sig = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "g": "*fp32", "beta": "*bf16", "w": "*bf16", "u": "*bf16",
            "p": "*bf16", "qg": "*bf16", "kg": "*bf16", "glast": "*fp32", "do": "*bf16", "t_out": "*fp32",
@@ -27,7 +27,8 @@ def compile_variant(fam="gdn", wu_lowp=0, num_warps=4, K=128, V=128, BKC=64, for
     consts = dict(cu_seqlens=None, chunk_indices=None, K=K, V=V, BTc=BT, BCc=BC, BK=K, BVf=V, BKC=min(BKC, K),
                   GATE=gate, IS_VARLEN=False, DOT_PREC="tf32", MM_PREC=mm_prec, SOLVE_PREC="tf32", g_floor=G_FLOOR,
                   span_max=SPAN_MAX, WU_LOWP=wu_lowp,
-                  AP_FORM=form if gate == 2 else 0, BWD=bwd, STORE_P=int(store_p or gate == 2))
+                  AP_FORM=form if gate == 2 else 0, BWD=bwd, STORE_P=int(store_p or gate == 2),
+                  AP_ONE_REF=int(one_ref and gate == 2))
     absent = [] if gate == 2 else ["qg", "kg", "glast"]
     absent += ["p"] if bwd or not consts["STORE_P"] else []
     absent += [] if bwd else ["do", "t_out", "drl"]
@@ -55,15 +56,17 @@ def main():
     ap.add_argument("--bwd", action="store_true", help="the backward's recompute mode (T, W, U, dR_local)")
     ap.add_argument("--maxnreg", type=int, default=None, help="cap on registers per thread (CHUNKWISE_MAXNREG)")
     ap.add_argument("--mm-prec", default="tf32", help="precisions of the fp32 factor products, e.g. tf32,tf32rn,tf32x3")
+    ap.add_argument("--one-ref", default="0", help="KDA's one-reference A / P products (AP_ONE_REF), e.g. 0,1")
     ap.add_argument("--no-p", action="store_true", help="the forward without P (STORE_P=0: stage 2 forms it)")
     args = ap.parse_args()
-    print(f"{'fam':4s} {'prec':>6s} {'lowp':>4s} {'warps':>5s} {'regs':>4s} {'spill':>5s} {'smem':>6s} {'instrs':>6s} "
+    print(f"{'fam':4s} {'ref':>3s} {'prec':>6s} {'lowp':>4s} {'warps':>5s} {'regs':>4s} {'spill':>5s} {'smem':>6s} {'instrs':>6s} "
           f"{'mma':>5s} {'shfl':>5s} {'bar':>4s} {'lds':>5s} {'sts':>5s}")
-    for fam, prec, lowp, warps in itertools.product(args.fams.split(","), args.mm_prec.split(","),
-                                                    map(int, args.lowp.split(",")), map(int, args.warps.split(","))):
+    for fam, one_ref, prec, lowp, warps in itertools.product(args.fams.split(","), map(int, args.one_ref.split(",")),
+                                                             args.mm_prec.split(","), map(int, args.lowp.split(",")),
+                                                             map(int, args.warps.split(","))):
         s = summary(compile_variant(fam, lowp, warps, BKC=args.bkc, form=args.form, bwd=args.bwd, maxnreg=args.maxnreg,
-                                    mm_prec=prec, store_p=not args.no_p))
-        print(f"{fam:4s} {prec:>6s} {lowp:4d} {warps:5d} {s['regs']:4d} {s['spill']:5d} {s['smem']:6d} {s['instrs']:6d} "
+                                    mm_prec=prec, store_p=not args.no_p, one_ref=one_ref))
+        print(f"{fam:4s} {one_ref:3d} {prec:>6s} {lowp:4d} {warps:5d} {s['regs']:4d} {s['spill']:5d} {s['smem']:6d} {s['instrs']:6d} "
               f"{s['mma']:5d} {s['shfl']:5d} {s['bar']:4d} {s['lds']:5d} {s['sts']:5d}", flush=True)
 
 

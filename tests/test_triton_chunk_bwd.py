@@ -414,18 +414,33 @@ def test_grads_fp16_product_precisions(fam, prec, monkeypatch):
         _grads(inp, "triton", torch.float16)
 
 
-@pytest.mark.parametrize("split,diag", [(0, 1), (16, 1), (16, 0)])
-def test_grads_kda_pair_split(split, diag, monkeypatch):
+@pytest.mark.parametrize("split,diag,one_ref", [(0, 1, 0), (16, 1, 0), (16, 0, 0), (16, 0, 1), (0, 0, 1)])
+def test_grads_kda_pair_split(split, diag, one_ref, monkeypatch):
     """KDA's pairwise gradients (through P and A) in their own kernel split over key channels
     (CHUNKWISE_BWD_PAIR_SPLIT = channels per program; 16 of K = 40: three blocks, the last partial), with the
     diagonal blocks in the same programs or (CHUNKWISE_BWD_PAIR_DIAG=0) in a second launch, or in one
-    program over all channels (0): every gradient equals the reference's, varlen with a length-1
-    sequence, grouped heads, and a few steep channels whose diagonal blocks take the exact loops."""
+    program over all channels (0), and with one reference per chunk (CHUNKWISE_BWD_ONE_REF=1: one launch; the
+    steep channels' blocks take the block form): every gradient equals the reference's, varlen with a
+    length-1 sequence, grouped heads, and a few steep channels whose diagonal blocks take the exact loops."""
     monkeypatch.setenv("CHUNKWISE_BWD_PAIR_SPLIT", str(split))
     monkeypatch.setenv("CHUNKWISE_BWD_PAIR_DIAG", str(diag))
+    monkeypatch.setenv("CHUNKWISE_BWD_ONE_REF", str(one_ref))
     inp = make_inputs("kda", lengths=[1, 70, 30], H=1, HV=2, K=40, V=24, seed=10)
     inp.g[:, 20:60, :, 33:36] = -6.0
     _compare(inp, TOL[torch.float32])
+
+
+def test_kda_pair_one_reference_taken(monkeypatch):
+    """The one-reference pairwise gradients run where the chunk gate allows them: with normal gates the
+    gradients differ (in rounding only) between CHUNKWISE_BWD_ONE_REF=1 and the block form."""
+    inp = make_inputs("kda", B=1, T=130, H=1, HV=1, K=32, V=16, seed=12)
+    grads = []
+    for one_ref in ("0", "1"):
+        monkeypatch.setenv("CHUNKWISE_BWD_ONE_REF", one_ref)
+        grads.append(_grads(inp, "triton", torch.float32))
+    assert not torch.equal(grads[0]["g"], grads[1]["g"])
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-3, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

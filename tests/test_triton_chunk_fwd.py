@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from chunkwise.triton.chunk_fwd import _rn_tf32
+from chunkwise.triton.chunk_fwd import _rn_tf32, chunk_prepare
 from helpers import CHUNK_OPS, DEVICE, INTERPRET, ON_GPU, TOL, make_inputs, reference, rel_err
 
 FAMS = ("gdn", "kda", "delta", "gla")
@@ -87,7 +87,7 @@ def test_gates_fp32(fam, gate):
     _check(inp, o, ht, TOL[torch.float32])
 
 
-@pytest.mark.parametrize("form", [0, 1])
+@pytest.mark.parametrize("form", ["0", "0-one-ref", "1"])
 @pytest.mark.parametrize("bkc", [16, 64])
 @pytest.mark.parametrize("gate", ["normal", "strong", "steep"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -95,15 +95,30 @@ def test_kda_pairwise_blocks(dtype, gate, bkc, form, monkeypatch):
     """KDA's per-channel A and P in stage 1, in both forms (eight products per column chunk; one per 16-row
     block), in column chunks of 16 or 64 channels: normal and strong gates take the factored diagonal blocks;
     "steep" gives a few channels of one chunk a gate of -6 per token over 40 tokens (16-token blocks spanning
-    -96, beyond the factored form's -80), so that chunk takes the exact column loop."""
+    -96, beyond the factored form's -80), so that chunk takes the exact column loop. "0-one-ref": form 0 with
+    the one-reference products for column chunks whose chunk gate spans under 2 span_max (normal gates, the
+    strong gates' chunks but the hard reset's), the block form for the others."""
     monkeypatch.setenv("CHUNKWISE_PREP_BKC", str(bkc))
-    monkeypatch.setenv("CHUNKWISE_PREP_FORM", str(form))
+    monkeypatch.setenv("CHUNKWISE_PREP_FORM", form[0])
+    monkeypatch.setenv("CHUNKWISE_KDA_ONE_REF", str(int(form == "0-one-ref")))
     inp = make_inputs("kda", B=1, T=T_LONG, H=1, HV=2, K=KS[1], V=VS[0], dtype=dtype,
                       gate="normal" if gate == "steep" else gate, seed=7)
     if gate == "steep":
         inp.g[:, 10:50, :, 3:7] = -6.0
     o, ht = _run(inp)
     _check(inp, o, ht, TOL[dtype])
+
+
+def test_kda_one_reference_taken(monkeypatch):
+    """The one-reference products run where the chunk gate allows them: with normal gates stage 1's P differs
+    (in rounding only) between CHUNKWISE_KDA_ONE_REF=1 and the block form, and both equal the reference."""
+    inp = make_inputs("kda", B=1, T=T_LONG, H=1, HV=2, K=KS[1], V=VS[0], dtype=torch.float32, seed=11)
+    outs = []
+    for one_ref in ("0", "1"):
+        monkeypatch.setenv("CHUNKWISE_KDA_ONE_REF", one_ref)
+        outs.append(chunk_prepare(inp.q, inp.k, inp.v, inp.g, inp.beta)["p"])
+    assert not torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("prec", ["tf32", "tf32rn", "tf32x3"])

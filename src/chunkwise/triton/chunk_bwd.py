@@ -968,33 +968,53 @@ def _diag_grads_exact(k, G, Pmat, Amat, b_q, b_kb, b_G, b_last, t0, L, ib, rows,
 
 
 @triton.jit
-def _bwd_pair_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, cu_seqlens, chunk_indices, T, s_dbp,
-                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BKP: tl.constexpr, C: tl.constexpr,
-                     BC: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-                     span_max: tl.constexpr, OFFDIAG: tl.constexpr, LOWP: tl.constexpr = 0,
-                     DIAG: tl.constexpr = True):
-    """Per-channel gates, after _bwd_grad_kernel: the gradients through the pairwise products P = tril(⟨q_i,
-    Γ_ij k_j⟩) and A = strict_tril(⟨βk_i, Γ_ij k_j⟩) (dP, dA in Pmat, Amat), added to dq, dk, dG in place,
-    then dG becomes dg (reverse cumsum over the chunk). Grid (chunks, B·HV, cdiv(K, BKP)): everything here is
-    local to a key channel, so each program takes one block of BKP channels.
+def _pair_grads_one_ref(q, k, beta, Pmat, Amat, dq, dk, dbp, dG, b_d, t0, L, i_h, i_hk, i_kb, o_k, m_k, s_dbp,
+                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, DELTA: tl.constexpr,
+                        PREC: tl.constexpr):
+    """_bwd_pair_kernel's ONE_REF form for the channels o_k of one chunk, b_d = G − r [C, BKP] with every |G_i − r|
+    under span_max: Γ_ij = x_i y_j, x = e^{G − r}, y = e^{r − G} (both in fp32's range), so
 
-        OFFDIAG: the blocks off the 16×16 diagonal first, on whole [C, BKP] tiles (_pairwise_grads_channel);
-                 off only in the diagonal-only second launch (DIAG below).
-        DIAG:    then the diagonal blocks, last to first: four products of factored operands when a block's
-                 gates span less than span_max (_diag_factors), else the exact column loop (rare), and the
-                 reverse cumsum; otherwise a second launch (OFFDIAG off, all channels) does them.
+        dq = x ⊙ (dP (k ⊙ y)),   d(βk) = x ⊙ (dA (k ⊙ y)),   dk = y ⊙ (dPᵀ (q ⊙ x) + dAᵀ (βk ⊙ x))
 
-    dβ's share of this column block goes to dbp[i_kb] (fp32 [NKB, B·T·HV], summed by the launcher: no
-    atomics, so the result does not depend on the order of the programs). LOWP: the off-diagonal products
-    take 16-bit operands (the key side's BWD_LOWP level 3)."""
-    i_t, i_bh, i_kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // HV, i_bh % HV
-    i_hk = i_h // (HV // H)
-    t0, L, _ = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
+    over the whole chunk (the diagonal blocks included), then dG and its reverse cumsum as the block form."""
+    o_t, m_t, rows, m_cc, p_cc, p_ccT = _chunk_rows(t0, L, i_h, HV, C)
+    m_tk, p_tk, p_hk = _col_offsets(rows, m_t, o_k, m_k, i_h, i_hk, H, HV, K)
+    b_x = tl.exp(b_d)                                                                    # e^{G_i − r}
+    b_y = tl.exp(-b_d)                                                                   # e^{r − G_j}
+    b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
+    b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
+    b_ky = b_k * b_y
+    b_dP = tl.load(Pmat + p_cc, mask=m_cc & (o_t[:, None] >= o_t[None, :]), other=0.)   # dP [C, C]
+    b_dqp = _mm(b_dP, b_ky, PREC) * b_x                                                 # [C, C] @ [C, BKP]
+    b_dkp = _mm(tl.trans(b_dP), b_q * b_x, PREC)                                        # [C, C] @ [C, BKP]
+    if DELTA:
+        b_beta = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.).to(tl.float32)
+        b_kb = b_k * b_beta[:, None]
+        b_dA = tl.load(Amat + p_cc, mask=m_cc & (o_t[:, None] > o_t[None, :]), other=0.)  # dA [C, C]
+        b_dkb = _mm(b_dA, b_ky, PREC) * b_x                                             # [C, C] @ [C, BKP]
+        b_dkp += _mm(tl.trans(b_dA), b_kb * b_x, PREC)                                  # [C, C] @ [C, BKP]
+    else:
+        b_beta = tl.zeros([C], dtype=tl.float32)
+        b_kb = tl.zeros_like(b_k)
+        b_dkb = tl.zeros_like(b_k)
+    b_dkp = b_dkp * b_y
+    b_dq = tl.load(dq + p_hk, mask=m_tk, other=0.) + b_dqp
+    tl.store(dq + p_hk, b_dq, mask=m_tk)
+    tl.store(dk + p_hk, tl.load(dk + p_hk, mask=m_tk, other=0.) + b_dkp + b_beta[:, None] * b_dkb, mask=m_tk)
+    if DELTA:
+        tl.store(dbp + i_kb.to(tl.int64) * s_dbp + rows * HV + i_h, tl.sum(b_k * b_dkb, axis=1), mask=m_t)
+    b_dG = tl.load(dG + p_hk, mask=m_tk, other=0.) + b_q * b_dq + b_kb * b_dkb - b_k * b_dkp
+    b_dg = tl.sum(b_dG, axis=0)[None, :] - tl.cumsum(b_dG, axis=0) + b_dG                 # reverse cumsum
+    tl.store(dG + p_hk, b_dg, mask=m_tk)
+
+
+@triton.jit
+def _pair_grads_blocks(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, t0, L, i_h, i_hk, i_kb, o_k, m_k, b_last, s_dbp,
+                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BKP: tl.constexpr, C: tl.constexpr,
+                       BC: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, span_max: tl.constexpr,
+                       OFFDIAG: tl.constexpr, LOWP: tl.constexpr, DIAG: tl.constexpr):
+    """_bwd_pair_kernel's block form for the channels o_k of one chunk (OFFDIAG, DIAG: see there)."""
     o_i = tl.arange(0, BC)
-    o_k = i_kb * BKP + tl.arange(0, BKP)
-    m_k = o_k < K
-    b_last = tl.load(G + ((t0 + L - 1).to(tl.int64) * HV + i_h) * K + o_k, mask=m_k, other=0.)
     if OFFDIAG:
         o_t, m_t, rows, m_cc, p_cc, p_ccT = _chunk_rows(t0, L, i_h, HV, C)
         OPD: tl.constexpr = q.dtype.element_ty if LOWP else tl.float32
@@ -1012,7 +1032,7 @@ def _bwd_pair_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, cu_seqlens, chu
         b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
         b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
         b_kb = b_k * b_beta[:, None]
-        b_Gh, _ = _load_gate_cols(G, t0, L, i_h, o_k, m_k, HV, K, C)
+        b_Gh = _load_gate_cols(G, t0, L, i_h, o_k, m_k, HV, K, C)[0]
         b_dqp, b_dkp, b_dkb = _pairwise_grads_channel(b_dP, b_dPt, b_dA, b_dAt, b_q, b_k, b_kb, b_Gh, C, BC,
                                                       DELTA, PREC, OPD)
         b_dq = tl.load(dq + p_hk, mask=m_tk, other=0.) + b_dqp
@@ -1075,6 +1095,55 @@ def _bwd_pair_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, cu_seqlens, chu
             tl.store(dG + p_hk, b_dg, mask=m_rk)
 
 
+@triton.jit
+def _bwd_pair_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, cu_seqlens, chunk_indices, T, s_dbp,
+                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BKP: tl.constexpr, C: tl.constexpr,
+                     BC: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+                     span_max: tl.constexpr, OFFDIAG: tl.constexpr, LOWP: tl.constexpr = 0,
+                     DIAG: tl.constexpr = True, ONE_REF: tl.constexpr = 0):
+    """Per-channel gates, after _bwd_grad_kernel: the gradients through the pairwise products P = tril(⟨q_i,
+    Γ_ij k_j⟩) and A = strict_tril(⟨βk_i, Γ_ij k_j⟩) (dP, dA in Pmat, Amat), added to dq, dk, dG in place,
+    then dG becomes dg (reverse cumsum over the chunk). Grid (chunks, B·HV, cdiv(K, BKP)): everything here is
+    local to a key channel, so each program takes one block of BKP channels.
+
+        OFFDIAG: the blocks off the 16×16 diagonal first, on whole [C, BKP] tiles (_pairwise_grads_channel);
+                 off only in the diagonal-only second launch (DIAG below).
+        DIAG:    then the diagonal blocks, last to first: four products of factored operands when a block's
+                 gates span less than span_max (_diag_factors), else the exact column loop (rare), and the
+                 reverse cumsum; otherwise a second launch (OFFDIAG off, all channels) does them.
+        ONE_REF: 1, a program whose channels' chunk gate stays within ±span_max of r = G_last / 2 does all of
+                 it (both parts and the reverse cumsum) with four [C, C] x [C, BKP] products of e^{±(G − r)}-scaled
+                 operands (_pair_grads_one_ref), the others nothing; 2, the others do the above, those nothing
+                 (a second launch: the block form's registers stay out of the one-reference kernel).
+
+    dβ's share of this column block goes to dbp[i_kb] (fp32 [NKB, B·T·HV], summed by the launcher: no
+    atomics, so the result does not depend on the order of the programs). LOWP: the off-diagonal products
+    take 16-bit operands (the key side's BWD_LOWP level 3)."""
+    i_t, i_bh, i_kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // HV, i_bh % HV
+    i_hk = i_h // (HV // H)
+    t0, L, _ = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
+    o_k = i_kb * BKP + tl.arange(0, BKP)
+    m_k = o_k < K
+    b_last = tl.load(G + ((t0 + L - 1).to(tl.int64) * HV + i_h) * K + o_k, mask=m_k, other=0.)
+    if ONE_REF == 0:
+        _pair_grads_blocks(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, t0, L, i_h, i_hk, i_kb, o_k, m_k, b_last, s_dbp,
+                           H, HV, K, BKP, C, BC, DELTA, PREC, span_max, OFFDIAG, LOWP, DIAG)
+    else:
+        # one reference for the whole chunk, r = G_last / 2 per channel, where every |G_i − r| of these channels
+        # is under span_max: Γ_ij = e^{G_i − r} e^{r − G_j}, both factors in fp32's range
+        b_d = _load_gate_cols(G, t0, L, i_h, o_k, m_k, HV, K, C)[0] - 0.5 * b_last[None, :]  # [C, BKP]
+        fast = tl.max(tl.max(tl.abs(b_d), axis=1), axis=0) < span_max
+        if ONE_REF == 1:
+            if fast:
+                _pair_grads_one_ref(q, k, beta, Pmat, Amat, dq, dk, dbp, dG, b_d, t0, L, i_h, i_hk, i_kb, o_k, m_k,
+                                    s_dbp, H, HV, K, C, DELTA, PREC)
+        else:
+            if fast == 0:
+                _pair_grads_blocks(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, t0, L, i_h, i_hk, i_kb, o_k, m_k,
+                                   b_last, s_dbp, H, HV, K, BKP, C, BC, DELTA, PREC, span_max, OFFDIAG, LOWP, DIAG)
+
+
 # ------------------------------------------------------------------------------------------------
 # launcher
 # ------------------------------------------------------------------------------------------------
@@ -1106,7 +1175,7 @@ def _num_stages(dtype: torch.dtype, BK: int, state_pass: bool = False) -> int:
 # CHUNKWISE_BWD_WARPS="wu:4,bwd_grad:4" ("all:N" for every kernel) and CHUNKWISE_BWD_KSPLIT (0: one block)
 # override these (the sweep's knobs).
 BWD_WARPS = {"gate_cumsum": 4, "intra": 4, "intra_diag": 4, "solve": 4, "wu": 4, "fwd_h": 4, "bwd_dh": 4,
-             "bwd_dv": 4, "bwd_grad": 4, "bwd_diag": 4, "bwd_pair": 4, "prep": 4}     # prep: the fused recompute (BWD_FUSED_PREP)
+             "bwd_dv": 4, "bwd_grad": 4, "bwd_diag": 4, "bwd_pair": 4, "bwd_pair_ref": 4, "prep": 4}     # prep: the fused recompute (BWD_FUSED_PREP)
 BWD_WARPS_PER_CHANNEL = {"fwd_h": 8, "bwd_dh": 8, "bwd_grad": 8}     # KDA (per-channel gate)
 BWD_KSPLIT = 64
 # 16-bit inputs: the products' operands in the input dtype, fp32 accumulation. 1: the two serial state
@@ -1166,6 +1235,9 @@ BWD_FUSED_PREP = 1
 # 448 B spilled, 72 / 80 / 96 KB. On the H200 (sweep of a3986d3) 9.45 ms at 4 warps; KDA fwd+bwd 31.72 -> 26.49 ms.
 # CHUNKWISE_BWD_PAIR_SPLIT=0: one program over all channels.
 BWD_PAIR_SPLIT = 32
+# KDA's pairwise gradients with one reference per chunk where its gate allows (_bwd_pair_kernel's ONE_REF), in
+# one launch; CHUNKWISE_BWD_ONE_REF (0 / 1) overrides.
+BWD_ONE_REF = 1
 BWD_PAIR_DIAG = 0     # 0: the diagonal blocks in a second launch over all channels (bwd_diag warps), the split
 # launch only the off-diagonal part. On the H200 (sweep of 1695bb2, KDA B1-T32768-H32 bf16) the pair kernels
 # 9.53 -> 8.10 ms, fwd+bwd 26.74 -> 25.31 ms (offline sm_90, 32 channels: the off-diagonal part alone 73
@@ -1402,12 +1474,18 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     if gate == 2:
         nkb = triton.cdiv(K, bkp)
         # the diagonal blocks in their own launch over all channels (BWD_PAIR_DIAG=0, the default) or with the rest
-        split_diag = nkb > 1 and not int(os.environ.get("CHUNKWISE_BWD_PAIR_DIAG", BWD_PAIR_DIAG))
+        one_ref = _env_switch("CHUNKWISE_BWD_ONE_REF", BWD_ONE_REF)
+        split_diag = nkb > 1 and not one_ref and not int(os.environ.get("CHUNKWISE_BWD_PAIR_DIAG", BWD_PAIR_DIAG))
         dbp = buf(nkb + split_diag, B * T * HV) if delta else None
         pair = dict(s_dbp=B * T * HV, H=H, HV=HV, K=K, C=C, BC=BC, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
                     span_max=SPAN_MAX, LOWP=lowp_key is True, num_stages=ns, **common)
+        if one_ref:     # the one-reference programs, then the block form where a chunk's gate spans too far
+            _bwd_pair_kernel[(NT, B * HV, nkb)](q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, BKP=bkp, OFFDIAG=True,
+                                                DIAG=True, ONE_REF=1, num_warps=_warps("bwd_pair_ref", gate, wide8),
+                                                **_regs("bwd_pair_ref", gate, wide8), **pair)
         _bwd_pair_kernel[(NT, B * HV, nkb)](q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, BKP=bkp, OFFDIAG=True,
-                                            DIAG=not split_diag, num_warps=_warps("bwd_pair", gate, wide8), **_regs("bwd_pair", gate, wide8), **pair)
+                                            DIAG=not split_diag, ONE_REF=2 if one_ref else 0,
+                                            num_warps=_warps("bwd_pair", gate, wide8), **_regs("bwd_pair", gate, wide8), **pair)
         if split_diag:
             _bwd_pair_kernel[(NT, B * HV, 1)](q, k, beta, G, Pmat, Amat, dq, dk, None if dbp is None else dbp[nkb:], dG,
                                               BKP=BK, OFFDIAG=False, DIAG=True, num_warps=_warps("bwd_diag", gate, wide8), **_regs("bwd_diag", gate, wide8),

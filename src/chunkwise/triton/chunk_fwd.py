@@ -317,6 +317,7 @@ def chunk_prepare_kernel(
     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, MM_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
     g_floor: tl.constexpr, span_max: tl.constexpr, WU_LOWP: tl.constexpr = 0, AP_FORM: tl.constexpr = 0,
     BWD: tl.constexpr = 0, STORE_T: tl.constexpr = 0, STORE_P: tl.constexpr = 1, GC_OUT: tl.constexpr = 0,
+    AP_ONE_REF: tl.constexpr = 0,
 ):
     """One chunk of one value head: see the module docstring (stage 1). Grid (chunks, B·HV).
 
@@ -361,57 +362,79 @@ def chunk_prepare_kernel(
             kc0 = i_kc * BKC
             kf, qf, b_g = _kqg_tiles(k_base, q_base, g_base, t0, kc0, T_seq, H, HV, K, BTc, BKC)
             b_G = tl.cumsum(tl.where(b_g < g_floor, g_floor, b_g), 0)                   # [BT, BKC]
+            G_last = _row_of(b_G, BTc - 1, BTc)                                          # [BKC]
             if AP_FORM == 1:
                 A0, A1, A2, A3, P0, P1, P2, P3 = _kda_ap_rows(
                     A0, A1, A2, A3, P0, P1, P2, P3, kf, qf, b_G, b_beta, k_base, q_base, g_base, beta, bos, t0,
                     T_seq, i_h, H, HV, K, kc0, MM_PREC, BTc, BCc, BKC, g_floor, span_max)
+                b_qg = qf * tl.exp(b_G)
+                b_kg = kf * tl.exp(G_last[None, :] - b_G)
             else:
-                e0, e1, e2, s_rows, worst = _block_starts(b_G, BTc, BCc)                    # block ends, starts
-                e3 = _row_of(b_G, 4 * BCc - 1, BTc)
-                zero = tl.zeros_like(e0)
-                one = tl.full([BKC], 1., tl.float32)
-                x = tl.exp(b_G - s_rows)                                                     # e^{G_i − s_b} ≤ 1
-                ky = kf * tl.exp(_by_block(e0[None, :], e1[None, :], e2[None, :], e3[None, :], BTc, BCc) - b_G)
-                bkx = kf * b_beta[:, None] * x                                               # β_i k_i e^{G_i − s_b}
-                qx = qf * x                                                                  # q_i e^{G_i − s_b}
-                # off-diagonal blocks, column block c, rows of block b > c: e^{G_i − e_c} = x_i e^{s_b − e_c}
-                f = _by_block(zero[None, :], one[None, :], tl.exp(e1 - e0)[None, :], tl.exp(e2 - e0)[None, :], BTc, BCc)
-                c = tl.trans(tl.where((blk == 0)[:, None], ky, 0.))
-                A += _mm(bkx * f, c, MM_PREC)                                                # [BT, BKC] @ [BKC, BT]
-                P += _mm(qx * f, c, MM_PREC)                                                 # [BT, BKC] @ [BKC, BT]
-                f = _by_block(zero[None, :], zero[None, :], one[None, :], tl.exp(e2 - e1)[None, :], BTc, BCc)
-                c = tl.trans(tl.where((blk == 1)[:, None], ky, 0.))
-                A += _mm(bkx * f, c, MM_PREC)                                                # [BT, BKC] @ [BKC, BT]
-                P += _mm(qx * f, c, MM_PREC)                                                 # [BT, BKC] @ [BKC, BT]
-                f = tl.where((blk == 3)[:, None], 1., 0.)
-                c = tl.trans(tl.where((blk == 2)[:, None], ky, 0.))
-                A += _mm(bkx * f, c, MM_PREC)                                                # [BT, BKC] @ [BKC, BT]
-                P += _mm(qx * f, c, MM_PREC)                                                 # [BT, BKC] @ [BKC, BT]
-                # diagonal blocks: around the block start when the block's gates sum above -span_max, else exact
-                if worst > -span_max:
-                    # k_j e^{s_b − G_j} = ky_j e^{s_b − e_b}, at most e^{span_max}
-                    kinv = ky * tl.exp(_by_block(-e0[None, :], (e0 - e1)[None, :], (e1 - e2)[None, :],
-                                                 (e2 - e3)[None, :], BTc, BCc))
-                    Ad = _mm(bkx, tl.trans(kinv), MM_PREC)                                   # [BT, BKC] @ [BKC, BT]
-                    Pd = _mm(qx, tl.trans(kinv), MM_PREC)                                    # [BT, BKC] @ [BKC, BT]
+                # one reference for the whole chunk, r = G_last / 2 per channel, when every |G_i − r| of this
+                # column chunk is under span_max: e^{G_i − G_j} = e^{G_i − r} · e^{r − G_j}, both factors in
+                # [e^−span_max, e^span_max] (fp32's range), two products instead of eight
+                r = 0.5 * G_last
+                b_Gr = b_G - r[None, :]
+                fast = False
+                if AP_ONE_REF:
+                    fast = tl.max(tl.max(tl.abs(b_Gr), 1), 0) < span_max
+                if fast:
+                    x = tl.exp(b_Gr)                                                         # e^{G_i − r}
+                    kinv = kf * tl.exp(-b_Gr)                                                # k_j e^{r − G_j}
+                    qx = qf * x
+                    A += _mm(kf * b_beta[:, None] * x, tl.trans(kinv), MM_PREC)              # [BT, BKC] @ [BKC, BT]
+                    P += _mm(qx, tl.trans(kinv), MM_PREC)                                    # [BT, BKC] @ [BKC, BT]
+                    b_qg = qx * tl.exp(r)[None, :]
+                    b_kg = kinv * tl.exp(G_last - r)[None, :]
                 else:
-                    # rare: each column j exactly from e^{G_i − G_j}, i ≥ j
-                    Ad, Pd = _kda_diag_exact(kf, qf, kf * b_beta[:, None], b_G, BTc, BCc)
-                A += tl.where(same & strict, Ad, 0.)
-                P += tl.where(same & incl, Pd, 0.)
+                    e0, e1, e2, s_rows, worst = _block_starts(b_G, BTc, BCc)                    # block ends, starts
+                    e3 = _row_of(b_G, 4 * BCc - 1, BTc)
+                    zero = tl.zeros_like(e0)
+                    one = tl.full([BKC], 1., tl.float32)
+                    x = tl.exp(b_G - s_rows)                                                     # e^{G_i − s_b} ≤ 1
+                    ky = kf * tl.exp(_by_block(e0[None, :], e1[None, :], e2[None, :], e3[None, :], BTc, BCc) - b_G)
+                    bkx = kf * b_beta[:, None] * x                                               # β_i k_i e^{G_i − s_b}
+                    qx = qf * x                                                                  # q_i e^{G_i − s_b}
+                    # off-diagonal blocks, column block c, rows of block b > c: e^{G_i − e_c} = x_i e^{s_b − e_c}
+                    f = _by_block(zero[None, :], one[None, :], tl.exp(e1 - e0)[None, :], tl.exp(e2 - e0)[None, :], BTc, BCc)
+                    c = tl.trans(tl.where((blk == 0)[:, None], ky, 0.))
+                    A += _mm(bkx * f, c, MM_PREC)                                                # [BT, BKC] @ [BKC, BT]
+                    P += _mm(qx * f, c, MM_PREC)                                                 # [BT, BKC] @ [BKC, BT]
+                    f = _by_block(zero[None, :], zero[None, :], one[None, :], tl.exp(e2 - e1)[None, :], BTc, BCc)
+                    c = tl.trans(tl.where((blk == 1)[:, None], ky, 0.))
+                    A += _mm(bkx * f, c, MM_PREC)                                                # [BT, BKC] @ [BKC, BT]
+                    P += _mm(qx * f, c, MM_PREC)                                                 # [BT, BKC] @ [BKC, BT]
+                    f = tl.where((blk == 3)[:, None], 1., 0.)
+                    c = tl.trans(tl.where((blk == 2)[:, None], ky, 0.))
+                    A += _mm(bkx * f, c, MM_PREC)                                                # [BT, BKC] @ [BKC, BT]
+                    P += _mm(qx * f, c, MM_PREC)                                                 # [BT, BKC] @ [BKC, BT]
+                    # diagonal blocks: around the block start when the block's gates sum above -span_max, else exact
+                    if worst > -span_max:
+                        # k_j e^{s_b − G_j} = ky_j e^{s_b − e_b}, at most e^{span_max}
+                        kinv = ky * tl.exp(_by_block(-e0[None, :], (e0 - e1)[None, :], (e1 - e2)[None, :],
+                                                     (e2 - e3)[None, :], BTc, BCc))
+                        Ad = _mm(bkx, tl.trans(kinv), MM_PREC)                                   # [BT, BKC] @ [BKC, BT]
+                        Pd = _mm(qx, tl.trans(kinv), MM_PREC)                                    # [BT, BKC] @ [BKC, BT]
+                    else:
+                        # rare: each column j exactly from e^{G_i − G_j}, i ≥ j
+                        Ad, Pd = _kda_diag_exact(kf, qf, kf * b_beta[:, None], b_G, BTc, BCc)
+                    A += tl.where(same & strict, Ad, 0.)
+                    P += tl.where(same & incl, Pd, 0.)
+                    b_qg = qf * tl.exp(b_G)
+                    b_kg = kf * tl.exp(G_last[None, :] - b_G)
             # q e^G, k e^{G_last − G} for stage 2 (both exponents ≤ 0)
-            G_last = _row_of(b_G, BTc - 1, BTc)                                          # [BKC]
             tl.store(tl.make_block_ptr(qg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0),
-                                       (BTc, BKC), (1, 0)), (qf * tl.exp(b_G)).to(qg.dtype.element_ty),
-                     boundary_check=(0, 1))
+                                       (BTc, BKC), (1, 0)), b_qg.to(qg.dtype.element_ty), boundary_check=(0, 1))
             tl.store(tl.make_block_ptr(kg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
-                                       (1, 0)), (kf * tl.exp(G_last[None, :] - b_G)).to(kg.dtype.element_ty),
-                     boundary_check=(0, 1))
+                                       (1, 0)), b_kg.to(kg.dtype.element_ty), boundary_check=(0, 1))
             o_k = kc0 + tl.arange(0, BKC)
             tl.store(glast + (slot * HV + i_h) * K + o_k, tl.exp(G_last), mask=o_k < K)
         if AP_FORM == 1:
             A = tl.where(strict, _stack_rows(A0, A1, A2, A3), 0.)
             P = tl.where(incl, _stack_rows(P0, P1, P2, P3), 0.)
+        elif AP_ONE_REF:    # the one-reference products also filled the upper triangle (there up to e^{2 span_max})
+            A = tl.where(strict, A, 0.)
+            P = tl.where(incl, P, 0.)
     else:
         b_k = tl.load(tl.make_block_ptr(k_base, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
                       boundary_check=(0, 1))
@@ -812,6 +835,10 @@ def _dot_prec(dtype, gate: int = 0) -> tuple[str, str, str]:
 # tf32: with bf16 products and BKC = 32 its output error was 4.0e-2 in both runs (fla 3.7e-3; BKC = 64:
 # 3.8e-3), see NOTES.
 PREP_CONFIG = {0: (1, 4, 64, 0), 1: (1, 4, 64, 0), 2: (0, 4, 32, 0)}
+# KDA's A and P (form 0): a column chunk whose chunk gate stays within ±span_max of one reference (G_last / 2)
+# takes two [BT, BKC] x [BKC, BT] products of e^{±(G − r)}-scaled operands instead of eight by blocks
+# (chunk_prepare_kernel's AP_ONE_REF). CHUNKWISE_KDA_ONE_REF (0 / 1) overrides.
+KDA_ONE_REF = 1
 
 
 def reg_cap(name: str) -> dict:
@@ -900,7 +927,8 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
             H=H, HV=HV, K=K, V=V, scale=1.0, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)), GATE=gate,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=solve_prec,
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(dt, K),
-            AP_FORM=form if gate == 2 else 0, STORE_T=save_t, STORE_P=store_p, GC_OUT=gate == 1, num_warps=warps,
+            AP_FORM=form if gate == 2 else 0, STORE_T=save_t, STORE_P=store_p, GC_OUT=gate == 1,
+            AP_ONE_REF=gate == 2 and _env_switch("CHUNKWISE_KDA_ONE_REF", KDA_ONE_REF), num_warps=warps,
             num_stages=1, **reg_cap("prep_fwd"))
     return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, gcum=gcum, t=t)
 
