@@ -15,7 +15,7 @@ W / U recompute, 3: also the key side, 4: the key side but its pairwise products
     python benchmarks/sweep_bwd.py --out $OUT
     python benchmarks/sweep_bwd.py --fams kda --variants "p32:CHUNKWISE_BWD_PAIR_SPLIT=32;old:CHUNKWISE_BWD_PAIR_SPLIT=0"
 
---variants "name:VAR=value,VAR=value;..." (or "pair", "regs", "save": the named sets below): time only these environment settings (on top of the defaults),
+--variants "name:VAR=value,VAR=value;..." (or "pair", "regs", "save", "lowp", "oneref": the named sets below): time only these environment settings (on top of the defaults),
 each with its per-kernel profile and its gradients' difference from the first variant's.
 """
 from __future__ import annotations
@@ -75,7 +75,14 @@ REG_VARIANTS = ";".join(["base:"] + [f"r{n}:CHUNKWISE_MAXNREG=" + "/".join(f"{k}
 SAVE_VARIANTS = "recompute:CHUNKWISE_SAVE_STAGE1=0;save:CHUNKWISE_SAVE_STAGE1=1"
 # the key side with 16-bit operands but its pairwise products (level 4) against the default level 2
 LOWP_VARIANTS = "lowp2:;lowp4:CHUNKWISE_BWD_LOWP=4"
-NAMED = {"pair": PAIR_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS}
+# KDA's one-reference products (forward stage 1: CHUNKWISE_KDA_ONE_REF; backward pair kernel: CHUNKWISE_BWD_ONE_REF)
+# off / forward only / both (the defaults), then with the state passes on scaled keys (CHUNKWISE_BWD_KD_IN) and the
+# one-reference pair kernel at 64 channels per program and 8 warps (offline sm_90: 217 registers, no spills)
+ONEREF_VARIANTS = ("base:CHUNKWISE_KDA_ONE_REF=0,CHUNKWISE_BWD_ONE_REF=0;fwd:CHUNKWISE_BWD_ONE_REF=0;both:;"
+                   "both_kd:CHUNKWISE_BWD_KD_IN=1;"
+                   "both_p64:CHUNKWISE_BWD_PAIR_SPLIT=64,CHUNKWISE_BWD_WARPS=bwd_pair_ref:8")
+NAMED = {"pair": PAIR_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
+         "oneref": ONEREF_VARIANTS}
 
 
 def run_env(fam, x, do, env, warm):

@@ -34,6 +34,17 @@ VERIFY = ["tests/test_triton_chunk_fwd.py", "tests/test_triton_chunk_bwd.py",
           "-k", "real_size or hopper or unaligned or offsets_past"]
 
 
+def _our_kernels() -> set:
+    """The names of chunkwise's Triton kernels (the cache's other entries are fla's)."""
+    import re
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src", "chunkwise", "triton")
+    return {m for f in os.listdir(src) if f.endswith(".py")
+            for m in re.findall(r"^def (\w+_kernel)\(", open(os.path.join(src, f)).read(), re.M)}
+
+
+OURS = _our_kernels()
+
+
 def install_sm90():
     """Make Triton compile for an H200 and launch nothing."""
     import torch
@@ -73,15 +84,16 @@ def warm_benchmarks(only: str = ""):
     os.environ["CHUNKWISE_BENCH_DEVICE"] = "cpu"
     sys.modules["fla"] = None                      # import fla -> ImportError: the scripts skip it
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    for script, argv in (("bench_forward", ["--warm", "--variants"]), ("sweep_stage1", ["--warm"]),
+    for script, argv in (("bench_forward", ["--warm"]), ("bench_forward", ["--warm", "--variants"]), ("sweep_stage1", ["--warm"]),
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "pfree"]),
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "tma"]),
                          ("sweep_bwd", ["--warm", "--warps", "4,8"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "pair"]),
+                         ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "oneref"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "regs"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "save"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "lowp"])):
-        if only not in " ".join([script] + argv):
+        if not any(o in " ".join([script] + argv) for o in only.split("|")):
             continue
         t = time.time()
         sys.argv = [script] + argv
@@ -112,11 +124,15 @@ def main():
     ap.add_argument("--out", default=".triton_sm90/cache.tgz", help="the packed cache (git-ignored; carry it)")
     ap.add_argument("--bench", action="store_true", help="also the benchmarks' and sweeps' warm-up launches")
     ap.add_argument("--no-tests", action="store_true", help="no tests (with --bench: the benchmarks only)")
-    ap.add_argument("--bench-only", default="", help="with --bench: only the warm-ups whose command contains this")
+    ap.add_argument("--bench-only", default="", help="with --bench: only the warm-ups whose command contains this "
+                                                        "(or one of several separated by |)")
     ap.add_argument("--merge", action="append", default=[],
                     help="a new_cache.tgz a device run returned (gpu_session.sh): its entries (fla's autotuning "
                          "results and kernels compiled there) join the cache before it is packed (with --no-tests: "
                          "only that)")
+    ap.add_argument("--used-only", action="store_true",
+                    help="pack only the entries this run compiled or read (a device call's subset, when the whole "
+                         "cache passes the 64 MiB carry limit); the cache on disk keeps everything")
     ap.add_argument("pytest_args", nargs="*", help=f"tests to warm (default: {' '.join(VERIFY)})")
     a, rest = ap.parse_known_args()
     a.pytest_args += rest
@@ -125,6 +141,10 @@ def main():
     os.environ.pop("TRITON_INTERPRET", None)
     install_sm90()
     t0 = time.time()
+    if a.used_only:     # every access time back to 2000: a read here moves it past t0 (relatime: atime <= mtime)
+        for root, _, files in os.walk(CACHE):
+            for f in files:
+                os.utime(os.path.join(root, f), (946684800, os.path.getmtime(os.path.join(root, f))))
     for path in a.merge:        # entries under triton_cache_sm90/ (the same absolute path on the device)
         with tarfile.open(path) as tar:
             tar.extractall(os.path.dirname(CACHE), filter="data")
@@ -138,7 +158,16 @@ def main():
     kernels, size = prune(CACHE)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with tarfile.open(a.out, "w:gz") as tar:
-        tar.add(CACHE, arcname=os.path.basename(CACHE))
+        if a.used_only:
+            for d in sorted(os.listdir(CACHE)):
+                full = os.path.join(CACHE, d)
+                files = os.listdir(full)
+                if not any(f.endswith(".json") and f[:-5] in OURS for f in files) or any(
+                        os.path.getatime(os.path.join(full, f)) >= t0 or os.path.getmtime(os.path.join(full, f)) >= t0
+                        for f in files):      # fla's entries (its kernels, autotuning results) always
+                    tar.add(full, arcname=os.path.join(os.path.basename(CACHE), d))
+        else:
+            tar.add(CACHE, arcname=os.path.basename(CACHE))
     print(f"warm_cache: {kernels} kernels, {size / 1e6:.1f} MB in {CACHE}, packed to {a.out} "
           f"({os.path.getsize(a.out) / 1e6:.1f} MB) in {time.time() - t0:.0f} s", file=sys.stderr)
 
