@@ -25,7 +25,11 @@ KERNELS = {
     "bwd_grad": ("_bwd_grad_kernel",          # the key side in 64-wide column blocks (the default)
                  dict(q="in", k="in", v="in", beta="in", G="fp32", Tmat="fp32", Pmat="fp32", Amat="fp32", h="s",
                       dh="s", R="s", dR="s", do="in", dq="g", dk="g", dbeta="fp32", dG="fp32"),
-                 dict(T="i32", scale="fp32"), dict(BC=cb.SUB, BKH=64)),
+                 dict(T="i32", scale="fp32"), dict(BC=cb.SUB, BKH=64, ONE_REF=0, span_max=cb.SPAN_MAX)),
+    "bwd_grad_ref": ("_bwd_grad_kernel",      # with KDA's one-reference pairwise gradients (BWD_ONE_REF 2)
+                     dict(q="in", k="in", v="in", beta="in", G="fp32", Tmat="fp32", Pmat="fp32", Amat="fp32", h="s",
+                          dh="s", R="s", dR="s", do="in", dq="g", dk="g", dbeta="fp32", dG="fp32"),
+                     dict(T="i32", scale="fp32"), dict(BC=cb.SUB, BKH=64, ONE_REF=1, span_max=cb.SPAN_MAX)),
     "bwd_dv": ("_bwd_dv_kernel",
                dict(q="in", k="in", v="in", beta="in", G="fp32", Tmat="fp32", h="s", R="s", dR="s", do="in",
                     Pmat="fp32", Amat="fp32", dq="g", dv="in", dbeta="fp32", dG="fp32"),

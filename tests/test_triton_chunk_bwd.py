@@ -414,15 +414,18 @@ def test_grads_fp16_product_precisions(fam, prec, monkeypatch):
         _grads(inp, "triton", torch.float16)
 
 
-@pytest.mark.parametrize("split,diag,one_ref", [(0, 1, 0), (16, 1, 0), (16, 0, 0), (16, 0, 1), (0, 0, 1)])
+@pytest.mark.parametrize("split,diag,one_ref", [(0, 1, 0), (16, 1, 0), (16, 0, 0), (16, 0, 1), (0, 0, 1), (16, 0, 2),
+                                                (0, 0, 2)])
 def test_grads_kda_pair_split(split, diag, one_ref, monkeypatch):
     """KDA's pairwise gradients (through P and A) in their own kernel split over key channels
     (CHUNKWISE_BWD_PAIR_SPLIT = channels per program; 16 of K = 40: three blocks, the last partial), with the
     diagonal blocks in the same programs or (CHUNKWISE_BWD_PAIR_DIAG=0) in a second launch, or in one
-    program over all channels (0), and with one reference per chunk (CHUNKWISE_BWD_ONE_REF=1: one launch; the
-    steep channels' blocks take the block form): every gradient equals the reference's, varlen with a
-    length-1 sequence, grouped heads, and a few steep channels whose diagonal blocks take the exact loops."""
+    program over all channels (0), and with one reference per chunk (CHUNKWISE_BWD_ONE_REF=1: a launch of its
+    own; 2: in the key side, whose column blocks (CHUNKWISE_BWD_KSPLIT, here the split) the pair kernel then
+    takes; the steep channels' blocks take the block form): every gradient equals the reference's, varlen with
+    a length-1 sequence, grouped heads, and a few steep channels whose diagonal blocks take the exact loops."""
     monkeypatch.setenv("CHUNKWISE_BWD_PAIR_SPLIT", str(split))
+    monkeypatch.setenv("CHUNKWISE_BWD_KSPLIT", str(split))
     monkeypatch.setenv("CHUNKWISE_BWD_PAIR_DIAG", str(diag))
     monkeypatch.setenv("CHUNKWISE_BWD_ONE_REF", str(one_ref))
     inp = make_inputs("kda", lengths=[1, 70, 30], H=1, HV=2, K=40, V=24, seed=10)
@@ -432,15 +435,20 @@ def test_grads_kda_pair_split(split, diag, one_ref, monkeypatch):
 
 def test_kda_pair_one_reference_taken(monkeypatch):
     """The one-reference pairwise gradients run where the chunk gate allows them: with normal gates the
-    gradients differ (in rounding only) between CHUNKWISE_BWD_ONE_REF=1 and the block form."""
+    gradients differ (in rounding only) between the block form and CHUNKWISE_BWD_ONE_REF=1 (the pair kernel)
+    or 2 (the key side); a value outside 0 / 1 / 2 is refused."""
     inp = make_inputs("kda", B=1, T=130, H=1, HV=1, K=32, V=16, seed=12)
     grads = []
-    for one_ref in ("0", "1"):
+    for one_ref in ("0", "1", "2"):
         monkeypatch.setenv("CHUNKWISE_BWD_ONE_REF", one_ref)
         grads.append(_grads(inp, "triton", torch.float32))
-    assert not torch.equal(grads[0]["g"], grads[1]["g"])
-    for n in grads[0]:
-        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-3, atol=1e-4)
+    for other in grads[1:]:
+        assert not torch.equal(grads[0]["g"], other["g"])
+        for n in grads[0]:
+            torch.testing.assert_close(other[n], grads[0][n], rtol=1e-3, atol=1e-4)
+    monkeypatch.setenv("CHUNKWISE_BWD_ONE_REF", "3")
+    with pytest.raises(ValueError, match="CHUNKWISE_BWD_ONE_REF"):
+        _grads(inp, "triton", torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -478,13 +486,14 @@ def test_grads_saved_stage1(fam, dtype, monkeypatch):
     assert set(saved) == set(again)
 
 
+@pytest.mark.parametrize("kd_in", ["1", "0"])
 @pytest.mark.parametrize("save", ["1", "0"])
-def test_kda_state_passes_from_scaled_keys(save, monkeypatch):
+def test_kda_state_passes_from_scaled_keys(save, kd_in, monkeypatch):
     """KDA's backward with the serial state passes taking q ⊙ e^G and k ⊙ e^{G_last − G} from the chunk-parallel
-    _gate_scaled_kernel (CHUNKWISE_BWD_KD_IN=1; fp16: the passes' 16-bit operands): every gradient equals the
-    reference's (varlen with a length-1 sequence, grouped heads, the final state read by the loss), with stage 1
-    saved and recomputed."""
-    monkeypatch.setenv("CHUNKWISE_BWD_KD_IN", "1")
+    _gate_scaled_kernel (CHUNKWISE_BWD_KD_IN=1, the default; fp16: the passes' 16-bit operands) or forming them
+    per chunk (0): every gradient equals the reference's (varlen with a length-1 sequence, grouped heads, the
+    final state read by the loss), with stage 1 saved and recomputed."""
+    monkeypatch.setenv("CHUNKWISE_BWD_KD_IN", kd_in)
     monkeypatch.setenv("CHUNKWISE_SAVE_STAGE1", save)
     inp = make_inputs("kda", lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, seed=14)
     _compare(inp, TOL[torch.float16], dtype=torch.float16)

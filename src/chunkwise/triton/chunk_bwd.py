@@ -50,8 +50,10 @@ SPAN_MAX = 80.0   # a 16-token diagonal block whose gates span more takes the ex
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # KDA's backward: the serial state passes take q ⊙ e^G and k ⊙ e^{G_last − G} from a chunk-parallel kernel (1)
 # or form them per chunk on their serial path (0); CHUNKWISE_BWD_KD_IN overrides. Offline sm_90 the per-chunk
-# form costs _bwd_dh_kernel 132 exponentials per thread per chunk and spills at 255 registers (NOTES.md, next run)
-BWD_KD_IN = 0
+# form costs _bwd_dh_kernel 132 exponentials per thread per chunk and spills at 255 registers. On the H200 (run of
+# ac0ebbf, KDA B1-T32768-H32 bf16 fwd+bwd) 1 took the reverse pass 2.24 -> 1.33 ms and the forward pass 1.51 ->
+# 0.88, fwd+bwd 15.77 -> 14.63 ms (the chunk-parallel kernel included), the same gradients
+BWD_KD_IN = 1
 
 
 # ------------------------------------------------------------------------------------------------
@@ -808,7 +810,7 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
                            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                            BKH: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
                            GATE: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-                           LOWP: tl.constexpr = 0):
+                           LOWP: tl.constexpr = 0, ONE_REF: tl.constexpr = 0, span_max: tl.constexpr = 80.0):
     """The key side, after _bwd_dv_kernel (which left dP in Pmat, dT_v in Amat, the value part of dβ):
     dq, dk: [B, T, HV, K] (per value head); dbeta: [B, T, HV] fp32 (completed; per channel the pair kernel
     adds its share);
@@ -825,7 +827,8 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
         dA = −Tᵀ dT Tᵀ (strict lower) -> Amat;
         pass 2, per column block: the pairwise products P (q, k) and A (βk, k): dq (per channel), dk,
                  dβ and dG completed from what pass 1 left in dk / dG (per-channel gates: in
-                 _bwd_pair_kernel, split over key channels).
+                 _bwd_pair_kernel, split over key channels; with ONE_REF, here for each column block whose chunk
+                 gate fits one reference (_pair_grads_one_ref), the pair kernel doing only the others).
     The V loop runs once per column block: R and dR are read K / BKH times. LOWP: 1, the products of T, dW,
     X, dT, dA and dP take 16-bit operands (the input dtype; fp32 accumulation), as fla's do; 2, only those of
     pass 1 and dA (T, dW, X, dT), pass 2's pairwise products (dP, dA with q, k) in fp32 operands."""
@@ -906,7 +909,24 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
         if GATE == 1:
             b_dA = b_dA * tl.exp(tl.where(i_ge_j, b_G[:, None] - b_G[None, :], float("-inf")))
         tl.store(Amat + p_cc, b_dA, mask=m_cc)
-    # pass 2 (per-channel gates: in _bwd_pair_kernel)
+    # pass 2 (per-channel gates: in _bwd_pair_kernel, but for the column blocks that fit one reference with ONE_REF)
+    if GATE == 2 and ONE_REF:
+        tl.debug_barrier()      # every thread has written its dk / dG columns and dA
+        b_dPf = tl.load(Pmat + p_cc, mask=m_cc & i_ge_j, other=0.)                                   # dP [C, C]
+        b_dPtf = tl.load(Pmat + p_ccT, mask=m_cc & (o_t[None, :] >= o_t[:, None]), other=0.)         # dPᵀ
+        if DELTA:
+            b_dAtf = tl.load(Amat + p_ccT, mask=m_cc, other=0.)                                      # dAᵀ
+        else:
+            b_dA = b_dPf
+            b_dAtf = b_dPtf
+        for i_k in range(tl.cdiv(K, BKH)):
+            o_k = i_k * BKH + tl.arange(0, BKH)
+            m_k = o_k < K
+            b_Gh, b_lasth = _load_gate_cols(G, t0, L, i_h, o_k, m_k, HV, K, C)
+            b_d = b_Gh - 0.5 * b_lasth[None, :]                                              # G − r, r = G_last / 2
+            if tl.max(tl.max(tl.abs(b_d), axis=1), axis=0) < span_max:      # the same test as _bwd_pair_kernel's
+                b_db += _pair_grads_one_ref(q, k, dq, dk, dG, b_dPf, b_dPtf, b_dA, b_dAtf, b_beta, b_d, rows, m_t,
+                                            o_k, m_k, i_h, i_hk, H, HV, K, DELTA, PREC)
     if GATE != 2:
         tl.debug_barrier()
         b_dPt = tl.load(Pmat + p_ccT, mask=m_cc & (o_t[None, :] >= o_t[:, None]), other=0.)
@@ -968,44 +988,39 @@ def _diag_grads_exact(k, G, Pmat, Amat, b_q, b_kb, b_G, b_last, t0, L, ib, rows,
 
 
 @triton.jit
-def _pair_grads_one_ref(q, k, beta, Pmat, Amat, dq, dk, dbp, dG, b_d, t0, L, i_h, i_hk, i_kb, o_k, m_k, s_dbp,
-                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, DELTA: tl.constexpr,
-                        PREC: tl.constexpr):
-    """_bwd_pair_kernel's ONE_REF form for the channels o_k of one chunk, b_d = G − r [C, BKP] with every |G_i − r|
-    under span_max: Γ_ij = x_i y_j, x = e^{G − r}, y = e^{r − G} (both in fp32's range), so
+def _pair_grads_one_ref(q, k, dq, dk, dG, b_dP, b_dPt, b_dA, b_dAt, b_beta, b_d, rows, m_t, o_k, m_k, i_h, i_hk,
+                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr):
+    """The pairwise gradients of KDA's P and A for the channels o_k of one chunk around one reference r, b_d = G − r
+    [C, BKP] with every |G_i − r| under span_max: Γ_ij = x_i y_j, x = e^{G − r}, y = e^{r − G} (both in fp32's
+    range), so over the whole chunk (the diagonal blocks included)
 
         dq = x ⊙ (dP (k ⊙ y)),   d(βk) = x ⊙ (dA (k ⊙ y)),   dk = y ⊙ (dPᵀ (q ⊙ x) + dAᵀ (βk ⊙ x))
 
-    over the whole chunk (the diagonal blocks included), then dG and its reverse cumsum as the block form."""
-    o_t, m_t, rows, m_cc, p_cc, p_ccT = _chunk_rows(t0, L, i_h, HV, C)
+    added to dq, dk in place; dG gets them and becomes dg (reverse cumsum). b_dP, b_dPt, b_dA, b_dAt: [C, C] fp32
+    (dP lower, dA strict lower, zero elsewhere). Returns dβ's share [C]."""
     m_tk, p_tk, p_hk = _col_offsets(rows, m_t, o_k, m_k, i_h, i_hk, H, HV, K)
     b_x = tl.exp(b_d)                                                                    # e^{G_i − r}
     b_y = tl.exp(-b_d)                                                                   # e^{r − G_j}
     b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
     b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
     b_ky = b_k * b_y
-    b_dP = tl.load(Pmat + p_cc, mask=m_cc & (o_t[:, None] >= o_t[None, :]), other=0.)   # dP [C, C]
     b_dqp = _mm(b_dP, b_ky, PREC) * b_x                                                 # [C, C] @ [C, BKP]
-    b_dkp = _mm(tl.trans(b_dP), b_q * b_x, PREC)                                        # [C, C] @ [C, BKP]
+    b_dkp = _mm(b_dPt, b_q * b_x, PREC)                                                 # [C, C] @ [C, BKP]
     if DELTA:
-        b_beta = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.).to(tl.float32)
         b_kb = b_k * b_beta[:, None]
-        b_dA = tl.load(Amat + p_cc, mask=m_cc & (o_t[:, None] > o_t[None, :]), other=0.)  # dA [C, C]
         b_dkb = _mm(b_dA, b_ky, PREC) * b_x                                             # [C, C] @ [C, BKP]
-        b_dkp += _mm(tl.trans(b_dA), b_kb * b_x, PREC)                                  # [C, C] @ [C, BKP]
+        b_dkp += _mm(b_dAt, b_kb * b_x, PREC)                                           # [C, C] @ [C, BKP]
     else:
-        b_beta = tl.zeros([C], dtype=tl.float32)
         b_kb = tl.zeros_like(b_k)
         b_dkb = tl.zeros_like(b_k)
     b_dkp = b_dkp * b_y
     b_dq = tl.load(dq + p_hk, mask=m_tk, other=0.) + b_dqp
     tl.store(dq + p_hk, b_dq, mask=m_tk)
     tl.store(dk + p_hk, tl.load(dk + p_hk, mask=m_tk, other=0.) + b_dkp + b_beta[:, None] * b_dkb, mask=m_tk)
-    if DELTA:
-        tl.store(dbp + i_kb.to(tl.int64) * s_dbp + rows * HV + i_h, tl.sum(b_k * b_dkb, axis=1), mask=m_t)
     b_dG = tl.load(dG + p_hk, mask=m_tk, other=0.) + b_q * b_dq + b_kb * b_dkb - b_k * b_dkp
     b_dg = tl.sum(b_dG, axis=0)[None, :] - tl.cumsum(b_dG, axis=0) + b_dG                 # reverse cumsum
     tl.store(dG + p_hk, b_dg, mask=m_tk)
+    return tl.sum(b_k * b_dkb, axis=1)
 
 
 @triton.jit
@@ -1136,8 +1151,18 @@ def _bwd_pair_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, cu_seqlens, chu
         fast = tl.max(tl.max(tl.abs(b_d), axis=1), axis=0) < span_max
         if ONE_REF == 1:
             if fast:
-                _pair_grads_one_ref(q, k, beta, Pmat, Amat, dq, dk, dbp, dG, b_d, t0, L, i_h, i_hk, i_kb, o_k, m_k,
-                                    s_dbp, H, HV, K, C, DELTA, PREC)
+                o_t, m_t, rows, m_cc, p_cc, p_ccT = _chunk_rows(t0, L, i_h, HV, C)
+                b_dP = tl.load(Pmat + p_cc, mask=m_cc & (o_t[:, None] >= o_t[None, :]), other=0.)   # dP [C, C]
+                if DELTA:
+                    b_beta = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.).to(tl.float32)
+                    b_dA = tl.load(Amat + p_cc, mask=m_cc & (o_t[:, None] > o_t[None, :]), other=0.)  # dA [C, C]
+                else:
+                    b_beta = tl.zeros([C], dtype=tl.float32)
+                    b_dA = b_dP
+                b_db = _pair_grads_one_ref(q, k, dq, dk, dG, b_dP, tl.trans(b_dP), b_dA, tl.trans(b_dA), b_beta, b_d,
+                                           rows, m_t, o_k, m_k, i_h, i_hk, H, HV, K, DELTA, PREC)
+                if DELTA:
+                    tl.store(dbp + i_kb.to(tl.int64) * s_dbp + rows * HV + i_h, b_db, mask=m_t)
         else:
             if fast == 0:
                 _pair_grads_blocks(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, t0, L, i_h, i_hk, i_kb, o_k, m_k,
@@ -1235,9 +1260,11 @@ BWD_FUSED_PREP = 1
 # 448 B spilled, 72 / 80 / 96 KB. On the H200 (sweep of a3986d3) 9.45 ms at 4 warps; KDA fwd+bwd 31.72 -> 26.49 ms.
 # CHUNKWISE_BWD_PAIR_SPLIT=0: one program over all channels.
 BWD_PAIR_SPLIT = 32
-# KDA's pairwise gradients with one reference per chunk where its gate allows (_bwd_pair_kernel's ONE_REF), in
-# one launch; CHUNKWISE_BWD_ONE_REF (0 / 1) overrides.
-BWD_ONE_REF = 1
+# KDA's pairwise gradients with one reference per chunk where its gate allows: 1, in a launch of their own
+# (_bwd_pair_kernel ONE_REF 1); 2, in the key side's second pass (_bwd_grad_kernel ONE_REF); then the pair kernel's
+# block form for the others; 0, the block form everywhere. CHUNKWISE_BWD_ONE_REF (0 / 1 / 2) overrides. On the
+# H200 (run of ac0ebbf, KDA B1-T32768-H32 bf16 fwd+bwd) the pair kernels 7.97 -> 3.93 ms at 1.
+BWD_ONE_REF = 2
 BWD_PAIR_DIAG = 0     # 0: the diagonal blocks in a second launch over all channels (bwd_diag warps), the split
 # launch only the off-diagonal part. On the H200 (sweep of 1695bb2, KDA B1-T32768-H32 bf16) the pair kernels
 # 9.53 -> 8.10 ms, fwd+bwd 26.74 -> 25.31 ms (offline sm_90, 32 channels: the off-diagonal part alone 73
@@ -1467,19 +1494,27 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     # 0: one block of all channels)
     bkp = int(os.environ.get("CHUNKWISE_BWD_PAIR_SPLIT", BWD_PAIR_SPLIT))
     bkp = BK if bkp <= 0 else min(max(16, triton.next_power_of_2(bkp)), BK)
+    one_ref = os.environ.get("CHUNKWISE_BWD_ONE_REF", str(BWD_ONE_REF)) if gate == 2 else "0"
+    if one_ref not in ("0", "1", "2"):
+        raise ValueError(f"CHUNKWISE_BWD_ONE_REF={one_ref!r}: expected 0, 1 or 2")
+    one_ref = int(one_ref)
+    if one_ref == 2:    # the key side does the column blocks that fit; the pair kernel the others, on the same blocks
+        bkp = bkh
     _bwd_grad_kernel[grid_c](q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, dk, dbeta, dG,
                              scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BKH=bkh, BV=BV, C=C, BC=BC, GATE=gate,
-                             DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_key,
-                             num_warps=_warps("bwd_grad", gate, wide8), **_regs("bwd_grad", gate, wide8), num_stages=ns, **common)
+                             DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_key, ONE_REF=one_ref == 2,
+                             span_max=SPAN_MAX, num_warps=_warps("bwd_grad", gate, wide8), **_regs("bwd_grad", gate, wide8),
+                             num_stages=ns, **common)
     if gate == 2:
         nkb = triton.cdiv(K, bkp)
         # the diagonal blocks in their own launch over all channels (BWD_PAIR_DIAG=0, the default) or with the rest
-        one_ref = _env_switch("CHUNKWISE_BWD_ONE_REF", BWD_ONE_REF)
         split_diag = nkb > 1 and not one_ref and not int(os.environ.get("CHUNKWISE_BWD_PAIR_DIAG", BWD_PAIR_DIAG))
-        dbp = buf(nkb + split_diag, B * T * HV) if delta else None
+        # dβ's shares by channel block; with the key side taking blocks (ONE_REF 2), those the pair kernel skips are 0
+        dbp = None if not delta else (torch.zeros(nkb, B * T * HV, device=dev) if one_ref == 2
+                                      else buf(nkb + split_diag, B * T * HV))
         pair = dict(s_dbp=B * T * HV, H=H, HV=HV, K=K, C=C, BC=BC, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
                     span_max=SPAN_MAX, LOWP=lowp_key is True, num_stages=ns, **common)
-        if one_ref:     # the one-reference programs, then the block form where a chunk's gate spans too far
+        if one_ref == 1:    # the one-reference programs, then the block form where a chunk's gate spans too far
             _bwd_pair_kernel[(NT, B * HV, nkb)](q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, BKP=bkp, OFFDIAG=True,
                                                 DIAG=True, ONE_REF=1, num_warps=_warps("bwd_pair_ref", gate, wide8),
                                                 **_regs("bwd_pair_ref", gate, wide8), **pair)
