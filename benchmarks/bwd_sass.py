@@ -49,27 +49,27 @@ KERNELS = {
                    dict(T="i32"), dict(BC=cb.SUB, span_max=cb.SPAN_MAX)),
     "bwd_pair": ("_bwd_pair_kernel",          # per channel: the pairwise gradients by column blocks (the default)
                  dict(q="in", k="in", beta="in", G="fp32", Pmat="fp32", Amat="fp32", dq="g", dk="g", dbp="fp32",
-                      dG="fp32"),
+                      dG="fp32", dq_o="in", dk_o="in"),
                  dict(T="i32", s_dbp="i32"), dict(BC=cb.SUB, span_max=cb.SPAN_MAX, OFFDIAG=True, DIAG=True, BKP=cb.BWD_PAIR_SPLIT,
                                                  ONE_REF=0)),
     **{f"bwd_pair_ref{n}": ("_bwd_pair_kernel",   # one reference per chunk where the gate allows (BWD_ONE_REF), n channels
                             dict(q="in", k="in", beta="in", G="fp32", Pmat="fp32", Amat="fp32", dq="g", dk="g",
-                                 dbp="fp32", dG="fp32"),
+                                 dbp="fp32", dG="fp32", dq_o="in", dk_o="in"),
                             dict(T="i32", s_dbp="i32"),
                             dict(BC=cb.SUB, span_max=cb.SPAN_MAX, OFFDIAG=True, DIAG=True, BKP=n, ONE_REF=1))
         for n in (32, 64)},
     "bwd_pair_rest": ("_bwd_pair_kernel",   # the block form where one reference does not fit (BWD_ONE_REF's 2nd launch)
                       dict(q="in", k="in", beta="in", G="fp32", Pmat="fp32", Amat="fp32", dq="g", dk="g", dbp="fp32",
-                           dG="fp32"),
+                           dG="fp32", dq_o="in", dk_o="in"),
                       dict(T="i32", s_dbp="i32"),
                       dict(BC=cb.SUB, span_max=cb.SPAN_MAX, OFFDIAG=True, DIAG=True, BKP=cb.BWD_PAIR_SPLIT, ONE_REF=2)),
     "bwd_diag": ("_bwd_pair_kernel",          # the diagonal blocks alone, all channels (CHUNKWISE_BWD_PAIR_DIAG=0)
                  dict(q="in", k="in", beta="in", G="fp32", Pmat="fp32", Amat="fp32", dq="g", dk="g", dbp="fp32",
-                      dG="fp32"),
+                      dG="fp32", dq_o="in", dk_o="in"),
                  dict(T="i32", s_dbp="i32"), dict(BC=cb.SUB, span_max=cb.SPAN_MAX, OFFDIAG=False, DIAG=True, BKP=128, ONE_REF=0)),
     **{f"bwd_offdiag{n}": ("_bwd_pair_kernel",     # the off-diagonal part alone, n channels (BWD_PAIR_DIAG=0)
                            dict(q="in", k="in", beta="in", G="fp32", Pmat="fp32", Amat="fp32", dq="g", dk="g",
-                                dbp="fp32", dG="fp32"),
+                                dbp="fp32", dG="fp32", dq_o="in", dk_o="in"),
                            dict(T="i32", s_dbp="i32"),
                            dict(BC=cb.SUB, span_max=cb.SPAN_MAX, OFFDIAG=True, DIAG=False, BKP=n, ONE_REF=0))
         for n in (16, 32)},

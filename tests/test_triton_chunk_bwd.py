@@ -433,6 +433,19 @@ def test_grads_kda_pair_split(split, diag, one_ref, monkeypatch):
     _compare(inp, TOL[torch.float32])
 
 
+@pytest.mark.parametrize("one_ref", ["0", "1", "2"])
+def test_grads_kda_16_bit_finished_in_pair_kernel(one_ref, monkeypatch):
+    """KDA with fp16 inputs and as many value heads as key heads: the launch that finishes dq / dk (the
+    one-reference programs, the block form's diagonal pass) stores them in fp16 itself (CHUNKWISE_BWD_ONE_REF 0 /
+    1; at 2 the key side finishes some and the cast stays). Steep channels in one chunk take the block form next
+    to one-reference programs; every gradient equals the reference's, in the inputs' dtype."""
+    monkeypatch.setenv("CHUNKWISE_BWD_ONE_REF", one_ref)
+    monkeypatch.setenv("CHUNKWISE_BWD_PAIR_SPLIT", "16")
+    inp = make_inputs("kda", lengths=[70, 30], H=2, HV=2, K=32, V=16, seed=15)
+    inp.g[:, 5:45, :, 20:23] = -6.0
+    _compare(inp, TOL[torch.float16], dtype=torch.float16)
+
+
 def test_kda_pair_one_reference_taken(monkeypatch):
     """The one-reference pairwise gradients run where the chunk gate allows them: with normal gates the
     gradients differ (in rounding only) between the block form and CHUNKWISE_BWD_ONE_REF=1 (the pair kernel)

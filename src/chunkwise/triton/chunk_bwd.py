@@ -925,8 +925,8 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
             b_Gh, b_lasth = _load_gate_cols(G, t0, L, i_h, o_k, m_k, HV, K, C)
             b_d = b_Gh - 0.5 * b_lasth[None, :]                                              # G − r, r = G_last / 2
             if tl.max(tl.max(tl.abs(b_d), axis=1), axis=0) < span_max:      # the same test as _bwd_pair_kernel's
-                b_db += _pair_grads_one_ref(q, k, dq, dk, dG, b_dPf, b_dPtf, b_dA, b_dAtf, b_beta, b_d, rows, m_t,
-                                            o_k, m_k, i_h, i_hk, H, HV, K, DELTA, PREC)
+                b_db += _pair_grads_one_ref(q, k, dq, dk, dG, dq, dk, b_dPf, b_dPtf, b_dA, b_dAtf, b_beta, b_d, rows,
+                                            m_t, o_k, m_k, i_h, i_hk, H, HV, K, DELTA, PREC)
     if GATE != 2:
         tl.debug_barrier()
         b_dPt = tl.load(Pmat + p_ccT, mask=m_cc & (o_t[None, :] >= o_t[:, None]), other=0.)
@@ -988,16 +988,18 @@ def _diag_grads_exact(k, G, Pmat, Amat, b_q, b_kb, b_G, b_last, t0, L, ib, rows,
 
 
 @triton.jit
-def _pair_grads_one_ref(q, k, dq, dk, dG, b_dP, b_dPt, b_dA, b_dAt, b_beta, b_d, rows, m_t, o_k, m_k, i_h, i_hk,
-                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr):
+def _pair_grads_one_ref(q, k, dq, dk, dG, dq_o, dk_o, b_dP, b_dPt, b_dA, b_dAt, b_beta, b_d, rows, m_t, o_k, m_k,
+                        i_h, i_hk, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, DELTA: tl.constexpr,
+                        PREC: tl.constexpr):
     """The pairwise gradients of KDA's P and A for the channels o_k of one chunk around one reference r, b_d = G − r
     [C, BKP] with every |G_i − r| under span_max: Γ_ij = x_i y_j, x = e^{G − r}, y = e^{r − G} (both in fp32's
     range), so over the whole chunk (the diagonal blocks included)
 
         dq = x ⊙ (dP (k ⊙ y)),   d(βk) = x ⊙ (dA (k ⊙ y)),   dk = y ⊙ (dPᵀ (q ⊙ x) + dAᵀ (βk ⊙ x))
 
-    added to dq, dk in place; dG gets them and becomes dg (reverse cumsum). b_dP, b_dPt, b_dA, b_dAt: [C, C] fp32
-    (dP lower, dA strict lower, zero elsewhere). Returns dβ's share [C]."""
+    added to dq, dk, the sums stored to dq_o, dk_o (dq, dk themselves, or the final gradients in their dtype); dG
+    gets them and becomes dg (reverse cumsum). b_dP, b_dPt, b_dA, b_dAt: [C, C] fp32 (dP lower, dA strict lower,
+    zero elsewhere). Returns dβ's share [C]."""
     m_tk, p_tk, p_hk = _col_offsets(rows, m_t, o_k, m_k, i_h, i_hk, H, HV, K)
     b_x = tl.exp(b_d)                                                                    # e^{G_i − r}
     b_y = tl.exp(-b_d)                                                                   # e^{r − G_j}
@@ -1015,8 +1017,9 @@ def _pair_grads_one_ref(q, k, dq, dk, dG, b_dP, b_dPt, b_dA, b_dAt, b_beta, b_d,
         b_dkb = tl.zeros_like(b_k)
     b_dkp = b_dkp * b_y
     b_dq = tl.load(dq + p_hk, mask=m_tk, other=0.) + b_dqp
-    tl.store(dq + p_hk, b_dq, mask=m_tk)
-    tl.store(dk + p_hk, tl.load(dk + p_hk, mask=m_tk, other=0.) + b_dkp + b_beta[:, None] * b_dkb, mask=m_tk)
+    tl.store(dq_o + p_hk, b_dq.to(dq_o.dtype.element_ty), mask=m_tk)
+    b_dk = tl.load(dk + p_hk, mask=m_tk, other=0.) + b_dkp + b_beta[:, None] * b_dkb
+    tl.store(dk_o + p_hk, b_dk.to(dk_o.dtype.element_ty), mask=m_tk)
     b_dG = tl.load(dG + p_hk, mask=m_tk, other=0.) + b_q * b_dq + b_kb * b_dkb - b_k * b_dkp
     b_dg = tl.sum(b_dG, axis=0)[None, :] - tl.cumsum(b_dG, axis=0) + b_dG                 # reverse cumsum
     tl.store(dG + p_hk, b_dg, mask=m_tk)
@@ -1024,11 +1027,13 @@ def _pair_grads_one_ref(q, k, dq, dk, dG, b_dP, b_dPt, b_dA, b_dAt, b_beta, b_d,
 
 
 @triton.jit
-def _pair_grads_blocks(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, t0, L, i_h, i_hk, i_kb, o_k, m_k, b_last, s_dbp,
+def _pair_grads_blocks(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, t0, L, i_h, i_hk, i_kb, o_k, m_k, b_last,
+                       s_dbp,
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BKP: tl.constexpr, C: tl.constexpr,
                        BC: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, span_max: tl.constexpr,
                        OFFDIAG: tl.constexpr, LOWP: tl.constexpr, DIAG: tl.constexpr):
-    """_bwd_pair_kernel's block form for the channels o_k of one chunk (OFFDIAG, DIAG: see there)."""
+    """_bwd_pair_kernel's block form for the channels o_k of one chunk (OFFDIAG, DIAG: see there). The diagonal
+    blocks' pass stores the finished dq, dk to dq_o, dk_o."""
     o_i = tl.arange(0, BC)
     if OFFDIAG:
         o_t, m_t, rows, m_cc, p_cc, p_ccT = _chunk_rows(t0, L, i_h, HV, C)
@@ -1095,8 +1100,9 @@ def _pair_grads_blocks(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, t0, L, i_h, i
                 b_dqd, b_dkbd, b_dkd = _diag_grads_exact(k, G, Pmat, Amat, b_q, b_kb, b_G, b_last, t0, L, ib, rows, m_r,
                                                          i_h, i_hk, o_k, m_k, H, HV, K, BKP, C, BC, DELTA)
             b_dGd = b_q * b_dqd + b_kb * b_dkbd - b_k * b_dkd
-            tl.store(dq + p_hk, tl.load(dq + p_hk, mask=m_rk, other=0.) + b_dqd, mask=m_rk)
-            tl.store(dk + p_hk, tl.load(dk + p_hk, mask=m_rk, other=0.) + b_dkd + b_beta[:, None] * b_dkbd,
+            tl.store(dq_o + p_hk, (tl.load(dq + p_hk, mask=m_rk, other=0.) + b_dqd).to(dq_o.dtype.element_ty), mask=m_rk)
+            tl.store(dk_o + p_hk, (tl.load(dk + p_hk, mask=m_rk, other=0.) + b_dkd + b_beta[:, None] * b_dkbd).to(
+                dk_o.dtype.element_ty),
                      mask=m_rk)
             if DELTA:
                 b_dbd = tl.sum(b_k * b_dkbd, axis=1)
@@ -1111,14 +1117,15 @@ def _pair_grads_blocks(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, t0, L, i_h, i
 
 
 @triton.jit
-def _bwd_pair_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, cu_seqlens, chunk_indices, T, s_dbp,
+def _bwd_pair_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, cu_seqlens, chunk_indices, T, s_dbp,
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BKP: tl.constexpr, C: tl.constexpr,
                      BC: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
                      span_max: tl.constexpr, OFFDIAG: tl.constexpr, LOWP: tl.constexpr = 0,
                      DIAG: tl.constexpr = True, ONE_REF: tl.constexpr = 0):
     """Per-channel gates, after _bwd_grad_kernel: the gradients through the pairwise products P = tril(⟨q_i,
-    Γ_ij k_j⟩) and A = strict_tril(⟨βk_i, Γ_ij k_j⟩) (dP, dA in Pmat, Amat), added to dq, dk, dG in place,
-    then dG becomes dg (reverse cumsum over the chunk). Grid (chunks, B·HV, cdiv(K, BKP)): everything here is
+    Γ_ij k_j⟩) and A = strict_tril(⟨βk_i, Γ_ij k_j⟩) (dP, dA in Pmat, Amat), added to dq, dk (fp32), the
+    finished sums stored to dq_o, dk_o (dq, dk themselves, or the gradients in their own dtype), and to dG, which
+    then becomes dg (reverse cumsum over the chunk). Grid (chunks, B·HV, cdiv(K, BKP)): everything here is
     local to a key channel, so each program takes one block of BKP channels.
 
         OFFDIAG: the blocks off the 16×16 diagonal first, on whole [C, BKP] tiles (_pairwise_grads_channel);
@@ -1142,8 +1149,8 @@ def _bwd_pair_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, cu_seqlens, chu
     m_k = o_k < K
     b_last = tl.load(G + ((t0 + L - 1).to(tl.int64) * HV + i_h) * K + o_k, mask=m_k, other=0.)
     if ONE_REF == 0:
-        _pair_grads_blocks(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, t0, L, i_h, i_hk, i_kb, o_k, m_k, b_last, s_dbp,
-                           H, HV, K, BKP, C, BC, DELTA, PREC, span_max, OFFDIAG, LOWP, DIAG)
+        _pair_grads_blocks(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, t0, L, i_h, i_hk, i_kb, o_k, m_k,
+                           b_last, s_dbp, H, HV, K, BKP, C, BC, DELTA, PREC, span_max, OFFDIAG, LOWP, DIAG)
     else:
         # one reference for the whole chunk, r = G_last / 2 per channel, where every |G_i − r| of these channels
         # is under span_max: Γ_ij = e^{G_i − r} e^{r − G_j}, both factors in fp32's range
@@ -1159,14 +1166,14 @@ def _bwd_pair_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, cu_seqlens, chu
                 else:
                     b_beta = tl.zeros([C], dtype=tl.float32)
                     b_dA = b_dP
-                b_db = _pair_grads_one_ref(q, k, dq, dk, dG, b_dP, tl.trans(b_dP), b_dA, tl.trans(b_dA), b_beta, b_d,
-                                           rows, m_t, o_k, m_k, i_h, i_hk, H, HV, K, DELTA, PREC)
+                b_db = _pair_grads_one_ref(q, k, dq, dk, dG, dq_o, dk_o, b_dP, tl.trans(b_dP), b_dA, tl.trans(b_dA),
+                                           b_beta, b_d, rows, m_t, o_k, m_k, i_h, i_hk, H, HV, K, DELTA, PREC)
                 if DELTA:
                     tl.store(dbp + i_kb.to(tl.int64) * s_dbp + rows * HV + i_h, b_db, mask=m_t)
         else:
             if fast == 0:
-                _pair_grads_blocks(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, t0, L, i_h, i_hk, i_kb, o_k, m_k,
-                                   b_last, s_dbp, H, HV, K, BKP, C, BC, DELTA, PREC, span_max, OFFDIAG, LOWP, DIAG)
+                _pair_grads_blocks(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, t0, L, i_h, i_hk, i_kb, o_k,
+                                   m_k, b_last, s_dbp, H, HV, K, BKP, C, BC, DELTA, PREC, span_max, OFFDIAG, LOWP, DIAG)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1263,8 +1270,10 @@ BWD_PAIR_SPLIT = 32
 # KDA's pairwise gradients with one reference per chunk where its gate allows: 1, in a launch of their own
 # (_bwd_pair_kernel ONE_REF 1); 2, in the key side's second pass (_bwd_grad_kernel ONE_REF); then the pair kernel's
 # block form for the others; 0, the block form everywhere. CHUNKWISE_BWD_ONE_REF (0 / 1 / 2) overrides. On the
-# H200 (run of ac0ebbf, KDA B1-T32768-H32 bf16 fwd+bwd) the pair kernels 7.97 -> 3.93 ms at 1.
-BWD_ONE_REF = 2
+# H200 (KDA B1-T32768-H32 bf16 fwd+bwd; runs of ac0ebbf and b42e3c4) the pair kernels 7.97 -> 3.78-3.93 ms at 1,
+# fwd+bwd 20.90 -> 14.50 ms (with BWD_KD_IN); at 2 the key side took 2.54 -> 6.61 ms (its second pass holds dP, dPᵀ,
+# dA, dAᵀ in registers next to pass 1's state: 255 registers, 204 B of spills at 8 warps offline), fwd+bwd 14.98.
+BWD_ONE_REF = 1
 BWD_PAIR_DIAG = 0     # 0: the diagonal blocks in a second launch over all channels (bwd_diag warps), the split
 # launch only the off-diagonal part. On the H200 (sweep of 1695bb2, KDA B1-T32768-H32 bf16) the pair kernels
 # 9.53 -> 8.10 ms, fwd+bwd 26.74 -> 25.31 ms (offline sm_90, 32 channels: the off-diagonal part alone 73
@@ -1512,21 +1521,28 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         # dβ's shares by channel block; with the key side taking blocks (ONE_REF 2), those the pair kernel skips are 0
         dbp = None if not delta else (torch.zeros(nkb, B * T * HV, device=dev) if one_ref == 2
                                       else buf(nkb + split_diag, B * T * HV))
+        # the launch that finishes a gradient element stores it in the input's dtype (no cast afterwards), where
+        # nothing follows: not for grouped heads (summed over the group in fp32) nor when the key side finishes some
+        dq_o, dk_o = dq, dk
+        if HV == H and one_ref != 2 and q.dtype != dq.dtype:
+            dq_o, dk_o = buf(*dq.shape, dtype=q.dtype), buf(*dk.shape, dtype=k.dtype)
         pair = dict(s_dbp=B * T * HV, H=H, HV=HV, K=K, C=C, BC=BC, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
                     span_max=SPAN_MAX, LOWP=lowp_key is True, num_stages=ns, **common)
         if one_ref == 1:    # the one-reference programs, then the block form where a chunk's gate spans too far
-            _bwd_pair_kernel[(NT, B * HV, nkb)](q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, BKP=bkp, OFFDIAG=True,
+            _bwd_pair_kernel[(NT, B * HV, nkb)](q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, BKP=bkp, OFFDIAG=True,
                                                 DIAG=True, ONE_REF=1, num_warps=_warps("bwd_pair_ref", gate, wide8),
                                                 **_regs("bwd_pair_ref", gate, wide8), **pair)
-        _bwd_pair_kernel[(NT, B * HV, nkb)](q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, BKP=bkp, OFFDIAG=True,
+        _bwd_pair_kernel[(NT, B * HV, nkb)](q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, BKP=bkp, OFFDIAG=True,
                                             DIAG=not split_diag, ONE_REF=2 if one_ref else 0,
                                             num_warps=_warps("bwd_pair", gate, wide8), **_regs("bwd_pair", gate, wide8), **pair)
         if split_diag:
             _bwd_pair_kernel[(NT, B * HV, 1)](q, k, beta, G, Pmat, Amat, dq, dk, None if dbp is None else dbp[nkb:], dG,
+                                              dq_o, dk_o,
                                               BKP=BK, OFFDIAG=False, DIAG=True, num_warps=_warps("bwd_diag", gate, wide8), **_regs("bwd_diag", gate, wide8),
                                               **pair)
         if delta:
             dbeta += dbp.view(-1, B, T, HV).sum(0)
+        dq, dk = dq_o, dk_o
     if HV != H:
         dq = dq.view(B, T, H, HV // H, K).sum(3)
         dk = dk.view(B, T, H, HV // H, K).sum(3)

@@ -833,7 +833,8 @@ def _dot_prec(dtype, gate: int = 0) -> tuple[str, str, str]:
 # (benchmarks/sweep_stage1.py, benchmarks/NOTES.md, runs of 0dcbe37 and 6ff14f7): the fastest variant whose
 # bf16 output error against the float64 recurrence is at most 1.05x fla's. KDA keeps its W/U products in
 # tf32: with bf16 products and BKC = 32 its output error was 4.0e-2 in both runs (fla 3.7e-3; BKC = 64:
-# 3.8e-3), see NOTES.
+# 3.8e-3), see NOTES, and with the one-reference A / P products (session 11) that build raised an illegal memory
+# access on the H200 (sweep of b42e3c4): per-channel gates never take them (chunk_prepare ignores the knob).
 PREP_CONFIG = {0: (1, 4, 64, 0), 1: (1, 4, 64, 0), 2: (0, 4, 32, 0)}
 # KDA's A and P (form 0): a column chunk whose chunk gate stays within ±span_max of one reference (G_last / 2)
 # takes two [BT, BKC] x [BKC, BT] products of e^{±(G − r)}-scaled operands instead of eight by blocks
@@ -926,7 +927,7 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
             q, k, v, g, beta, w, u, p, qg, kg, glast, gcum, None, t, None, cu_seqlens, chunk_indices, T, NT,
             H=H, HV=HV, K=K, V=V, scale=1.0, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)), GATE=gate,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=solve_prec,
-            g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(dt, K),
+            g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(dt, K) and gate != 2,
             AP_FORM=form if gate == 2 else 0, STORE_T=save_t, STORE_P=store_p, GC_OUT=gate == 1,
             AP_ONE_REF=gate == 2 and _env_switch("CHUNKWISE_KDA_ONE_REF", KDA_ONE_REF), num_warps=warps,
             num_stages=1, **reg_cap("prep_fwd"))
