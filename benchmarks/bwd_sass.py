@@ -56,8 +56,13 @@ KERNELS = {
                             dict(q="in", k="in", beta="in", G="fp32", Pmat="fp32", Amat="fp32", dq="g", dk="g",
                                  dbp="fp32", dG="fp32", dq_o="in", dk_o="in"),
                             dict(T="i32", s_dbp="i32"),
-                            dict(BC=cb.SUB, span_max=cb.SPAN_MAX, OFFDIAG=True, DIAG=True, BKP=n, ONE_REF=1))
+                            dict(BC=cb.SUB, span_max=cb.SPAN_MAX, OFFDIAG=True, DIAG=True, BKP=n, ONE_REF=1, KLOOP=0))
         for n in (32, 64)},
+    "bwd_pair_kloop": ("_bwd_pair_kernel",   # the same, one program per chunk over the 32-channel blocks (BWD_PAIR_KLOOP)
+                       dict(q="in", k="in", beta="in", G="fp32", Pmat="fp32", Amat="fp32", dq="g", dk="g",
+                            dbp="fp32", dG="fp32", dq_o="in", dk_o="in"),
+                       dict(T="i32", s_dbp="i32"),
+                       dict(BC=cb.SUB, span_max=cb.SPAN_MAX, OFFDIAG=True, DIAG=True, BKP=32, ONE_REF=1, KLOOP=1)),
     "bwd_pair_rest": ("_bwd_pair_kernel",   # the block form where one reference does not fit (BWD_ONE_REF's 2nd launch)
                       dict(q="in", k="in", beta="in", G="fp32", Pmat="fp32", Amat="fp32", dq="g", dk="g", dbp="fp32",
                            dG="fp32", dq_o="in", dk_o="in"),

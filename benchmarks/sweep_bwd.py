@@ -78,9 +78,10 @@ LOWP_VARIANTS = "lowp2:;lowp4:CHUNKWISE_BWD_LOWP=4"
 # KDA's one-reference products (forward stage 1: CHUNKWISE_KDA_ONE_REF; backward: CHUNKWISE_BWD_ONE_REF 1 in the pair
 # kernel, 2 in the key side) and the state passes on scaled keys (CHUNKWISE_BWD_KD_IN). Run of ac0ebbf: off / forward
 # only / both (pair kernel) / both with KD_IN / both with the pair kernel at 64 channels, 8 warps: 20.84 / 19.84 /
-# 15.77 / 14.63 / 15.92 ms. Now: the pair kernel against the key side (the defaults), and everything off.
-ONEREF_VARIANTS = ("pair:CHUNKWISE_BWD_ONE_REF=1;keyside:;"
-                   "off:CHUNKWISE_KDA_ONE_REF=0,CHUNKWISE_BWD_ONE_REF=0,CHUNKWISE_BWD_KD_IN=0")
+# 15.77 / 14.63 / 15.92 ms; run of b42e3c4: pair kernel 14.50, key side 14.98, off 20.90. Now the pair kernel's
+# launch: one program per 32-channel block (the default) or per chunk over the blocks (KLOOP), at 4 / 8 warps.
+ONEREF_VARIANTS = ("pair:;pair_w8:CHUNKWISE_BWD_WARPS=bwd_pair_ref:8;kloop:CHUNKWISE_BWD_PAIR_KLOOP=1;"
+                   "kloop_w8:CHUNKWISE_BWD_PAIR_KLOOP=1,CHUNKWISE_BWD_WARPS=bwd_pair_ref:8")
 NAMED = {"pair": PAIR_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
          "oneref": ONEREF_VARIANTS}
 

@@ -415,19 +415,20 @@ def test_grads_fp16_product_precisions(fam, prec, monkeypatch):
 
 
 @pytest.mark.parametrize("split,diag,one_ref", [(0, 1, 0), (16, 1, 0), (16, 0, 0), (16, 0, 1), (0, 0, 1), (16, 0, 2),
-                                                (0, 0, 2)])
+                                                (0, 0, 2), (16, 0, "1-kloop")])
 def test_grads_kda_pair_split(split, diag, one_ref, monkeypatch):
     """KDA's pairwise gradients (through P and A) in their own kernel split over key channels
     (CHUNKWISE_BWD_PAIR_SPLIT = channels per program; 16 of K = 40: three blocks, the last partial), with the
     diagonal blocks in the same programs or (CHUNKWISE_BWD_PAIR_DIAG=0) in a second launch, or in one
     program over all channels (0), and with one reference per chunk (CHUNKWISE_BWD_ONE_REF=1: a launch of its
-    own; 2: in the key side, whose column blocks (CHUNKWISE_BWD_KSPLIT, here the split) the pair kernel then
+    own, one program per block or, CHUNKWISE_BWD_PAIR_KLOOP=1, per chunk over the blocks; 2: in the key side, whose column blocks (CHUNKWISE_BWD_KSPLIT, here the split) the pair kernel then
     takes; the steep channels' blocks take the block form): every gradient equals the reference's, varlen with
     a length-1 sequence, grouped heads, and a few steep channels whose diagonal blocks take the exact loops."""
     monkeypatch.setenv("CHUNKWISE_BWD_PAIR_SPLIT", str(split))
     monkeypatch.setenv("CHUNKWISE_BWD_KSPLIT", str(split))
     monkeypatch.setenv("CHUNKWISE_BWD_PAIR_DIAG", str(diag))
-    monkeypatch.setenv("CHUNKWISE_BWD_ONE_REF", str(one_ref))
+    monkeypatch.setenv("CHUNKWISE_BWD_ONE_REF", str(one_ref)[0])
+    monkeypatch.setenv("CHUNKWISE_BWD_PAIR_KLOOP", str(int(str(one_ref).endswith("kloop"))))
     inp = make_inputs("kda", lengths=[1, 70, 30], H=1, HV=2, K=40, V=24, seed=10)
     inp.g[:, 20:60, :, 33:36] = -6.0
     _compare(inp, TOL[torch.float32])

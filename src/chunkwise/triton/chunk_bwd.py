@@ -1121,7 +1121,7 @@ def _bwd_pair_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, cu_
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BKP: tl.constexpr, C: tl.constexpr,
                      BC: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
                      span_max: tl.constexpr, OFFDIAG: tl.constexpr, LOWP: tl.constexpr = 0,
-                     DIAG: tl.constexpr = True, ONE_REF: tl.constexpr = 0):
+                     DIAG: tl.constexpr = True, ONE_REF: tl.constexpr = 0, KLOOP: tl.constexpr = 0):
     """Per-channel gates, after _bwd_grad_kernel: the gradients through the pairwise products P = tril(⟨q_i,
     Γ_ij k_j⟩) and A = strict_tril(⟨βk_i, Γ_ij k_j⟩) (dP, dA in Pmat, Amat), added to dq, dk (fp32), the
     finished sums stored to dq_o, dk_o (dq, dk themselves, or the gradients in their own dtype), and to dG, which
@@ -1151,30 +1151,35 @@ def _bwd_pair_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, cu_
     if ONE_REF == 0:
         _pair_grads_blocks(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, t0, L, i_h, i_hk, i_kb, o_k, m_k,
                            b_last, s_dbp, H, HV, K, BKP, C, BC, DELTA, PREC, span_max, OFFDIAG, LOWP, DIAG)
-    else:
+    elif ONE_REF == 1:
         # one reference for the whole chunk, r = G_last / 2 per channel, where every |G_i − r| of these channels
-        # is under span_max: Γ_ij = e^{G_i − r} e^{r − G_j}, both factors in fp32's range
-        b_d = _load_gate_cols(G, t0, L, i_h, o_k, m_k, HV, K, C)[0] - 0.5 * b_last[None, :]  # [C, BKP]
-        fast = tl.max(tl.max(tl.abs(b_d), axis=1), axis=0) < span_max
-        if ONE_REF == 1:
-            if fast:
-                o_t, m_t, rows, m_cc, p_cc, p_ccT = _chunk_rows(t0, L, i_h, HV, C)
-                b_dP = tl.load(Pmat + p_cc, mask=m_cc & (o_t[:, None] >= o_t[None, :]), other=0.)   # dP [C, C]
-                if DELTA:
-                    b_beta = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.).to(tl.float32)
-                    b_dA = tl.load(Amat + p_cc, mask=m_cc & (o_t[:, None] > o_t[None, :]), other=0.)  # dA [C, C]
-                else:
-                    b_beta = tl.zeros([C], dtype=tl.float32)
-                    b_dA = b_dP
-                b_db = _pair_grads_one_ref(q, k, dq, dk, dG, dq_o, dk_o, b_dP, tl.trans(b_dP), b_dA, tl.trans(b_dA),
-                                           b_beta, b_d, rows, m_t, o_k, m_k, i_h, i_hk, H, HV, K, DELTA, PREC)
-                if DELTA:
-                    tl.store(dbp + i_kb.to(tl.int64) * s_dbp + rows * HV + i_h, b_db, mask=m_t)
+        # is under span_max: Γ_ij = e^{G_i − r} e^{r − G_j}, both factors in fp32's range. KLOOP: one program per
+        # chunk takes every channel block in turn (dP, dA loaded once), else one block per program.
+        o_t, m_t, rows, m_cc, p_cc, p_ccT = _chunk_rows(t0, L, i_h, HV, C)
+        b_dP = tl.load(Pmat + p_cc, mask=m_cc & (o_t[:, None] >= o_t[None, :]), other=0.)           # dP [C, C]
+        if DELTA:
+            b_beta = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.).to(tl.float32)
+            b_dA = tl.load(Amat + p_cc, mask=m_cc & (o_t[:, None] > o_t[None, :]), other=0.)        # dA [C, C]
         else:
-            if fast == 0:
-                _pair_grads_blocks(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, t0, L, i_h, i_hk, i_kb, o_k,
-                                   m_k, b_last, s_dbp, H, HV, K, BKP, C, BC, DELTA, PREC, span_max, OFFDIAG, LOWP, DIAG)
-
+            b_beta = tl.zeros([C], dtype=tl.float32)
+            b_dA = b_dP
+        for i_kc in range(tl.cdiv(K, BKP) if KLOOP else 1):
+            i_kb2 = i_kb + i_kc
+            o_k2 = i_kb2 * BKP + tl.arange(0, BKP)
+            m_k2 = o_k2 < K
+            b_G2, b_last2 = _load_gate_cols(G, t0, L, i_h, o_k2, m_k2, HV, K, C)
+            b_d = b_G2 - 0.5 * b_last2[None, :]                                                 # [C, BKP]
+            if tl.max(tl.max(tl.abs(b_d), axis=1), axis=0) < span_max:
+                b_db = _pair_grads_one_ref(q, k, dq, dk, dG, dq_o, dk_o, b_dP, tl.trans(b_dP), b_dA, tl.trans(b_dA),
+                                           b_beta, b_d, rows, m_t, o_k2, m_k2, i_h, i_hk, H, HV, K, DELTA, PREC)
+                if DELTA:
+                    tl.store(dbp + i_kb2.to(tl.int64) * s_dbp + rows * HV + i_h, b_db, mask=m_t)
+    else:
+        # the block form where one reference does not fit (the same test as above)
+        b_d = _load_gate_cols(G, t0, L, i_h, o_k, m_k, HV, K, C)[0] - 0.5 * b_last[None, :]      # [C, BKP]
+        if tl.max(tl.max(tl.abs(b_d), axis=1), axis=0) >= span_max:
+            _pair_grads_blocks(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, t0, L, i_h, i_hk, i_kb, o_k,
+                               m_k, b_last, s_dbp, H, HV, K, BKP, C, BC, DELTA, PREC, span_max, OFFDIAG, LOWP, DIAG)
 
 # ------------------------------------------------------------------------------------------------
 # launcher
@@ -1274,6 +1279,9 @@ BWD_PAIR_SPLIT = 32
 # fwd+bwd 20.90 -> 14.50 ms (with BWD_KD_IN); at 2 the key side took 2.54 -> 6.61 ms (its second pass holds dP, dPᵀ,
 # dA, dAᵀ in registers next to pass 1's state: 255 registers, 204 B of spills at 8 warps offline), fwd+bwd 14.98.
 BWD_ONE_REF = 1
+# ONE_REF 1: one program per chunk over every channel block (dP, dA read once; 1) or one per block (0);
+# CHUNKWISE_BWD_PAIR_KLOOP overrides
+BWD_PAIR_KLOOP = 0
 BWD_PAIR_DIAG = 0     # 0: the diagonal blocks in a second launch over all channels (bwd_diag warps), the split
 # launch only the off-diagonal part. On the H200 (sweep of 1695bb2, KDA B1-T32768-H32 bf16) the pair kernels
 # 9.53 -> 8.10 ms, fwd+bwd 26.74 -> 25.31 ms (offline sm_90, 32 channels: the off-diagonal part alone 73
@@ -1529,8 +1537,10 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         pair = dict(s_dbp=B * T * HV, H=H, HV=HV, K=K, C=C, BC=BC, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
                     span_max=SPAN_MAX, LOWP=lowp_key is True, num_stages=ns, **common)
         if one_ref == 1:    # the one-reference programs, then the block form where a chunk's gate spans too far
-            _bwd_pair_kernel[(NT, B * HV, nkb)](q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, BKP=bkp, OFFDIAG=True,
-                                                DIAG=True, ONE_REF=1, num_warps=_warps("bwd_pair_ref", gate, wide8),
+            kloop = _env_switch("CHUNKWISE_BWD_PAIR_KLOOP", BWD_PAIR_KLOOP)
+            _bwd_pair_kernel[(NT, B * HV, 1 if kloop else nkb)](q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o,
+                                                BKP=bkp, OFFDIAG=True, DIAG=True, ONE_REF=1, KLOOP=kloop,
+                                                num_warps=_warps("bwd_pair_ref", gate, wide8),
                                                 **_regs("bwd_pair_ref", gate, wide8), **pair)
         _bwd_pair_kernel[(NT, B * HV, nkb)](q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, BKP=bkp, OFFDIAG=True,
                                             DIAG=not split_diag, ONE_REF=2 if one_ref else 0,
