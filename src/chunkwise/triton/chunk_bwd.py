@@ -1280,8 +1280,10 @@ BWD_PAIR_SPLIT = 32
 # dA, dAᵀ in registers next to pass 1's state: 255 registers, 204 B of spills at 8 warps offline), fwd+bwd 14.98.
 BWD_ONE_REF = 1
 # ONE_REF 1: one program per chunk over every channel block (dP, dA read once; 1) or one per block (0);
-# CHUNKWISE_BWD_PAIR_KLOOP overrides
-BWD_PAIR_KLOOP = 0
+# CHUNKWISE_BWD_PAIR_KLOOP overrides. H200 (run of d51f7fa, KDA B1-T32768-H32 bf16 fwd+bwd, 4 warps): the
+# one-reference launch 3.11 against 3.19 ms, fwd+bwd 13.52 against 13.58, identical gradients; at 8 warps
+# 4.90 / 3.86 ms
+BWD_PAIR_KLOOP = 1
 BWD_PAIR_DIAG = 0     # 0: the diagonal blocks in a second launch over all channels (bwd_diag warps), the split
 # launch only the off-diagonal part. On the H200 (sweep of 1695bb2, KDA B1-T32768-H32 bf16) the pair kernels
 # 9.53 -> 8.10 ms, fwd+bwd 26.74 -> 25.31 ms (offline sm_90, 32 channels: the off-diagonal part alone 73
