@@ -82,7 +82,10 @@ LOWP_VARIANTS = "lowp2:;lowp4:CHUNKWISE_BWD_LOWP=4"
 # launch: one program per 32-channel block (the default) or per chunk over the blocks (KLOOP), at 4 / 8 warps.
 ONEREF_VARIANTS = ("pair:;pair_w8:CHUNKWISE_BWD_WARPS=bwd_pair_ref:8;kloop:CHUNKWISE_BWD_PAIR_KLOOP=1;"
                    "kloop_w8:CHUNKWISE_BWD_PAIR_KLOOP=1,CHUNKWISE_BWD_WARPS=bwd_pair_ref:8")
-NAMED = {"pair": PAIR_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
+# KDA with its one-reference products on (the defaults) and off: with CHUNKWISE_BENCH_GATE_SCALE=4 (gates of ~-3 per
+# token, past the one-reference range in nearly every column chunk) what the fallback costs
+GATES_VARIANTS = "on:;off:CHUNKWISE_KDA_ONE_REF=0,CHUNKWISE_BWD_ONE_REF=0"
+NAMED = {"pair": PAIR_VARIANTS, "gates": GATES_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
          "oneref": ONEREF_VARIANTS}
 
 

@@ -90,6 +90,7 @@ def warm_benchmarks(only: str = ""):
                          ("sweep_bwd", ["--warm", "--warps", "4,8"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "pair"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "oneref"]),
+                         ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "gates"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "regs"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "save"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "lowp"])):
