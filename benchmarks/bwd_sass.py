@@ -68,6 +68,12 @@ KERNELS = {
                            dG="fp32", dq_o="in", dk_o="in"),
                       dict(T="i32", s_dbp="i32"),
                       dict(BC=cb.SUB, span_max=cb.SPAN_MAX, OFFDIAG=True, DIAG=True, BKP=cb.BWD_PAIR_SPLIT, ONE_REF=2)),
+    "bwd_diag_rest": ("_bwd_pair_kernel",   # the diagonal blocks of the channel blocks one reference does not fit (ONE_REF 3)
+                      dict(q="in", k="in", beta="in", G="fp32", Pmat="fp32", Amat="fp32", dq="g", dk="g", dbp="fp32",
+                           dG="fp32", dq_o="in", dk_o="in"),
+                      dict(T="i32", s_dbp="i32"),
+                      dict(BC=cb.SUB, span_max=cb.SPAN_MAX, OFFDIAG=False, DIAG=True, BKP=128, ONE_REF=3,
+                           FITB=cb.BWD_PAIR_SPLIT)),
     "bwd_diag": ("_bwd_pair_kernel",          # the diagonal blocks alone, all channels (CHUNKWISE_BWD_PAIR_DIAG=0)
                  dict(q="in", k="in", beta="in", G="fp32", Pmat="fp32", Amat="fp32", dq="g", dk="g", dbp="fp32",
                       dG="fp32", dq_o="in", dk_o="in"),

@@ -1121,7 +1121,8 @@ def _bwd_pair_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, cu_
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BKP: tl.constexpr, C: tl.constexpr,
                      BC: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
                      span_max: tl.constexpr, OFFDIAG: tl.constexpr, LOWP: tl.constexpr = 0,
-                     DIAG: tl.constexpr = True, ONE_REF: tl.constexpr = 0, KLOOP: tl.constexpr = 0):
+                     DIAG: tl.constexpr = True, ONE_REF: tl.constexpr = 0, KLOOP: tl.constexpr = 0,
+                     FITB: tl.constexpr = 16):
     """Per-channel gates, after _bwd_grad_kernel: the gradients through the pairwise products P = tril(⟨q_i,
     Γ_ij k_j⟩) and A = strict_tril(⟨βk_i, Γ_ij k_j⟩) (dP, dA in Pmat, Amat), added to dq, dk (fp32), the
     finished sums stored to dq_o, dk_o (dq, dk themselves, or the gradients in their own dtype), and to dG, which
@@ -1136,7 +1137,9 @@ def _bwd_pair_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, cu_
         ONE_REF: 1, a program whose channels' chunk gate stays within ±span_max of r = G_last / 2 does all of
                  it (both parts and the reverse cumsum) with four [C, C] x [C, BKP] products of e^{±(G − r)}-scaled
                  operands (_pair_grads_one_ref), the others nothing; 2, the others do the above, those nothing
-                 (a second launch: the block form's registers stay out of the one-reference kernel).
+                 (a second launch: the block form's registers stay out of the one-reference kernel); 3, the
+                 diagonal blocks' launch over all channels for a second launch without DIAG, leaving out the
+                 channels of the FITB-channel blocks that fit.
 
     dβ's share of this column block goes to dbp[i_kb] (fp32 [NKB, B·T·HV], summed by the launcher: no
     atomics, so the result does not depend on the order of the programs). LOWP: the off-diagonal products
@@ -1174,12 +1177,21 @@ def _bwd_pair_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, cu_
                                            b_beta, b_d, rows, m_t, o_k2, m_k2, i_h, i_hk, H, HV, K, DELTA, PREC)
                 if DELTA:
                     tl.store(dbp + i_kb2.to(tl.int64) * s_dbp + rows * HV + i_h, b_db, mask=m_t)
-    else:
+    elif ONE_REF == 2:
         # the block form where one reference does not fit (the same test as above)
         b_d = _load_gate_cols(G, t0, L, i_h, o_k, m_k, HV, K, C)[0] - 0.5 * b_last[None, :]      # [C, BKP]
         if tl.max(tl.max(tl.abs(b_d), axis=1), axis=0) >= span_max:
             _pair_grads_blocks(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, t0, L, i_h, i_hk, i_kb, o_k,
                                m_k, b_last, s_dbp, H, HV, K, BKP, C, BC, DELTA, PREC, span_max, OFFDIAG, LOWP, DIAG)
+    else:
+        # ONE_REF 3: the diagonal blocks' launch over every channel, but for the channels of the FITB-channel blocks
+        # that fit one reference (the same test as above, block by block), which the first launch finished
+        b_a = tl.max(tl.abs(_load_gate_cols(G, t0, L, i_h, o_k, m_k, HV, K, C)[0] - 0.5 * b_last[None, :]), axis=0)
+        b_blk = tl.max(tl.reshape(b_a, [BKP // FITB, FITB]), axis=1)                         # [BKP / FITB]
+        b_fit = tl.reshape(tl.broadcast_to(b_blk[:, None], [BKP // FITB, FITB]), [BKP]) < span_max
+        _pair_grads_blocks(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, t0, L, i_h, i_hk, i_kb, o_k,
+                           m_k & (b_fit == 0), b_last, s_dbp, H, HV, K, BKP, C, BC, DELTA, PREC, span_max, OFFDIAG,
+                           LOWP, DIAG)
 
 # ------------------------------------------------------------------------------------------------
 # launcher
@@ -1527,7 +1539,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     if gate == 2:
         nkb = triton.cdiv(K, bkp)
         # the diagonal blocks in their own launch over all channels (BWD_PAIR_DIAG=0, the default) or with the rest
-        split_diag = nkb > 1 and not one_ref and not int(os.environ.get("CHUNKWISE_BWD_PAIR_DIAG", BWD_PAIR_DIAG))
+        split_diag = nkb > 1 and one_ref != 2 and not int(os.environ.get("CHUNKWISE_BWD_PAIR_DIAG", BWD_PAIR_DIAG))
         # dβ's shares by channel block; with the key side taking blocks (ONE_REF 2), those the pair kernel skips are 0
         dbp = None if not delta else (torch.zeros(nkb, B * T * HV, device=dev) if one_ref == 2
                                       else buf(nkb + split_diag, B * T * HV))
@@ -1549,9 +1561,9 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                                             num_warps=_warps("bwd_pair", gate, wide8), **_regs("bwd_pair", gate, wide8), **pair)
         if split_diag:
             _bwd_pair_kernel[(NT, B * HV, 1)](q, k, beta, G, Pmat, Amat, dq, dk, None if dbp is None else dbp[nkb:], dG,
-                                              dq_o, dk_o,
-                                              BKP=BK, OFFDIAG=False, DIAG=True, num_warps=_warps("bwd_diag", gate, wide8), **_regs("bwd_diag", gate, wide8),
-                                              **pair)
+                                              dq_o, dk_o, BKP=BK, OFFDIAG=False, DIAG=True, ONE_REF=3 if one_ref else 0,
+                                              FITB=bkp, num_warps=_warps("bwd_diag", gate, wide8),
+                                              **_regs("bwd_diag", gate, wide8), **pair)
         if delta:
             dbeta += dbp.view(-1, B, T, HV).sum(0)
         dq, dk = dq_o, dk_o

@@ -204,21 +204,23 @@ def _block_starts(b_G, BTc: tl.constexpr, BCc: tl.constexpr):
 
 
 @triton.jit
-def _kda_diag_exact(kf, qf, bk, b_G, BTc: tl.constexpr, BCc: tl.constexpr):
+def _kda_diag_exact(kf, qf, bk, b_G, skip, BTc: tl.constexpr, BCc: tl.constexpr):
     """KDA's diagonal 16×16 blocks of A (without β: bk = β k) and P, each column j exactly from
     e^{G_i − G_j}, i ≥ j in j's block, for blocks whose gates span too far to factor (rare: a loop, not
-    unrolled). kf, qf, bk, b_G: [BT, BKC] fp32. Returns (Ad, Pd) [BT, BT], zero off those blocks."""
+    unrolled). kf, qf, bk, b_G: [BT, BKC] fp32; skip [BT] int32: 1 for the columns of blocks left out (their
+    columns stay zero). Returns (Ad, Pd) [BT, BT], zero off those blocks."""
     o_t = tl.arange(0, BTc)
     blk = o_t // BCc
     Ad = tl.zeros([BTc, BTc], dtype=tl.float32)
     Pd = tl.zeros([BTc, BTc], dtype=tl.float32)
     for j in range(BTc):
-        k_j = tl.sum(tl.where((o_t == j)[:, None], kf, 0.), 0)                          # [BKC]
-        G_j = tl.sum(tl.where((o_t == j)[:, None], b_G, 0.), 0)                         # [BKC]
-        m_j = (o_t >= j) & (blk == j // BCc)
-        e = tl.exp(tl.where(m_j[:, None], b_G - G_j[None, :], float("-inf")))           # e^{G_i − G_j}
-        Ad = tl.where((o_t == j)[None, :], tl.sum(bk * e * k_j[None, :], 1)[:, None], Ad)
-        Pd = tl.where((o_t == j)[None, :], tl.sum(qf * e * k_j[None, :], 1)[:, None], Pd)
+        if tl.sum(tl.where(o_t == j, skip, 0), 0) == 0:
+            k_j = tl.sum(tl.where((o_t == j)[:, None], kf, 0.), 0)                      # [BKC]
+            G_j = tl.sum(tl.where((o_t == j)[:, None], b_G, 0.), 0)                     # [BKC]
+            m_j = (o_t >= j) & (blk == j // BCc)
+            e = tl.exp(tl.where(m_j[:, None], b_G - G_j[None, :], float("-inf")))       # e^{G_i − G_j}
+            Ad = tl.where((o_t == j)[None, :], tl.sum(bk * e * k_j[None, :], 1)[:, None], Ad)
+            Pd = tl.where((o_t == j)[None, :], tl.sum(qf * e * k_j[None, :], 1)[:, None], Pd)
     return Ad, Pd
 
 
@@ -291,7 +293,7 @@ def _kda_ap_rows(A0, A1, A2, A3, P0, P1, P2, P3, kf, qf, b_G, b_beta, k_base, q_
             P3 += p_b
     if own == 0:
         # rare: the diagonal blocks exactly
-        Ad, Pd = _kda_diag_exact(kf, qf, kf * b_beta[:, None], b_G, BTc, BCc)
+        Ad, Pd = _kda_diag_exact(kf, qf, kf * b_beta[:, None], b_G, tl.zeros([BTc], dtype=tl.int32), BTc, BCc)
         A0 += _block_rows(Ad, 0, BCc)
         A1 += _block_rows(Ad, 1, BCc)
         A2 += _block_rows(Ad, 2, BCc)
@@ -409,15 +411,23 @@ def chunk_prepare_kernel(
                     A += _mm(bkx * f, c, MM_PREC)                                                # [BT, BKC] @ [BKC, BT]
                     P += _mm(qx * f, c, MM_PREC)                                                 # [BT, BKC] @ [BKC, BT]
                     # diagonal blocks: around the block start when the block's gates sum above -span_max, else exact
+                    # k_j e^{s_b − G_j} = ky_j e^{s_b − e_b}, at most e^{span_max}
+                    shift = _by_block(-e0[None, :], (e0 - e1)[None, :], (e1 - e2)[None, :], (e2 - e3)[None, :],
+                                      BTc, BCc)
                     if worst > -span_max:
-                        # k_j e^{s_b − G_j} = ky_j e^{s_b − e_b}, at most e^{span_max}
-                        kinv = ky * tl.exp(_by_block(-e0[None, :], (e0 - e1)[None, :], (e1 - e2)[None, :],
-                                                     (e2 - e3)[None, :], BTc, BCc))
+                        kinv = ky * tl.exp(shift)
                         Ad = _mm(bkx, tl.trans(kinv), MM_PREC)                                   # [BT, BKC] @ [BKC, BT]
                         Pd = _mm(qx, tl.trans(kinv), MM_PREC)                                    # [BT, BKC] @ [BKC, BT]
                     else:
-                        # rare: each column j exactly from e^{G_i − G_j}, i ≥ j
-                        Ad, Pd = _kda_diag_exact(kf, qf, kf * b_beta[:, None], b_G, BTc, BCc)
+                        # rare: the blocks that span too far column by column from e^{G_i − G_j}, i ≥ j, the
+                        # others factored as above (their shift kept, the far blocks' set to 0: finite, replaced)
+                        NB: tl.constexpr = BTc // BCc
+                        blk_min = tl.min(tl.reshape(tl.min(b_G - s_rows, 1), [NB, BCc]), 1)          # [NB]
+                        ok = tl.reshape(tl.broadcast_to((blk_min > -span_max)[:, None], [NB, BCc]), [BTc])
+                        kinv = ky * tl.exp(tl.where(ok[:, None], shift, 0.))
+                        Ade, Pde = _kda_diag_exact(kf, qf, kf * b_beta[:, None], b_G, ok.to(tl.int32), BTc, BCc)
+                        Ad = tl.where(ok[:, None], _mm(bkx, tl.trans(kinv), MM_PREC), Ade)       # [BT, BKC] @ [BKC, BT]
+                        Pd = tl.where(ok[:, None], _mm(qx, tl.trans(kinv), MM_PREC), Pde)        # [BT, BKC] @ [BKC, BT]
                     A += tl.where(same & strict, Ad, 0.)
                     P += tl.where(same & incl, Pd, 0.)
                     b_qg = qf * tl.exp(b_G)
