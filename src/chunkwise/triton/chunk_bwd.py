@@ -1189,9 +1189,13 @@ def _bwd_pair_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, cu_
         b_a = tl.max(tl.abs(_load_gate_cols(G, t0, L, i_h, o_k, m_k, HV, K, C)[0] - 0.5 * b_last[None, :]), axis=0)
         b_blk = tl.max(tl.reshape(b_a, [BKP // FITB, FITB]), axis=1)                         # [BKP / FITB]
         b_fit = tl.reshape(tl.broadcast_to(b_blk[:, None], [BKP // FITB, FITB]), [BKP]) < span_max
-        _pair_grads_blocks(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, t0, L, i_h, i_hk, i_kb, o_k,
-                           m_k & (b_fit == 0), b_last, s_dbp, H, HV, K, BKP, C, BC, DELTA, PREC, span_max, OFFDIAG,
-                           LOWP, DIAG)
+        if tl.max(tl.where(b_fit, 0, 1), axis=0) > 0:
+            _pair_grads_blocks(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, t0, L, i_h, i_hk, i_kb, o_k,
+                               m_k & (b_fit == 0), b_last, s_dbp, H, HV, K, BKP, C, BC, DELTA, PREC, span_max, OFFDIAG,
+                               LOWP, DIAG)
+        elif DELTA:     # every block done by the first launch: this launch's share of dβ is 0
+            o_t, m_t, rows, m_cc, p_cc, p_ccT = _chunk_rows(t0, L, i_h, HV, C)
+            tl.store(dbp + i_kb.to(tl.int64) * s_dbp + rows * HV + i_h, tl.zeros([C], dtype=tl.float32), mask=m_t)
 
 # ------------------------------------------------------------------------------------------------
 # launcher
