@@ -24,9 +24,11 @@ dh0) -> value-side gradients (dP, dT_v, dv, dβ) -> key-side gradients (dq, dk, 
 the pairwise gradients through P and A by blocks of key channels, and the reverse cumsum). Per-chunk states are recomputed here and live only during
 the backward; the forward saves nothing but its inputs.
 
-Per-channel numerics: Γ is never formed from e^{G_i} and e^{−G_j}. Off the 16×16 diagonal blocks,
-column block J (last token r) factors as exp(G_i − G_r) · exp(G_r − G_j), both ≤ 1; the diagonal
-blocks are formed pair by pair. The gate is clamped at −GATE_FLOOR per token before the cumsum:
+Per-channel numerics: Γ is never formed from e^{G_i} and e^{−G_j}. Where a chunk's gate stays within
+±SPAN_MAX of r = G_last / 2 for a block of channels, Γ_ij = exp(G_i − r) · exp(r − G_j) over the whole
+chunk (both factors in fp32's range: _pair_grads_one_ref); elsewhere, off the 16×16 diagonal blocks,
+column block J (last token r) factors as exp(G_i − G_r) · exp(G_r − G_j), both ≤ 1, and the diagonal
+blocks around their last token when they span less than SPAN_MAX, else pair by pair. The gate is clamped at −GATE_FLOOR per token before the cumsum:
 exp of anything below −104 is 0 in fp32 already, and the clamp keeps |G| small enough that fp32
 differences of cumsums stay accurate after a hard reset (g = −1e4).
 """

@@ -28,10 +28,13 @@ Two kernels, each with its launcher:
    simple GLA launches this kernel alone.
 
 Numerics. Every exponential is of a non-positive number: e^{G_i − G_j} with i ≥ j, or of a factor
-around a reference point. KDA's per-channel pairwise products factor around the last token r of
-each 16-token column block, e^{G_i − G_j} = e^{G_i − G_r} · e^{G_r − G_j}, both ≤ 1; the diagonal
-16×16 blocks use the block start s as reference (e^{G_i − s} · e^{s − G_j}) when the gates inside
-the block sum above −SPAN_MAX (no under/overflow), else an exact pair-by-pair loop.
+around a reference point. KDA's per-channel pairwise products factor around one reference per
+chunk, r = G_last / 2 per channel, e^{G_i − G_j} = e^{G_i − r} · e^{r − G_j}, wherever every
+|G_i − r| of a column chunk is under SPAN_MAX (both factors within e^{±80}: two products per column
+chunk, ``AP_ONE_REF``); elsewhere around the last token r of each 16-token column block, both
+factors ≤ 1, with the diagonal 16×16 blocks around the block start s (e^{G_i − s} · e^{s − G_j})
+when the gates inside the block sum above −SPAN_MAX, else an exact pair-by-pair loop over that
+block's columns.
 Gates are clamped per token at G_FLOOR = −40 (NaN passes through): e^{−40} ≈ 4e-18 is 11 orders
 under fp32's resolution, so the recurrence cannot tell the clamp from the true gate, while a hard
 reset g = −1e4 would otherwise make the fp32 cumulative sums after it lose ~3 digits when
