@@ -13,6 +13,7 @@ Writes bench_train.json (GPU, versions, commit, every number) to --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -57,9 +58,25 @@ def bench(fn, grads):
     return triton.testing.do_bench(fn, warmup=10, rep=60, grad_to_none=grads, return_mode="median")
 
 
-def profile(fn, grads=()):
-    """Device time per kernel name (ms) of one call of fn, its leaves' gradients reset first (as do_bench's
-    grad_to_none does: otherwise autograd's accumulation into .grad shows up as elementwise kernels)."""
+@contextlib.contextmanager
+def env_vars(env):
+    """The environment variables of ``env`` (dict) set for the block, their former values (or absence) back after."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def profiled(fn, grads=()):
+    """The torch profiler (CUDA activity) of one call of fn, after a warm-up call, its leaves' gradients reset
+    first (as do_bench's grad_to_none does: otherwise autograd's accumulation into .grad shows up as elementwise
+    kernels)."""
     from torch.profiler import ProfilerActivity, profile as prof
     fn()
     torch.cuda.synchronize()
@@ -68,6 +85,12 @@ def profile(fn, grads=()):
     with prof(activities=[ProfilerActivity.CUDA]) as p:
         fn()
         torch.cuda.synchronize()
+    return p
+
+
+def profile(fn, grads=()):
+    """Device time per kernel name (ms) of one call of fn (``profiled``)."""
+    p = profiled(fn, grads)
     rows = {}
     for e in p.key_averages():
         t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)

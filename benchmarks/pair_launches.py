@@ -14,22 +14,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_forward import make, run_ours, shapes  # noqa: E402
-from bench_train import fwd_bwd, leaves  # noqa: E402
+from bench_train import env_vars, fwd_bwd, leaves, profiled  # noqa: E402
 
 SETTINGS = {"on": {}, "off": {"CHUNKWISE_KDA_ONE_REF": "0", "CHUNKWISE_BWD_ONE_REF": "0"}}
 
 
 def launches(fn, grads, name="_bwd_pair_kernel"):
     """(kernel name, ms) of every device event of fn whose name starts with ``name``, in launch order."""
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    for t in grads:
-        t.grad = None
-    with profile(activities=[ProfilerActivity.CUDA]) as p:
-        fn()
-        torch.cuda.synchronize()
-    evs = [e for e in p.events() if e.name.startswith(name) and getattr(e, "device_type", None) is not None
+    evs = [e for e in profiled(fn, grads).events() if e.name.startswith(name) and getattr(e, "device_type", None) is not None
            and str(e.device_type).endswith("CUDA")]
     evs.sort(key=lambda e: e.time_range.start)
     return [(e.name[:40], e.time_range.elapsed_us() / 1e3) for e in evs]
@@ -43,9 +35,7 @@ def main():
     x = make("kda", shape)
     do = torch.randn_like(x["v"])
     for name, env in SETTINGS.items():
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
+        with env_vars(env):
             grads = leaves(x)
             f = fwd_bwd(lambda: run_ours("kda", x), do)
             if a.warm:
@@ -54,12 +44,6 @@ def main():
             rows = launches(f, grads)
             print(f"{name}: " + "  ".join(f"{ms:.3f}" for _, ms in rows) + f"  (sum {sum(ms for _, ms in rows):.3f} ms)",
                   flush=True)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
 
 if __name__ == "__main__":

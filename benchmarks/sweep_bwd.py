@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_forward import make, run_ours, shapes  # noqa: E402
-from bench_train import bench, fwd_bwd, leaves, profile  # noqa: E402
+from bench_train import bench, env_vars, fwd_bwd, leaves, profile  # noqa: E402
 
 # profiler names of the backward kernels -> BWD_WARPS keys
 KERNELS = {"_gate_cumsum_kernel": "gate_cumsum", "_intra_kernel": "intra", "_intra_diag_kernel": "intra_diag",
@@ -91,9 +91,7 @@ NAMED = {"pair": PAIR_VARIANTS, "gates": GATES_VARIANTS, "regs": REG_VARIANTS, "
 
 def run_env(fam, x, do, env, warm):
     """One fwd+bwd with the environment settings env (dict) on top of the defaults."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with env_vars(env):
         grads = leaves(x)
         f = fwd_bwd(lambda: run_ours(fam, x), do)
         os.environ["CHUNKWISE_POISON"] = "1"
@@ -103,12 +101,6 @@ def run_env(fam, x, do, env, warm):
         if warm:
             return None, None, got
         return bench(f, grads), kernel_times(profile(f, grads)), got
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def print_table(row, settings):
