@@ -136,6 +136,21 @@ def _load_gate_cols(G, t0, L, i_h, o_k, m_k, HV: tl.constexpr, K: tl.constexpr, 
 
 
 @triton.jit
+def _ref_offsets(G, t0, L, i_h, o_k, m_k, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr):
+    """G − r [C, BKW] for the channels o_k of a chunk, r = G_last / 2 per channel (rows past L at G_last). KDA's
+    one-reference form fits a channel block where every |G_i − r| is under span_max (_fits_one_ref): the one
+    test every launch that splits the work by it must share."""
+    b_G, b_last = _load_gate_cols(G, t0, L, i_h, o_k, m_k, HV, K, C)
+    return b_G - 0.5 * b_last[None, :]
+
+
+@triton.jit
+def _fits_one_ref(b_d, span_max: tl.constexpr):
+    """Whether a channel block's offsets from its reference (_ref_offsets) all stay under span_max."""
+    return tl.max(tl.max(tl.abs(b_d), axis=1), axis=0) < span_max
+
+
+@triton.jit
 def _load_gate(G, t0, L, i_h, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
                PER_CHANNEL: tl.constexpr):
     """The chunk's cumulative gate, rows past L filled with G_last (what g = 0 padding gives).
@@ -924,9 +939,8 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
         for i_k in range(tl.cdiv(K, BKH)):
             o_k = i_k * BKH + tl.arange(0, BKH)
             m_k = o_k < K
-            b_Gh, b_lasth = _load_gate_cols(G, t0, L, i_h, o_k, m_k, HV, K, C)
-            b_d = b_Gh - 0.5 * b_lasth[None, :]                                              # G − r, r = G_last / 2
-            if tl.max(tl.max(tl.abs(b_d), axis=1), axis=0) < span_max:      # the same test as _bwd_pair_kernel's
+            b_d = _ref_offsets(G, t0, L, i_h, o_k, m_k, HV, K, C)                             # G − r, r = G_last / 2
+            if _fits_one_ref(b_d, span_max):                                 # the same test as _bwd_pair_kernel's
                 b_db += _pair_grads_one_ref(q, k, dq, dk, dG, dq, dk, b_dPf, b_dPtf, b_dA, b_dAtf, b_beta, b_d, rows,
                                             m_t, o_k, m_k, i_h, i_hk, H, HV, K, DELTA, PREC)
     if GATE != 2:
@@ -1172,23 +1186,21 @@ def _bwd_pair_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, cu_
             i_kb2 = i_kb + i_kc
             o_k2 = i_kb2 * BKP + tl.arange(0, BKP)
             m_k2 = o_k2 < K
-            b_G2, b_last2 = _load_gate_cols(G, t0, L, i_h, o_k2, m_k2, HV, K, C)
-            b_d = b_G2 - 0.5 * b_last2[None, :]                                                 # [C, BKP]
-            if tl.max(tl.max(tl.abs(b_d), axis=1), axis=0) < span_max:
+            b_d = _ref_offsets(G, t0, L, i_h, o_k2, m_k2, HV, K, C)                             # [C, BKP]
+            if _fits_one_ref(b_d, span_max):
                 b_db = _pair_grads_one_ref(q, k, dq, dk, dG, dq_o, dk_o, b_dP, tl.trans(b_dP), b_dA, tl.trans(b_dA),
                                            b_beta, b_d, rows, m_t, o_k2, m_k2, i_h, i_hk, H, HV, K, DELTA, PREC)
                 if DELTA:
                     tl.store(dbp + i_kb2.to(tl.int64) * s_dbp + rows * HV + i_h, b_db, mask=m_t)
     elif ONE_REF == 2:
         # the block form where one reference does not fit (the same test as above)
-        b_d = _load_gate_cols(G, t0, L, i_h, o_k, m_k, HV, K, C)[0] - 0.5 * b_last[None, :]      # [C, BKP]
-        if tl.max(tl.max(tl.abs(b_d), axis=1), axis=0) >= span_max:
+        if not _fits_one_ref(_ref_offsets(G, t0, L, i_h, o_k, m_k, HV, K, C), span_max):
             _pair_grads_blocks(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, t0, L, i_h, i_hk, i_kb, o_k,
                                m_k, b_last, s_dbp, H, HV, K, BKP, C, BC, DELTA, PREC, span_max, OFFDIAG, LOWP, DIAG)
     else:
         # ONE_REF 3: the diagonal blocks' launch over every channel, but for the channels of the FITB-channel blocks
         # that fit one reference (the same test as above, block by block), which the first launch finished
-        b_a = tl.max(tl.abs(_load_gate_cols(G, t0, L, i_h, o_k, m_k, HV, K, C)[0] - 0.5 * b_last[None, :]), axis=0)
+        b_a = tl.max(tl.abs(_ref_offsets(G, t0, L, i_h, o_k, m_k, HV, K, C)), axis=0)                # [BKP]
         b_blk = tl.max(tl.reshape(b_a, [BKP // FITB, FITB]), axis=1)                         # [BKP / FITB]
         b_fit = tl.reshape(tl.broadcast_to(b_blk[:, None], [BKP // FITB, FITB]), [BKP]) < span_max
         if tl.max(tl.where(b_fit, 0, 1), axis=0) > 0:
