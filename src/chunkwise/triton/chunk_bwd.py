@@ -138,16 +138,17 @@ def _load_gate_cols(G, t0, L, i_h, o_k, m_k, HV: tl.constexpr, K: tl.constexpr, 
 @triton.jit
 def _ref_offsets(G, t0, L, i_h, o_k, m_k, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr):
     """G − r [C, BKW] for the channels o_k of a chunk, r = G_last / 2 per channel (rows past L at G_last). KDA's
-    one-reference form fits a channel block where every |G_i − r| is under span_max (_fits_one_ref): the one
+    one-reference form fits a channel block where every |G_i − r| is under span_max (_ref_span): the one
     test every launch that splits the work by it must share."""
     b_G, b_last = _load_gate_cols(G, t0, L, i_h, o_k, m_k, HV, K, C)
     return b_G - 0.5 * b_last[None, :]
 
 
 @triton.jit
-def _fits_one_ref(b_d, span_max: tl.constexpr):
-    """Whether a channel block's offsets from its reference (_ref_offsets) all stay under span_max."""
-    return tl.max(tl.max(tl.abs(b_d), axis=1), axis=0) < span_max
+def _ref_span(b_d):
+    """The largest |G_i − r| of a channel block (_ref_offsets): the block fits one reference where it is under
+    span_max."""
+    return tl.max(tl.max(tl.abs(b_d), axis=1), axis=0)
 
 
 @triton.jit
@@ -940,7 +941,7 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
             o_k = i_k * BKH + tl.arange(0, BKH)
             m_k = o_k < K
             b_d = _ref_offsets(G, t0, L, i_h, o_k, m_k, HV, K, C)                             # G − r, r = G_last / 2
-            if _fits_one_ref(b_d, span_max):                                 # the same test as _bwd_pair_kernel's
+            if _ref_span(b_d) < span_max:                                    # the same test as _bwd_pair_kernel's
                 b_db += _pair_grads_one_ref(q, k, dq, dk, dG, dq, dk, b_dPf, b_dPtf, b_dA, b_dAtf, b_beta, b_d, rows,
                                             m_t, o_k, m_k, i_h, i_hk, H, HV, K, DELTA, PREC)
     if GATE != 2:
@@ -1187,14 +1188,14 @@ def _bwd_pair_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, cu_
             o_k2 = i_kb2 * BKP + tl.arange(0, BKP)
             m_k2 = o_k2 < K
             b_d = _ref_offsets(G, t0, L, i_h, o_k2, m_k2, HV, K, C)                             # [C, BKP]
-            if _fits_one_ref(b_d, span_max):
+            if _ref_span(b_d) < span_max:
                 b_db = _pair_grads_one_ref(q, k, dq, dk, dG, dq_o, dk_o, b_dP, tl.trans(b_dP), b_dA, tl.trans(b_dA),
                                            b_beta, b_d, rows, m_t, o_k2, m_k2, i_h, i_hk, H, HV, K, DELTA, PREC)
                 if DELTA:
                     tl.store(dbp + i_kb2.to(tl.int64) * s_dbp + rows * HV + i_h, b_db, mask=m_t)
     elif ONE_REF == 2:
         # the block form where one reference does not fit (the same test as above)
-        if not _fits_one_ref(_ref_offsets(G, t0, L, i_h, o_k, m_k, HV, K, C), span_max):
+        if _ref_span(_ref_offsets(G, t0, L, i_h, o_k, m_k, HV, K, C)) >= span_max:
             _pair_grads_blocks(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, t0, L, i_h, i_hk, i_kb, o_k,
                                m_k, b_last, s_dbp, H, HV, K, BKP, C, BC, DELTA, PREC, span_max, OFFDIAG, LOWP, DIAG)
     else:
