@@ -1113,8 +1113,9 @@ def _pick_pipeline(pipeline, NT: int, programs: int, n_sm: int, device) -> int:
     env = os.environ.get("CHUNKWISE_FWD_PIPE")
     if pipeline is None and env:
         pipeline = int(env)
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return 1        # one stream under CUDA-graph capture
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing() and \
+            not _env_switch("CHUNKWISE_FWD_PIPE_CAPTURE", 0):
+        return 1        # one stream under CUDA-graph capture (CHUNKWISE_FWD_PIPE_CAPTURE=1: two, as eager)
     if pipeline is not None:
         return max(1, min(pipeline, NT))
     if programs > n_sm or device.type != "cuda":
