@@ -88,6 +88,7 @@ def warm_benchmarks(only: str = ""):
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "pfree"]),
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "tma"]),
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "pipe", "--shapes", "B1-T32768-H32"]),
+                         ("bench_forward", ["--warm", "--variants", "--variant-set", "prepregs", "--families", "gdn,delta"]),
                          ("sweep_bwd", ["--warm", "--warps", "4,8"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "pair"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "oneref"]),

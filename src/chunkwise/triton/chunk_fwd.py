@@ -322,7 +322,7 @@ def chunk_prepare_kernel(
     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, MM_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
     g_floor: tl.constexpr, span_max: tl.constexpr, WU_LOWP: tl.constexpr = 0, AP_FORM: tl.constexpr = 0,
     BWD: tl.constexpr = 0, STORE_T: tl.constexpr = 0, STORE_P: tl.constexpr = 1, GC_OUT: tl.constexpr = 0,
-    AP_ONE_REF: tl.constexpr = 0,
+    AP_ONE_REF: tl.constexpr = 0, WU_BLK: tl.constexpr = 256,
 ):
     """One chunk of one value head: see the module docstring (stage 1). Grid (chunks, B·HV).
 
@@ -465,12 +465,12 @@ def chunk_prepare_kernel(
             A = tl.where(strict, KK * dec, 0.) * b_beta[:, None]
             if BWD or STORE_P:
                 P = QK * dec
-            Xk = b_k.to(tl.float32) * (b_beta * tl.exp(Gc))[:, None]
+            b_ks = b_beta * tl.exp(Gc)                                                  # W's row scale
         else:
             A = tl.where(strict, KK, 0.) * b_beta[:, None]
             if BWD or STORE_P:
                 P = tl.where(incl, QK, 0.)
-            Xk = b_k.to(tl.float32) * b_beta[:, None]
+            b_ks = b_beta
     if not BWD and STORE_P:
         tl.store(tl.make_block_ptr(p + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0), (BTc, BTc),
                                    (1, 0)), P.to(p.dtype.element_ty), boundary_check=(0, 1))
@@ -503,15 +503,25 @@ def chunk_prepare_kernel(
             b_w = _mm(Tm, Xk.to(Tm.dtype), MM_PREC)                                      # [BT, BT] @ [BT, BKC]
             tl.store(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
                                        (1, 0)), b_w.to(w.dtype.element_ty), boundary_check=(0, 1))
-    else:
+    elif WU_BLK >= BK:
+        Xk = b_k.to(tl.float32) * b_ks[:, None]
         b_w = _mm(Tm, Xk.to(Tm.dtype), MM_PREC)                                          # [BT, BT] @ [BT, BK]
         tl.store(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK), (1, 0)),
                  b_w.to(w.dtype.element_ty), boundary_check=(0, 1))
-    Xv = tl.load(tl.make_block_ptr(v + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf), (1, 0)),
-                 boundary_check=(0, 1)).to(tl.float32) * b_beta[:, None]
-    b_u = _mm(Tm, Xv.to(Tm.dtype), MM_PREC).to(u.dtype.element_ty)                      # [BT, BT] @ [BT, BV]
-    tl.store(tl.make_block_ptr(u + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf), (1, 0)),
-             b_u, boundary_check=(0, 1))
+    else:       # W by column blocks, k read again (L2): fewer registers live across the solve and the products
+        for i_c in tl.static_range(BK // WU_BLK):
+            b_kc = tl.load(tl.make_block_ptr(k_base, (T_seq, K), (H * K, 1), (t0, i_c * WU_BLK), (BTc, WU_BLK),
+                                             (1, 0)), boundary_check=(0, 1))
+            b_w = _mm(Tm, (b_kc.to(tl.float32) * b_ks[:, None]).to(Tm.dtype), MM_PREC)  # [BT, BT] @ [BT, WU_BLK]
+            tl.store(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, i_c * WU_BLK),
+                                       (BTc, WU_BLK), (1, 0)), b_w.to(w.dtype.element_ty), boundary_check=(0, 1))
+    VB: tl.constexpr = min(WU_BLK, BVf)
+    for i_c in tl.static_range(BVf // VB):
+        Xv = tl.load(tl.make_block_ptr(v + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, i_c * VB), (BTc, VB),
+                                       (1, 0)), boundary_check=(0, 1)).to(tl.float32) * b_beta[:, None]
+        b_u = _mm(Tm, Xv.to(Tm.dtype), MM_PREC).to(u.dtype.element_ty)                  # [BT, BT] @ [BT, VB]
+        tl.store(tl.make_block_ptr(u + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, i_c * VB), (BTc, VB),
+                                   (1, 0)), b_u, boundary_check=(0, 1))
 
 
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
@@ -855,6 +865,24 @@ PREP_CONFIG = {0: (1, 4, 64, 0), 1: (1, 4, 64, 0), 2: (0, 4, 32, 0)}
 KDA_ONE_REF = 1
 
 
+# Stage 1's W / U products by column blocks of PREP_WU_BLK (per gate kind; >= the head dim: one product each) and
+# its forward launch's register cap (PREP_MAXNREG, 0: none). Smaller blocks hold fewer registers (offline sm_90,
+# bf16, K = V = 128, 4 warps: DeltaNet without P 183 -> 156 / 135 registers at blocks of 64 / 32, GDN 227 -> 177 /
+# 166, no spills), so that three or four programs share an SM instead of two. CHUNKWISE_PREP_WU_BLK and
+# CHUNKWISE_MAXNREG=prep_fwd:N override.
+PREP_WU_BLK = {0: 256, 1: 256, 2: 256}
+PREP_MAXNREG = {0: 0, 1: 0, 2: 0}
+
+
+def prep_regs(gate: int) -> tuple[int, dict]:
+    """(W / U column block, launch options capping registers) of the forward's stage 1 for a gate kind."""
+    wu_blk = int(os.environ.get("CHUNKWISE_PREP_WU_BLK", PREP_WU_BLK[gate]))
+    if wu_blk < 16 or wu_blk & (wu_blk - 1):
+        raise ValueError(f"CHUNKWISE_PREP_WU_BLK={wu_blk}: expected a power of two >= 16")
+    cap = reg_cap("prep_fwd") or ({"maxnreg": PREP_MAXNREG[gate]} if PREP_MAXNREG[gate] else {})
+    return wu_blk, cap
+
+
 def reg_cap(name: str) -> dict:
     """Launch option capping a kernel's registers per thread (Triton's ``maxnreg``), from CHUNKWISE_MAXNREG
     ("prep:168,bwd_dv:168", or with "/" between items, or "all:168"; names as the backward's BWD_WARPS keys, plus "fwd_o" for stage 2
@@ -937,6 +965,7 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     t = (out["t"] if "t" in out else _alloc((B, T, HV, BT), torch.float32, dev)) if save_t else None
     dot_prec, mm_prec, solve_prec = _dot_prec(dt, gate)
     wu_lowp, warps, bkc, form = prep_config(gate)
+    wu_blk, cap = prep_regs(gate)
     if n_chunks > 0:
         chunk_prepare_kernel[(n_chunks, B * HV)](
             q, k, v, g, beta, w, u, p, qg, kg, glast, gcum, None, t, None, cu_seqlens, chunk_indices, T, NT,
@@ -944,8 +973,8 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=solve_prec,
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(dt, K) and gate != 2,
             AP_FORM=form if gate == 2 else 0, STORE_T=save_t, STORE_P=store_p, GC_OUT=gate == 1,
-            AP_ONE_REF=gate == 2 and _env_switch("CHUNKWISE_KDA_ONE_REF", KDA_ONE_REF), num_warps=warps,
-            num_stages=1, **reg_cap("prep_fwd"))
+            AP_ONE_REF=gate == 2 and _env_switch("CHUNKWISE_KDA_ONE_REF", KDA_ONE_REF), WU_BLK=wu_blk,
+            num_warps=warps, num_stages=1, **cap)
     return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, gcum=gcum, t=t)
 
 
