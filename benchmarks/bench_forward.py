@@ -122,7 +122,7 @@ def run_fla(fam, f, x):
 
 WARM = False
 # CHUNKWISE_BENCH_GRAPH=1: time the replay of a CUDA graph of each call (the GPU's time without the host's launch
-# cost); the forward's two-stream pipeline is captured too (CHUNKWISE_FWD_PIPE_CAPTURE=1)
+# cost)
 GRAPH = os.environ.get("CHUNKWISE_BENCH_GRAPH") == "1"
 
 
@@ -155,10 +155,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--families", default=",".join(FAMILIES))
-    ap.add_argument("--variant-set", default="all", choices=("all", "seg", "pfree", "tma", "pipe", "prepregs"),
+    ap.add_argument("--variant-set", default="all", choices=("all", "seg", "pfree", "tma", "prepregs"),
                     help="seg: only simple GLA's segment variants; pfree: only GDN / DeltaNet with P formed in "
                          "stage 2 instead of stage 1; tma: every family's serial stage with its tiles loaded through tensor "
-                         "descriptors or not; pipe: the delta families at B = 1 with stage 1 of the next time segment beside stage 2 of this one (chunk_fwd(pipeline=)): segments x stream priority x stage-2 depth; prepregs: GDN / DeltaNet stage 1 with its W / U products by column blocks and its registers capped (with --variants)")
+                         "descriptors or not; prepregs: GDN / DeltaNet stage 1 with its W / U products by column blocks and its registers capped (with --variants)")
     ap.add_argument("--variants", action="store_true", help="also time stage-2 variants (BV 16/32/64 x 4/8 warps x 2/3 stages; GLA also with P from its own kernel, GDN with the decays from stage 1)")
     ap.add_argument("--shapes", default="")
     ap.add_argument("--warm", action="store_true", help="compile everything on tiny inputs, time nothing")
@@ -231,15 +231,7 @@ def main():
                             var[key + "-s1"] = repr(e)[:120]
                     os.environ.pop("CHUNKWISE_PREP_WU_BLK")
                     os.environ.pop("CHUNKWISE_MAXNREG")
-                if a.variant_set == "pipe" and fam != "gla" and x["q"].shape[0] == 1 and x["cu"] is None:
-                    # time segments (1: off), the stream that runs stage 2 (prio: a high-priority side stream),
-                    # stage 2's pipeline depth (2 leaves shared memory for a stage-1 program beside it)
-                    for n, prio, ns in ((1, 1, None), (2, 1, None), (4, 1, None), (8, 1, None), (16, 1, None),
-                                        (4, 0, None), (8, 0, None), (4, 1, 2), (8, 1, 2)):
-                        os.environ["CHUNKWISE_FWD_PIPE_PRIO"] = str(prio)
-                        time_variant(f"pipe{n}-prio{prio}" + (f"-ns{ns}" if ns else ""), pipeline=n, num_stages=ns)
-                    os.environ.pop("CHUNKWISE_FWD_PIPE_PRIO")
-                if fam == "gla" and a.variant_set not in ("pfree", "tma", "pipe", "prepregs") and x["q"].shape[0] == 1 and x["cu"] is None:
+                if fam == "gla" and a.variant_set not in ("pfree", "tma", "prepregs") and x["q"].shape[0] == 1 and x["cu"] is None:
                     # the segment split's first pass in sub-segments (chunk_fwd(seg_sub=)), 4 segments, at the
                     # second pass's value block (64, 4 warps) or its own
                     for sub, p1 in ((1, (128, 4)), (2, (128, 4)), (4, (128, 4)), (2, (128, 4, 3)), (2, (128, 4, 1)),

@@ -87,7 +87,6 @@ def warm_benchmarks(only: str = ""):
     for script, argv in (("bench_forward", ["--warm"]), ("bench_forward", ["--warm", "--variants"]), ("sweep_stage1", ["--warm"]),
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "pfree"]),
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "tma"]),
-                         ("bench_forward", ["--warm", "--variants", "--variant-set", "pipe", "--shapes", "B1-T32768-H32"]),
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "prepregs", "--families", "gdn,delta"]),
                          ("sweep_bwd", ["--warm", "--warps", "4,8"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "pair"]),

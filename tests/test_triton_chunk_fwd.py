@@ -200,35 +200,6 @@ def test_gla_sequence_segments(nseg, gate, h0, transpose):
     assert rel_err(o3, o1) <= TOL[torch.float32] and rel_err(ht3, ht1) <= TOL[torch.float32]
 
 
-@pytest.mark.parametrize("n_pipe", [2, 3, 5])
-@pytest.mark.parametrize("transpose,save", [(False, False), (True, True)])
-@pytest.mark.parametrize("fam", ["gdn", "kda", "delta"])
-def test_delta_time_pipeline(fam, transpose, save, n_pipe):
-    """One sequence cut into time segments, stage 1 of the next segment beside stage 2 of this one
-    (chunk_fwd(pipeline=); on the GPU two streams): the same output, final state and saved stage 1 as the uncut
-    run, bit for bit (every chunk is computed by the same kernels; the state crosses a cut in fp32), and equal to
-    the float64 recurrence; grouped heads, a carried-in state in either layout, T not a multiple of 64, strong
-    gates, 5 cuts of 5 chunks (one chunk each)."""
-    from chunkwise.triton.chunk_fwd import chunk_fwd, saves_stage1
-    inp = make_inputs(fam, B=1, T=T_LONG if ON_GPU else 300, H=1, HV=2, K=KS[0], V=VS[0], dtype=torch.float32,
-                      seed=43, gate="strong")
-    K = inp.q.shape[-1]
-    h_in = inp.h0.transpose(-1, -2).contiguous() if transpose else inp.h0
-    runs = []
-    for n in (1, n_pipe):
-        saved = {} if save else None
-        o, ht = chunk_fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, K ** -0.5, h_in, True, None,
-                          transpose_state_layout=transpose, pipeline=n, saved_out=saved)
-        runs.append((o, ht.transpose(-1, -2) if transpose else ht, saved))
-    (o1, ht1, s1), (o, ht, s) = runs
-    _check(inp, o, ht, TOL[torch.float32])
-    assert torch.equal(o, o1) and torch.equal(ht, ht1)
-    if save:
-        assert saves_stage1(inp.q, inp.v, inp.g, inp.beta) and set(s) == set(s1)
-        for name in s:
-            assert torch.equal(s[name], s1[name]), name
-
-
 @pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("fam", ["gdn", "delta"])
 def test_p_formed_in_stage2(fam, varlen, monkeypatch):

@@ -923,7 +923,7 @@ def prep_config(gate: int) -> tuple[int, int, int, int]:
     return cfg[0], cfg[1], cfg[2], cfg[3]
 
 
-def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=False, store_p=True, out=None):
+def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=False, store_p=True):
     """Stage 1 for the delta families.
 
     Args: q, k [B,T,H,K]; v [B,T,HV,V]; g None | [B,T,HV] fp32 | [B,T,HV,K] fp32 (raw log-decays);
@@ -933,19 +933,17 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     chunk i of sequence n is n·NT + i, or n + start_token // 64 with cu_seqlens), for scalar g gcum [B,T,HV]
     fp32 (the chunk-local cumulative gate G) and glast [slots, HV] fp32 (G_last per chunk); with ``save_t`` also
     t = (I + A)⁻¹ [B,T,HV,64] fp32 (for a backward that reuses stage 1). ``store_p=False`` (scalar / no
-    gate): p is None, for a stage 2 that forms P itself. ``out``: a dict of preallocated w / u / p / t (contiguous,
-    e.g. a time slice of a B = 1 buffer) to write instead of new tensors.
+    gate): p is None, for a stage 2 that forms P itself.
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     gate = _gate_kind(g)
     NT = triton.cdiv(T, BT)
     dev, dt = q.device, q.dtype
-    out = out or {}
-    w = out["w"] if "w" in out else _alloc((B, T, HV, K), dt, dev)
-    u = out["u"] if "u" in out else _alloc((B, T, HV, V), dt, dev)
+    w = _alloc((B, T, HV, K), dt, dev)
+    u = _alloc((B, T, HV, V), dt, dev)
     store_p = store_p or gate == 2
-    p = (out["p"] if "p" in out else _alloc((B, T, HV, BT), dt, dev)) if store_p else None
+    p = _alloc((B, T, HV, BT), dt, dev) if store_p else None
     if cu_seqlens is not None:
         n_chunks = chunk_indices.shape[0]
         slots = cu_seqlens.numel() - 1 + NT + 1
@@ -962,7 +960,7 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
         if gate == 1:       # G and G_last for stage 2 (GC_IN)
             gcum = _alloc((B, T, HV), torch.float32, dev)
             glast = _alloc((slots, HV), torch.float32, dev)
-    t = (out["t"] if "t" in out else _alloc((B, T, HV, BT), torch.float32, dev)) if save_t else None
+    t = _alloc((B, T, HV, BT), torch.float32, dev) if save_t else None
     dot_prec, mm_prec, solve_prec = _dot_prec(dt, gate)
     wu_lowp, warps, bkc, form = prep_config(gate)
     wu_blk, cap = prep_regs(gate)
@@ -1125,72 +1123,13 @@ def saves_stage1(q, v, g, beta) -> bool:
     return padded_dims(q, v) == (q.shape[-1], v.shape[-1])
 
 
-# The delta families with one sequence (B = 1, no cu_seqlens) whose stage 2 is a single wave of programs, each alone
-# on its SM with its serial loop (latency-bound, IPC ~1: NOTES.md): the sequence is cut into PIPE_SEGMENTS time
-# segments and stage 1 of segment i + 1 (chunk-parallel, throughput-bound) runs on the SMs' idle issue slots
-# beside stage 2 of segment i. Segments of at least PIPE_MIN_CHUNKS chunks. CHUNKWISE_FWD_PIPE (segments; 0 or 1
-# off) overrides; CHUNKWISE_FWD_PIPE_PRIO = 1 (default) runs stage 2 on a high-priority side stream (its
-# programs are placed first as the stage-1 programs of the other stream drain), 0 runs stage 1 on a side stream.
-PIPE_SEGMENTS = 8
-PIPE_MIN_CHUNKS = 16
-FWD_PIPE_PRIO = 1
-_SIDE_STREAMS: dict = {}
-
-
-def _pick_pipeline(pipeline, NT: int, programs: int, n_sm: int, device) -> int:
-    """Time segments of the pipelined forward (1: none); ``pipeline`` (chunk_fwd's argument) if given."""
-    env = os.environ.get("CHUNKWISE_FWD_PIPE")
-    if pipeline is None and env:
-        pipeline = int(env)
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing() and \
-            not _env_switch("CHUNKWISE_FWD_PIPE_CAPTURE", 0):
-        return 1        # one stream under CUDA-graph capture (CHUNKWISE_FWD_PIPE_CAPTURE=1: two, as eager)
-    if pipeline is not None:
-        return max(1, min(pipeline, NT))
-    if programs > n_sm or device.type != "cuda":
-        return 1
-    return max(1, min(PIPE_SEGMENTS, NT // PIPE_MIN_CHUNKS))
-
-
-def _run_pipeline(n: int, part1, part2, device) -> None:
-    """part1(i) (stage 1 of segment i, returns its tensors) and part2(i, part1(i)) (stage 2, in order) for
-    i < n. On CUDA the two parts run on two streams, so part1(i + 1) overlaps part2(i); everything is allocated on
-    the caller's stream, and the caller's stream waits for both before it goes on (so the tensors may be freed)."""
-    if device.type != "cuda":
-        for i in range(n):
-            part2(i, part1(i))
-        return
-    main = torch.cuda.current_stream(device)
-    prio = _env_switch("CHUNKWISE_FWD_PIPE_PRIO", FWD_PIPE_PRIO)
-    key = (device.index if device.index is not None else torch.cuda.current_device(), prio)
-    side = _SIDE_STREAMS.get(key)
-    if side is None:
-        side = _SIDE_STREAMS[key] = torch.cuda.Stream(device, priority=-8 if prio else 0)
-    side.wait_stream(main)
-    if prio:            # stage 1 on the caller's stream, stage 2 on the high-priority side stream
-        for i in range(n):
-            st1 = part1(i)
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                part2(i, st1)
-        main.wait_stream(side)
-    else:               # stage 1 on the side stream
-        done = []
-        with torch.cuda.stream(side):
-            for i in range(n):
-                done.append((part1(i), side.record_event()))
-        for i, (st1, ev) in enumerate(done):
-            main.wait_event(ev)
-            part2(i, st1)
-
-
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
 def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, *,
               chunk_indices=None, transpose_state_layout=False, p_in=None, bv=None, num_stages=None, num_warps=4,
-              segments=None, seg_phase1=None, seg_sub=None, saved_out=None, pipeline=None):
+              segments=None, seg_phase1=None, seg_sub=None, saved_out=None):
     """The chunk forward of all four families (canonical inputs: see chunkwise.triton).
 
     Returns (o [B,T,HV,V] in q's dtype, final state fp32 [N,HV,K,V] ([N,HV,V,K] transposed) or None).
@@ -1201,9 +1140,6 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     ``seg_phase1`` = (BV, num_warps[, num_stages]) of the split's first pass (local end states) and ``seg_sub``,
     that pass in this many sub-segments per segment (default, tuned: BV = 128 at 4 warps, sub-segments to fill
     one wave; with ``segments`` given: stage 2's BV and warps, no sub-segments).
-    ``pipeline`` (delta families, one sequence: B = 1 without cu_seqlens): split the sequence into this many
-    time segments and run stage 1 of the next segment beside stage 2 of this one (1: no split; default: see
-    _pick_pipeline).
     ``saved_out``: a dict that, for the delta families at head dims the kernels take as they are, receives
     stage 1's w, u, p and t = (I + A)⁻¹ (fp32) for a backward that reuses them (chunk_bwd's ``saved``).
     Head dims the kernels do not take as they are run zero-padded (triton/align.py).
@@ -1271,11 +1207,27 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         from ..api import prepare_chunk_indices
         chunk_indices = prepare_chunk_indices(cu_seqlens, BT)
 
+    stage1 = chunk_prepare(q, k, v, g, beta, cu_seqlens, chunk_indices, save_t=save, store_p=p_in or save) \
+        if delta else dict(w=None, u=None, p=None, qg=None, kg=None, glast=None, gcum=None)
+    if save:
+        saved_out.update(w=stage1["w"], u=stage1["u"], p=stage1["p"], t=stage1["t"])
+    if p_in and not delta:                # simple GLA with P formed once per chunk
+        stage1["p"] = chunk_p(q, k, g, HV, cu_seqlens, chunk_indices)
+    if not p_in:
+        stage1["p"] = None
+
     o = _alloc((B, T, HV, V), q.dtype, q.device)
     ht = None
     if output_final_state:
         shape = (N, HV, V, K) if transpose_state_layout else (N, HV, K, V)
         ht = _alloc(shape, torch.float32, q.device)
+
+    def strides(x):
+        if x is None:
+            return (0, 0, 0, 0)
+        sn, sh, s2, s3 = x.stride()
+        return (sn, sh, s3, s2) if transpose_state_layout else (sn, sh, s2, s3)
+
     dot_prec = _dot_prec(q.dtype)[0]
     tma = _env_switch("CHUNKWISE_FWD_TMA", FWD_TMA)
     tma_o = tma and _env_switch("CHUNKWISE_FWD_TMA_O", int(FWD_TMA_O and nseg == 1))
@@ -1283,90 +1235,33 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         _ensure_allocator()
     if num_stages is None:
         num_stages = _pick_stages(q.element_size(), _dim(K), bv, delta, p_in, busy)
+    grid = (triton.cdiv(V, bv), N * nseg * HV)
+    sloc = gam = None
     sub = (seg_sub or 1) if nseg > 1 else 1
     sub_len = triton.cdiv(NT, nseg * sub)           # the first pass's (sub-)segments; a segment is sub of them
     seg_len = sub_len * sub
-
-    def strides(x, transposed):
-        if x is None:
-            return (0, 0, 0, 0)
-        sn, sh, s2, s3 = x.stride()
-        return (sn, sh, s3, s2) if transposed else (sn, sh, s2, s3)
-
-    def stage2(st1, t0, t1, h0, h0_t, h_out, h_out_t):
-        """Stage 2 over the tokens [t0, t1) (all of T but in the pipeline, where B = 1), from h0 (h0_t: transposed
-        layout) into h_out."""
-        cut = (lambda x: x) if (t0, t1) == (0, T) else (lambda x: None if x is None else x[:, t0:t1])
-        T_s = t1 - t0
-        NT_s = triton.cdiv(T_s, BT)
-        sloc = gam = None
-        if nseg > 1:
-            sloc = _alloc((N * nseg * sub, HV, K, V), torch.float32, q.device)
-            gam = _alloc((N * nseg * sub, HV), torch.float32, q.device)
-        for seg_mode in ((1, 2) if nseg > 1 else (0,)):
-            bv_m, warps_m, rows_m, len_m, nseg_m, stages_m = bv, num_warps, N * nseg * HV, seg_len, nseg, num_stages
-            if seg_mode == 1:
-                rows_m, len_m, nseg_m = N * nseg * sub * HV, sub_len, nseg * sub
-                if seg_phase1 is not None:
-                    # the local-end-state pass with its own value block (it writes whole [K, V] states, which the
-                    # second pass reads at its own BV): a wider block reads each k tile once for more of V
-                    bv_m, warps_m = min(seg_phase1[0], _dim(V)), seg_phase1[1]
-                    stages_m = seg_phase1[2] if len(seg_phase1) > 2 else num_stages
-            chunk_state_output_kernel[(triton.cdiv(V, bv_m), rows_m)](
-                cut(q), cut(k), cut(v), st1["w"], st1["u"], st1["p"], cut(g), st1["qg"], st1["kg"], st1["glast"],
-                st1["gcum"], cut(o), h0, h_out, sloc, gam, cu_seqlens, scale, T_s, NT_s, len_m,
-                *strides(h0, h0_t), *strides(h_out, h_out_t),
-                H=H, HV=HV, K=K, V=V, BTc=BT, BK=_dim(K), BV=bv_m, GATE=gate, DELTA=delta, P_IN=p_in,
-                USE_H0=h0 is not None, STORE_HT=h_out is not None, IS_VARLEN=cu_seqlens is not None,
-                DOT_PREC=dot_prec, g_floor=G_FLOOR, LOOP_WHILE=_INTERPRET, SEG=seg_mode, NSEG=nseg_m,
-                SUB=sub if seg_mode == 2 else 1, GC_IN=delta and gate == 1, TMA=tma,
-                TMA_O=tma_o,
-                num_warps=warps_m, num_stages=stages_m, **reg_cap("fwd_o"))
-
-    n_pipe = 1
-    if delta and B == 1 and cu_seqlens is None:
-        n_pipe = _pick_pipeline(pipeline, NT, triton.cdiv(V, bv) * HV, n_sm, q.device)
-    if n_pipe > 1:
-        # stage 1 of segment i + 1 runs beside stage 2 of segment i (see _run_pipeline); stage 1 writes its w / u /
-        # p (/ t) into time slices of whole buffers, stage 2 hands its state from segment to segment in fp32
-        cuts = [min(T, i * triton.cdiv(NT, n_pipe) * BT) for i in range(n_pipe)] + [T]
-        cuts = sorted(set(cuts))
-        n_pipe = len(cuts) - 1
-        store_p = p_in or save
-        bufs = dict(w=_alloc((B, T, HV, K), q.dtype, q.device), u=_alloc((B, T, HV, V), q.dtype, q.device))
-        if store_p or gate == 2:
-            bufs["p"] = _alloc((B, T, HV, BT), q.dtype, q.device)
-        if save:
-            bufs["t"] = _alloc((B, T, HV, BT), torch.float32, q.device)
-        mid = _alloc((n_pipe - 1, 1, HV, K, V), torch.float32, q.device)
-
-        def part1(i):
-            t0, t1 = cuts[i], cuts[i + 1]
-            return chunk_prepare(q[:, t0:t1], k[:, t0:t1], v[:, t0:t1], None if g is None else g[:, t0:t1],
-                                 beta[:, t0:t1], save_t=save, store_p=store_p,
-                                 out={n: x[:, t0:t1] for n, x in bufs.items()})
-
-        def part2(i, st1):
-            if not p_in:
-                st1 = dict(st1, p=None)
-            h0 = initial_state if i == 0 else mid[i - 1]
-            h_out = ht if i == n_pipe - 1 else mid[i]
-            stage2(st1, cuts[i], cuts[i + 1], h0, transpose_state_layout and i == 0, h_out,
-                   transpose_state_layout and i == n_pipe - 1)
-
-        _run_pipeline(n_pipe, part1, part2, q.device)
-        if save:
-            saved_out.update(w=bufs["w"], u=bufs["u"], p=bufs["p"], t=bufs["t"])
-    else:
-        stage1 = chunk_prepare(q, k, v, g, beta, cu_seqlens, chunk_indices, save_t=save, store_p=p_in or save) \
-            if delta else dict(w=None, u=None, p=None, qg=None, kg=None, glast=None, gcum=None)
-        if save:
-            saved_out.update(w=stage1["w"], u=stage1["u"], p=stage1["p"], t=stage1["t"])
-        if p_in and not delta:                # simple GLA with P formed once per chunk
-            stage1["p"] = chunk_p(q, k, g, HV, cu_seqlens, chunk_indices)
-        if not p_in:
-            stage1["p"] = None
-        stage2(stage1, 0, T, initial_state, transpose_state_layout, ht, transpose_state_layout)
+    if nseg > 1:
+        sloc = _alloc((N * nseg * sub, HV, K, V), torch.float32, q.device)
+        gam = _alloc((N * nseg * sub, HV), torch.float32, q.device)
+    for seg_mode in ((1, 2) if nseg > 1 else (0,)):
+        bv_m, warps_m, rows_m, len_m, nseg_m, stages_m = bv, num_warps, grid[1], seg_len, nseg, num_stages
+        if seg_mode == 1:
+            rows_m, len_m, nseg_m = N * nseg * sub * HV, sub_len, nseg * sub
+            if seg_phase1 is not None:
+                # the local-end-state pass with its own value block (it writes whole [K, V] states, which the
+                # second pass reads at its own BV): a wider block reads each k tile once for more of V
+                bv_m, warps_m = min(seg_phase1[0], _dim(V)), seg_phase1[1]
+                stages_m = seg_phase1[2] if len(seg_phase1) > 2 else num_stages
+        chunk_state_output_kernel[(triton.cdiv(V, bv_m), rows_m)](
+            q, k, v, stage1["w"], stage1["u"], stage1["p"], g, stage1["qg"], stage1["kg"], stage1["glast"],
+            stage1["gcum"], o, initial_state, ht, sloc, gam, cu_seqlens, scale, T, NT, len_m,
+            *strides(initial_state), *strides(ht),
+            H=H, HV=HV, K=K, V=V, BTc=BT, BK=_dim(K), BV=bv_m, GATE=gate, DELTA=delta, P_IN=p_in,
+            USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=cu_seqlens is not None,
+            DOT_PREC=dot_prec, g_floor=G_FLOOR, LOOP_WHILE=_INTERPRET, SEG=seg_mode, NSEG=nseg_m,
+            SUB=sub if seg_mode == 2 else 1, GC_IN=delta and gate == 1, TMA=tma,
+            TMA_O=tma_o,
+            num_warps=warps_m, num_stages=stages_m, **reg_cap("fwd_o"))
     if padded:
         o, ht = o[..., :V0].contiguous(), cut_state(ht, K0, V0, transpose_state_layout)
     return o, ht
