@@ -87,7 +87,7 @@ def warm_benchmarks(only: str = ""):
     for script, argv in (("bench_forward", ["--warm"]), ("bench_forward", ["--warm", "--variants"]), ("sweep_stage1", ["--warm"]),
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "pfree"]),
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "tma"]),
-                         ("bench_forward", ["--warm", "--variants", "--variant-set", "prepregs", "--families", "gdn,delta"]),
+                         ("bench_forward", ["--warm", "--variants", "--variant-set", "solve", "--families", "gdn,kda,delta"]),
                          ("sweep_bwd", ["--warm", "--warps", "4,8"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "pair"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "oneref"]),

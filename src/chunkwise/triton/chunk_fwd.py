@@ -114,17 +114,22 @@ def _mm(a, b, MM_PREC: tl.constexpr):
 
 
 @triton.jit
-def _solve_unit_lower(A, PREC: tl.constexpr, BTc: tl.constexpr, BCc: tl.constexpr):
+def _solve_unit_lower(A, PREC: tl.constexpr, BTc: tl.constexpr, BCc: tl.constexpr, DOUBLING: tl.constexpr = 0):
     """T = (I + A)⁻¹ for A [BT, BT] fp32 strictly lower triangular (BT = 4 BC). Returns [BT, BT] fp32.
 
     With D the 16×16 diagonal blocks of A and L = A − D (strictly block-lower):
         I + A = (I + D)(I + M),   M = (I + D)⁻¹ L,   M⁴ = 0
-        (I + D)⁻¹: BC − 1 steps of X ← I − D X (batched over the 4 blocks, [4, 16, 16]; a register-level
-                   row-by-row substitution measured 1.2-1.5x slower on the H200: benchmarks/NOTES.md)
+        (I + D)⁻¹: DOUBLING (the default): three levels X_2s = X_s − X_s L_s X_s over the 2×2, 4×4, 8×8
+                   solved blocks (two products each, batched over the 4 blocks, [4, 16, 16]); else BC − 1 steps
+                   of X ← I − D X (a register-level row-by-row substitution measured 1.2-1.5x slower on the
+                   H200: benchmarks/NOTES.md)
         (I + M)⁻¹ = (I − M)(I + M²)
         T = (I + M)⁻¹ (I + D)⁻¹
     X ← I − D X is forward substitution done on all rows at once: after step n, rows 0..n are final,
-    each e_i − Σ_{m<i} D_im X_m of final rows, so it rounds like substitution. Powers of D are never
+    each e_i − Σ_{m<i} D_im X_m of final rows, so it rounds like substitution. The doubling levels are the
+    exact inverse of a 2×2 block-lower matrix, [[I_a, 0], [L, I_b]]⁻¹ = [[I_a⁻¹, 0], [−I_b⁻¹ L I_a⁻¹, I_b⁻¹]]
+    (recursive triangular inversion, as stable as substitution; under the interpreter, nearly parallel keys:
+    5.60e-7 against 5.59e-7 from the float64 inverse), in 6 dependent products instead of 14. Powers of D are never
     formed: with nearly parallel keys (D ≈ −0.97 below the diagonal) the product form
     (I − D)(I + D²)(I + D⁴)(I + D⁸) cost 75× the error of a triangular solve (3.5e-5 vs 4.7e-7 in fp32,
     tests/test_triton_chunk_fwd.py::test_correlated_keys_fp32). M's powers stop at M² (4 block steps).
@@ -140,9 +145,24 @@ def _solve_unit_lower(A, PREC: tl.constexpr, BTc: tl.constexpr, BCc: tl.constexp
     A4 = tl.permute(tl.reshape(A, [NB, BCc, NB, BCc]), (0, 2, 1, 3))                   # [b, c, i, j]
     Dd = tl.sum(tl.where(on_diag, A4, 0.), 1)                                          # [NB, BC, BC]
     eye_b = tl.where(o_c[:, None] == o_c[None, :], 1., 0.)[None, :, :]
-    X = eye_b - Dd
-    for _ in range(BCc - 2):
-        X = eye_b - tl.dot(Dd, X, input_precision=PREC)                                # [NB, BC, BC] @ [NB, BC, BC]
+    if DOUBLING:
+        # (I + D)⁻¹ by doubling the solved block: with X_s the inverses of the s×s diagonal blocks, a 2s×2s
+        # block [[I_a, 0], [L_s, I_b]] has the inverse X_2s = X_s − X_s L_s X_s (L_s: D's lower-left s×s block
+        # in each 2s×2s block). Exact, no powers of D; 2 log2(BC / 2) products in sequence instead of BC − 2.
+        s_rows = o_c[:, None]
+        s_cols = o_c[None, :]
+        m1 = (s_rows == s_cols + 1) & (s_rows % 2 == 1)
+        X = eye_b - tl.where(m1[None, :, :], Dd, 0.)
+        tl.static_assert(BCc == 16, "the doubling solve is written for 16×16 diagonal blocks")
+        for lvl in tl.static_range(1, 4):
+            m = ((s_rows >> lvl) % 2 == 1) & ((s_cols >> lvl) % 2 == 0) & (s_rows >> (lvl + 1) == s_cols >> (lvl + 1))
+            Ls = tl.where(m[None, :, :], Dd, 0.)
+            XL = tl.dot(X, Ls, input_precision=PREC)                                   # [NB, BC, BC] @ [NB, BC, BC]
+            X = X - tl.dot(XL, X, input_precision=PREC)                                # [NB, BC, BC] @ [NB, BC, BC]
+    else:
+        X = eye_b - Dd
+        for _ in range(BCc - 2):
+            X = eye_b - tl.dot(Dd, X, input_precision=PREC)                            # [NB, BC, BC] @ [NB, BC, BC]
     Dinv = tl.reshape(tl.permute(tl.where(on_diag, tl.expand_dims(X, 1), 0.), (0, 2, 1, 3)), [BTc, BTc])
     L = tl.where(same, 0., A)
     M = tl.dot(Dinv, L, input_precision=PREC)                                          # [BT, BT] @ [BT, BT]
@@ -322,7 +342,7 @@ def chunk_prepare_kernel(
     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, MM_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
     g_floor: tl.constexpr, span_max: tl.constexpr, WU_LOWP: tl.constexpr = 0, AP_FORM: tl.constexpr = 0,
     BWD: tl.constexpr = 0, STORE_T: tl.constexpr = 0, STORE_P: tl.constexpr = 1, GC_OUT: tl.constexpr = 0,
-    AP_ONE_REF: tl.constexpr = 0, WU_BLK: tl.constexpr = 256,
+    AP_ONE_REF: tl.constexpr = 0, SOLVE_DOUBLING: tl.constexpr = 0,
 ):
     """One chunk of one value head: see the module docstring (stage 1). Grid (chunks, B·HV).
 
@@ -475,7 +495,7 @@ def chunk_prepare_kernel(
         tl.store(tl.make_block_ptr(p + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0), (BTc, BTc),
                                    (1, 0)), P.to(p.dtype.element_ty), boundary_check=(0, 1))
 
-    Tm = _solve_unit_lower(A, SOLVE_PREC, BTc, BCc)                                      # (I + A)^-1
+    Tm = _solve_unit_lower(A, SOLVE_PREC, BTc, BCc, SOLVE_DOUBLING)                      # (I + A)^-1
     if BWD or STORE_T:
         tl.store(tl.make_block_ptr(t_out + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0),
                                    (BTc, BTc), (1, 0)), Tm, boundary_check=(0, 1))
@@ -503,25 +523,16 @@ def chunk_prepare_kernel(
             b_w = _mm(Tm, Xk.to(Tm.dtype), MM_PREC)                                      # [BT, BT] @ [BT, BKC]
             tl.store(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
                                        (1, 0)), b_w.to(w.dtype.element_ty), boundary_check=(0, 1))
-    elif WU_BLK >= BK:
+    else:
         Xk = b_k.to(tl.float32) * b_ks[:, None]
         b_w = _mm(Tm, Xk.to(Tm.dtype), MM_PREC)                                          # [BT, BT] @ [BT, BK]
         tl.store(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK), (1, 0)),
                  b_w.to(w.dtype.element_ty), boundary_check=(0, 1))
-    else:       # W by column blocks, k read again (L2): fewer registers live across the solve and the products
-        for i_c in tl.static_range(BK // WU_BLK):
-            b_kc = tl.load(tl.make_block_ptr(k_base, (T_seq, K), (H * K, 1), (t0, i_c * WU_BLK), (BTc, WU_BLK),
-                                             (1, 0)), boundary_check=(0, 1))
-            b_w = _mm(Tm, (b_kc.to(tl.float32) * b_ks[:, None]).to(Tm.dtype), MM_PREC)  # [BT, BT] @ [BT, WU_BLK]
-            tl.store(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, i_c * WU_BLK),
-                                       (BTc, WU_BLK), (1, 0)), b_w.to(w.dtype.element_ty), boundary_check=(0, 1))
-    VB: tl.constexpr = min(WU_BLK, BVf)
-    for i_c in tl.static_range(BVf // VB):
-        Xv = tl.load(tl.make_block_ptr(v + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, i_c * VB), (BTc, VB),
-                                       (1, 0)), boundary_check=(0, 1)).to(tl.float32) * b_beta[:, None]
-        b_u = _mm(Tm, Xv.to(Tm.dtype), MM_PREC).to(u.dtype.element_ty)                  # [BT, BT] @ [BT, VB]
-        tl.store(tl.make_block_ptr(u + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, i_c * VB), (BTc, VB),
-                                   (1, 0)), b_u, boundary_check=(0, 1))
+    Xv = tl.load(tl.make_block_ptr(v + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf), (1, 0)),
+                 boundary_check=(0, 1)).to(tl.float32) * b_beta[:, None]
+    b_u = _mm(Tm, Xv.to(Tm.dtype), MM_PREC).to(u.dtype.element_ty)                      # [BT, BT] @ [BT, BV]
+    tl.store(tl.make_block_ptr(u + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf), (1, 0)),
+             b_u, boundary_check=(0, 1))
 
 
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
@@ -865,22 +876,9 @@ PREP_CONFIG = {0: (1, 4, 64, 0), 1: (1, 4, 64, 0), 2: (0, 4, 32, 0)}
 KDA_ONE_REF = 1
 
 
-# Stage 1's W / U products by column blocks of PREP_WU_BLK (per gate kind; >= the head dim: one product each) and
-# its forward launch's register cap (PREP_MAXNREG, 0: none). Smaller blocks hold fewer registers (offline sm_90,
-# bf16, K = V = 128, 4 warps: DeltaNet without P 183 -> 156 / 135 registers at blocks of 64 / 32, GDN 227 -> 177 /
-# 166, no spills), so that three or four programs share an SM instead of two. CHUNKWISE_PREP_WU_BLK and
-# CHUNKWISE_MAXNREG=prep_fwd:N override.
-PREP_WU_BLK = {0: 256, 1: 256, 2: 256}
-PREP_MAXNREG = {0: 0, 1: 0, 2: 0}
-
-
-def prep_regs(gate: int) -> tuple[int, dict]:
-    """(W / U column block, launch options capping registers) of the forward's stage 1 for a gate kind."""
-    wu_blk = int(os.environ.get("CHUNKWISE_PREP_WU_BLK", PREP_WU_BLK[gate]))
-    if wu_blk < 16 or wu_blk & (wu_blk - 1):
-        raise ValueError(f"CHUNKWISE_PREP_WU_BLK={wu_blk}: expected a power of two >= 16")
-    cap = reg_cap("prep_fwd") or ({"maxnreg": PREP_MAXNREG[gate]} if PREP_MAXNREG[gate] else {})
-    return wu_blk, cap
+# (I + A)⁻¹'s 16×16 diagonal blocks by doubling (log-depth, _solve_unit_lower's DOUBLING) instead of substitution
+# (CHUNKWISE_SOLVE_DOUBLING overrides)
+SOLVE_DOUBLING = 1
 
 
 def reg_cap(name: str) -> dict:
@@ -963,7 +961,6 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     t = _alloc((B, T, HV, BT), torch.float32, dev) if save_t else None
     dot_prec, mm_prec, solve_prec = _dot_prec(dt, gate)
     wu_lowp, warps, bkc, form = prep_config(gate)
-    wu_blk, cap = prep_regs(gate)
     if n_chunks > 0:
         chunk_prepare_kernel[(n_chunks, B * HV)](
             q, k, v, g, beta, w, u, p, qg, kg, glast, gcum, None, t, None, cu_seqlens, chunk_indices, T, NT,
@@ -971,8 +968,9 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=solve_prec,
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(dt, K) and gate != 2,
             AP_FORM=form if gate == 2 else 0, STORE_T=save_t, STORE_P=store_p, GC_OUT=gate == 1,
-            AP_ONE_REF=gate == 2 and _env_switch("CHUNKWISE_KDA_ONE_REF", KDA_ONE_REF), WU_BLK=wu_blk,
-            num_warps=warps, num_stages=1, **cap)
+            AP_ONE_REF=gate == 2 and _env_switch("CHUNKWISE_KDA_ONE_REF", KDA_ONE_REF),
+            SOLVE_DOUBLING=_env_switch("CHUNKWISE_SOLVE_DOUBLING", SOLVE_DOUBLING), num_warps=warps,
+            num_stages=1, **reg_cap("prep_fwd"))
     return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, gcum=gcum, t=t)
 
 
@@ -996,6 +994,7 @@ def chunk_prepare_bwd(q, k, v, g, beta, do, scale, w, u, t_out, drl, cu_seqlens=
             H=H, HV=HV, K=K, V=V, scale=scale, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)),
             GATE=gate, IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=solve_prec,
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(q.dtype, K), BWD=True,
+            SOLVE_DOUBLING=_env_switch("CHUNKWISE_SOLVE_DOUBLING", SOLVE_DOUBLING),
             num_warps=num_warps, num_stages=1, **reg_cap("prep"))
 
 
