@@ -12,7 +12,7 @@ for T in (2048, 32768):
     beta = torch.rand(B, T, H, device="cuda", dtype=torch.bfloat16)
     for tma in ("1", "0"):
         import os; os.environ["CHUNKWISE_FWD_TMA"] = tma
-        o1, _ = chunk_fwd(q, k, v, None, beta, K ** -0.5, None, True, None, pipeline=1, num_stages=1)
+        o1, _ = chunk_fwd(q, k, v, None, beta, K ** -0.5, None, True, None, num_stages=1)
         torch.cuda.synchronize()
-        o3, _ = chunk_fwd(q, k, v, None, beta, K ** -0.5, None, True, None, pipeline=1)
+        o3, _ = chunk_fwd(q, k, v, None, beta, K ** -0.5, None, True, None)
         print("T", T, "tma", tma, "ns1 vs default", ((o1.float() - o3.float()).norm() / o3.float().norm()).item(), flush=True)
