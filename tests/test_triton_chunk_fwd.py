@@ -418,3 +418,49 @@ def test_solve_forms_vs_float64(keys, dtype, monkeypatch):
         err[form] = worst
     assert err["0"] <= 2e-6 and err["1"] <= 2e-6, err
     assert err["1"] <= 1.2 * err["0"] + 1e-8, err
+
+
+def test_launchers_run_on_the_tensors_device(monkeypatch):
+    """The Triton launchers (chunk_fwd, chunk_bwd, recurrent_fwd) run with the CUDA current device set to their
+    inputs' device (Triton launches on the current one): checked here with a stand-in for a tensor on cuda:1 while
+    cuda:0 is current, and with CPU tensors (left alone)."""
+    import contextlib
+    import importlib
+
+    cb, cf, rc = (importlib.import_module(f"chunkwise.triton.{m}") for m in ("chunk_bwd", "chunk_fwd", "recurrent"))
+    for launcher in (cf.chunk_fwd, cb.chunk_bwd, rc.recurrent_fwd):
+        assert launcher.__wrapped__ is not None           # wrapped by on_tensor_device
+
+    class OnCuda1(torch.Tensor):
+        is_cuda = property(lambda self: True)
+        device = property(lambda self: torch.device("cuda", 1))
+
+    seen, current = [], [0]
+
+    @contextlib.contextmanager
+    def device(d):
+        seen.append(torch.device(d))
+        before, current[0] = current[0], torch.device(d).index
+        yield
+        current[0] = before
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "device", device)
+    inside = cf.on_tensor_device(lambda x, *a, **kw: (current[0], a, kw))
+    x = torch.zeros(2).as_subclass(OnCuda1)
+    assert inside(x, 1, key=2) == (1, (1,), {"key": 2}) and seen == [torch.device("cuda", 1)]
+    assert current[0] == 0
+    current[0] = 1                                      # already current: no switch
+    assert inside(x)[0] == 1 and len(seen) == 1
+    assert inside(torch.zeros(2))[0] == 1 and len(seen) == 1      # CPU tensors: left alone
+
+
+@pytest.mark.skipif(not ON_GPU or torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("fam", FAMS)
+def test_second_gpu_while_first_is_current(fam):
+    """Inputs on cuda:1 while cuda:0 is current: the forward runs there and equals the float64 recurrence."""
+    inp = make_inputs(fam, B=2, T=T_LONG, H=1, HV=2, K=KS[0], V=VS[0], dtype=torch.float32, seed=53, device="cuda:1")
+    with torch.cuda.device(0):
+        o, ht = _run(inp)
+    assert o.device == torch.device("cuda", 1)
+    _check(inp, o, ht, TOL[torch.float32])

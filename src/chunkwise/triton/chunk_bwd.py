@@ -43,7 +43,7 @@ import triton.language as tl
 
 from ..api import TRITON_MAX_HEAD_DIM as MAX_K   # the backward's kernels fit one H200 SM's shared memory up to it
 from .align import cut_state, pad_last, pad_state, padded_dims
-from .chunk_fwd import WIDE_16BIT_K, _env_switch, _mm, prec_env, reg_cap, wu_lowp_ok
+from .chunk_fwd import WIDE_16BIT_K, _env_switch, _mm, on_tensor_device, prec_env, reg_cap, wu_lowp_ok
 
 CHUNK = 64
 SUB = 16
@@ -1355,6 +1355,7 @@ def _warps(name: str, gate: int, wide_ok: bool = True) -> int:
     return BWD_WARPS[name]
 
 
+@on_tensor_device
 def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, chunk_indices=None,
               transpose_state_layout=False, saved=None):
     """Gradients of the chunk op (see the module docstring for the equations).

@@ -45,6 +45,7 @@ The backward may import ``chunk_prepare`` (recompute w, u, P) and the kernels th
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -58,6 +59,20 @@ BC = 16          # sub-block of the triangular solve and of the per-channel fact
 G_FLOOR = -40.0  # per-token gate clamp (see the module docstring)
 SPAN_MAX = 80.0  # a 16-token block whose per-channel gates sum below -SPAN_MAX takes the exact path
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def on_tensor_device(fn):
+    """Run a launcher with the CUDA current device set to its first argument's device. Triton launches on the
+    current device (and its current stream): without this, tensors on cuda:1 while cuda:0 is current would be
+    handed to kernels running on cuda:0. A no-op for CPU tensors (the interpreter) and when the device is current."""
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        x = args[0]
+        if isinstance(x, torch.Tensor) and x.is_cuda and x.device.index != torch.cuda.current_device():
+            with torch.cuda.device(x.device):
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return wrapped
 
 
 def _poison() -> bool:
@@ -1126,6 +1141,7 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
+@on_tensor_device
 def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, *,
               chunk_indices=None, transpose_state_layout=False, p_in=None, bv=None, num_stages=None, num_warps=4,
               segments=None, seg_phase1=None, seg_sub=None, saved_out=None):

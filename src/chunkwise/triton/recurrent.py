@@ -39,6 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .chunk_fwd import on_tensor_device
+
 GATE_NONE, GATE_SCALAR, GATE_CHANNEL = 0, 1, 2
 
 
@@ -248,6 +250,7 @@ def _launch_config(device: torch.device, NHV: int, K: int, V: int) -> tuple[int,
     return BK, BV, num_warps
 
 
+@on_tensor_device
 def recurrent_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, *,
                   state_indices=None, transpose_state_layout=False, o=None, final_state=None,
                   BV=None, num_warps=None, fused=False, stream=False, pipeline=None):
