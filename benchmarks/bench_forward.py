@@ -155,10 +155,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--families", default=",".join(FAMILIES))
-    ap.add_argument("--variant-set", default="all", choices=("all", "seg", "pfree", "tma", "solve"),
+    ap.add_argument("--variant-set", default="all", choices=("all", "seg", "pfree", "tma", "solve", "wublk"),
                     help="seg: only simple GLA's segment variants; pfree: only GDN / DeltaNet with P formed in "
                          "stage 2 instead of stage 1; tma: every family's serial stage with its tiles loaded through tensor "
-                         "descriptors or not; solve: the delta families with (I + A)⁻¹'s diagonal blocks by substitution or doubling (with --variants)")
+                         "descriptors or not; solve: the delta families with (I + A)⁻¹'s diagonal blocks by "
+                         "substitution or doubling; wublk: GDN / DeltaNet stage 1 with W / U by column blocks and "
+                         "registers capped (with --variants)")
     ap.add_argument("--variants", action="store_true", help="also time stage-2 variants (BV 16/32/64 x 4/8 warps x 2/3 stages; GLA also with P from its own kernel, GDN with the decays from stage 1)")
     ap.add_argument("--shapes", default="")
     ap.add_argument("--warm", action="store_true", help="compile everything on tiny inputs, time nothing")
@@ -224,7 +226,20 @@ def main():
                             x["q"], x["k"], x["v"], x["g"], x["beta"], x["cu"], x["chunk_indices"],
                             store_p=fam != "delta"))[0]
                     os.environ.pop("CHUNKWISE_SOLVE_DOUBLING")
-                if fam == "gla" and a.variant_set not in ("pfree", "tma", "solve") and x["q"].shape[0] == 1 and x["cu"] is None:
+                if a.variant_set == "wublk" and fam in ("gdn", "delta"):
+                    # stage 1's W / U by column blocks (fp32 operands: fewer registers, more programs per SM) x a
+                    # register cap: the forward, and stage 1 alone ("-s1")
+                    for blk, cap in ((256, 0), (64, 0), (32, 0), (64, 168), (32, 128)):
+                        os.environ["CHUNKWISE_PREP_WU_BLK"] = str(blk)
+                        os.environ["CHUNKWISE_MAXNREG"] = f"prep_fwd:{cap}" if cap else ""
+                        key = f"wu{blk}-cap{cap}"
+                        time_variant(key)
+                        var[key + "-s1"] = bench(lambda: chunk_prepare(
+                            x["q"], x["k"], x["v"], x["g"], x["beta"], x["cu"], x["chunk_indices"],
+                            store_p=fam != "delta"))[0]
+                    os.environ.pop("CHUNKWISE_PREP_WU_BLK")
+                    os.environ.pop("CHUNKWISE_MAXNREG")
+                if fam == "gla" and a.variant_set not in ("pfree", "tma", "solve", "wublk") and x["q"].shape[0] == 1 and x["cu"] is None:
                     # the segment split's first pass in sub-segments (chunk_fwd(seg_sub=)), 4 segments, at the
                     # second pass's value block (64, 4 warps) or its own
                     for sub, p1 in ((1, (128, 4)), (2, (128, 4)), (4, (128, 4)), (2, (128, 4, 3)), (2, (128, 4, 1)),

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from ..api import TRITON_MAX_HEAD_DIM as MAX_K   # the backward's kernels fit one H200 SM's shared memory up to it
-from .align import cut_state, pad_last, pad_state, padded_dims
+from .align import cdiv, cut_state, next_pow2, pad_last, pad_state, padded_dims
 from .chunk_fwd import WIDE_16BIT_K, _env_switch, _mm, on_tensor_device, prec_env, reg_cap, wu_lowp_ok
 
 CHUNK = 64
@@ -1408,14 +1408,14 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         chunk_indices = chunk_indices.contiguous()
     else:
         N = B
-        NT = triton.cdiv(T, C)
+        NT = cdiv(T, C)
         NC = B * NT
         chunk_offsets = None
     gate = 0 if g is None else (1 if g.dim() == 3 else 2)
     delta = beta is not None
     has_h0 = initial_state is not None
-    BK = max(16, triton.next_power_of_2(K))
-    BV = min(32, max(16, triton.next_power_of_2(V)))
+    BK = max(16, next_pow2(K))
+    BV = min(32, max(16, next_pow2(V)))
     # fp32: three tf32 products (~fp32 accuracy on the tensor cores); "ieee" lowers every product to FMA
     # loops: offline sm_90 at K = 128 the key-side kernel took 90.6 s to compile and spilled 102 KB per
     # thread (tf32x3: 15.1 s, 7.5 KB)
@@ -1460,7 +1460,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
 
     common = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=T)
     grid_c = (NT, B * HV)
-    grid_s = (triton.cdiv(V, BV), N * HV)
+    grid_s = (cdiv(V, BV), N * HV)
 
     G = None
     if gate:
@@ -1540,11 +1540,11 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                            HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
                            num_warps=_warps("bwd_dv", gate, wide8), **_regs("bwd_dv", gate, wide8), num_stages=ns, **common)
     bkh = int(os.environ.get("CHUNKWISE_BWD_KSPLIT", BWD_KSPLIT))   # the key side's column block (0: one block)
-    bkh = BK if bkh <= 0 else min(max(16, triton.next_power_of_2(bkh)), BK)
+    bkh = BK if bkh <= 0 else min(max(16, next_pow2(bkh)), BK)
     # per-channel gates: the pairwise gradients in their own kernel, split over key channels (BWD_PAIR_SPLIT;
     # 0: one block of all channels)
     bkp = int(os.environ.get("CHUNKWISE_BWD_PAIR_SPLIT", BWD_PAIR_SPLIT))
-    bkp = BK if bkp <= 0 else min(max(16, triton.next_power_of_2(bkp)), BK)
+    bkp = BK if bkp <= 0 else min(max(16, next_pow2(bkp)), BK)
     one_ref = os.environ.get("CHUNKWISE_BWD_ONE_REF", str(BWD_ONE_REF)) if gate == 2 else "0"
     if one_ref not in ("0", "1", "2"):
         raise ValueError(f"CHUNKWISE_BWD_ONE_REF={one_ref!r}: expected 0, 1 or 2")
@@ -1557,7 +1557,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                              span_max=SPAN_MAX, num_warps=_warps("bwd_grad", gate, wide8), **_regs("bwd_grad", gate, wide8),
                              num_stages=ns, **common)
     if gate == 2:
-        nkb = triton.cdiv(K, bkp)
+        nkb = cdiv(K, bkp)
         # the diagonal blocks in their own launch over all channels (BWD_PAIR_DIAG=0, the default) or with the rest
         split_diag = nkb > 1 and one_ref != 2 and not int(os.environ.get("CHUNKWISE_BWD_PAIR_DIAG", BWD_PAIR_DIAG))
         # dβ's shares by channel block; with the key side taking blocks (ONE_REF 2), those the pair kernel skips are 0

@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .align import cut_state, pad_last, pad_state, padded_dims
+from .align import cdiv, cut_state, next_pow2, pad_last, pad_state, padded_dims
 
 BT = 64          # chunk length
 BC = 16          # sub-block of the triangular solve and of the per-channel factorisation
@@ -86,7 +86,7 @@ def _alloc(shape, dtype, device):
 
 
 def _dim(n: int) -> int:
-    return max(16, triton.next_power_of_2(n))
+    return max(16, next_pow2(n))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -357,7 +357,7 @@ def chunk_prepare_kernel(
     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, MM_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
     g_floor: tl.constexpr, span_max: tl.constexpr, WU_LOWP: tl.constexpr = 0, AP_FORM: tl.constexpr = 0,
     BWD: tl.constexpr = 0, STORE_T: tl.constexpr = 0, STORE_P: tl.constexpr = 1, GC_OUT: tl.constexpr = 0,
-    AP_ONE_REF: tl.constexpr = 0, SOLVE_DOUBLING: tl.constexpr = 0,
+    AP_ONE_REF: tl.constexpr = 0, SOLVE_DOUBLING: tl.constexpr = 0, WU_BLK: tl.constexpr = 256,
 ):
     """One chunk of one value head: see the module docstring (stage 1). Grid (chunks, B·HV).
 
@@ -538,16 +538,25 @@ def chunk_prepare_kernel(
             b_w = _mm(Tm, Xk.to(Tm.dtype), MM_PREC)                                      # [BT, BT] @ [BT, BKC]
             tl.store(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
                                        (1, 0)), b_w.to(w.dtype.element_ty), boundary_check=(0, 1))
-    else:
+    elif WU_BLK >= BK:
         Xk = b_k.to(tl.float32) * b_ks[:, None]
         b_w = _mm(Tm, Xk.to(Tm.dtype), MM_PREC)                                          # [BT, BT] @ [BT, BK]
         tl.store(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK), (1, 0)),
                  b_w.to(w.dtype.element_ty), boundary_check=(0, 1))
-    Xv = tl.load(tl.make_block_ptr(v + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf), (1, 0)),
-                 boundary_check=(0, 1)).to(tl.float32) * b_beta[:, None]
-    b_u = _mm(Tm, Xv.to(Tm.dtype), MM_PREC).to(u.dtype.element_ty)                      # [BT, BT] @ [BT, BV]
-    tl.store(tl.make_block_ptr(u + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf), (1, 0)),
-             b_u, boundary_check=(0, 1))
+    else:       # W by column blocks, k read again (L2): fewer registers live across the solve and the products
+        for i_c in tl.static_range(BK // WU_BLK):
+            b_kc = tl.load(tl.make_block_ptr(k_base, (T_seq, K), (H * K, 1), (t0, i_c * WU_BLK), (BTc, WU_BLK),
+                                             (1, 0)), boundary_check=(0, 1))
+            b_w = _mm(Tm, (b_kc.to(tl.float32) * b_ks[:, None]).to(Tm.dtype), MM_PREC)  # [BT, BT] @ [BT, WU_BLK]
+            tl.store(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, i_c * WU_BLK),
+                                       (BTc, WU_BLK), (1, 0)), b_w.to(w.dtype.element_ty), boundary_check=(0, 1))
+    VB: tl.constexpr = min(WU_BLK, BVf)
+    for i_c in tl.static_range(BVf // VB):
+        Xv = tl.load(tl.make_block_ptr(v + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, i_c * VB), (BTc, VB),
+                                       (1, 0)), boundary_check=(0, 1)).to(tl.float32) * b_beta[:, None]
+        b_u = _mm(Tm, Xv.to(Tm.dtype), MM_PREC).to(u.dtype.element_ty)                  # [BT, BT] @ [BT, VB]
+        tl.store(tl.make_block_ptr(u + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, i_c * VB), (BTc, VB),
+                                   (1, 0)), b_u, boundary_check=(0, 1))
 
 
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
@@ -891,6 +900,23 @@ PREP_CONFIG = {0: (1, 4, 64, 0), 1: (1, 4, 64, 0), 2: (0, 4, 32, 0)}
 KDA_ONE_REF = 1
 
 
+# Stage 1's W / U products by column blocks of PREP_WU_BLK (per gate kind; >= the head dim: one product each; k and
+# v read again per block), so that fewer registers stay live: offline sm_90 (bf16, K = V = 128, 4 warps, the
+# doubling solve), DeltaNet without P 196 -> 145 / 127 registers at blocks of 64 / 32, GDN 246 -> 191 / 167, no
+# spills: three or four programs per SM instead of two, for 25 % more instructions. Blocked products take fp32 (tf32)
+# operands: 16-bit ones at a narrow N raised an illegal memory access on the H200 (session 12, as at K = 16 / 64 in
+# session 8). Unmeasured with tf32 operands (`bench_forward --variant-set wublk`); CHUNKWISE_PREP_WU_BLK overrides.
+PREP_WU_BLK = {0: 256, 1: 256, 2: 256}
+
+
+def prep_wu_blk(gate: int) -> int:
+    """Stage 1's W / U column block for a gate kind (PREP_WU_BLK, CHUNKWISE_PREP_WU_BLK)."""
+    wu_blk = int(os.environ.get("CHUNKWISE_PREP_WU_BLK", PREP_WU_BLK[gate]))
+    if wu_blk < 16 or wu_blk & (wu_blk - 1):
+        raise ValueError(f"CHUNKWISE_PREP_WU_BLK={wu_blk}: expected a power of two >= 16")
+    return wu_blk
+
+
 # (I + A)⁻¹'s 16×16 diagonal blocks by doubling (log-depth, _solve_unit_lower's DOUBLING) instead of substitution
 # (CHUNKWISE_SOLVE_DOUBLING overrides)
 SOLVE_DOUBLING = 1
@@ -951,7 +977,7 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     gate = _gate_kind(g)
-    NT = triton.cdiv(T, BT)
+    NT = cdiv(T, BT)
     dev, dt = q.device, q.dtype
     w = _alloc((B, T, HV, K), dt, dev)
     u = _alloc((B, T, HV, V), dt, dev)
@@ -976,6 +1002,9 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     t = _alloc((B, T, HV, BT), torch.float32, dev) if save_t else None
     dot_prec, mm_prec, solve_prec = _dot_prec(dt, gate)
     wu_lowp, warps, bkc, form = prep_config(gate)
+    wu_blk = prep_wu_blk(gate)
+    if wu_blk < max(_dim(K), _dim(V)):
+        wu_lowp = 0         # narrow 16-bit W / U products: the sm_90 miscompile (PREP_WU_BLK)
     if n_chunks > 0:
         chunk_prepare_kernel[(n_chunks, B * HV)](
             q, k, v, g, beta, w, u, p, qg, kg, glast, gcum, None, t, None, cu_seqlens, chunk_indices, T, NT,
@@ -984,8 +1013,8 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(dt, K) and gate != 2,
             AP_FORM=form if gate == 2 else 0, STORE_T=save_t, STORE_P=store_p, GC_OUT=gate == 1,
             AP_ONE_REF=gate == 2 and _env_switch("CHUNKWISE_KDA_ONE_REF", KDA_ONE_REF),
-            SOLVE_DOUBLING=_env_switch("CHUNKWISE_SOLVE_DOUBLING", SOLVE_DOUBLING), num_warps=warps,
-            num_stages=1, **reg_cap("prep_fwd"))
+            SOLVE_DOUBLING=_env_switch("CHUNKWISE_SOLVE_DOUBLING", SOLVE_DOUBLING), WU_BLK=wu_blk,
+            num_warps=warps, num_stages=1, **reg_cap("prep_fwd"))
     return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, gcum=gcum, t=t)
 
 
@@ -999,7 +1028,7 @@ def chunk_prepare_bwd(q, k, v, g, beta, do, scale, w, u, t_out, drl, cu_seqlens=
     HV, V = v.shape[2], v.shape[3]
     gate = _gate_kind(g)
     assert gate != 2 and beta is not None, "chunk_prepare_bwd: delta rule, scalar gate or none"
-    NT = triton.cdiv(T, BT)
+    NT = cdiv(T, BT)
     n_chunks = chunk_indices.shape[0] if cu_seqlens is not None else NT
     dot_prec, mm_prec, solve_prec = _dot_prec(q.dtype)
     bkc = prep_config(gate)[2]
@@ -1017,7 +1046,7 @@ def chunk_p(q, k, g, v_heads, cu_seqlens=None, chunk_indices=None):
     """P [B, T, HV, 64] (q's dtype) alone, for simple GLA run with ``p_in=True`` (see chunk_p_kernel)."""
     B, T, H, K = q.shape
     HV = v_heads
-    NT = triton.cdiv(T, BT)
+    NT = cdiv(T, BT)
     p = _alloc((B, T, HV, BT), q.dtype, q.device)
     n_chunks = chunk_indices.shape[0] if cu_seqlens is not None else NT
     if n_chunks > 0:
@@ -1035,7 +1064,7 @@ def _pick_bv(V: int, K: int, programs: int) -> int:
     if env:
         return min(int(env), _dim(V))
     bv = 64 if K <= 128 else 32
-    if bv == 64 and programs * triton.cdiv(V, 64) < 128:
+    if bv == 64 and programs * cdiv(V, 64) < 128:
         bv = 32
     return min(bv, _dim(V))
 
@@ -1068,7 +1097,7 @@ def _pick_segments(NT: int, programs: int, n_sm: int) -> int:
     at least SEG_MIN_CHUNKS chunks long. On the H200 (run of cd0d241, B1-T32768-H32, 64 unsplit programs):
     4 segments 0.787 ms, 8 (two waves) 0.833, 16 0.820."""
     nseg = 1
-    while programs * nseg * 2 <= 2 * n_sm and nseg < 16 and triton.cdiv(NT, nseg * 2) >= SEG_MIN_CHUNKS:
+    while programs * nseg * 2 <= 2 * n_sm and nseg < 16 and cdiv(NT, nseg * 2) >= SEG_MIN_CHUNKS:
         nseg *= 2
     return nseg
 
@@ -1182,22 +1211,22 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g = None if g is None else g.float().contiguous()
     beta = None if beta is None else beta.contiguous()
-    NT = triton.cdiv(T, BT)
+    NT = cdiv(T, BT)
     tuned = p_in is None and bv is None and num_stages is None
     bv_arg = bv
     bv = bv or _pick_bv(V, K, N * HV)
     # fewer than two programs per SM: each is alone with its serial loop (latency-bound)
     n_sm = _num_sms(q.device)
-    busy = triton.cdiv(V, bv) * N * HV >= 2 * n_sm
+    busy = cdiv(V, bv) * N * HV >= 2 * n_sm
     nseg = 1
     bv_seg = min(64 if K <= 128 else 32, _dim(V))
-    few = triton.cdiv(V, bv_seg) * N * HV < n_sm
+    few = cdiv(V, bv_seg) * N * HV < n_sm
     if not delta and gate != 2 and cu_seqlens is None and (segments is not None or (tuned and few)):
         # simple GLA: its state is linear, so a few segments per sequence can run side by side (SEG in
         # chunk_state_output_kernel) and fill the GPU at two programs per SM, as a large batch does. Only where
         # the unsplit grid leaves SMs idle: on the H200 (run of 703d009) B1-T32768-H32 (64 programs) went from
         # 0.96 to 0.83 ms, but B4-T8192-H16/HV32 (256 programs, 2 segments) from 0.64 to 0.79
-        nseg = segments or _pick_segments(NT, triton.cdiv(V, bv_seg) * N * HV, n_sm)
+        nseg = segments or _pick_segments(NT, cdiv(V, bv_seg) * N * HV, n_sm)
         if nseg > 1:
             bv, busy = bv_arg or bv_seg, True
             if tuned and segments is None and seg_phase1 is None and seg_sub is None:
@@ -1206,9 +1235,9 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
                 # 4 segments with 2 sub-segments and a 128-wide first pass 0.713 ms against 0.782 without (run of
                 # 2f0b1da; 4 sub-segments 0.744, 8 warps 0.816), at 3 stages 0.689 (run of 9404717; 1 stage 0.732)
                 seg_phase1 = (min(SEG_P1_BV, _dim(V)), 4, 3)
-                p1 = triton.cdiv(V, seg_phase1[0]) * N * HV * nseg
+                p1 = cdiv(V, seg_phase1[0]) * N * HV * nseg
                 seg_sub = 1
-                while p1 * seg_sub * 2 <= 2 * n_sm and seg_sub < 8 and triton.cdiv(NT, nseg * seg_sub * 2) >= 4:
+                while p1 * seg_sub * 2 <= 2 * n_sm and seg_sub < 8 and cdiv(NT, nseg * seg_sub * 2) >= 4:
                     seg_sub *= 2
     if p_in is None:
         # simple GLA (no prepare stage) forms P inside its serial loop when the SMs are busy, and takes it from
@@ -1250,10 +1279,10 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         _ensure_allocator()
     if num_stages is None:
         num_stages = _pick_stages(q.element_size(), _dim(K), bv, delta, p_in, busy)
-    grid = (triton.cdiv(V, bv), N * nseg * HV)
+    grid = (cdiv(V, bv), N * nseg * HV)
     sloc = gam = None
     sub = (seg_sub or 1) if nseg > 1 else 1
-    sub_len = triton.cdiv(NT, nseg * sub)           # the first pass's (sub-)segments; a segment is sub of them
+    sub_len = cdiv(NT, nseg * sub)           # the first pass's (sub-)segments; a segment is sub of them
     seg_len = sub_len * sub
     if nseg > 1:
         sloc = _alloc((N * nseg * sub, HV, K, V), torch.float32, q.device)
@@ -1267,7 +1296,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
                 # second pass reads at its own BV): a wider block reads each k tile once for more of V
                 bv_m, warps_m = min(seg_phase1[0], _dim(V)), seg_phase1[1]
                 stages_m = seg_phase1[2] if len(seg_phase1) > 2 else num_stages
-        chunk_state_output_kernel[(triton.cdiv(V, bv_m), rows_m)](
+        chunk_state_output_kernel[(cdiv(V, bv_m), rows_m)](
             q, k, v, stage1["w"], stage1["u"], stage1["p"], g, stage1["qg"], stage1["kg"], stage1["glast"],
             stage1["gcum"], o, initial_state, ht, sloc, gam, cu_seqlens, scale, T, NT, len_m,
             *strides(initial_state), *strides(ht),

@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .align import cdiv, next_pow2
 from .chunk_fwd import on_tensor_device
 
 GATE_NONE, GATE_SCALAR, GATE_CHANNEL = 0, 1, 2
@@ -238,13 +239,13 @@ def _launch_config(device: torch.device, NHV: int, K: int, V: int) -> tuple[int,
     2 bytes and two small loads stay serialized; see benchmarks/decode_sass.py). BV = 32 / 2 warps was
     also the fastest configuration at batch 256 in the first H200 measurement (benchmarks/NOTES.md, Decode).
     """
-    BK = max(16, triton.next_power_of_2(K))
-    BV = min(max(8, triton.next_power_of_2(V)), 32 if BK <= 128 else 16)
+    BK = max(16, next_pow2(K))
+    BV = min(max(8, next_pow2(V)), 32 if BK <= 128 else 16)
     if device.type != "cuda":   # the interpreter: fewest programs (it runs them one by one)
-        BV = min(max(8, triton.next_power_of_2(V)), 64)
+        BV = min(max(8, next_pow2(V)), 64)
         return BK, BV, 4
     n_sm = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    while BV > 8 and NHV * triton.cdiv(V, BV) < 8 * n_sm:
+    while BV > 8 and NHV * cdiv(V, BV) < 8 * n_sm:
         BV //= 2
     num_warps = max(1, min(8, BK * BV // 2048))
     return BK, BV, num_warps
@@ -310,7 +311,7 @@ def recurrent_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu
     num_warps = num_warps or nw_auto
     if pipeline is None:
         pipeline = 2 if q.device.type == "cuda" else 0
-    grid = (N * HV * triton.cdiv(V, BV),)
+    grid = (N * HV * cdiv(V, BV),)
     recurrent_fwd_kernel[grid](
         q, k, v, g, beta, o, h0, ht, cu_seqlens, state_indices,
         initial_state.shape[0] if state_indices is not None else 0, scale, T,
