@@ -16,6 +16,7 @@ chunk index: no host sync) and of fla's public op under torch.no_grad. Writes be
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -71,6 +72,21 @@ def make(fam, s, K=128, V=128, dtype=torch.bfloat16, dev=None):
         cu = cu_cpu.to(dev)
         chunk_indices = chunkwise.prepare_chunk_indices(cu_cpu).to(dev)
     return dict(q=q, k=k, v=v, g=g, beta=beta, cu=cu, cu_cpu=cu_cpu, chunk_indices=chunk_indices)
+
+
+@contextlib.contextmanager
+def env_vars(env):
+    """The environment variables of ``env`` (dict) set for the block, their former values (or absence) back after."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def run_ours(fam, x):
@@ -197,11 +213,18 @@ def main():
             if a.variants:
                 var = {}
 
-                def time_variant(key, **kw):
-                    try:
-                        var[key] = bench(lambda: run_variant(fam, x, **kw))[0]
-                    except Exception as e:  # noqa: BLE001
-                        var[key] = repr(e)[:120]
+                def time_variant(key, env=None, stage1=False, **kw):
+                    """The forward with chunk_fwd's keywords kw under the environment settings env; with stage1,
+                    also stage 1 alone (P stored as the forward stores it) as key + "-s1"."""
+                    with env_vars(env or {}):
+                        try:
+                            var[key] = bench(lambda: run_variant(fam, x, **kw))[0]
+                            if stage1:
+                                var[key + "-s1"] = bench(lambda: chunk_prepare(
+                                    x["q"], x["k"], x["v"], x["g"], x["beta"], x["cu"], x["chunk_indices"],
+                                    store_p=fam != "delta"))[0]
+                        except Exception as e:  # noqa: BLE001
+                            var[key] = repr(e)[:120]
                 own = dict(p_in=False) if fam == "gla" else {}      # GLA: P formed in the serial loop
                 if a.variant_set == "pfree" and fam in ("gdn", "delta"):
                     # P from stage 1 (the default) or formed in stage 2's serial loop (stage 1 reads no q)
@@ -211,34 +234,19 @@ def main():
                 if a.variant_set == "tma":
                     # the serial stage's tiles through tensor descriptors (CHUNKWISE_FWD_TMA) or not
                     for key, val in (("no-tma", "0"), ("tma", "1"), ("tma-o", "1")):
-                        os.environ["CHUNKWISE_FWD_TMA"] = val
-                        os.environ["CHUNKWISE_FWD_TMA_O"] = "1" if key == "tma-o" else "0"
-                        time_variant(key)
-                    os.environ.pop("CHUNKWISE_FWD_TMA")
-                    os.environ.pop("CHUNKWISE_FWD_TMA_O")
+                        time_variant(key, env={"CHUNKWISE_FWD_TMA": val,
+                                               "CHUNKWISE_FWD_TMA_O": "1" if key == "tma-o" else "0"})
                 if a.variant_set == "solve" and fam != "gla":
-                    # (I + A)⁻¹'s diagonal blocks by substitution (0) or doubling (1): the forward, and stage 1
-                    # alone ("-s1", P stored as the forward stores it)
+                    # (I + A)⁻¹'s diagonal blocks by substitution (0) or doubling (1): the forward and stage 1
                     for form in ("0", "1"):
-                        os.environ["CHUNKWISE_SOLVE_DOUBLING"] = form
-                        time_variant(f"solve{form}")
-                        var[f"solve{form}-s1"] = bench(lambda: chunk_prepare(
-                            x["q"], x["k"], x["v"], x["g"], x["beta"], x["cu"], x["chunk_indices"],
-                            store_p=fam != "delta"))[0]
-                    os.environ.pop("CHUNKWISE_SOLVE_DOUBLING")
+                        time_variant(f"solve{form}", env={"CHUNKWISE_SOLVE_DOUBLING": form}, stage1=True)
                 if a.variant_set == "wublk" and fam in ("gdn", "delta"):
                     # stage 1's W / U by column blocks (fp32 operands: fewer registers, more programs per SM) x a
-                    # register cap: the forward, and stage 1 alone ("-s1")
+                    # register cap: the forward and stage 1
                     for blk, cap in ((256, 0), (64, 0), (32, 0), (64, 168), (32, 128)):
-                        os.environ["CHUNKWISE_PREP_WU_BLK"] = str(blk)
-                        os.environ["CHUNKWISE_MAXNREG"] = f"prep_fwd:{cap}" if cap else ""
-                        key = f"wu{blk}-cap{cap}"
-                        time_variant(key)
-                        var[key + "-s1"] = bench(lambda: chunk_prepare(
-                            x["q"], x["k"], x["v"], x["g"], x["beta"], x["cu"], x["chunk_indices"],
-                            store_p=fam != "delta"))[0]
-                    os.environ.pop("CHUNKWISE_PREP_WU_BLK")
-                    os.environ.pop("CHUNKWISE_MAXNREG")
+                        time_variant(f"wu{blk}-cap{cap}", env={"CHUNKWISE_PREP_WU_BLK": str(blk),
+                                                              "CHUNKWISE_MAXNREG": f"prep_fwd:{cap}" if cap else ""},
+                                     stage1=True)
                 if fam == "gla" and a.variant_set not in ("pfree", "tma", "solve", "wublk") and x["q"].shape[0] == 1 and x["cu"] is None:
                     # the segment split's first pass in sub-segments (chunk_fwd(seg_sub=)), 4 segments, at the
                     # second pass's value block (64, 4 warps) or its own

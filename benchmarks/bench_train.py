@@ -13,7 +13,6 @@ Writes bench_train.json (GPU, versions, commit, every number) to --out.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import subprocess
@@ -56,21 +55,6 @@ def bench(fn, grads):
     fn()
     torch.cuda.synchronize()
     return triton.testing.do_bench(fn, warmup=10, rep=60, grad_to_none=grads, return_mode="median")
-
-
-@contextlib.contextmanager
-def env_vars(env):
-    """The environment variables of ``env`` (dict) set for the block, their former values (or absence) back after."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def profiled(fn, grads=()):

@@ -13,8 +13,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_forward import make, run_ours, shapes  # noqa: E402
-from bench_train import env_vars, fwd_bwd, leaves, profiled  # noqa: E402
+from bench_forward import env_vars, make, run_ours, shapes  # noqa: E402
+from bench_train import fwd_bwd, leaves, profiled  # noqa: E402
 
 SETTINGS = {"on": {}, "off": {"CHUNKWISE_KDA_ONE_REF": "0", "CHUNKWISE_BWD_ONE_REF": "0"}}
 

@@ -28,8 +28,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_forward import make, run_ours, shapes  # noqa: E402
-from bench_train import bench, env_vars, fwd_bwd, leaves, profile  # noqa: E402
+from bench_forward import env_vars, make, run_ours, shapes  # noqa: E402
+from bench_train import bench, fwd_bwd, leaves, profile  # noqa: E402
 
 # profiler names of the backward kernels -> BWD_WARPS keys
 KERNELS = {"_gate_cumsum_kernel": "gate_cumsum", "_intra_kernel": "intra", "_intra_diag_kernel": "intra_diag",
