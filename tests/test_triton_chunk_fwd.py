@@ -328,6 +328,14 @@ def test_real_size_grouped_varlen_bf16(fam):
     _check(inp, o, ht, TOL[torch.bfloat16])
 
 
+def _correlated_keys(k_shape, beta_shape, seed=17):
+    """Nearly parallel unit keys (one direction plus 0.2 noise) and β in [0.9, 0.99), float64 on the CPU."""
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randn(1, 1, 1, k_shape[-1], generator=gen, dtype=torch.float64)
+    k = torch.nn.functional.normalize(base + 0.2 * torch.randn(*k_shape, generator=gen, dtype=torch.float64), dim=-1)
+    return k, 0.9 + 0.09 * torch.rand(*beta_shape, generator=gen, dtype=torch.float64)
+
+
 @pytest.mark.parametrize("doubling", ["0", "1"])
 @pytest.mark.parametrize("fam", ("delta", "gdn", "kda"))
 def test_correlated_keys_fp32(fam, doubling, monkeypatch):
@@ -335,11 +343,8 @@ def test_correlated_keys_fp32(fam, doubling, monkeypatch):
     solve's diagonal blocks by substitution and by doubling (CHUNKWISE_SOLVE_DOUBLING)."""
     monkeypatch.setenv("CHUNKWISE_SOLVE_DOUBLING", doubling)
     inp = make_inputs(fam, B=1, T=T_LONG, H=1, HV=1, K=KS[0], V=VS[0], dtype=torch.float32, seed=17)
-    gen = torch.Generator().manual_seed(17)
-    base = torch.randn(1, 1, 1, KS[0], generator=gen, dtype=torch.float64)
-    k = base + 0.2 * torch.randn(*inp.k.shape, generator=gen, dtype=torch.float64)
-    inp.k = torch.nn.functional.normalize(k, dim=-1).to(inp.k)
-    inp.beta = (0.9 + 0.09 * torch.rand(*inp.beta.shape, generator=gen, dtype=torch.float64)).to(inp.beta)
+    k, beta = _correlated_keys(inp.k.shape, inp.beta.shape)
+    inp.k, inp.beta = k.to(inp.k), beta.to(inp.beta)
     o, ht = _run(inp)
     _check(inp, o, ht, TOL[torch.float32])
 
@@ -399,10 +404,7 @@ def test_solve_forms_vs_float64(keys, dtype, monkeypatch):
     inp = make_inputs("delta", B=1, T=T, H=1, HV=1, K=KS[0], V=VS[0], dtype=torch.float64, seed=17)
     k, beta = inp.k, inp.beta
     if keys == "correlated":
-        gen = torch.Generator().manual_seed(17)
-        base = torch.randn(1, 1, 1, KS[0], generator=gen, dtype=torch.float64)
-        k = torch.nn.functional.normalize(base + 0.2 * torch.randn(*k.shape, generator=gen, dtype=torch.float64), dim=-1)
-        beta = 0.9 + 0.09 * torch.rand(*beta.shape, generator=gen, dtype=torch.float64)
+        k, beta = _correlated_keys(k.shape, beta.shape)
     k, beta, v = k.to(DEVICE, dtype), beta.to(DEVICE, dtype), inp.v.to(DEVICE, dtype)
     kk, bb = k.double().cpu()[0, :, 0], beta.double().cpu()[0, :, 0]
     err = {}
