@@ -140,7 +140,7 @@ if has ncu; then        # Nsight Compute on the kernels NOTES.md asks about (ben
 fi
 if has variants; then
   has fwd || warm_variants
-  TAILN=4 step 120 bench_variants python3 benchmarks/bench_forward.py --variants --families "$VAR_FAMS" \
+  TAILN=4 step ${VAR_T:-120} bench_variants python3 benchmarks/bench_forward.py --variants --families "$VAR_FAMS" \
     --variant-set "$VARIANT_SET" --shapes "${VAR_SHAPES:-B1-T32768-H32,B8-T4096-H32}" --out "$OUT/variants"
   grep -h '"variants"' "$OUT/bench_variants.log" | python3 -c "
 import json, sys

@@ -136,6 +136,9 @@ def main():
     ap.add_argument("--used-only", action="store_true",
                     help="pack only the entries this run compiled or read (a device call's subset, when the whole "
                          "cache passes the 64 MiB carry limit); the cache on disk keeps everything")
+    ap.add_argument("--used-since", type=float, default=0.0,
+                    help="with --used-only: keep the access times and pack what was read or compiled since this "
+                         "epoch second (several runs in one pack, e.g. tests under different CHUNKWISE_* settings)")
     ap.add_argument("pytest_args", nargs="*", help=f"tests to warm (default: {' '.join(VERIFY)})")
     a, rest = ap.parse_known_args()
     a.pytest_args += rest
@@ -144,7 +147,9 @@ def main():
     os.environ.pop("TRITON_INTERPRET", None)
     install_sm90()
     t0 = time.time()
-    if a.used_only:     # every access time back to 2000: a read here moves it past t0 (relatime: atime <= mtime)
+    if a.used_since:
+        t0 = a.used_since
+    elif a.used_only:   # every access time back to 2000: a read here moves it past t0 (relatime: atime <= mtime)
         for root, _, files in os.walk(CACHE):
             for f in files:
                 os.utime(os.path.join(root, f), (946684800, os.path.getmtime(os.path.join(root, f))))
