@@ -171,12 +171,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--families", default=",".join(FAMILIES))
-    ap.add_argument("--variant-set", default="all", choices=("all", "seg", "pfree", "tma", "solve", "wublk"),
+    ap.add_argument("--variant-set", default="all", choices=("all", "seg", "pfree", "tma", "solve"),
                     help="seg: only simple GLA's segment variants; pfree: only GDN / DeltaNet with P formed in "
                          "stage 2 instead of stage 1; tma: every family's serial stage with its tiles loaded through tensor "
                          "descriptors or not; solve: the delta families with (I + A)⁻¹'s diagonal blocks by "
-                         "substitution or doubling; wublk: GDN / DeltaNet stage 1 with W / U by column blocks and "
-                         "registers capped (with --variants)")
+                         "substitution or doubling (with --variants)")
     ap.add_argument("--variants", action="store_true", help="also time stage-2 variants (BV 16/32/64 x 4/8 warps x 2/3 stages; GLA also with P from its own kernel, GDN with the decays from stage 1)")
     ap.add_argument("--shapes", default="")
     ap.add_argument("--warm", action="store_true", help="compile everything on tiny inputs, time nothing")
@@ -240,14 +239,7 @@ def main():
                     # (I + A)⁻¹'s diagonal blocks by substitution (0) or doubling (1): the forward and stage 1
                     for form in ("0", "1"):
                         time_variant(f"solve{form}", env={"CHUNKWISE_SOLVE_DOUBLING": form}, stage1=True)
-                if a.variant_set == "wublk" and fam in ("gdn", "delta"):
-                    # stage 1's W / U by column blocks (fp32 operands: fewer registers, more programs per SM) x a
-                    # register cap: the forward and stage 1
-                    for blk, cap in ((256, 0), (64, 0), (32, 0), (64, 168), (32, 128)):
-                        time_variant(f"wu{blk}-cap{cap}", env={"CHUNKWISE_PREP_WU_BLK": str(blk),
-                                                              "CHUNKWISE_MAXNREG": f"prep_fwd:{cap}" if cap else ""},
-                                     stage1=True)
-                if fam == "gla" and a.variant_set not in ("pfree", "tma", "solve", "wublk") and x["q"].shape[0] == 1 and x["cu"] is None:
+                if fam == "gla" and a.variant_set not in ("pfree", "tma", "solve") and x["q"].shape[0] == 1 and x["cu"] is None:
                     # the segment split's first pass in sub-segments (chunk_fwd(seg_sub=)), 4 segments, at the
                     # second pass's value block (64, 4 warps) or its own
                     for sub, p1 in ((1, (128, 4)), (2, (128, 4)), (4, (128, 4)), (2, (128, 4, 3)), (2, (128, 4, 1)),

@@ -72,15 +72,15 @@ def profiled(fn, grads=()):
     return p
 
 
-def profile(fn, grads=()):
-    """Device time per kernel name (ms) of one call of fn (``profiled``)."""
+def profile(fn, grads=(), top=14):
+    """Device time per kernel name (ms) of one call of fn (``profiled``), the ``top`` largest."""
     p = profiled(fn, grads)
     rows = {}
     for e in p.key_averages():
         t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
         if t:
             rows[e.key[:60]] = rows.get(e.key[:60], 0) + t / 1000
-    return dict(sorted(rows.items(), key=lambda kv: -kv[1])[:14])
+    return dict(sorted(rows.items(), key=lambda kv: -kv[1])[:top])
 
 
 def main():
@@ -135,9 +135,13 @@ def main():
                 print(json.dumps(dict(row, partial="ours only, fla next")), flush=True)
                 f_fla = fwd_bwd(lambda: run_fla(fam, f, x), do)
                 try:
+                    with torch.no_grad():
+                        row["fla_fwd_ms"] = bench(lambda: run_fla(fam, f, x), None)
                     row["fla_fwdbwd_ms"] = bench(f_fla, grads)
                     row["fla_peak_mb"] = peak_mb(f_fla)
                     row["speedup"] = row["fla_fwdbwd_ms"] / row["ours_fwdbwd_ms"]
+                    if a.profile and first:     # fla's kernels beside ours: which of its passes beat their peers
+                        row["fla_profile_ms"] = profile(f_fla, grads, top=24)
                 except Exception as e:  # noqa: BLE001
                     row["fla_error"] = repr(e)[:200]
             row["bwd_over_fwd"] = row["ours_fwdbwd_ms"] / row["ours_fwd_ms"]

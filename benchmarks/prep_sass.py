@@ -19,7 +19,7 @@ GATES = {"gdn": 1, "kda": 2, "delta": 0}
 
 
 def compile_variant(fam="gdn", wu_lowp=0, num_warps=4, K=128, V=128, BKC=64, form=0, bwd=False, maxnreg=None,
-                    mm_prec="tf32", store_p=True, one_ref=0, doubling=1, wu_blk=256):
+                    mm_prec="tf32", store_p=True, one_ref=0, doubling=1):
     gate = GATES[fam]
     sig = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "g": "*fp32", "beta": "*bf16", "w": "*bf16", "u": "*bf16",
            "p": "*bf16", "qg": "*bf16", "kg": "*bf16", "glast": "*fp32", "do": "*bf16", "t_out": "*fp32",
@@ -28,7 +28,7 @@ def compile_variant(fam="gdn", wu_lowp=0, num_warps=4, K=128, V=128, BKC=64, for
                   GATE=gate, IS_VARLEN=False, DOT_PREC="tf32", MM_PREC=mm_prec, SOLVE_PREC="tf32", g_floor=G_FLOOR,
                   span_max=SPAN_MAX, WU_LOWP=wu_lowp,
                   AP_FORM=form if gate == 2 else 0, BWD=bwd, STORE_P=int(store_p or gate == 2),
-                  AP_ONE_REF=int(one_ref and gate == 2), SOLVE_DOUBLING=doubling, WU_BLK=wu_blk)
+                  AP_ONE_REF=int(one_ref and gate == 2), SOLVE_DOUBLING=doubling)
     absent = [] if gate == 2 else ["qg", "kg", "glast"]
     absent += ["p"] if bwd or not consts["STORE_P"] else []
     absent += [] if bwd else ["do", "t_out", "drl"]
@@ -59,7 +59,6 @@ def main():
     ap.add_argument("--one-ref", default="0", help="KDA's one-reference A / P products (AP_ONE_REF), e.g. 0,1")
     ap.add_argument("--no-p", action="store_true", help="the forward without P (STORE_P=0: stage 2 forms it)")
     ap.add_argument("--doubling", type=int, default=1, help="the solve's diagonal blocks by doubling (SOLVE_DOUBLING)")
-    ap.add_argument("--wu-blk", type=int, default=256, help="column block of the W / U products (WU_BLK)")
     args = ap.parse_args()
     print(f"{'fam':4s} {'ref':>3s} {'prec':>6s} {'lowp':>4s} {'warps':>5s} {'regs':>4s} {'spill':>5s} {'smem':>6s} {'instrs':>6s} "
           f"{'mma':>5s} {'shfl':>5s} {'bar':>4s} {'lds':>5s} {'sts':>5s}")
@@ -68,7 +67,7 @@ def main():
                                                              map(int, args.warps.split(","))):
         s = summary(compile_variant(fam, lowp, warps, BKC=args.bkc, form=args.form, bwd=args.bwd, maxnreg=args.maxnreg,
                                     mm_prec=prec, store_p=not args.no_p, one_ref=one_ref,
-                                    doubling=args.doubling, wu_blk=args.wu_blk))
+                                    doubling=args.doubling))
         print(f"{fam:4s} {one_ref:3d} {prec:>6s} {lowp:4d} {warps:5d} {s['regs']:4d} {s['spill']:5d} {s['smem']:6d} {s['instrs']:6d} "
               f"{s['mma']:5d} {s['shfl']:5d} {s['bar']:4d} {s['lds']:5d} {s['sts']:5d}", flush=True)
 

@@ -88,7 +88,6 @@ def warm_benchmarks(only: str = ""):
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "pfree"]),
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "tma"]),
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "solve", "--families", "gdn,kda,delta"]),
-                         ("bench_forward", ["--warm", "--variants", "--variant-set", "wublk", "--families", "gdn,delta"]),
                          ("sweep_bwd", ["--warm", "--warps", "4,8"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "pair"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "oneref"]),
@@ -108,8 +107,29 @@ def warm_benchmarks(only: str = ""):
         print(f"warm_cache: {script} {' '.join(argv)}: {status} ({time.time() - t:.0f} s)", file=sys.stderr)
 
 
+def cubin_whole(path: str) -> bool:
+    """Whether an ELF cubin holds its whole section table (a tar cut short leaves a truncated one, which the
+    device rejects with "device kernel image is invalid")."""
+    import struct
+    with open(path, "rb") as f:
+        head = f.read(64)
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+    if len(head) < 64 or head[:4] != b"\x7fELF":
+        return False
+    (shoff,), (shentsize, shnum) = struct.unpack_from("<Q", head, 0x28), struct.unpack_from("<HH", head, 0x3A)
+    return shoff + shentsize * shnum <= size
+
+
 def prune(cache: str) -> tuple[int, int]:
-    """Keep what a cache hit reads (the group index, metadata json, cubin). Returns (kernels, bytes)."""
+    """Keep what a cache hit reads (the group index, metadata json, cubin); drop every entry whose cubin is cut
+    short. Returns (kernels, bytes)."""
+    import shutil
+    for d in os.listdir(cache):
+        full = os.path.join(cache, d)
+        if any(f.endswith(".cubin") and not cubin_whole(os.path.join(full, f)) for f in os.listdir(full)):
+            print(f"warm_cache: dropped {d} (truncated cubin)", file=sys.stderr)
+            shutil.rmtree(full)
     kernels = size = 0
     for root, _, files in os.walk(cache):
         for f in files:

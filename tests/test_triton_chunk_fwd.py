@@ -466,21 +466,3 @@ def test_second_gpu_while_first_is_current(fam):
         o, ht = _run(inp)
     assert o.device == torch.device("cuda", 1)
     _check(inp, o, ht, TOL[torch.float32])
-
-
-@pytest.mark.parametrize("wu_blk", [16, 32])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("fam", ["gdn", "kda", "delta"])
-def test_stage1_wu_column_blocks(fam, dtype, wu_blk, monkeypatch):
-    """Stage 1 with its W / U products by column blocks (CHUNKWISE_PREP_WU_BLK: k and v read again per block, fp32
-    product operands): W and U equal to the one-product form's within the dtype's tolerance, and the forward equal to
-    the float64 recurrence; K = 80 and V = 48 (a partial last block), T not a multiple of 64, grouped heads."""
-    inp = make_inputs(fam, B=2, T=T_LONG, H=1, HV=2, K=KS[1], V=VS[1], dtype=dtype, seed=47)
-    args = (inp.q, inp.k, inp.v, inp.g, inp.beta)
-    ref = chunk_prepare(*args, store_p=fam != "delta")
-    monkeypatch.setenv("CHUNKWISE_PREP_WU_BLK", str(wu_blk))
-    blk = chunk_prepare(*args, store_p=fam != "delta")
-    for name in ("w", "u"):
-        assert rel_err(blk[name], ref[name]) <= TOL[dtype], name
-    o, ht = _run(inp)
-    _check(inp, o, ht, TOL[dtype])

@@ -357,7 +357,7 @@ def chunk_prepare_kernel(
     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, MM_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
     g_floor: tl.constexpr, span_max: tl.constexpr, WU_LOWP: tl.constexpr = 0, AP_FORM: tl.constexpr = 0,
     BWD: tl.constexpr = 0, STORE_T: tl.constexpr = 0, STORE_P: tl.constexpr = 1, GC_OUT: tl.constexpr = 0,
-    AP_ONE_REF: tl.constexpr = 0, SOLVE_DOUBLING: tl.constexpr = 0, WU_BLK: tl.constexpr = 256,
+    AP_ONE_REF: tl.constexpr = 0, SOLVE_DOUBLING: tl.constexpr = 0,
 ):
     """One chunk of one value head: see the module docstring (stage 1). Grid (chunks, B·HV).
 
@@ -538,25 +538,16 @@ def chunk_prepare_kernel(
             b_w = _mm(Tm, Xk.to(Tm.dtype), MM_PREC)                                      # [BT, BT] @ [BT, BKC]
             tl.store(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
                                        (1, 0)), b_w.to(w.dtype.element_ty), boundary_check=(0, 1))
-    elif WU_BLK >= BK:
+    else:
         Xk = b_k.to(tl.float32) * b_ks[:, None]
         b_w = _mm(Tm, Xk.to(Tm.dtype), MM_PREC)                                          # [BT, BT] @ [BT, BK]
         tl.store(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK), (1, 0)),
                  b_w.to(w.dtype.element_ty), boundary_check=(0, 1))
-    else:       # W by column blocks, k read again (L2): fewer registers live across the solve and the products
-        for i_c in tl.static_range(BK // WU_BLK):
-            b_kc = tl.load(tl.make_block_ptr(k_base, (T_seq, K), (H * K, 1), (t0, i_c * WU_BLK), (BTc, WU_BLK),
-                                             (1, 0)), boundary_check=(0, 1))
-            b_w = _mm(Tm, (b_kc.to(tl.float32) * b_ks[:, None]).to(Tm.dtype), MM_PREC)  # [BT, BT] @ [BT, WU_BLK]
-            tl.store(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, i_c * WU_BLK),
-                                       (BTc, WU_BLK), (1, 0)), b_w.to(w.dtype.element_ty), boundary_check=(0, 1))
-    VB: tl.constexpr = min(WU_BLK, BVf)
-    for i_c in tl.static_range(BVf // VB):
-        Xv = tl.load(tl.make_block_ptr(v + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, i_c * VB), (BTc, VB),
-                                       (1, 0)), boundary_check=(0, 1)).to(tl.float32) * b_beta[:, None]
-        b_u = _mm(Tm, Xv.to(Tm.dtype), MM_PREC).to(u.dtype.element_ty)                  # [BT, BT] @ [BT, VB]
-        tl.store(tl.make_block_ptr(u + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, i_c * VB), (BTc, VB),
-                                   (1, 0)), b_u, boundary_check=(0, 1))
+    Xv = tl.load(tl.make_block_ptr(v + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf),
+                                   (1, 0)), boundary_check=(0, 1)).to(tl.float32) * b_beta[:, None]
+    b_u = _mm(Tm, Xv.to(Tm.dtype), MM_PREC).to(u.dtype.element_ty)                      # [BT, BT] @ [BT, BV]
+    tl.store(tl.make_block_ptr(u + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf), (1, 0)),
+             b_u, boundary_check=(0, 1))
 
 
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
@@ -900,23 +891,6 @@ PREP_CONFIG = {0: (1, 4, 64, 0), 1: (1, 4, 64, 0), 2: (0, 4, 32, 0)}
 KDA_ONE_REF = 1
 
 
-# Stage 1's W / U products by column blocks of PREP_WU_BLK (per gate kind; >= the head dim: one product each; k and
-# v read again per block), so that fewer registers stay live: offline sm_90 (bf16, K = V = 128, 4 warps, the
-# doubling solve), DeltaNet without P 196 -> 145 / 127 registers at blocks of 64 / 32, GDN 246 -> 191 / 167, no
-# spills: three or four programs per SM instead of two, for 25 % more instructions. Blocked products take fp32 (tf32)
-# operands: 16-bit ones at a narrow N raised an illegal memory access on the H200 (session 12, as at K = 16 / 64 in
-# session 8). Unmeasured with tf32 operands (`bench_forward --variant-set wublk`); CHUNKWISE_PREP_WU_BLK overrides.
-PREP_WU_BLK = {0: 256, 1: 256, 2: 256}
-
-
-def prep_wu_blk(gate: int) -> int:
-    """Stage 1's W / U column block for a gate kind (PREP_WU_BLK, CHUNKWISE_PREP_WU_BLK)."""
-    wu_blk = int(os.environ.get("CHUNKWISE_PREP_WU_BLK", PREP_WU_BLK[gate]))
-    if wu_blk < 16 or wu_blk & (wu_blk - 1):
-        raise ValueError(f"CHUNKWISE_PREP_WU_BLK={wu_blk}: expected a power of two >= 16")
-    return wu_blk
-
-
 # (I + A)⁻¹'s 16×16 diagonal blocks by doubling (log-depth, _solve_unit_lower's DOUBLING) instead of substitution
 # (CHUNKWISE_SOLVE_DOUBLING overrides)
 SOLVE_DOUBLING = 1
@@ -1002,9 +976,6 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     t = _alloc((B, T, HV, BT), torch.float32, dev) if save_t else None
     dot_prec, mm_prec, solve_prec = _dot_prec(dt, gate)
     wu_lowp, warps, bkc, form = prep_config(gate)
-    wu_blk = prep_wu_blk(gate)
-    if wu_blk < max(_dim(K), _dim(V)):
-        wu_lowp = 0         # narrow 16-bit W / U products: the sm_90 miscompile (PREP_WU_BLK)
     if n_chunks > 0:
         chunk_prepare_kernel[(n_chunks, B * HV)](
             q, k, v, g, beta, w, u, p, qg, kg, glast, gcum, None, t, None, cu_seqlens, chunk_indices, T, NT,
@@ -1013,7 +984,7 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(dt, K) and gate != 2,
             AP_FORM=form if gate == 2 else 0, STORE_T=save_t, STORE_P=store_p, GC_OUT=gate == 1,
             AP_ONE_REF=gate == 2 and _env_switch("CHUNKWISE_KDA_ONE_REF", KDA_ONE_REF),
-            SOLVE_DOUBLING=_env_switch("CHUNKWISE_SOLVE_DOUBLING", SOLVE_DOUBLING), WU_BLK=wu_blk,
+            SOLVE_DOUBLING=_env_switch("CHUNKWISE_SOLVE_DOUBLING", SOLVE_DOUBLING),
             num_warps=warps, num_stages=1, **reg_cap("prep_fwd"))
     return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, gcum=gcum, t=t)
 
