@@ -36,7 +36,7 @@ KERNELS = {
                dict(T="i32", scale="fp32"), {}),
     "bwd_dh": ("_bwd_dh_kernel",
                dict(q="in", k="in", G="fp32", W="s", dRl="s", do="in", dht="fp32", dh="s", dR="s", dh0="fp32"),
-               dict(T="i32", scale="fp32"), dict(HAS_DHT=True, HAS_H0=True, TRANSPOSE=False, LOOP_WHILE=False,
+               dict(T="i32", scale="fp32", unit="fp32"), dict(HAS_DHT=True, HAS_H0=True, TRANSPOSE=False, LOOP_WHILE=False,
                                                  chunk_offsets=None)),
     "fwd_h": ("_fwd_h_kernel",
               dict(k="in", v="in", G="fp32", W="s", U="s", h0="fp32", h="s", R="s"),

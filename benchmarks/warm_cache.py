@@ -94,7 +94,8 @@ def warm_benchmarks(only: str = ""):
                          ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "gates"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "regs"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "save"]),
-                         ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "lowp"])):
+                         ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "lowp"]),
+                         ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "ahead"])):
         if not any(o in " ".join([script] + argv) for o in only.split("|")):
             continue
         t = time.time()

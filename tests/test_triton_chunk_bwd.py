@@ -513,6 +513,26 @@ def test_kda_state_passes_from_scaled_keys(save, kd_in, monkeypatch):
     _compare(inp, TOL[torch.float16], dtype=torch.float16)
 
 
+@pytest.mark.parametrize("ahead", ["0", "1", "2"])
+@pytest.mark.parametrize("fam", ["delta", "gdn", "kda"])
+def test_reverse_pass_load_forms(fam, ahead, monkeypatch):
+    """The reverse state pass with dR_local (and KDA's G_last) loaded in the step (CHUNKWISE_BWD_DH_AHEAD=0), a step
+    ahead (1) or in the step with K dS' unfused (2): every gradient equals the reference's, over a varlen batch whose
+    sequences end mid-chunk, take one chunk, and one token (the step ahead past the first chunk loads nothing);
+    fp16, the 16-bit state passes (and KDA's scaled keys) that the GPU takes."""
+    monkeypatch.setenv("CHUNKWISE_BWD_DH_AHEAD", ahead)
+    inp = make_inputs(fam, lengths=[1, 130, 64, 30], H=1, HV=2, K=16, V=32, seed=15)
+    _compare(inp, TOL[torch.float16], dtype=torch.float16)
+
+
+def test_reverse_pass_load_form_checked(monkeypatch):
+    """CHUNKWISE_BWD_DH_AHEAD outside 0 / 1 / 2 is refused with its name."""
+    monkeypatch.setenv("CHUNKWISE_BWD_DH_AHEAD", "3")
+    inp = make_inputs("delta", B=1, T=20, H=1, HV=1, K=16, V=16, seed=16)
+    with pytest.raises(ValueError, match="CHUNKWISE_BWD_DH_AHEAD"):
+        _grads(inp, "triton", torch.float32)
+
+
 def test_grads_saved_stage1_padded_dims(monkeypatch):
     """Head dims the kernels pad (fp32 K = 18, V = 10): the forward saves nothing and the backward
     recomputes stage 1; gradients equal the reference's."""

@@ -56,6 +56,21 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # ac0ebbf, KDA B1-T32768-H32 bf16 fwd+bwd) 1 took the reverse pass 2.24 -> 1.33 ms and the forward pass 1.51 ->
 # 0.88, fwd+bwd 15.77 -> 14.63 ms (the chunk-parallel kernel included), the same gradients
 BWD_KD_IN = 1
+# The reverse state pass's dR_local tile (and KDA's G_last) loaded a step ahead (1) or in the step (0), per gate kind
+# (none / scalar / per channel); CHUNKWISE_BWD_DH_AHEAD overrides. Triton pipelines a product's operands, not its
+# accumulator: without a gate dR_local becomes the K dS' product's accumulator and each chunk waited a global load on
+# the serial path, as KDA's G_last did. On the H200 (run of 081bd46, B1-T32768-H32 bf16) 1 took the pass from 1.17
+# to 1.06 ms (DeltaNet) and 1.34 to 0.80 (KDA), fwd+bwd 6.54 -> 6.45 / 13.61 -> 13.13 ms; GDN, whose scaled
+# dR_local Triton already pipelined, went 0.83 -> 0.88 (0 for it)
+BWD_DH_AHEAD = {0: 1, 1: 0, 2: 1}
+
+
+def _bwd_dh_ahead(gate: int) -> int:
+    """The reverse pass's AHEAD form (BWD_DH_AHEAD; CHUNKWISE_BWD_DH_AHEAD 0 / 1 / 2, see _bwd_dh_kernel)."""
+    value = os.environ.get("CHUNKWISE_BWD_DH_AHEAD", str(BWD_DH_AHEAD[gate]))
+    if value not in ("0", "1", "2"):
+        raise ValueError(f"CHUNKWISE_BWD_DH_AHEAD={value!r}: expected 0, 1 or 2")
+    return int(value)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -505,15 +520,14 @@ def _step_ahead(X, G, i_c, bos, eos, i_h, o_v, HV: tl.constexpr, K: tl.constexpr
 
 
 @triton.jit
-def _fwd_h_step(k, v, G, W, U, h, R, b_S, b_lastp, i_c, bos, eos, boh, i_h, i_hk, o_v, H: tl.constexpr, HV: tl.constexpr,
+def _fwd_h_step(k, v, G, W, U, h, R, b_S, i_c, bos, eos, boh, i_h, i_hk, o_v, H: tl.constexpr, HV: tl.constexpr,
                 K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                 GATE: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
                 KD_IN: tl.constexpr = 0):
     """One chunk of the forward state pass: store S, R = U − W S, S ← γ S + Kendᵀ R.
     LOWP: the products' operands in the 16-bit input dtype (S and R cast, fp32 accumulation), as the
     forward's serial stage does; else fp32 operands in PREC. KD_IN (per-channel gate, LOWP): k is
-    _gate_scaled_kernel's kd [B, T, HV, K], already k ⊙ e^{G_last − G}, and b_lastp this chunk's G_last
-    (_step_ahead)."""
+    _gate_scaled_kernel's kd [B, T, HV, K], already k ⊙ e^{G_last − G}."""
     o_t = tl.arange(0, C)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
@@ -540,6 +554,7 @@ def _fwd_h_step(k, v, G, W, U, h, R, b_S, b_lastp, i_c, bos, eos, boh, i_h, i_hk
     else:
         b_R = tl.load(v + p_tv, mask=m_tv, other=0.).to(tl.float32)
     if GATE == 2 and KD_IN:
+        _, b_lastp = _step_ahead(G, G, i_c, bos, eos, i_h, o_v, HV, K, V, BK, BV, C, False, True)
         b_S *= tl.exp(b_lastp)[:, None]
     elif GATE == 2:
         b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, True)
@@ -578,22 +593,16 @@ def _fwd_h_kernel(k, v, G, W, U, h0, h, R, cu_seqlens, chunk_offsets, T,
         else:
             p0 = (i_nh * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :]
         b_S += tl.load(h0 + p0, mask=m_kv, other=0.).to(tl.float32)
-    LAST: tl.constexpr = GATE == 2 and KD_IN
-    _, b_last = _step_ahead(G, G, 0, bos, eos, i_h, o_v, HV, K, V, BK, BV, C, False, LAST)
     if LOOP_WHILE:  # the interpreter cannot take a loaded bound in range()
         i_c = 0
         while i_c < NTs:
-            _, b_next = _step_ahead(G, G, i_c + 1, bos, eos, i_h, o_v, HV, K, V, BK, BV, C, False, LAST)
-            b_S = _fwd_h_step(k, v, G, W, U, h, R, b_S, b_last, i_c, bos, eos, boh, i_h, i_hk, o_v, H, HV, K, V, BK,
-                              BV, C, GATE, DELTA, PREC, LOWP, KD_IN)
-            b_last = b_next
+            b_S = _fwd_h_step(k, v, G, W, U, h, R, b_S, i_c, bos, eos, boh, i_h, i_hk, o_v, H, HV, K, V, BK, BV, C,
+                              GATE, DELTA, PREC, LOWP, KD_IN)
             i_c += 1
     else:
         for i_c in range(NTs):
-            _, b_next = _step_ahead(G, G, i_c + 1, bos, eos, i_h, o_v, HV, K, V, BK, BV, C, False, LAST)
-            b_S = _fwd_h_step(k, v, G, W, U, h, R, b_S, b_last, i_c, bos, eos, boh, i_h, i_hk, o_v, H, HV, K, V, BK,
-                              BV, C, GATE, DELTA, PREC, LOWP, KD_IN)
-            b_last = b_next
+            b_S = _fwd_h_step(k, v, G, W, U, h, R, b_S, i_c, bos, eos, boh, i_h, i_hk, o_v, H, HV, K, V, BK, BV, C,
+                              GATE, DELTA, PREC, LOWP, KD_IN)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -601,14 +610,15 @@ def _fwd_h_kernel(k, v, G, W, U, h0, h, R, cu_seqlens, chunk_offsets, T,
 # ------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, b_dRl, b_lastp, i_c, bos, eos, boh, i_h, i_hk, o_v, scale, H: tl.constexpr,
+def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, b_dRl, b_lastp, i_c, bos, eos, boh, i_h, i_hk, o_v, scale, unit,
+                 H: tl.constexpr,
                  HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                  C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
-                 KD_IN: tl.constexpr = 0):
+                 KD_IN: tl.constexpr = 0, AHEAD: tl.constexpr = 1):
     """One chunk of the reverse state pass: store dS', dR = dR_local + Kend dS', dS = γ dS' + ...
     LOWP: the products' operands in the 16-bit input dtype (see _fwd_h_step). KD_IN: q, k are
     _gate_scaled_kernel's qd, kd [B, T, HV, K]. b_dRl, b_lastp: this chunk's dR_local tile and (KD_IN) G_last,
-    loaded a step ahead (_step_ahead)."""
+    loaded a step ahead (_step_ahead) where AHEAD, else loaded here."""
     o_t = tl.arange(0, C)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
@@ -630,8 +640,10 @@ def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, b_dRl, b_lastp, i_c, bos, eo
     b_q = tl.load(q + p_tk, mask=m_tk, other=0.)
     op_dt = b_k.dtype if LOWP else tl.float32                                       # the products' operands
     b_do = tl.load(do + p_tv, mask=m_tv, other=0.).to(tl.float32)
-    if GATE == 2 and KD_IN:
+    if GATE == 2 and KD_IN and AHEAD == 1:
         b_last = b_lastp
+    elif GATE == 2 and KD_IN:
+        _, b_last = _step_ahead(G, G, i_c, bos, eos, i_h, o_v, HV, K, V, BK, BV, C, False, True)
     elif GATE == 2:
         b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, True)
         b_eG, b_ekend = _gate_factors(b_G, b_last, GATE)
@@ -643,7 +655,12 @@ def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, b_dRl, b_lastp, i_c, bos, eo
         b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
         b_kdS = b_kdS * tl.exp(b_last - b_G)[:, None]
         b_do = b_do * tl.exp(b_G)[:, None]
-    b_dR = b_dRl.to(tl.float32) + b_kdS
+    if AHEAD == 1:
+        b_dR = b_dRl.to(tl.float32) + b_kdS
+    elif AHEAD == 2:
+        b_dR = tl.load(dRl + p_tv, mask=m_tv, other=0.).to(tl.float32) + b_kdS * unit
+    else:
+        b_dR = tl.load(dRl + p_tv, mask=m_tv, other=0.).to(tl.float32) + b_kdS
     tl.store(dR + p_tv, b_dR, mask=m_tv)
     if GATE == 2:
         b_dS *= tl.exp(b_last)[:, None]
@@ -657,13 +674,16 @@ def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, b_dRl, b_lastp, i_c, bos, eo
 
 
 @triton.jit
-def _bwd_dh_kernel(q, k, G, W, dRl, do, dht, dh, dR, dh0, cu_seqlens, chunk_offsets, T, scale,
+def _bwd_dh_kernel(q, k, G, W, dRl, do, dht, dh, dR, dh0, cu_seqlens, chunk_offsets, T, scale, unit,
                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                    BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
                    HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, TRANSPOSE: tl.constexpr,
                    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOOP_WHILE: tl.constexpr, LOWP: tl.constexpr = 0,
-                   KD_IN: tl.constexpr = 0):
+                   KD_IN: tl.constexpr = 0, AHEAD: tl.constexpr = 1):
     """dR = dR_local + Kend dS';  dS = γ dS' + scale Qgᵀ dO − Wᵀ dR.
+    AHEAD (BWD_DH_AHEAD): 1, dR_local (and KDA's G_last) loaded a step ahead (_step_ahead); 0, in the step; 2, in
+    the step with K dS' scaled by ``unit`` (1.0, a runtime value) so that the compiler cannot fold dR_local into the
+    product as its accumulator, which leaves the load to the software pipeline.
     dh: [NC, HV, K, V] fp32; dR: [B, T, HV, V] fp32; dht, dh0 in the state layout (dh0 fp32)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
@@ -681,21 +701,22 @@ def _bwd_dh_kernel(q, k, G, W, dRl, do, dht, dh, dR, dh0, cu_seqlens, chunk_offs
     b_dS = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_DHT:
         b_dS += tl.load(dht + p0, mask=m_kv, other=0.).to(tl.float32)
-    LAST: tl.constexpr = GATE == 2 and KD_IN
-    b_dRl, b_last = _step_ahead(dRl, G, NTs - 1, bos, eos, i_h, o_v, HV, K, V, BK, BV, C, True, LAST)
+    LAST: tl.constexpr = GATE == 2 and KD_IN and AHEAD == 1
+    b_dRl, b_last = _step_ahead(dRl, G, NTs - 1, bos, eos, i_h, o_v, HV, K, V, BK, BV, C, AHEAD == 1, LAST)
     if LOOP_WHILE:  # the interpreter cannot take a loaded bound in range()
         i_c = NTs - 1
         while i_c >= 0:
-            b_dRn, b_lastn = _step_ahead(dRl, G, i_c - 1, bos, eos, i_h, o_v, HV, K, V, BK, BV, C, True, LAST)
+            b_dRn, b_lastn = _step_ahead(dRl, G, i_c - 1, bos, eos, i_h, o_v, HV, K, V, BK, BV, C, AHEAD == 1, LAST)
             b_dS = _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, b_dRl, b_last, i_c, bos, eos, boh, i_h, i_hk, o_v,
-                                scale, H, HV, K, V, BK, BV, C, GATE, DELTA, PREC, LOWP, KD_IN)
+                                scale, unit, H, HV, K, V, BK, BV, C, GATE, DELTA, PREC, LOWP, KD_IN, AHEAD)
             b_dRl, b_last = b_dRn, b_lastn
             i_c -= 1
     else:
         for i_r in range(NTs):
-            b_dRn, b_lastn = _step_ahead(dRl, G, NTs - 2 - i_r, bos, eos, i_h, o_v, HV, K, V, BK, BV, C, True, LAST)
+            b_dRn, b_lastn = _step_ahead(dRl, G, NTs - 2 - i_r, bos, eos, i_h, o_v, HV, K, V, BK, BV, C, AHEAD == 1,
+                                         LAST)
             b_dS = _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, b_dRl, b_last, NTs - 1 - i_r, bos, eos, boh, i_h,
-                                i_hk, o_v, scale, H, HV, K, V, BK, BV, C, GATE, DELTA, PREC, LOWP, KD_IN)
+                                i_hk, o_v, scale, unit, H, HV, K, V, BK, BV, C, GATE, DELTA, PREC, LOWP, KD_IN, AHEAD)
             b_dRl, b_last = b_dRn, b_lastn
     if HAS_H0:
         tl.store(dh0 + p0, b_dS, mask=m_kv)
@@ -1557,10 +1578,11 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     dh = buf(NC, HV, K, V, dtype=sdt)
     dR = buf(B, T, HV, V, dtype=sdt)
     dh0 = buf(*h0.shape) if has_h0 else None
-    _bwd_dh_kernel[grid_s](q_s, k_s, G, W, dRl, do, dht, dh, dR, dh0, scale=scale, H=H, HV=HV, K=K, V=V, BK=BK,
+    _bwd_dh_kernel[grid_s](q_s, k_s, G, W, dRl, do, dht, dh, dR, dh0, scale=scale, unit=1.0, H=H, HV=HV, K=K, V=V, BK=BK,
                            BV=BV, C=C, GATE=gate, DELTA=delta, HAS_DHT=dht is not None, HAS_H0=has_h0,
                            TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen, PREC=prec, LOOP_WHILE=_INTERPRET,
-                           LOWP=lowp, KD_IN=kd_in, num_warps=_warps("bwd_dh", gate, wide8),
+                           LOWP=lowp, KD_IN=kd_in, AHEAD=_bwd_dh_ahead(gate),
+                           num_warps=_warps("bwd_dh", gate, wide8),
                            **_regs("bwd_dh", gate, wide8), num_stages=ns_state, **seq)
     del dRl, q_s, k_s
 
