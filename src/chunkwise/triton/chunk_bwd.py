@@ -56,13 +56,14 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # ac0ebbf, KDA B1-T32768-H32 bf16 fwd+bwd) 1 took the reverse pass 2.24 -> 1.33 ms and the forward pass 1.51 ->
 # 0.88, fwd+bwd 15.77 -> 14.63 ms (the chunk-parallel kernel included), the same gradients
 BWD_KD_IN = 1
-# The reverse state pass's dR_local tile (and KDA's G_last) loaded a step ahead (1) or in the step (0), per gate kind
-# (none / scalar / per channel); CHUNKWISE_BWD_DH_AHEAD overrides. Triton pipelines a product's operands, not its
-# accumulator: without a gate dR_local becomes the K dS' product's accumulator and each chunk waited a global load on
-# the serial path, as KDA's G_last did. On the H200 (run of 081bd46, B1-T32768-H32 bf16) 1 took the pass from 1.17
-# to 1.06 ms (DeltaNet) and 1.34 to 0.80 (KDA), fwd+bwd 6.54 -> 6.45 / 13.61 -> 13.13 ms; GDN, whose scaled
-# dR_local Triton already pipelined, went 0.83 -> 0.88 (0 for it)
-BWD_DH_AHEAD = {0: 1, 1: 0, 2: 1}
+# The reverse state pass's dR_local tile (and KDA's G_last): per gate kind (none / scalar / per channel), loaded in the
+# step (0), a step ahead (1), or in the step with the K dS' product kept apart from it (2); CHUNKWISE_BWD_DH_AHEAD
+# overrides. Triton pipelines a product's operands, not its accumulator: without a gate the compiler folded dR_local
+# into K dS' as its accumulator and each chunk waited a global load on the serial path, as KDA's G_last did. On the
+# H200 (sweep_bwd --variants ahead, run of a7797c6, B1-T32768-H32 bf16; reverse pass ms 0 / 1 / 2, fwd+bwd):
+# DeltaNet 1.178 / 1.078 / 0.649 (fwd+bwd 6.56 -> 6.04), KDA 1.344 / 0.796 / 0.856 (13.63 -> 13.07), GDN 0.815 /
+# 0.879 / 0.822 (its scaled dR_local was pipelined already)
+BWD_DH_AHEAD = {0: 2, 1: 0, 2: 1}
 
 
 def _bwd_dh_ahead(gate: int) -> int:
