@@ -198,9 +198,9 @@ def main():
             finite = bool(torch.isfinite(o_chk).all())
             t_ours, (o, ht) = bench(lambda: run_ours(fam, x))
             row = dict(shape=s["name"], family=fam, ours_ms=t_ours, all_finite=finite)
-            if x["beta"] is not None:       # stage 1 alone (the rest of ours_ms is stage 2)
+            if x["beta"] is not None:       # stage 1 alone, P stored as the forward stores it (DELTA_P_IN: not DeltaNet's)
                 row["stage1_ms"] = bench(lambda: chunk_prepare(x["q"], x["k"], x["v"], x["g"], x["beta"], x["cu"],
-                                                               x["chunk_indices"]))[0]
+                                                               x["chunk_indices"], store_p=fam != "delta"))[0]
             f = fla_fn(fam)
             if f is not None:
                 try:

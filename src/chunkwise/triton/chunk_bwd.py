@@ -153,7 +153,7 @@ def _load_gate_cols(G, t0, L, i_h, o_k, m_k, HV: tl.constexpr, K: tl.constexpr, 
 
 @triton.jit
 def _ref_offsets(G, t0, L, i_h, o_k, m_k, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr):
-    """G − r [C, BKW] for the channels o_k of a chunk, r = G_last / 2 per channel (rows past L at G_last). KDA's
+    """G − r [C, BKP] for the channels o_k [BKP] of a chunk, r = G_last / 2 per channel (rows past L at G_last). KDA's
     one-reference form fits a channel block where every |G_i − r| is under span_max (_ref_span): the one
     test every launch that splits the work by it must share."""
     b_G, b_last = _load_gate_cols(G, t0, L, i_h, o_k, m_k, HV, K, C)
