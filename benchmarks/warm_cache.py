@@ -184,17 +184,22 @@ def main():
                     + (a.pytest_args or VERIFY))
     if a.bench:
         warm_benchmarks(a.bench_only)
+    used = set()
+    if a.used_only:     # before prune(), which reads every cubin's header (and so moves its access time)
+        for d in os.listdir(CACHE):
+            full = os.path.join(CACHE, d)
+            files = os.listdir(full)
+            if not any(f.endswith(".json") and f[:-5] in OURS for f in files) or any(
+                    os.path.getatime(os.path.join(full, f)) >= t0 or os.path.getmtime(os.path.join(full, f)) >= t0
+                    for f in files):          # fla's entries (its kernels, autotuning results) always
+                used.add(d)
     kernels, size = prune(CACHE)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with tarfile.open(a.out, "w:gz") as tar:
         if a.used_only:
-            for d in sorted(os.listdir(CACHE)):
-                full = os.path.join(CACHE, d)
-                files = os.listdir(full)
-                if not any(f.endswith(".json") and f[:-5] in OURS for f in files) or any(
-                        os.path.getatime(os.path.join(full, f)) >= t0 or os.path.getmtime(os.path.join(full, f)) >= t0
-                        for f in files):      # fla's entries (its kernels, autotuning results) always
-                    tar.add(full, arcname=os.path.join(os.path.basename(CACHE), d))
+            for d in sorted(used):
+                if os.path.isdir(os.path.join(CACHE, d)):       # (prune() may have dropped it)
+                    tar.add(os.path.join(CACHE, d), arcname=os.path.join(os.path.basename(CACHE), d))
         else:
             tar.add(CACHE, arcname=os.path.basename(CACHE))
     print(f"warm_cache: {kernels} kernels, {size / 1e6:.1f} MB in {CACHE}, packed to {a.out} "
