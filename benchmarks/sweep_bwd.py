@@ -15,7 +15,7 @@ W / U recompute, 3: also the key side, 4: the key side but its pairwise products
     python benchmarks/sweep_bwd.py --out $OUT
     python benchmarks/sweep_bwd.py --fams kda --variants "p32:CHUNKWISE_BWD_PAIR_SPLIT=32;old:CHUNKWISE_BWD_PAIR_SPLIT=0"
 
---variants "name:VAR=value,VAR=value;..." (or "ahead", "pair", "regs", "save", "lowp", "oneref": the named sets below): time only these environment settings (on top of the defaults),
+--variants "name:VAR=value,VAR=value;..." (or "ahead", "states", "pair", "regs", "save", "lowp", "oneref": the named sets below): time only these environment settings (on top of the defaults),
 each with its per-kernel profile and its gradients' difference from the first variant's.
 """
 from __future__ import annotations
@@ -87,7 +87,9 @@ ONEREF_VARIANTS = ("pair:;pair_w8:CHUNKWISE_BWD_WARPS=bwd_pair_ref:8;kloop:CHUNK
 GATES_VARIANTS = "on:;off:CHUNKWISE_KDA_ONE_REF=0,CHUNKWISE_BWD_ONE_REF=0"
 # the reverse state pass's dR_local: in the step (0), a step ahead (1), in the step with the product unfused (2)
 AHEAD_VARIANTS = "a0:CHUNKWISE_BWD_DH_AHEAD=0;a1:CHUNKWISE_BWD_DH_AHEAD=1;a2:CHUNKWISE_BWD_DH_AHEAD=2"
-NAMED = {"ahead": AHEAD_VARIANTS, "pair": PAIR_VARIANTS, "gates": GATES_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
+# the forward's stage 2 keeps the per-chunk states and R for the backward (which then skips its forward state pass)
+STATES_VARIANTS = "recompute:CHUNKWISE_SAVE_STATES=0;states:CHUNKWISE_SAVE_STATES=1"
+NAMED = {"ahead": AHEAD_VARIANTS, "states": STATES_VARIANTS, "pair": PAIR_VARIANTS, "gates": GATES_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
          "oneref": ONEREF_VARIANTS}
 
 

@@ -513,6 +513,36 @@ def test_kda_state_passes_from_scaled_keys(save, kd_in, monkeypatch):
     _compare(inp, TOL[torch.float16], dtype=torch.float16)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("fam", ("gdn", "kda", "delta"))
+def test_grads_saved_states(fam, dtype, monkeypatch):
+    """CHUNKWISE_SAVE_STATES=1: the saving forward's stage 2 also keeps each chunk's entering state and R, and the
+    backward skips its forward state pass: every gradient equals the reference's and the recomputing backward's,
+    over a varlen batch with a 1-token, a mid-chunk and a 2-chunk sequence, grouped heads and a carried-in state
+    (h by slots: chunk_slots), and the pass ran only without saved states."""
+    import chunkwise.triton.chunk_bwd as cb
+    inp = make_inputs(fam, lengths=[1, 70, 128, 30], H=1, HV=2, K=16, V=32, seed=18)
+    launches = []
+    orig = cb._fwd_h_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return orig[grid]
+
+    monkeypatch.setattr(cb, "_fwd_h_kernel", Spy())
+    keeps = not (dtype == torch.float16 and fam in ("gdn", "delta"))     # see test_saved_stage1_rule
+    monkeypatch.setenv("CHUNKWISE_SAVE_STATES", "1")
+    _compare(inp, TOL[dtype], dtype=dtype)
+    assert len(launches) == (0 if keeps else 1)
+    with_states = _grads(inp, "triton", dtype)
+    monkeypatch.setenv("CHUNKWISE_SAVE_STATES", "0")
+    without = _grads(inp, "triton", dtype)
+    assert len(launches) == (1 if keeps else 3)
+    for n in without:
+        assert rel_err(with_states[n], without[n]) <= TOL[dtype] / 4, n
+
+
 @pytest.mark.parametrize("ahead", ["0", "1", "2"])
 @pytest.mark.parametrize("fam", ["delta", "gdn", "kda"])
 def test_reverse_pass_load_forms(fam, ahead, monkeypatch):

@@ -271,7 +271,8 @@ recurrent_bwd.register_fake(_backward_fake)
 # triton chunk op that keeps stage 1 for the backward (the default; CHUNKWISE_SAVE_STAGE1=0 recomputes it)
 # ----------------------------------------------------------------------------------------------
 
-_StageTuple = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+_StageTuple = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                    torch.Tensor]
 
 
 def _save_stage1_wanted(mode, backend, beta, *tensors) -> bool:
@@ -283,14 +284,20 @@ def _save_stage1_wanted(mode, backend, beta, *tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _stage1_shapes(q, v, g, beta):
-    """(w, u, p, t) shapes and dtypes the saving forward returns (empty [0] tensors where it saves nothing)."""
-    from .triton.chunk_fwd import BT, saves_stage1
+def _stage1_shapes(q, v, g, beta, cu_seqlens):
+    """(w, u, p, t, h, r) shapes and dtypes the saving forward returns (empty [0] tensors where it saves nothing;
+    h, r only with chunk_fwd.saves_states)."""
+    from .triton.chunk_fwd import BT, chunk_slots, saves_stage1, saves_states
     B, T, HV, K, V = q.shape[0], q.shape[1], v.shape[2], q.shape[3], v.shape[3]
     if not saves_stage1(q, v, g, beta):
-        return [(_EMPTY_SHAPE, q.dtype)] * 4
-    return [((B, T, HV, K), q.dtype), ((B, T, HV, V), q.dtype), ((B, T, HV, BT), q.dtype),
-            ((B, T, HV, BT), torch.float32)]
+        return [(_EMPTY_SHAPE, q.dtype)] * 6
+    stage = [((B, T, HV, K), q.dtype), ((B, T, HV, V), q.dtype), ((B, T, HV, BT), q.dtype),
+             ((B, T, HV, BT), torch.float32)]
+    if not saves_states():
+        return stage + [(_EMPTY_SHAPE, q.dtype)] * 2
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    sdt = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    return stage + [((chunk_slots(N, T, cu_seqlens is not None), HV, K, V), sdt), ((B, T, HV, V), sdt)]
 
 
 @torch.library.custom_op("chunkwise::chunk_fwd_saved", mutates_args=())
@@ -300,9 +307,10 @@ def chunk_fwd_saved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Option
                     chunk_indices: Optional[torch.Tensor], transpose_state_layout: bool, chunk_size: int,
                     backend: str) -> _StageTuple:
     """chunk_fwd (triton, delta families) that also returns stage 1 for the backward:
-    (o, final state or empty, w [B,T,HV,K], u [B,T,HV,V], p [B,T,HV,64] in q's dtype, t [B,T,HV,64] fp32),
-    the last four empty [0] tensors where the head dims are padded, 16-bit K > 128 runs in fp32, or GDN / DeltaNet
-    take fp16 inputs (see triton.chunk_fwd.saves_stage1)."""
+    (o, final state or empty, w [B,T,HV,K], u [B,T,HV,V], p [B,T,HV,64] in q's dtype, t [B,T,HV,64] fp32,
+    h [slots,HV,K,V], r [B,T,HV,V]), w .. r empty [0] tensors where the head dims are padded, 16-bit K > 128 runs
+    in fp32, or GDN / DeltaNet take fp16 inputs (see triton.chunk_fwd.saves_stage1); h (each chunk's entering
+    state) and r (R = U − W S) empty too unless CHUNKWISE_SAVE_STATES=1 (triton.chunk_fwd.saves_states)."""
     from .triton.chunk_fwd import chunk_fwd as triton_chunk_fwd
     saved: dict = {}
     o, ht = triton_chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
@@ -310,7 +318,7 @@ def chunk_fwd_saved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Option
                              transpose_state_layout=transpose_state_layout, saved_out=saved)
     if not output_final_state or ht is None:
         ht = _empty(q, _compute_dtype(q, initial_state))
-    stage = [saved[n] if saved else q.new_empty(_EMPTY_SHAPE) for n in ("w", "u", "p", "t")]
+    stage = [saved[n] if n in saved else q.new_empty(_EMPTY_SHAPE) for n in ("w", "u", "p", "t", "h", "r")]
     return (_not_an_alias(o, q, k, v), _not_an_alias(ht, initial_state), *stage)
 
 
@@ -319,7 +327,7 @@ def _(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, ch
       chunk_size, backend):
     o, ht = _forward_fake(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_indices,
                           transpose_state_layout, chunk_size, backend)
-    return (o, ht, *(q.new_empty(shape, dtype=dt) for shape, dt in _stage1_shapes(q, v, g, beta)))
+    return (o, ht, *(q.new_empty(shape, dtype=dt) for shape, dt in _stage1_shapes(q, v, g, beta, cu_seqlens)))
 
 
 @torch.library.custom_op("chunkwise::chunk_bwd_saved", mutates_args=())
@@ -327,17 +335,20 @@ def chunk_bwd_saved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Option
                     beta: Optional[torch.Tensor], scale: float, initial_state: Optional[torch.Tensor],
                     cu_seqlens: Optional[torch.Tensor], chunk_indices: Optional[torch.Tensor],
                     transpose_state_layout: bool, chunk_size: int, backend: str, w: torch.Tensor, u: torch.Tensor,
-                    p: torch.Tensor, t: torch.Tensor, do: torch.Tensor, dht: Optional[torch.Tensor],
-                    needs_grad: Sequence[bool]) -> _GradTuple:
-    """Gradients of chunk_fwd_saved from its stage 1 (w, u, p, t; recomputed where they are empty)."""
+                    p: torch.Tensor, t: torch.Tensor, h: torch.Tensor, r: torch.Tensor, do: torch.Tensor,
+                    dht: Optional[torch.Tensor], needs_grad: Sequence[bool]) -> _GradTuple:
+    """Gradients of chunk_fwd_saved from its stage 1 (w, u, p, t; recomputed where they are empty) and the
+    per-chunk states and R (h, r; recomputed where they are empty)."""
     saved = dict(w=w, u=u, p=p, t=t) if w.numel() else None
+    if saved is not None and h.numel():
+        saved.update(h=h, r=r)
     return _backward_impl("chunk", q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_indices,
                           transpose_state_layout, chunk_size, backend, do, dht, needs_grad, saved=saved)
 
 
 @chunk_bwd_saved.register_fake
 def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_indices, transpose_state_layout, chunk_size, backend,
-      w, u, p, t, do, dht, needs_grad):
+      w, u, p, t, h, r, do, dht, needs_grad):
     return _backward_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_indices, transpose_state_layout,
                           chunk_size, backend, do, dht, needs_grad)
 

@@ -43,7 +43,7 @@ import triton.language as tl
 
 from ..api import TRITON_MAX_HEAD_DIM as MAX_K   # the backward's kernels fit one H200 SM's shared memory up to it
 from .align import cdiv, cut_state, next_pow2, pad_last, pad_state, padded_dims
-from .chunk_fwd import WIDE_16BIT_K, _env_switch, _mm, on_tensor_device, prec_env, reg_cap, wu_lowp_ok
+from .chunk_fwd import WIDE_16BIT_K, _env_switch, _mm, chunk_slots, on_tensor_device, prec_env, reg_cap, wu_lowp_ok
 
 CHUNK = 64
 SUB = 16
@@ -89,7 +89,7 @@ def _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C: tl.constexpr, IS_VA
         i_c = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-        i_g = i_t.to(tl.int64)
+        i_g = i_n + bos // C + i_c          # the chunk's slot (_seq_bounds)
     else:
         i_c = i_t.to(tl.int64)
         bos = i_b.to(tl.int64) * T
@@ -101,12 +101,16 @@ def _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C: tl.constexpr, IS_VA
 
 
 @triton.jit
-def _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, C: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Sequence i_n -> (first token row, last+1, first global chunk id, number of chunks)."""
+def _seq_bounds(i_n, cu_seqlens, T, C: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Sequence i_n -> (first token row, last+1, slot of its first chunk, number of chunks).
+
+    Varlen: sequence n's chunks take the slots i_n + bos // C + [0, chunks): distinct across sequences (the
+    next sequence's first slot, i_n + 1 + (bos + len) // C, is past them) and fewer than N + T // C in all
+    (``chunk_slots``), known from the shapes alone, as the forward's stage 2 numbers them (chunk_fwd's glast)."""
     if IS_VARLEN:     # int64: see _chunk_bounds
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-        boh = tl.load(chunk_offsets + i_n).to(tl.int64)
+        boh = i_n.to(tl.int64) + bos // C
     else:
         bos = i_n.to(tl.int64) * T
         eos = bos + T
@@ -571,7 +575,7 @@ def _fwd_h_step(k, v, G, W, U, h, R, b_S, i_c, bos, eos, boh, i_h, i_hk, o_v, H:
 
 
 @triton.jit
-def _fwd_h_kernel(k, v, G, W, U, h0, h, R, cu_seqlens, chunk_offsets, T,
+def _fwd_h_kernel(k, v, G, W, U, h0, h, R, cu_seqlens, T,
                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                   BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
                   HAS_H0: tl.constexpr, TRANSPOSE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
@@ -581,7 +585,7 @@ def _fwd_h_kernel(k, v, G, W, U, h0, h, R, cu_seqlens, chunk_offsets, T,
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
     i_hk = i_h // (HV // H)
-    bos, eos, boh, NTs = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, C, IS_VARLEN)
+    bos, eos, boh, NTs = _seq_bounds(i_n, cu_seqlens, T, C, IS_VARLEN)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
@@ -675,7 +679,7 @@ def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, b_dRl, b_lastp, i_c, bos, eo
 
 
 @triton.jit
-def _bwd_dh_kernel(q, k, G, W, dRl, do, dht, dh, dR, dh0, cu_seqlens, chunk_offsets, T, scale, unit,
+def _bwd_dh_kernel(q, k, G, W, dRl, do, dht, dh, dR, dh0, cu_seqlens, T, scale, unit,
                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                    BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
                    HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, TRANSPOSE: tl.constexpr,
@@ -689,7 +693,7 @@ def _bwd_dh_kernel(q, k, G, W, dRl, do, dht, dh, dR, dh0, cu_seqlens, chunk_offs
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
     i_hk = i_h // (HV // H)
-    bos, eos, boh, NTs = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, C, IS_VARLEN)
+    bos, eos, boh, NTs = _seq_bounds(i_n, cu_seqlens, T, C, IS_VARLEN)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
@@ -1457,16 +1461,11 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
             chunk_indices = prepare_chunk_indices(cu_seqlens, C).to(dev)
         N = cu_seqlens.numel() - 1
         NT = chunk_indices.shape[0]
-        n_chunks = (cu_seqlens[1:] - cu_seqlens[:-1] + C - 1) // C
-        chunk_offsets = (torch.cumsum(n_chunks, 0) - n_chunks).to(torch.int32)
-        NC = NT
         cu_seqlens = cu_seqlens.contiguous()
         chunk_indices = chunk_indices.contiguous()
     else:
         N = B
         NT = cdiv(T, C)
-        NC = B * NT
-        chunk_offsets = None
     gate = 0 if g is None else (1 if g.dim() == 3 else 2)
     delta = beta is not None
     has_h0 = initial_state is not None
@@ -1560,10 +1559,16 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                            C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_wu, num_warps=_warps("wu", gate, wide8), **_regs("wu", gate, wide8),
                            num_stages=ns, **common)
 
-    h = buf(NC, HV, K, V, dtype=sdt)
-    if delta:
-        R = buf(B, T, HV, V, dtype=sdt)
-    seq = dict(cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, T=T)
+    NC = chunk_slots(N, T, varlen)
+    # the forward's stage 2 may have kept every chunk's entering state and R (chunk_fwd.saves_states)
+    states_saved = saved is not None and saved.get("h") is not None
+    if states_saved:
+        h, R = saved["h"].contiguous(), saved["r"].contiguous()
+    else:
+        h = buf(NC, HV, K, V, dtype=sdt)
+        if delta:
+            R = buf(B, T, HV, V, dtype=sdt)
+    seq = dict(cu_seqlens=cu_seqlens, T=T)
     # per-channel gate with 16-bit operands: the state passes take q ⊙ e^G and k ⊙ e^{G_last − G} formed once by a
     # chunk-parallel kernel (CHUNKWISE_BWD_KD_IN, off until timed on the GPU)
     kd_in = gate == 2 and lowp and _env_switch("CHUNKWISE_BWD_KD_IN", BWD_KD_IN)
@@ -1571,11 +1576,12 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     if kd_in:
         q_s, k_s = buf(B, T, HV, K, dtype=q.dtype), buf(B, T, HV, K, dtype=q.dtype)
         _gate_scaled_kernel[grid_c](q, k, G, q_s, k_s, H=H, HV=HV, K=K, BK=BK, C=C, IS_VARLEN=varlen, **common)
-    _fwd_h_kernel[grid_s](k_s, v, G, W, U, h0, h, R, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate,
-                          DELTA=delta, HAS_H0=has_h0, TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen,
-                          PREC=prec, LOOP_WHILE=_INTERPRET, LOWP=lowp, KD_IN=kd_in,
-                          num_warps=_warps("fwd_h", gate, wide8), **_regs("fwd_h", gate, wide8), num_stages=ns_state,
-                          **seq)
+    if not states_saved:
+        _fwd_h_kernel[grid_s](k_s, v, G, W, U, h0, h, R, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate,
+                              DELTA=delta, HAS_H0=has_h0, TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen,
+                              PREC=prec, LOOP_WHILE=_INTERPRET, LOWP=lowp, KD_IN=kd_in,
+                              num_warps=_warps("fwd_h", gate, wide8), **_regs("fwd_h", gate, wide8),
+                              num_stages=ns_state, **seq)
     dh = buf(NC, HV, K, V, dtype=sdt)
     dR = buf(B, T, HV, V, dtype=sdt)
     dh0 = buf(*h0.shape) if has_h0 else None

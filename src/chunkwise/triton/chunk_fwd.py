@@ -55,6 +55,13 @@ import triton.language as tl
 from .align import cdiv, cut_state, next_pow2, pad_last, pad_state, padded_dims
 
 BT = 64          # chunk length
+
+
+def chunk_slots(N: int, T: int, varlen: bool) -> int:
+    """Per-chunk slots of a batch (stage 2's glast; the saved and the backward's per-chunk states h): N·⌈T / BT⌉ for
+    N sequences of T tokens, N + T // BT for N packed ones of T tokens in all (sequence n's chunks at
+    n + bos_n // BT + [0, chunks): distinct across sequences, known from the shapes alone)."""
+    return N + T // BT if varlen else N * cdiv(T, BT)
 BC = 16          # sub-block of the triangular solve and of the per-channel factorisation
 G_FLOOR = -40.0  # per-token gate clamp (see the module docstring)
 SPAN_MAX = 80.0  # a 16-token block whose per-channel gates sum below -SPAN_MAX takes the exact path
@@ -643,21 +650,31 @@ def _tma_view(x, base, n_rows, n_cols, row_stride, R: tl.constexpr, C: tl.conste
 
 
 @triton.jit
-def _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, bos, T_seq, i_h, i_hk, i_v, scale,
-                       H, HV, K, V,
+def _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, hs, rs, slot0, bos, T_seq, i_h, i_hk,
+                       i_v, scale, H, HV, K, V,
                        BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        GATE: tl.constexpr, DELTA: tl.constexpr, P_IN: tl.constexpr, GC_IN: tl.constexpr,
                        DOT_PREC: tl.constexpr, g_floor: tl.constexpr, TMA: tl.constexpr = 0,
-                       TMA_O: tl.constexpr = 0):
+                       TMA_O: tl.constexpr = 0, STORE_HR: tl.constexpr = 0):
     """One chunk of stage 2: returns the state after chunk i_t, writes its rows of o. b_gl: _chunk_decay's.
-    TMA: q, k, v, w, u, p, qg, kg are _tma_view descriptors; TMA_O: o_base too (the output's stores)."""
+    TMA: q, k, v, w, u, p, qg, kg are _tma_view descriptors; TMA_O: o_base too (the output's stores).
+    STORE_HR (a forward saved for the backward, delta families): the state entering the chunk -> hs [slots, HV, K, V]
+    at slot slot0 + i_t, and R -> rs [B, T, HV, V] (before any gate scales it), in their dtype, as the backward's
+    forward state pass would form them."""
     o_k = tl.arange(0, BK)
     o_t = tl.arange(0, BTc)
     t0 = i_t * BTc
+    if STORE_HR:
+        o_v = i_v * BV + tl.arange(0, BV)
+        tl.store(hs + (((slot0 + i_t) * HV + i_h) * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :],
+                 S.to(hs.dtype.element_ty), mask=(o_k < K)[:, None] & (o_v < V)[None, :])
     if DELTA:
         b_w = _tile(w, (bos * HV + i_h) * K, T_seq, K, HV * K, t0, 0, BTc, BK, TMA)
         b_u = _tile(u, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, i_v * BV, BTc, BV, TMA)
         b_R = b_u.to(tl.float32) - tl.dot(b_w, S.to(b_w.dtype), input_precision=DOT_PREC)   # [BT, BK] @ [BK, BV]
+        if STORE_HR:
+            tl.store(tl.make_block_ptr(rs + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, i_v * BV), (BTc, BV),
+                                       (1, 0)), b_R.to(rs.dtype.element_ty), boundary_check=(0, 1))
     else:
         b_R = _tile(v, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, i_v * BV, BTc, BV, TMA).to(tl.float32)
     if GATE == 2:
@@ -715,6 +732,7 @@ def chunk_state_output_kernel(
     gcum,                        # GC_IN: [B,T,HV] fp32 chunk-local cumulative scalar gate (stage 1)
     o, h0, ht,                   # out [B,T,HV,V]; [N,HV,·,·] any float; out [N,HV,·,·] fp32
     sloc, gam,                   # SEG > 0: [N·NSEG, HV, K, V] fp32 segment-local end states, [N·NSEG, HV] fp32 decays
+    hs, rs,                      # STORE_HR: out [slots, HV, K, V], [B, T, HV, V] (the backward's h and R)
     cu_seqlens, scale, T, NT, seg_len,
     s_h0n, s_h0h, s_h0k, s_h0v,  # strides of h0 (its layout)
     s_htn, s_hth, s_htk, s_htv,  # strides of ht
@@ -724,7 +742,7 @@ def chunk_state_output_kernel(
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
     DOT_PREC: tl.constexpr, g_floor: tl.constexpr, LOOP_WHILE: tl.constexpr,
     SEG: tl.constexpr = 0, NSEG: tl.constexpr = 1, SUB: tl.constexpr = 1, GC_IN: tl.constexpr = 0,
-    TMA: tl.constexpr = 0, TMA_O: tl.constexpr = 0,
+    TMA: tl.constexpr = 0, TMA_O: tl.constexpr = 0, STORE_HR: tl.constexpr = 0,
 ):
     """Stage 2 (module docstring). Grid (cdiv(V, BV), N·HV); S [BK, BV] fp32 stays in registers.
 
@@ -814,17 +832,17 @@ def chunk_state_output_kernel(
             i_t = c0
             while i_t < c1:
                 b_gl_next = _chunk_decay(glast, slot0, i_t + 1, c1, i_h, HV, K, BK, GATE, GC_IN)
-                S = _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, bos, T_seq, i_h,
-                                       i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, GC_IN, DOT_PREC,
-                                       g_floor, TMA, TMA_O)
+                S = _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, hs, rs, slot0, bos,
+                                       T_seq, i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, GC_IN,
+                                       DOT_PREC, g_floor, TMA, TMA_O, STORE_HR)
                 b_gl = b_gl_next
                 i_t += 1
         else:               # compiled: a for loop, so that the loads of later chunks are pipelined
             for i_t in range(c0, c1):
                 b_gl_next = _chunk_decay(glast, slot0, i_t + 1, c1, i_h, HV, K, BK, GATE, GC_IN)
-                S = _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, bos, T_seq, i_h,
-                                       i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, GC_IN, DOT_PREC,
-                                       g_floor, TMA, TMA_O)
+                S = _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, hs, rs, slot0, bos,
+                                       T_seq, i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, GC_IN,
+                                       DOT_PREC, g_floor, TMA, TMA_O, STORE_HR)
                 b_gl = b_gl_next
 
     if STORE_HT and SEG != 1:
@@ -1137,6 +1155,19 @@ def saves_stage1(q, v, g, beta) -> bool:
     return padded_dims(q, v) == (q.shape[-1], v.shape[-1])
 
 
+# Under autograd (a forward saved for the backward, saves_stage1), stage 2 also writes every chunk's entering state
+# and R = U − W S (the backward's h and R, in the 16-bit input dtype) so that the backward skips its forward state
+# pass (0.58 / 0.63 / 0.89 ms for DeltaNet / GDN / KDA at B1-T32768-H32 bf16 on the H200, session 13), for
+# O(T·HV·V·(1 + K / 64)) more saved memory (0.8 GB there). Unmeasured on the GPU: off until timed;
+# CHUNKWISE_SAVE_STATES=1 turns it on.
+SAVE_STATES = 0
+
+
+def saves_states() -> bool:
+    """Whether a forward that saves stage 1 also saves the per-chunk states and R (SAVE_STATES)."""
+    return _env_switch("CHUNKWISE_SAVE_STATES", SAVE_STATES)
+
+
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
@@ -1224,8 +1255,14 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
 
     stage1 = chunk_prepare(q, k, v, g, beta, cu_seqlens, chunk_indices, save_t=save, store_p=p_in or save) \
         if delta else dict(w=None, u=None, p=None, qg=None, kg=None, glast=None, gcum=None)
+    hs = rs = None
     if save:
         saved_out.update(w=stage1["w"], u=stage1["u"], p=stage1["p"], t=stage1["t"])
+        if saves_states():      # the per-chunk states and R too: the backward skips its forward state pass
+            sdt = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
+            hs = _alloc((chunk_slots(N, T, cu_seqlens is not None), HV, K, V), sdt, q.device)
+            rs = _alloc((B, T, HV, V), sdt, q.device)
+            saved_out.update(h=hs, r=rs)
     if p_in and not delta:                # simple GLA with P formed once per chunk
         stage1["p"] = chunk_p(q, k, g, HV, cu_seqlens, chunk_indices)
     if not p_in:
@@ -1269,13 +1306,13 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
                 stages_m = seg_phase1[2] if len(seg_phase1) > 2 else num_stages
         chunk_state_output_kernel[(cdiv(V, bv_m), rows_m)](
             q, k, v, stage1["w"], stage1["u"], stage1["p"], g, stage1["qg"], stage1["kg"], stage1["glast"],
-            stage1["gcum"], o, initial_state, ht, sloc, gam, cu_seqlens, scale, T, NT, len_m,
+            stage1["gcum"], o, initial_state, ht, sloc, gam, hs, rs, cu_seqlens, scale, T, NT, len_m,
             *strides(initial_state), *strides(ht),
             H=H, HV=HV, K=K, V=V, BTc=BT, BK=_dim(K), BV=bv_m, GATE=gate, DELTA=delta, P_IN=p_in,
             USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=cu_seqlens is not None,
             DOT_PREC=dot_prec, g_floor=G_FLOOR, LOOP_WHILE=_INTERPRET, SEG=seg_mode, NSEG=nseg_m,
             SUB=sub if seg_mode == 2 else 1, GC_IN=delta and gate == 1, TMA=tma,
-            TMA_O=tma_o,
+            TMA_O=tma_o, STORE_HR=hs is not None,
             num_warps=warps_m, num_stages=stages_m, **reg_cap("fwd_o"))
     if padded:
         o, ht = o[..., :V0].contiguous(), cut_state(ht, K0, V0, transpose_state_layout)
