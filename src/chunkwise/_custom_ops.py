@@ -23,10 +23,10 @@ Ops (namespace ``chunkwise``):
             when output_final_state is False)
     chunk_bwd / recurrent_bwd (the forward's inputs, do, dht?, needs_grad) -> (dq, dk, dv, dg, dbeta, dh0)
         (an empty [0] tensor for each gradient that is not needed or whose input is None)
-    chunk_fwd_saved (as chunk_fwd) -> (o, final_state, w, u, p, t): the triton chunk forward of a delta family
-        that also returns its stage 1 for the backward (under autograd, unless CHUNKWISE_SAVE_STAGE1=0; empty where
-        it saves nothing)
-    chunk_bwd_saved (the forward's inputs, w, u, p, t, do, dht?, needs_grad) -> as chunk_bwd
+    chunk_fwd_saved (as chunk_fwd) -> (o, final_state, w, u, p, t, h, r): the triton chunk forward of a delta
+        family that also returns its stage 1 for the backward (under autograd, unless CHUNKWISE_SAVE_STAGE1=0; empty
+        where it saves nothing) and, with CHUNKWISE_SAVE_STATES=1, its per-chunk states and R (else empty)
+    chunk_bwd_saved (the forward's inputs, w, u, p, t, h, r, do, dht?, needs_grad) -> as chunk_bwd
     recurrent_pool_fwd (..., pool [P, HV, K, V] (mutated), state_indices [N], ...) -> o
         vLLM-style state pool: sequence n reads pool[state_indices[n]] and writes its final state
         back in place (-1 = padding slot, skipped, output zero). No autograd (inference only).
