@@ -141,6 +141,15 @@ def test_product_precision_env_checked(monkeypatch):
         _run(inp)
 
 
+@pytest.mark.parametrize("stages", ["0", "5", "two"])
+def test_prep_stages_env_checked(stages, monkeypatch):
+    """Stage 1's pipeline depth (CHUNKWISE_PREP_STAGES) outside 1-4 is an error that names the variable."""
+    monkeypatch.setenv("CHUNKWISE_PREP_STAGES", stages)
+    inp = make_inputs("kda", B=1, T=20, H=1, HV=1, K=KS[0], V=VS[0], dtype=torch.float32, seed=8)
+    with pytest.raises(ValueError, match="CHUNKWISE_PREP_STAGES"):
+        _run(inp)
+
+
 @triton.jit
 def _rn_tf32_kernel(x, y, N: tl.constexpr):
     o = tl.arange(0, N)

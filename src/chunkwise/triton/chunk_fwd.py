@@ -954,6 +954,22 @@ def prep_config(gate: int) -> tuple[int, int, int, int]:
     return cfg[0], cfg[1], cfg[2], cfg[3]
 
 
+# Software-pipeline depth of stage 1's launch (forward): only KDA's kernel has loops the pipeline can take (its
+# column chunks); offline sm_90 (bf16, 4 warps, 32-channel chunks, one reference) 1 stage leaves all five of their
+# loads plain (each waits on memory in the loop), 2 / 3 stages turn two of them into cp.async (spills 204 -> 208 /
+# 192 B, same shared memory). Unmeasured on the GPU: CHUNKWISE_PREP_STAGES (1-4) overrides for a timing
+# (`bench_forward --variants --variant-set pstages`).
+PREP_STAGES = 1
+
+
+def prep_stages() -> int:
+    """Stage 1's num_stages (PREP_STAGES, CHUNKWISE_PREP_STAGES)."""
+    value = os.environ.get("CHUNKWISE_PREP_STAGES", str(PREP_STAGES))
+    if value not in ("1", "2", "3", "4"):
+        raise ValueError(f"CHUNKWISE_PREP_STAGES={value!r}: expected 1, 2, 3 or 4")
+    return int(value)
+
+
 def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=False, store_p=True):
     """Stage 1 for the delta families.
 
@@ -1003,7 +1019,7 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
             AP_FORM=form if gate == 2 else 0, STORE_T=save_t, STORE_P=store_p, GC_OUT=gate == 1,
             AP_ONE_REF=gate == 2 and _env_switch("CHUNKWISE_KDA_ONE_REF", KDA_ONE_REF),
             SOLVE_DOUBLING=_env_switch("CHUNKWISE_SOLVE_DOUBLING", SOLVE_DOUBLING),
-            num_warps=warps, num_stages=1, **reg_cap("prep_fwd"))
+            num_warps=warps, num_stages=prep_stages(), **reg_cap("prep_fwd"))
     return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, gcum=gcum, t=t)
 
 
