@@ -198,9 +198,13 @@ def main():
             finite = bool(torch.isfinite(o_chk).all())
             t_ours, (o, ht) = bench(lambda: run_ours(fam, x))
             row = dict(shape=s["name"], family=fam, ours_ms=t_ours, all_finite=finite)
-            if x["beta"] is not None:       # stage 1 alone, P stored as the forward stores it (DELTA_P_IN: not DeltaNet's)
-                row["stage1_ms"] = bench(lambda: chunk_prepare(x["q"], x["k"], x["v"], x["g"], x["beta"], x["cu"],
-                                                               x["chunk_indices"], store_p=fam != "delta"))[0]
+
+            def stage1_ms():
+                """Stage 1 alone, P stored as the forward stores it (DELTA_P_IN: not DeltaNet's)."""
+                return bench(lambda: chunk_prepare(x["q"], x["k"], x["v"], x["g"], x["beta"], x["cu"],
+                                                   x["chunk_indices"], store_p=fam != "delta"))[0]
+            if x["beta"] is not None:       # (the rest of ours_ms is stage 2)
+                row["stage1_ms"] = stage1_ms()
             f = fla_fn(fam)
             if f is not None:
                 try:
@@ -214,14 +218,12 @@ def main():
 
                 def time_variant(key, env=None, stage1=False, **kw):
                     """The forward with chunk_fwd's keywords kw under the environment settings env; with stage1,
-                    also stage 1 alone (P stored as the forward stores it) as key + "-s1"."""
+                    also stage 1 alone (stage1_ms) as key + "-s1"."""
                     with env_vars(env or {}):
                         try:
                             var[key] = bench(lambda: run_variant(fam, x, **kw))[0]
                             if stage1:
-                                var[key + "-s1"] = bench(lambda: chunk_prepare(
-                                    x["q"], x["k"], x["v"], x["g"], x["beta"], x["cu"], x["chunk_indices"],
-                                    store_p=fam != "delta"))[0]
+                                var[key + "-s1"] = stage1_ms()
                         except Exception as e:  # noqa: BLE001
                             var[key] = repr(e)[:120]
                 own = dict(p_in=False) if fam == "gla" else {}      # GLA: P formed in the serial loop

@@ -287,7 +287,7 @@ def _save_stage1_wanted(mode, backend, beta, *tensors) -> bool:
 def _stage1_shapes(q, v, g, beta, cu_seqlens):
     """(w, u, p, t, h, r) shapes and dtypes the saving forward returns (empty [0] tensors where it saves nothing;
     h, r only with chunk_fwd.saves_states)."""
-    from .triton.chunk_fwd import BT, chunk_slots, saves_stage1, saves_states
+    from .triton.chunk_fwd import BT, chunk_slots, saves_stage1, saves_states, state_dtype
     B, T, HV, K, V = q.shape[0], q.shape[1], v.shape[2], q.shape[3], v.shape[3]
     if not saves_stage1(q, v, g, beta):
         return [(_EMPTY_SHAPE, q.dtype)] * 6
@@ -296,7 +296,7 @@ def _stage1_shapes(q, v, g, beta, cu_seqlens):
     if not saves_states():
         return stage + [(_EMPTY_SHAPE, q.dtype)] * 2
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    sdt = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    sdt = state_dtype(q.dtype)
     return stage + [((chunk_slots(N, T, cu_seqlens is not None), HV, K, V), sdt), ((B, T, HV, V), sdt)]
 
 

@@ -43,7 +43,8 @@ import triton.language as tl
 
 from ..api import TRITON_MAX_HEAD_DIM as MAX_K   # the backward's kernels fit one H200 SM's shared memory up to it
 from .align import cdiv, cut_state, next_pow2, pad_last, pad_state, padded_dims
-from .chunk_fwd import WIDE_16BIT_K, _env_switch, _mm, chunk_slots, on_tensor_device, prec_env, reg_cap, wu_lowp_ok
+from .chunk_fwd import (WIDE_16BIT_K, _env_choice, _env_switch, _mm, chunk_slots, on_tensor_device, prec_env, reg_cap,
+                        state_dtype, wu_lowp_ok)
 
 CHUNK = 64
 SUB = 16
@@ -68,10 +69,7 @@ BWD_DH_AHEAD = {0: 2, 1: 0, 2: 1}
 
 def _bwd_dh_ahead(gate: int) -> int:
     """The reverse pass's AHEAD form (BWD_DH_AHEAD; CHUNKWISE_BWD_DH_AHEAD 0 / 1 / 2, see _bwd_dh_kernel)."""
-    value = os.environ.get("CHUNKWISE_BWD_DH_AHEAD", str(BWD_DH_AHEAD[gate]))
-    if value not in ("0", "1", "2"):
-        raise ValueError(f"CHUNKWISE_BWD_DH_AHEAD={value!r}: expected 0, 1 or 2")
-    return int(value)
+    return _env_choice("CHUNKWISE_BWD_DH_AHEAD", BWD_DH_AHEAD[gate], range(3))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -660,12 +658,11 @@ def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, b_dRl, b_lastp, i_c, bos, eo
         b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
         b_kdS = b_kdS * tl.exp(b_last - b_G)[:, None]
         b_do = b_do * tl.exp(b_G)[:, None]
-    if AHEAD == 1:
-        b_dR = b_dRl.to(tl.float32) + b_kdS
-    elif AHEAD == 2:
-        b_dR = tl.load(dRl + p_tv, mask=m_tv, other=0.).to(tl.float32) + b_kdS * unit
-    else:
-        b_dR = tl.load(dRl + p_tv, mask=m_tv, other=0.).to(tl.float32) + b_kdS
+    if AHEAD != 1:
+        b_dRl = tl.load(dRl + p_tv, mask=m_tv, other=0.)
+    if AHEAD == 2:      # a runtime 1.0: the product cannot take dR_local as its accumulator
+        b_kdS = b_kdS * unit
+    b_dR = b_dRl.to(tl.float32) + b_kdS
     tl.store(dR + p_tv, b_dR, mask=m_tv)
     if GATE == 2:
         b_dS *= tl.exp(b_last)[:, None]
@@ -1505,7 +1502,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     # what the backward writes and reads back in bulk (W, U, R, dR, dR_local, h, dh) is kept in the
     # input dtype when that is 16-bit (as fla keeps h, w, u, v_new); A, P, T, G and every
     # accumulation stay fp32
-    sdt = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    sdt = state_dtype(q.dtype)
 
     def buf(*shape, dtype=torch.float32):
         # NaN when poisoned (tests: CHUNKWISE_POISON=1) or interpreted, so that a read of an unwritten element shows
@@ -1608,10 +1605,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     # 0: one block of all channels)
     bkp = int(os.environ.get("CHUNKWISE_BWD_PAIR_SPLIT", BWD_PAIR_SPLIT))
     bkp = BK if bkp <= 0 else min(max(16, next_pow2(bkp)), BK)
-    one_ref = os.environ.get("CHUNKWISE_BWD_ONE_REF", str(BWD_ONE_REF)) if gate == 2 else "0"
-    if one_ref not in ("0", "1", "2"):
-        raise ValueError(f"CHUNKWISE_BWD_ONE_REF={one_ref!r}: expected 0, 1 or 2")
-    one_ref = int(one_ref)
+    one_ref = _env_choice("CHUNKWISE_BWD_ONE_REF", BWD_ONE_REF, range(3)) if gate == 2 else 0
     if one_ref == 2:    # the key side does the column blocks that fit; the pair kernel the others, on the same blocks
         bkp = bkh
     _bwd_grad_kernel[grid_c](q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, dk, dbeta, dG,

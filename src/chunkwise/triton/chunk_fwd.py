@@ -55,17 +55,24 @@ import triton.language as tl
 from .align import cdiv, cut_state, next_pow2, pad_last, pad_state, padded_dims
 
 BT = 64          # chunk length
-
-
-def chunk_slots(N: int, T: int, varlen: bool) -> int:
-    """Per-chunk slots of a batch (stage 2's glast; the saved and the backward's per-chunk states h): N·⌈T / BT⌉ for
-    N sequences of T tokens, N + T // BT for N packed ones of T tokens in all (sequence n's chunks at
-    n + bos_n // BT + [0, chunks): distinct across sequences, known from the shapes alone)."""
-    return N + T // BT if varlen else N * cdiv(T, BT)
 BC = 16          # sub-block of the triangular solve and of the per-channel factorisation
 G_FLOOR = -40.0  # per-token gate clamp (see the module docstring)
 SPAN_MAX = 80.0  # a 16-token block whose per-channel gates sum below -SPAN_MAX takes the exact path
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def chunk_slots(N: int, T: int, varlen: bool) -> int:
+    """Per-chunk slots of a batch (stage 1's glast, read by stage 2; the saved and the backward's per-chunk states
+    h): N·⌈T / BT⌉ for N sequences of T tokens, N + T // BT for N packed ones of T tokens in all (sequence n's
+    chunks at n + bos_n // BT + [0, chunks), as _chunk_span numbers them: distinct across sequences, known from
+    the shapes alone)."""
+    return N + T // BT if varlen else N * cdiv(T, BT)
+
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the per-chunk states and R kept between passes (the backward's h, dh, R, dR, W, U; the saved
+    ones): the input dtype when it is 16-bit (as fla keeps h, w, u, v_new), else fp32."""
+    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
 
 
 def on_tensor_device(fn):
@@ -964,10 +971,7 @@ PREP_STAGES = 1
 
 def prep_stages() -> int:
     """Stage 1's num_stages (PREP_STAGES, CHUNKWISE_PREP_STAGES)."""
-    value = os.environ.get("CHUNKWISE_PREP_STAGES", str(PREP_STAGES))
-    if value not in ("1", "2", "3", "4"):
-        raise ValueError(f"CHUNKWISE_PREP_STAGES={value!r}: expected 1, 2, 3 or 4")
-    return int(value)
+    return _env_choice("CHUNKWISE_PREP_STAGES", PREP_STAGES, range(1, 5))
 
 
 def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=False, store_p=True):
@@ -991,12 +995,8 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     u = _alloc((B, T, HV, V), dt, dev)
     store_p = store_p or gate == 2
     p = _alloc((B, T, HV, BT), dt, dev) if store_p else None
-    if cu_seqlens is not None:
-        n_chunks = chunk_indices.shape[0]
-        slots = cu_seqlens.numel() - 1 + NT + 1
-    else:
-        n_chunks = NT
-        slots = B * NT
+    n_chunks = chunk_indices.shape[0] if cu_seqlens is not None else NT
+    slots = chunk_slots(B if cu_seqlens is None else cu_seqlens.numel() - 1, T, cu_seqlens is not None)
     gcum = None
     if gate == 2:
         qg = _alloc((B, T, HV, K), dt, dev)
@@ -1150,12 +1150,19 @@ def _ensure_allocator():
         triton.set_allocator(_torch_scratch)
 
 
+def _env_choice(name: str, default: int, choices=range(2)) -> int:
+    """A launch choice among the integers ``choices`` from the environment variable ``name`` (``default`` when
+    unset); anything else is an error that names the variable."""
+    allowed = [str(c) for c in choices]
+    value = os.environ.get(name, str(default))
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r}: expected {', '.join(allowed[:-1])} or {allowed[-1]}")
+    return int(value)
+
+
 def _env_switch(name: str, default: int) -> bool:
     """A 0 / 1 launch choice from the environment variable ``name`` (``default`` when unset)."""
-    value = os.environ.get(name, str(default))
-    if value not in ("0", "1"):
-        raise ValueError(f"{name}={value!r}: expected 0 or 1")
-    return value == "1"
+    return _env_choice(name, default) == 1
 
 
 def saves_stage1(q, v, g, beta) -> bool:
@@ -1275,7 +1282,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     if save:
         saved_out.update(w=stage1["w"], u=stage1["u"], p=stage1["p"], t=stage1["t"])
         if saves_states():      # the per-chunk states and R too: the backward skips its forward state pass
-            sdt = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
+            sdt = state_dtype(q.dtype)
             hs = _alloc((chunk_slots(N, T, cu_seqlens is not None), HV, K, V), sdt, q.device)
             rs = _alloc((B, T, HV, V), sdt, q.device)
             saved_out.update(h=hs, r=rs)
