@@ -34,6 +34,14 @@ KERNELS = {
                dict(q="in", k="in", v="in", beta="in", G="fp32", Tmat="fp32", h="s", R="s", dR="s", do="in",
                     Pmat="fp32", Amat="fp32", dq="g", dv="in", dbeta="fp32", dG="fp32"),
                dict(T="i32", scale="fp32"), {}),
+    "bwd_dqk": ("_bwd_dqk_kernel",         # scalar / no gate: the state tiles' pass by key column blocks (BWD_DQK)
+                dict(q="in", k="in", v="in", G="fp32", h="s", dh="s", R="s", dR="s", do="in", dq="g", dk1="fp32",
+                     dW="in", dGp="fp32"),
+                dict(T="i32", scale="fp32"), dict(BK=cb.BWD_DQK_BK)),
+    "bwd_wy": ("_bwd_wy_kernel",           # scalar / no gate: the gradients through T, per chunk (BWD_DQK)
+               dict(k="in", v="in", beta="in", G="fp32", Tmat="fp32", dW="in", dR="s", dk1="fp32", dGp="fp32",
+                    dv="in", dk="g", dbeta="fp32", dG="fp32"),
+               dict(T="i32"), dict(BK=cb.BWD_DQK_BK, NKP=2)),
     "bwd_dh": ("_bwd_dh_kernel",
                dict(q="in", k="in", G="fp32", W="s", dRl="s", do="in", dht="fp32", dh="s", dR="s", dh0="fp32"),
                dict(T="i32", scale="fp32", unit="fp32"), dict(HAS_DHT=True, HAS_H0=True, TRANSPOSE=False, LOOP_WHILE=False)),
@@ -96,8 +104,8 @@ def compile_kernel(name, fam="gdn", num_warps=8, K=128, V=128, num_stages=3, low
     gdt = dtype if gate != 2 else "fp32"
     sig, consts = {}, dict(cu_seqlens=None, chunk_indices=None)
     for arg, kind in ptrs.items():
-        absent = (arg == "G" and not gate) or (arg in ("beta", "Tmat", "W", "U", "R", "dbeta", "dbp") and not delta) or \
-                 (arg == "Amat" and not delta) or (arg == "dG" and not gate)
+        absent = (arg == "G" and not gate) or (arg in ("beta", "Tmat", "W", "U", "R", "dbeta", "dbp", "dW") and not delta) or \
+                 (arg == "Amat" and not delta) or (arg in ("dG", "dGp") and not gate)
         if absent:
             consts[arg] = None
         else:

@@ -34,7 +34,7 @@ from bench_train import bench, fwd_bwd, leaves, profile  # noqa: E402
 # profiler names of the backward kernels -> BWD_WARPS keys
 KERNELS = {"_gate_cumsum_kernel": "gate_cumsum", "_intra_kernel": "intra", "_intra_diag_kernel": "intra_diag",
            "_solve_kernel": "solve", "_wu_kernel": "wu", "_fwd_h_kernel": "fwd_h", "_bwd_dh_kernel": "bwd_dh",
-           "_bwd_dv_kernel": "bwd_dv", "_bwd_grad_kernel": "bwd_grad",
+           "_bwd_dv_kernel": "bwd_dv", "_bwd_grad_kernel": "bwd_grad", "_bwd_dqk_kernel": "bwd_dqk", "_bwd_wy_kernel": "bwd_wy",
            "_bwd_pair_kernel": "bwd_pair", "chunk_prepare_kernel": "prep", "chunk_state_output_kernel": "fwd_o"}     # prep: the forward's stage 1 + the
 # backward's fused recompute (BWD_FUSED_PREP); only the latter changes with the backward's warps
 
@@ -89,7 +89,12 @@ GATES_VARIANTS = "on:;off:CHUNKWISE_KDA_ONE_REF=0,CHUNKWISE_BWD_ONE_REF=0"
 AHEAD_VARIANTS = "a0:CHUNKWISE_BWD_DH_AHEAD=0;a1:CHUNKWISE_BWD_DH_AHEAD=1;a2:CHUNKWISE_BWD_DH_AHEAD=2"
 # the forward's stage 2 keeps the per-chunk states and R for the backward (which then skips its forward state pass)
 STATES_VARIANTS = "recompute:CHUNKWISE_SAVE_STATES=0;states:CHUNKWISE_SAVE_STATES=1"
-NAMED = {"ahead": AHEAD_VARIANTS, "states": STATES_VARIANTS, "pair": PAIR_VARIANTS, "gates": GATES_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
+# scalar / no gate: the value and key sides as the state tiles' pass by key column blocks + the WY pass (BWD_DQK, the
+# default) against _bwd_dv_kernel + _bwd_grad_kernel; warps of each, the column block, a register cap
+DQK_VARIANTS = ("old:CHUNKWISE_BWD_DQK=0;dqk:;w88:CHUNKWISE_BWD_WARPS=bwd_dqk:8/bwd_wy:8;w84:CHUNKWISE_BWD_WARPS=bwd_dqk:8;"
+                "w48:CHUNKWISE_BWD_WARPS=bwd_wy:8;bk32:CHUNKWISE_BWD_DQK_BK=32;"
+                "w84r128:CHUNKWISE_BWD_WARPS=bwd_dqk:8,CHUNKWISE_MAXNREG=bwd_dqk:128")
+NAMED = {"dqk": DQK_VARIANTS, "ahead": AHEAD_VARIANTS, "states": STATES_VARIANTS, "pair": PAIR_VARIANTS, "gates": GATES_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
          "oneref": ONEREF_VARIANTS}
 
 

@@ -587,3 +587,31 @@ def test_bwd_lowp_default_level(monkeypatch):
     assert bwd_lowp_level(torch.float16, 128) == 2 and bwd_lowp_level(torch.float32, 128) == 0
     monkeypatch.setenv("CHUNKWISE_BWD_LOWP", "1")
     assert bwd_lowp_level(torch.bfloat16, 128) == 1 and bwd_lowp_level(torch.float32, 128) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("form", ["dqk", "dqk_bk16", "old"])
+@pytest.mark.parametrize("fam", ["delta", "gdn", "gla"])
+def test_value_key_side_forms(fam, form, dtype, monkeypatch):
+    """Scalar / no gate: the value and key sides as the state tiles' pass by key column blocks and the WY pass
+    (CHUNKWISE_BWD_DQK=1, the default; at 16-wide blocks the dg shares of two blocks are summed) or as the value-side
+    and key-side kernels (0): every gradient equals the reference's, on a varlen batch whose sequences end mid-chunk,
+    take one chunk and one token, with grouped heads; and the two forms agree with each other."""
+    monkeypatch.setenv("CHUNKWISE_BWD_DQK", "0" if form == "old" else "1")
+    if form == "dqk_bk16":
+        monkeypatch.setenv("CHUNKWISE_BWD_DQK_BK", "16")
+    inp = make_inputs(fam, lengths=[1, 130, 64, 30], H=1, HV=2, K=32, V=32, seed=17)
+    ours = _grads(inp, "triton", dtype)
+    _compare(inp, TOL[dtype], dtype=dtype)
+    monkeypatch.setenv("CHUNKWISE_BWD_DQK", "1" if form == "old" else "0")
+    other = _grads(inp, "triton", dtype)
+    for n in ours:
+        assert rel_err(ours[n], other[n]) <= TOL[dtype] / 4, n
+
+
+def test_value_key_side_form_checked(monkeypatch):
+    """CHUNKWISE_BWD_DQK outside 0 / 1 is refused with its name."""
+    monkeypatch.setenv("CHUNKWISE_BWD_DQK", "2")
+    inp = make_inputs("delta", B=1, T=20, H=1, HV=1, K=16, V=16, seed=16)
+    with pytest.raises(ValueError, match="CHUNKWISE_BWD_DQK"):
+        _grads(inp, "triton", torch.float32)

@@ -1037,6 +1037,191 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
         tl.store(dG + rows * HV + i_h, b_dg, mask=m_t)
 
 
+# ------------------------------------------------------------------------------------------------
+# scalar / no gate: the value and key sides as a state-tile pass split over key columns and a per-chunk WY pass
+# ------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seqlens, chunk_indices, T, scale,
+                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                    BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
+                    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr = 0):
+    """Scalar / no gate, one program per (key column block of BK, chunk, value head); everything that needs the
+    chunk's state tiles h (S) and dh (dS'), read once::
+
+        V loop:  dP = dO Rᵀ,  dPᵀ = R dOᵀ  ([C, C]),  dQg = dO Sᵀ,  dK_end = R dS'ᵀ,  dW = −dR Sᵀ  ([C, BK])
+        dP ← scale tril(dP) ⊙ Γ  (dPᵀ alike: it is a product of its own, never tl.trans of an accumulator, fla #640)
+        dq  = scale dQg ⊙ e^G + dP K                       -> dq (final)
+        dk1 = dK_end ⊙ e^{G_last − G} + dPᵀ Q              -> dk1 (fp32; the WY pass adds the rest) or dk (no delta)
+        dW                                                 -> dW (the products' operand dtype)
+        scalar gate: Σ_k (q ⊙ dq − k ⊙ dk1) per row, + dG_last's share (Σ k ⊙ dK_end e^{..} + e^{G_last} Σ S ⊙ dS')
+                     on the last row                       -> dGp[i_k] (summed over column blocks by _bwd_wy_kernel)
+
+    R: R = U − W S with the delta rule, V without. LOWP as _bwd_grad_kernel's: the pairwise products (dP, dPᵀ with
+    k, q) take fp32 operands unless LOWP is 1."""
+    NK: tl.constexpr = (K + BK - 1) // BK
+    i_k, i_t = tl.program_id(0) % NK, tl.program_id(0) // NK
+    i_bh = tl.program_id(1)
+    i_b, i_h = i_bh // HV, i_bh % HV
+    i_hk = i_h // (HV // H)
+    t0, L, i_g = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
+    o_t, m_t, rows, m_cc, p_cc, p_ccT = _chunk_rows(t0, L, i_h, HV, C)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    p_h = (i_g * HV + i_h).to(tl.int64) * K * V
+    OPD2: tl.constexpr = q.dtype.element_ty if LOWP == 1 else tl.float32
+    b_dq = tl.zeros([C, BK], dtype=tl.float32)
+    b_dk = tl.zeros([C, BK], dtype=tl.float32)
+    b_dw = tl.zeros([C, BK], dtype=tl.float32)
+    b_dP = tl.zeros([C, C], dtype=tl.float32)
+    b_dPt = tl.zeros([C, C], dtype=tl.float32)
+    b_dgam = tl.zeros([BK], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_kv = m_k[:, None] & m_v[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_tv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
+        b_do = tl.load(do + p_tv, mask=m_tv, other=0.)
+        b_S = tl.load(h + p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)          # [BK, BV]
+        b_dSn = tl.load(dh + p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+        if DELTA:
+            b_R = tl.load(R + p_tv, mask=m_tv, other=0.)
+            b_dR = tl.load(dR + p_tv, mask=m_tv, other=0.)
+            b_dw -= _mm(b_dR, tl.trans(b_S), PREC)                                          # [C, BV] @ [BV, BK]
+        else:
+            b_R = tl.load(v + p_tv, mask=m_tv, other=0.)
+        b_dP += _mm(b_do, tl.trans(b_R), PREC)                                              # [C, BV] @ [BV, C]
+        b_dPt += _mm(b_R, tl.trans(b_do), PREC)                                             # [C, BV] @ [BV, C]
+        b_dq += _mm(b_do, tl.trans(b_S), PREC)                                              # [C, BV] @ [BV, BK]
+        b_dk += _mm(b_R, tl.trans(b_dSn), PREC)                                             # [C, BV] @ [BV, BK]
+        if GATE == 1:
+            b_dgam += tl.sum(b_S.to(tl.float32) * b_dSn.to(tl.float32), axis=1)
+    m_tk, p_tk, p_hk = _col_offsets(rows, m_t, o_k, m_k, i_h, i_hk, H, HV, K)
+    if DELTA:
+        tl.store(dW + p_hk, b_dw.to(dW.dtype.element_ty), mask=m_tk)
+    b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
+    b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
+    i_ge_j = o_t[:, None] >= o_t[None, :]
+    if GATE == 1:
+        b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
+        b_eG, b_ekend = _gate_factors(b_G, b_last, GATE)
+        b_dq = b_dq * scale * b_eG
+        b_dk = b_dk * b_ekend
+        b_dlast = tl.sum(tl.sum(b_k * b_dk, axis=1), axis=0) + tl.exp(b_last) * tl.sum(b_dgam, axis=0)
+        b_dP = tl.where(i_ge_j, b_dP * tl.exp(b_G[:, None] - b_G[None, :]), 0.) * scale
+        b_dPt = tl.where(o_t[None, :] >= o_t[:, None], b_dPt * tl.exp(b_G[None, :] - b_G[:, None]), 0.) * scale
+    else:
+        b_dq = b_dq * scale
+        b_dP = tl.where(i_ge_j, b_dP, 0.) * scale
+        b_dPt = tl.where(o_t[None, :] >= o_t[:, None], b_dPt, 0.) * scale
+    b_dq += _mm(b_dP.to(OPD2), b_k.to(OPD2), PREC)                                          # [C, C] @ [C, BK]
+    b_dk += _mm(b_dPt.to(OPD2), b_q.to(OPD2), PREC)                                         # [C, C] @ [C, BK]
+    tl.store(dq + p_hk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    tl.store(dk1 + p_hk, b_dk.to(dk1.dtype.element_ty), mask=m_tk)
+    if GATE == 1:
+        b_dg = tl.sum(b_q * b_dq - b_k * b_dk, axis=1) + tl.where(o_t == L - 1, b_dlast, 0.)
+        tl.store(dGp + i_k * (tl.num_programs(1).to(tl.int64) * T) + rows * HV + i_h, b_dg, mask=m_t)
+
+
+@triton.jit
+def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dv, dk, dbeta, dG, cu_seqlens, chunk_indices, T,
+                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                   BV: tl.constexpr, C: tl.constexpr, NKP: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
+                   IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr = 0):
+    """Scalar / no gate, one program per (chunk, value head), after _bwd_dqk_kernel: the gradients through T
+    (the WY form W = T X, U = T Y), then dk, dβ, dg finished::
+
+        V loop:  dT = dR (βV)ᵀ, dTᵀ = (βV) dRᵀ,  dv = β (Tᵀ dR),  dβ = Σ_v V ⊙ Tᵀ dR
+        K loop:  dT += dW Xᵀ, dTᵀ += X dWᵀ                  (X = β e^G K)
+        dA = −Tᵀ dT Tᵀ (strict lower) ⊙ Γ,  dAᵀ = −T dTᵀ T (strict upper) ⊙ Γᵀ
+        K loop:  dX = Tᵀ dW;  dk = dk1 + β e^G dX + dAᵀ (βK) + β (dA K);  dβ += Σ_k (K e^G ⊙ dX + K ⊙ dA K)
+        scalar gate: dG = Σ of _bwd_dqk_kernel's NKP column-block shares + Σ_k (X ⊙ dX + βK ⊙ dA K − K ⊙ dAᵀ βK),
+                     dg its reverse cumsum in the chunk
+    Without the delta rule only the last step runs (dv = dR and dk = dk1 are the caller's). BK: the key loops'
+    column block. LOWP as _bwd_grad_kernel's (T, dW, X, dT in 16 bits from 1, dA with K in 16 bits at 1 only)."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // HV, i_bh % HV
+    i_hk = i_h // (HV // H)
+    t0, L, _ = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
+    o_t, m_t, rows, m_cc, p_cc, p_ccT = _chunk_rows(t0, L, i_h, HV, C)
+    OPD: tl.constexpr = k.dtype.element_ty if LOWP else tl.float32
+    OPD2: tl.constexpr = k.dtype.element_ty if LOWP == 1 else tl.float32
+    if GATE == 1:
+        b_G, _ = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
+        b_eG = tl.exp(b_G)[:, None]
+        b_dGr = tl.zeros([C], dtype=tl.float32)
+        s_p = tl.num_programs(1).to(tl.int64) * T          # one column block's share: [B, T, HV]
+        for i_p in tl.static_range(NKP):
+            b_dGr += tl.load(dGp + i_p * s_p + rows * HV + i_h, mask=m_t, other=0.)
+    if DELTA:
+        b_beta = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.).to(tl.float32)
+        b_Tt = tl.load(Tmat + p_ccT, mask=m_cc & (o_t[None, :] >= o_t[:, None]), other=0.)        # Tᵀ [C, C]
+        b_Ttv = b_Tt.to(dR.dtype.element_ty)
+        b_Ttl = b_Tt.to(OPD)
+        b_dT = tl.zeros([C, C], dtype=tl.float32)
+        b_dTt = tl.zeros([C, C], dtype=tl.float32)
+        b_db = tl.zeros([C], dtype=tl.float32)
+        for i_v in range(tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_tv = m_t[:, None] & (o_v < V)[None, :]
+            p_tv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
+            b_dR = tl.load(dR + p_tv, mask=m_tv, other=0.)
+            b_v = tl.load(v + p_tv, mask=m_tv, other=0.)
+            b_vb = (b_v.to(tl.float32) * b_beta[:, None]).to(dR.dtype.element_ty)
+            b_dT += _mm(b_dR, tl.trans(b_vb), PREC)                                          # [C, BV] @ [BV, C]
+            b_dTt += _mm(b_vb, tl.trans(b_dR), PREC)                                         # [C, BV] @ [BV, C]
+            b_dy = _mm(b_Ttv, b_dR, PREC)                                                    # [C, C] @ [C, BV]
+            tl.store(dv + p_tv, (b_dy * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
+            b_db += tl.sum(b_v.to(tl.float32) * b_dy, axis=1)
+        for i_k in range(tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            m_tk, p_tk, p_hk = _col_offsets(rows, m_t, o_k, o_k < K, i_h, i_hk, H, HV, K)
+            b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
+            b_x = b_k * b_beta[:, None]
+            if GATE == 1:
+                b_x = b_x * b_eG
+            b_x = b_x.to(OPD)
+            b_dw = tl.load(dW + p_hk, mask=m_tk, other=0.).to(OPD)
+            b_dT += _mm(b_dw, tl.trans(b_x), PREC)                                           # [C, BK] @ [BK, C]
+            b_dTt += _mm(b_x, tl.trans(b_dw), PREC)                                          # [C, BK] @ [BK, C]
+        b_Tl = tl.load(Tmat + p_cc, mask=m_cc & (o_t[:, None] >= o_t[None, :]), other=0.).to(OPD)   # T
+        b_dA = _mm(_mm(b_Ttl, b_dT.to(OPD), PREC).to(OPD), b_Ttl, PREC)                     # [C, C] @ [C, C] @ [C, C]
+        b_dAt = _mm(_mm(b_Tl, b_dTt.to(OPD), PREC).to(OPD), b_Tl, PREC)                     # [C, C] @ [C, C] @ [C, C]
+        b_dA = tl.where(m_cc & (o_t[:, None] > o_t[None, :]), -b_dA, 0.)
+        b_dAt = tl.where(m_cc & (o_t[None, :] > o_t[:, None]), -b_dAt, 0.)
+        if GATE == 1:
+            b_dA = b_dA * tl.exp(tl.where(o_t[:, None] > o_t[None, :], b_G[:, None] - b_G[None, :], float("-inf")))
+            b_dAt = b_dAt * tl.exp(tl.where(o_t[None, :] > o_t[:, None], b_G[None, :] - b_G[:, None], float("-inf")))
+        b_dA, b_dAt = b_dA.to(OPD2), b_dAt.to(OPD2)
+        for i_k in range(tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            m_tk, p_tk, p_hk = _col_offsets(rows, m_t, o_k, o_k < K, i_h, i_hk, H, HV, K)
+            b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
+            b_kb = b_k * b_beta[:, None]
+            if GATE == 1:
+                b_ke = b_k * b_eG
+            else:
+                b_ke = b_k
+            b_dw = tl.load(dW + p_hk, mask=m_tk, other=0.).to(OPD)
+            b_dx = _mm(b_Ttl, b_dw, PREC)                                                    # [C, C] @ [C, BK]
+            b_dkb = _mm(b_dA, b_k.to(OPD2), PREC)                                            # [C, C] @ [C, BK]
+            b_dkp = _mm(b_dAt, b_kb.to(OPD2), PREC)                                          # [C, C] @ [C, BK]
+            if GATE == 1:
+                b_dxk = b_beta[:, None] * b_eG * b_dx
+            else:
+                b_dxk = b_beta[:, None] * b_dx
+            b_dk = tl.load(dk1 + p_hk, mask=m_tk, other=0.) + b_dxk + b_dkp + b_beta[:, None] * b_dkb
+            b_db += tl.sum(b_ke * b_dx + b_k * b_dkb, axis=1)
+            if GATE == 1:
+                b_dGr += tl.sum(b_k * b_dxk + b_kb * b_dkb - b_k * b_dkp, axis=1)
+            tl.store(dk + p_hk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
+        tl.store(dbeta + rows * HV + i_h, b_db, mask=m_t)
+    if GATE == 1:
+        b_dg = tl.sum(b_dGr, axis=0) - tl.cumsum(b_dGr, axis=0) + b_dGr                         # reverse cumsum
+        tl.store(dG + rows * HV + i_h, b_dg, mask=m_t)
+
+
 @triton.jit
 def _diag_grads_exact(k, G, Pmat, Amat, b_q, b_kb, b_G, b_last, t0, L, ib, rows, m_r, i_h, i_hk, o_k, m_k,
                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
@@ -1297,12 +1482,20 @@ def _num_stages(dtype: torch.dtype, BK: int, state_pass: bool = False) -> int:
 # 51c42ee). With 16-bit products in the serial passes (BWD_LOWP, run of 3422a18) the reverse state pass is
 # faster at 4 warps for scalar / no gates (GDN 0.79 vs 0.91 ms, DeltaNet 1.17 vs 1.32) and at 8 for KDA
 # (2.21 vs 2.79), as is KDA's forward pass (1.55 vs 1.80) and its diagonal-block recompute (2.19 vs 2.72).
-# CHUNKWISE_BWD_WARPS="wu:4,bwd_grad:4" ("all:N" for every kernel) and CHUNKWISE_BWD_KSPLIT (0: one block)
+# CHUNKWISE_BWD_WARPS="wu:4,bwd_grad:4" (or "/" between items; "all:N" for every kernel) and CHUNKWISE_BWD_KSPLIT (0: one block)
 # override these (the sweep's knobs).
 BWD_WARPS = {"gate_cumsum": 4, "intra": 4, "intra_diag": 4, "solve": 4, "wu": 4, "fwd_h": 4, "bwd_dh": 4,
-             "bwd_dv": 4, "bwd_grad": 4, "bwd_diag": 4, "bwd_pair": 4, "bwd_pair_ref": 4, "prep": 4}     # prep: the fused recompute (BWD_FUSED_PREP)
+             "bwd_dv": 4, "bwd_grad": 4, "bwd_diag": 4, "bwd_pair": 4, "bwd_pair_ref": 4, "prep": 4,
+             "bwd_dqk": 4, "bwd_wy": 4}     # prep: the fused recompute (BWD_FUSED_PREP)
 BWD_WARPS_PER_CHANNEL = {"fwd_h": 8, "bwd_dh": 8, "bwd_grad": 8}     # KDA (per-channel gate)
 BWD_KSPLIT = 64
+# Scalar / no gate: the value and key sides as _bwd_dqk_kernel (everything that reads the state tiles h / dh, one program
+# per BWD_DQK_BK key columns of a chunk) then _bwd_wy_kernel (the gradients through T, per chunk), instead of
+# _bwd_dv_kernel + _bwd_grad_kernel (3.10 ms for DeltaNet at B1-T32768-H32 bf16 on the H200, session 13's profile: 255
+# registers each, dP / dT_v / dA through fp32 round trips); unmeasured on the GPU. CHUNKWISE_BWD_DQK=0 takes the two
+# kernels, CHUNKWISE_BWD_DQK_BK sets the column block
+BWD_DQK = 1
+BWD_DQK_BK = 64
 # 16-bit inputs: the products' operands in the input dtype, fp32 accumulation. 1: the two serial state
 # passes (fwd_h, bwd_dh); 2: also the W / U / dR_local recompute; 3: also the key side's products of T, dW,
 # X, dT, dA and dP (a variant: on the H200, run of a3986d3, fwd+bwd DeltaNet 7.07 -> 6.36 ms, GDN 8.42 -> 7.68,
@@ -1403,7 +1596,7 @@ def _warps(name: str, gate: int, wide_ok: bool = True) -> int:
     benchmarks/results/h200/diag_e1f8201) KDA's key side at 8 warps raised illegal memory accesses or gave
     wrong dk / dg / dβ (errors 0.1-0.3) with fp32 inputs at K = 16 and 40, and its reverse state pass at
     K = 160 / 256 (fp32), while every one of those cases passed at 4 warps."""
-    for item in filter(None, os.environ.get("CHUNKWISE_BWD_WARPS", "").split(",")):
+    for item in filter(None, os.environ.get("CHUNKWISE_BWD_WARPS", "").replace("/", ",").split(",")):
         key, val = item.split(":")
         if key == name or key == "all":
             return int(val)
@@ -1593,57 +1786,80 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     # gradients go out in the input dtype directly unless they are summed over head groups or
     # finished by the per-channel diagonal kernel
     gdt = q.dtype if (HV == H and gate != 2) else torch.float32
-    dq, dk, dv = buf(B, T, HV, K, dtype=gdt), buf(B, T, HV, K, dtype=gdt), buf(B, T, HV, V, dtype=v.dtype)
+    dq, dk = buf(B, T, HV, K, dtype=gdt), buf(B, T, HV, K, dtype=gdt)
+    dqk = gate != 2 and _env_switch("CHUNKWISE_BWD_DQK", BWD_DQK)
+    dv = None if dqk and not delta else buf(B, T, HV, V, dtype=v.dtype)
     dbeta = buf(B, T, HV) if delta else None
     dG = buf(*g.shape) if gate else None
-    _bwd_dv_kernel[grid_c](q, k, v, beta, G, Tmat, h, R, dR, do, Pmat, Amat, dq, dv, dbeta, dG, scale=scale, H=H,
-                           HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
-                           num_warps=_warps("bwd_dv", gate, wide8), **_regs("bwd_dv", gate, wide8), num_stages=ns, **common)
-    bkh = int(os.environ.get("CHUNKWISE_BWD_KSPLIT", BWD_KSPLIT))   # the key side's column block (0: one block)
-    bkh = BK if bkh <= 0 else min(max(16, next_pow2(bkh)), BK)
-    # per-channel gates: the pairwise gradients in their own kernel, split over key channels (BWD_PAIR_SPLIT;
-    # 0: one block of all channels)
-    bkp = int(os.environ.get("CHUNKWISE_BWD_PAIR_SPLIT", BWD_PAIR_SPLIT))
-    bkp = BK if bkp <= 0 else min(max(16, next_pow2(bkp)), BK)
-    one_ref = _env_choice("CHUNKWISE_BWD_ONE_REF", BWD_ONE_REF, range(3)) if gate == 2 else 0
-    if one_ref == 2:    # the key side does the column blocks that fit; the pair kernel the others, on the same blocks
-        bkp = bkh
-    _bwd_grad_kernel[grid_c](q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, dk, dbeta, dG,
-                             scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BKH=bkh, BV=BV, C=C, BC=BC, GATE=gate,
-                             DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_key, ONE_REF=one_ref == 2,
-                             span_max=SPAN_MAX, num_warps=_warps("bwd_grad", gate, wide8), **_regs("bwd_grad", gate, wide8),
-                             num_stages=ns, **common)
-    if gate == 2:
-        nkb = cdiv(K, bkp)
-        # the diagonal blocks in their own launch over all channels (BWD_PAIR_DIAG=0, the default) or with the rest
-        split_diag = nkb > 1 and one_ref != 2 and not int(os.environ.get("CHUNKWISE_BWD_PAIR_DIAG", BWD_PAIR_DIAG))
-        # dβ's shares by channel block; with the key side taking blocks (ONE_REF 2), those the pair kernel skips are 0
-        dbp = None if not delta else (torch.zeros(nkb, B * T * HV, device=dev) if one_ref == 2
-                                      else buf(nkb + split_diag, B * T * HV))
-        # the launch that finishes a gradient element stores it in the input's dtype (no cast afterwards), where
-        # nothing follows: not for grouped heads (summed over the group in fp32) nor when the key side finishes some
-        dq_o, dk_o = dq, dk
-        if HV == H and one_ref != 2 and q.dtype != dq.dtype:
-            dq_o, dk_o = buf(*dq.shape, dtype=q.dtype), buf(*dk.shape, dtype=k.dtype)
-        pair = dict(s_dbp=B * T * HV, H=H, HV=HV, K=K, C=C, BC=BC, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
-                    span_max=SPAN_MAX, LOWP=lowp_key is True, num_stages=ns, **common)
-        if one_ref == 1:    # the one-reference programs, then the block form where a chunk's gate spans too far
-            kloop = _env_switch("CHUNKWISE_BWD_PAIR_KLOOP", BWD_PAIR_KLOOP)
-            _bwd_pair_kernel[(NT, B * HV, 1 if kloop else nkb)](q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o,
-                                                BKP=bkp, OFFDIAG=True, DIAG=True, ONE_REF=1, KLOOP=kloop,
-                                                num_warps=_warps("bwd_pair_ref", gate, wide8),
-                                                **_regs("bwd_pair_ref", gate, wide8), **pair)
-        _bwd_pair_kernel[(NT, B * HV, nkb)](q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, BKP=bkp, OFFDIAG=True,
-                                            DIAG=not split_diag, ONE_REF=2 if one_ref else 0,
-                                            num_warps=_warps("bwd_pair", gate, wide8), **_regs("bwd_pair", gate, wide8), **pair)
-        if split_diag:
-            _bwd_pair_kernel[(NT, B * HV, 1)](q, k, beta, G, Pmat, Amat, dq, dk, None if dbp is None else dbp[nkb:], dG,
-                                              dq_o, dk_o, BKP=BK, OFFDIAG=False, DIAG=True, ONE_REF=3 if one_ref else 0,
-                                              FITB=bkp, num_warps=_warps("bwd_diag", gate, wide8),
-                                              **_regs("bwd_diag", gate, wide8), **pair)
-        if delta:
-            dbeta += dbp.view(-1, B, T, HV).sum(0)
-        dq, dk = dq_o, dk_o
+    if dqk:
+        # scalar / no gate: the state tiles' pass split over key column blocks, then the per-chunk WY pass
+        bka = min(max(16, next_pow2(int(os.environ.get("CHUNKWISE_BWD_DQK_BK", BWD_DQK_BK)))), BK)
+        nka = cdiv(K, bka)
+        dk1 = dk if not delta or dk.dtype == torch.float32 else buf(B, T, HV, K)
+        dW = buf(B, T, HV, K, dtype=q.dtype if lowp_key else torch.float32) if delta else None
+        dGp = buf(nka, B, T, HV) if gate else None
+        _bwd_dqk_kernel[(nka * NT, B * HV)](q, k, v, G, h, dh, R if delta else None, dR, do, dq, dk1, dW, dGp,
+                                            scale=scale, H=H, HV=HV, K=K, V=V, BK=bka, BV=BV, C=C, GATE=gate,
+                                            DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_key,
+                                            num_warps=_warps("bwd_dqk", gate), **_regs("bwd_dqk", gate),
+                                            num_stages=ns, **common)
+        if delta or gate:
+            _bwd_wy_kernel[grid_c](k, v, beta, G, Tmat, dW, dR, dk1, dGp, dv, dk, dbeta, dG, H=H, HV=HV, K=K, V=V,
+                                   BK=bka, BV=BV, C=C, NKP=nka, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
+                                   LOWP=lowp_key, num_warps=_warps("bwd_wy", gate), **_regs("bwd_wy", gate),
+                                   num_stages=ns, **common)
+        if not delta:       # dv = dR
+            dv = dR if dR.dtype == v.dtype else dR.to(v.dtype)
+        del dk1, dW, dGp
+    else:     # the value side, the key side (and per channel the pairwise kernels)
+        _bwd_dv_kernel[grid_c](q, k, v, beta, G, Tmat, h, R, dR, do, Pmat, Amat, dq, dv, dbeta, dG, scale=scale, H=H,
+                               HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
+                               num_warps=_warps("bwd_dv", gate, wide8), **_regs("bwd_dv", gate, wide8), num_stages=ns, **common)
+        bkh = int(os.environ.get("CHUNKWISE_BWD_KSPLIT", BWD_KSPLIT))   # the key side's column block (0: one block)
+        bkh = BK if bkh <= 0 else min(max(16, next_pow2(bkh)), BK)
+        # per-channel gates: the pairwise gradients in their own kernel, split over key channels (BWD_PAIR_SPLIT;
+        # 0: one block of all channels)
+        bkp = int(os.environ.get("CHUNKWISE_BWD_PAIR_SPLIT", BWD_PAIR_SPLIT))
+        bkp = BK if bkp <= 0 else min(max(16, next_pow2(bkp)), BK)
+        one_ref = _env_choice("CHUNKWISE_BWD_ONE_REF", BWD_ONE_REF, range(3)) if gate == 2 else 0
+        if one_ref == 2:    # the key side does the column blocks that fit; the pair kernel the others, on the same blocks
+            bkp = bkh
+        _bwd_grad_kernel[grid_c](q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, dk, dbeta, dG,
+                                 scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BKH=bkh, BV=BV, C=C, BC=BC, GATE=gate,
+                                 DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_key, ONE_REF=one_ref == 2,
+                                 span_max=SPAN_MAX, num_warps=_warps("bwd_grad", gate, wide8), **_regs("bwd_grad", gate, wide8),
+                                 num_stages=ns, **common)
+        if gate == 2:
+            nkb = cdiv(K, bkp)
+            # the diagonal blocks in their own launch over all channels (BWD_PAIR_DIAG=0, the default) or with the rest
+            split_diag = nkb > 1 and one_ref != 2 and not int(os.environ.get("CHUNKWISE_BWD_PAIR_DIAG", BWD_PAIR_DIAG))
+            # dβ's shares by channel block; with the key side taking blocks (ONE_REF 2), those the pair kernel skips are 0
+            dbp = None if not delta else (torch.zeros(nkb, B * T * HV, device=dev) if one_ref == 2
+                                          else buf(nkb + split_diag, B * T * HV))
+            # the launch that finishes a gradient element stores it in the input's dtype (no cast afterwards), where
+            # nothing follows: not for grouped heads (summed over the group in fp32) nor when the key side finishes some
+            dq_o, dk_o = dq, dk
+            if HV == H and one_ref != 2 and q.dtype != dq.dtype:
+                dq_o, dk_o = buf(*dq.shape, dtype=q.dtype), buf(*dk.shape, dtype=k.dtype)
+            pair = dict(s_dbp=B * T * HV, H=H, HV=HV, K=K, C=C, BC=BC, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
+                        span_max=SPAN_MAX, LOWP=lowp_key is True, num_stages=ns, **common)
+            if one_ref == 1:    # the one-reference programs, then the block form where a chunk's gate spans too far
+                kloop = _env_switch("CHUNKWISE_BWD_PAIR_KLOOP", BWD_PAIR_KLOOP)
+                _bwd_pair_kernel[(NT, B * HV, 1 if kloop else nkb)](q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o,
+                                                    BKP=bkp, OFFDIAG=True, DIAG=True, ONE_REF=1, KLOOP=kloop,
+                                                    num_warps=_warps("bwd_pair_ref", gate, wide8),
+                                                    **_regs("bwd_pair_ref", gate, wide8), **pair)
+            _bwd_pair_kernel[(NT, B * HV, nkb)](q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, BKP=bkp, OFFDIAG=True,
+                                                DIAG=not split_diag, ONE_REF=2 if one_ref else 0,
+                                                num_warps=_warps("bwd_pair", gate, wide8), **_regs("bwd_pair", gate, wide8), **pair)
+            if split_diag:
+                _bwd_pair_kernel[(NT, B * HV, 1)](q, k, beta, G, Pmat, Amat, dq, dk, None if dbp is None else dbp[nkb:], dG,
+                                                  dq_o, dk_o, BKP=BK, OFFDIAG=False, DIAG=True, ONE_REF=3 if one_ref else 0,
+                                                  FITB=bkp, num_warps=_warps("bwd_diag", gate, wide8),
+                                                  **_regs("bwd_diag", gate, wide8), **pair)
+            if delta:
+                dbeta += dbp.view(-1, B, T, HV).sum(0)
+            dq, dk = dq_o, dk_o
     if HV != H:
         dq = dq.view(B, T, H, HV // H, K).sum(3)
         dk = dk.view(B, T, H, HV // H, K).sum(3)
