@@ -20,8 +20,10 @@ Backward, given dO and dS' (dh: the gradient of the state leaving the chunk)::
 
 Stages (kernels below, all launched by chunk_bwd): gate cumsum -> A, P (-> their per-channel
 diagonal blocks) -> T -> W, U, dR_local -> forward state pass (h, R) -> reverse state pass (dh, dR,
-dh0) -> value-side gradients (dP, dT_v, dv, dβ) -> key-side gradients (dq, dk, dβ, dg) (-> per channel:
-the pairwise gradients through P and A by blocks of key channels, and the reverse cumsum). Per-chunk states are recomputed here and live only during
+dh0) -> for a scalar gate or none (BWD_DQK): everything that reads the state tiles h / dh, by key column blocks
+(dq, the dk and dg of the state and P terms, dW) -> the gradients through T per chunk (dv, dk, dβ, dg finished);
+per channel: value-side gradients (dP, dT_v, dv, dβ) -> key-side gradients (dq, dk, dβ, dg) -> the pairwise
+gradients through P and A by blocks of key channels, and the reverse cumsum. Per-chunk states are recomputed here and live only during
 the backward; the forward saves nothing but its inputs.
 
 Per-channel numerics: Γ is never formed from e^{G_i} and e^{−G_j}. Where a chunk's gate stays within
