@@ -615,3 +615,31 @@ def test_value_key_side_form_checked(monkeypatch):
     inp = make_inputs("delta", B=1, T=20, H=1, HV=1, K=16, V=16, seed=16)
     with pytest.raises(ValueError, match="CHUNKWISE_BWD_DQK"):
         _grads(inp, "triton", torch.float32)
+
+
+@pytest.mark.parametrize("p_in_dh", ["1", "0"])
+@pytest.mark.parametrize("fam", ["delta", "gdn"])
+def test_reverse_pass_forms_dr_local(fam, p_in_dh, monkeypatch):
+    """With the forward's stage 1 saved, the reverse state pass forms dR_local = scale Pᵀ dO from the saved P
+    (CHUNKWISE_BWD_P_IN_DH=1, the default) or reads it from a chunk-parallel launch (0): every gradient equals the
+    reference's and the other form's, over a varlen batch (1-token, mid-chunk, 2-chunk sequences, grouped heads);
+    the launch runs only in form 0."""
+    import chunkwise.triton.chunk_bwd as cb
+    inp = make_inputs(fam, lengths=[1, 70, 128, 30], H=1, HV=2, K=16, V=32, seed=19)
+    launches = []
+    orig = cb._wu_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return orig[grid]
+
+    monkeypatch.setattr(cb, "_wu_kernel", Spy())
+    monkeypatch.setenv("CHUNKWISE_BWD_P_IN_DH", p_in_dh)
+    _compare(inp, TOL[torch.float32])
+    assert len(launches) == (0 if p_in_dh == "1" else 1)
+    ours = _grads(inp, "triton", torch.float32)
+    monkeypatch.setenv("CHUNKWISE_BWD_P_IN_DH", "0" if p_in_dh == "1" else "1")
+    other = _grads(inp, "triton", torch.float32)
+    for n in ours:
+        assert rel_err(ours[n], other[n]) <= TOL[torch.float32] / 4, n

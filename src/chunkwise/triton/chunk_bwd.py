@@ -67,6 +67,11 @@ BWD_KD_IN = 1
 # DeltaNet 1.178 / 1.078 / 0.649 (fwd+bwd 6.56 -> 6.04), KDA 1.344 / 0.796 / 0.856 (13.63 -> 13.07), GDN 0.815 /
 # 0.879 / 0.822 (its scaled dR_local was pipelined already)
 BWD_DH_AHEAD = {0: 2, 1: 0, 2: 1}
+# Scalar / no gate with the forward's stage 1 saved: the reverse state pass forms each chunk's dR_local = scale Pᵀ dO
+# from the saved P (a product off the step's dependence on dS', its operands pipelined) instead of a chunk-parallel
+# launch writing it ([B, T, HV, V] 16-bit) for the pass to read back (_wu_kernel: 0.20 ms for DeltaNet at B1-T32768-H32
+# bf16 on the H200, session 13's profile). Unmeasured on the GPU; CHUNKWISE_BWD_P_IN_DH=0 takes the launch
+BWD_P_IN_DH = 1
 
 
 def _bwd_dh_ahead(gate: int) -> int:
@@ -619,11 +624,12 @@ def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, b_dRl, b_lastp, i_c, bos, eo
                  H: tl.constexpr,
                  HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                  C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
-                 KD_IN: tl.constexpr = 0, AHEAD: tl.constexpr = 1):
+                 KD_IN: tl.constexpr = 0, AHEAD: tl.constexpr = 1, PL: tl.constexpr = 0):
     """One chunk of the reverse state pass: store dS', dR = dR_local + Kend dS', dS = γ dS' + ...
     LOWP: the products' operands in the 16-bit input dtype (see _fwd_h_step). KD_IN: q, k are
     _gate_scaled_kernel's qd, kd [B, T, HV, K]. b_dRl, b_lastp: this chunk's dR_local tile and (KD_IN) G_last,
-    loaded a step ahead (_step_ahead) where AHEAD, else loaded here."""
+    loaded a step ahead (_step_ahead) where AHEAD, else loaded here. PL: dRl is P [B, T, HV, C] (the forward's
+    stage 1) and dR_local = scale Pᵀ dO is formed here, off the step's dependence on dS'."""
     o_t = tl.arange(0, C)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
@@ -645,6 +651,10 @@ def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, b_dRl, b_lastp, i_c, bos, eo
     b_q = tl.load(q + p_tk, mask=m_tk, other=0.)
     op_dt = b_k.dtype if LOWP else tl.float32                                       # the products' operands
     b_do = tl.load(do + p_tv, mask=m_tv, other=0.).to(tl.float32)
+    if PL:
+        b_Pt = tl.load(dRl + (rows[None, :] * HV + i_h) * C + o_t[:, None],
+                       mask=m_t[:, None] & m_t[None, :] & (o_t[None, :] >= o_t[:, None]), other=0.)       # Pᵀ [C, C]
+        b_dRl = scale * _mm(b_Pt.to(op_dt), b_do.to(op_dt), PREC)                   # [C, C] @ [C, BV]
     if GATE == 2 and KD_IN and AHEAD == 1:
         b_last = b_lastp
     elif GATE == 2 and KD_IN:
@@ -660,7 +670,7 @@ def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, b_dRl, b_lastp, i_c, bos, eo
         b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
         b_kdS = b_kdS * tl.exp(b_last - b_G)[:, None]
         b_do = b_do * tl.exp(b_G)[:, None]
-    if AHEAD != 1:
+    if AHEAD != 1 and not PL:
         b_dRl = tl.load(dRl + p_tv, mask=m_tv, other=0.)
     if AHEAD == 2:      # a runtime 1.0: the product cannot take dR_local as its accumulator
         b_kdS = b_kdS * unit
@@ -683,8 +693,9 @@ def _bwd_dh_kernel(q, k, G, W, dRl, do, dht, dh, dR, dh0, cu_seqlens, T, scale, 
                    BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
                    HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, TRANSPOSE: tl.constexpr,
                    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOOP_WHILE: tl.constexpr, LOWP: tl.constexpr = 0,
-                   KD_IN: tl.constexpr = 0, AHEAD: tl.constexpr = 1):
+                   KD_IN: tl.constexpr = 0, AHEAD: tl.constexpr = 1, PL: tl.constexpr = 0):
     """dR = dR_local + Kend dS';  dS = γ dS' + scale Qgᵀ dO − Wᵀ dR.
+    PL: dRl is P (the forward's stage 1, [B, T, HV, C]) and each step forms dR_local = scale Pᵀ dO itself.
     AHEAD (BWD_DH_AHEAD): 1, dR_local (and KDA's G_last) loaded a step ahead (_step_ahead); 0, in the step; 2, in
     the step with K dS' scaled by ``unit`` (1.0, a runtime value) so that the compiler cannot fold dR_local into the
     product as its accumulator, which leaves the load to the software pipeline.
@@ -706,21 +717,22 @@ def _bwd_dh_kernel(q, k, G, W, dRl, do, dht, dh, dR, dh0, cu_seqlens, T, scale, 
     if HAS_DHT:
         b_dS += tl.load(dht + p0, mask=m_kv, other=0.).to(tl.float32)
     LAST: tl.constexpr = GATE == 2 and KD_IN and AHEAD == 1
-    b_dRl, b_last = _step_ahead(dRl, G, NTs - 1, bos, eos, i_h, o_v, HV, K, V, BK, BV, C, AHEAD == 1, LAST)
+    AH: tl.constexpr = AHEAD == 1 and not PL          # dR_local's tile loaded a step ahead
+    b_dRl, b_last = _step_ahead(dRl, G, NTs - 1, bos, eos, i_h, o_v, HV, K, V, BK, BV, C, AH, LAST)
     if LOOP_WHILE:  # the interpreter cannot take a loaded bound in range()
         i_c = NTs - 1
         while i_c >= 0:
-            b_dRn, b_lastn = _step_ahead(dRl, G, i_c - 1, bos, eos, i_h, o_v, HV, K, V, BK, BV, C, AHEAD == 1, LAST)
+            b_dRn, b_lastn = _step_ahead(dRl, G, i_c - 1, bos, eos, i_h, o_v, HV, K, V, BK, BV, C, AH, LAST)
             b_dS = _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, b_dRl, b_last, i_c, bos, eos, boh, i_h, i_hk, o_v,
-                                scale, unit, H, HV, K, V, BK, BV, C, GATE, DELTA, PREC, LOWP, KD_IN, AHEAD)
+                                scale, unit, H, HV, K, V, BK, BV, C, GATE, DELTA, PREC, LOWP, KD_IN, AHEAD, PL)
             b_dRl, b_last = b_dRn, b_lastn
             i_c -= 1
     else:
         for i_r in range(NTs):
-            b_dRn, b_lastn = _step_ahead(dRl, G, NTs - 2 - i_r, bos, eos, i_h, o_v, HV, K, V, BK, BV, C, AHEAD == 1,
-                                         LAST)
+            b_dRn, b_lastn = _step_ahead(dRl, G, NTs - 2 - i_r, bos, eos, i_h, o_v, HV, K, V, BK, BV, C, AH, LAST)
             b_dS = _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, b_dRl, b_last, NTs - 1 - i_r, bos, eos, boh, i_h,
-                                i_hk, o_v, scale, unit, H, HV, K, V, BK, BV, C, GATE, DELTA, PREC, LOWP, KD_IN, AHEAD)
+                                i_hk, o_v, scale, unit, H, HV, K, V, BK, BV, C, GATE, DELTA, PREC, LOWP, KD_IN, AHEAD,
+                                PL)
             b_dRl, b_last = b_dRn, b_lastn
     if HAS_H0:
         tl.store(dh0 + p0, b_dS, mask=m_kv)
@@ -1495,7 +1507,7 @@ BWD_KSPLIT = 64
 # per BWD_DQK_BK key columns of a chunk) then _bwd_wy_kernel (the gradients through T, per chunk), instead of
 # _bwd_dv_kernel + _bwd_grad_kernel (3.10 ms for DeltaNet at B1-T32768-H32 bf16 on the H200, session 13's profile: 255
 # registers each, dP / dT_v / dA through fp32 round trips); unmeasured on the GPU. CHUNKWISE_BWD_DQK=0 takes the two
-# kernels, CHUNKWISE_BWD_DQK_BK sets the column block
+# kernels, CHUNKWISE_BWD_DQK_BK sets the column block, CHUNKWISE_BWD_DQK_BV _bwd_dqk_kernel's value block (default: BV, 32)
 BWD_DQK = 1
 BWD_DQK_BK = 64
 # 16-bit inputs: the products' operands in the input dtype, fp32 accumulation. 1: the two serial state
@@ -1724,14 +1736,17 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     elif delta:
         Tmat = buf(B, T, HV, C)
         W, U = buf(B, T, HV, K, dtype=sdt), buf(B, T, HV, V, dtype=sdt)
-    dRl = buf(B, T, HV, V, dtype=sdt)
+    # with stage 1 saved (scalar / no gate), the reverse state pass forms dR_local = scale Pᵀ dO per chunk itself
+    p_in_dh = saved is not None and gate != 2 and _env_switch("CHUNKWISE_BWD_P_IN_DH", BWD_P_IN_DH)
+    dRl = saved["p"].contiguous() if p_in_dh else buf(B, T, HV, V, dtype=sdt)
     # fp16 takes the three kernels: on the H200 (run of e1f8201) the fused pass with fp16 products at 4 warps gave
     # gradient errors of 1.1 (GDN) and inf (DeltaNet) at K = 16 while bf16 passed at real size
     if saved is not None:
-        _wu_kernel[grid_c](k, v, beta, G, None, saved["p"].contiguous(), do, None, None, dRl, scale=scale, H=H, HV=HV,
-                           K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate, DELTA=False, IS_VARLEN=varlen, PREC=prec,
-                           LOWP=lowp_wu, num_warps=_warps("wu", gate, wide8), **_regs("wu", gate, wide8),
-                           num_stages=ns, **common)
+        if not p_in_dh:
+            _wu_kernel[grid_c](k, v, beta, G, None, saved["p"].contiguous(), do, None, None, dRl, scale=scale, H=H,
+                               HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate, DELTA=False, IS_VARLEN=varlen, PREC=prec,
+                               LOWP=lowp_wu, num_warps=_warps("wu", gate, wide8), **_regs("wu", gate, wide8),
+                               num_stages=ns, **common)
     elif delta and gate != 2 and q.dtype != torch.float16 and int(os.environ.get("CHUNKWISE_BWD_FUSED_PREP", BWD_FUSED_PREP)):
         # one pass per chunk (the forward's stage-1 kernel): T, W, U, dR_local; A and P stay in registers,
         # Amat and Pmat are only the scratch the value and key sides write dT_v / dA / dP into
@@ -1780,7 +1795,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     _bwd_dh_kernel[grid_s](q_s, k_s, G, W, dRl, do, dht, dh, dR, dh0, scale=scale, unit=1.0, H=H, HV=HV, K=K, V=V, BK=BK,
                            BV=BV, C=C, GATE=gate, DELTA=delta, HAS_DHT=dht is not None, HAS_H0=has_h0,
                            TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen, PREC=prec, LOOP_WHILE=_INTERPRET,
-                           LOWP=lowp, KD_IN=kd_in, AHEAD=_bwd_dh_ahead(gate),
+                           LOWP=lowp, KD_IN=kd_in, AHEAD=_bwd_dh_ahead(gate), PL=p_in_dh,
                            num_warps=_warps("bwd_dh", gate, wide8),
                            **_regs("bwd_dh", gate, wide8), num_stages=ns_state, **seq)
     del dRl, q_s, k_s
@@ -1797,11 +1812,12 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         # scalar / no gate: the state tiles' pass split over key column blocks, then the per-chunk WY pass
         bka = min(max(16, next_pow2(int(os.environ.get("CHUNKWISE_BWD_DQK_BK", BWD_DQK_BK)))), BK)
         nka = cdiv(K, bka)
+        bva = min(max(16, next_pow2(int(os.environ.get("CHUNKWISE_BWD_DQK_BV", BV)))), max(16, next_pow2(V)))
         dk1 = dk if not delta or dk.dtype == torch.float32 else buf(B, T, HV, K)
         dW = buf(B, T, HV, K, dtype=q.dtype if lowp_key else torch.float32) if delta else None
         dGp = buf(nka, B, T, HV) if gate else None
         _bwd_dqk_kernel[(nka * NT, B * HV)](q, k, v, G, h, dh, R if delta else None, dR, do, dq, dk1, dW, dGp,
-                                            scale=scale, H=H, HV=HV, K=K, V=V, BK=bka, BV=BV, C=C, GATE=gate,
+                                            scale=scale, H=H, HV=HV, K=K, V=V, BK=bka, BV=bva, C=C, GATE=gate,
                                             DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_key,
                                             num_warps=_warps("bwd_dqk", gate), **_regs("bwd_dqk", gate),
                                             num_stages=ns, **common)
