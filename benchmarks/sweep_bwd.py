@@ -90,11 +90,12 @@ AHEAD_VARIANTS = "a0:CHUNKWISE_BWD_DH_AHEAD=0;a1:CHUNKWISE_BWD_DH_AHEAD=1;a2:CHU
 # the forward's stage 2 keeps the per-chunk states and R for the backward (which then skips its forward state pass)
 STATES_VARIANTS = "recompute:CHUNKWISE_SAVE_STATES=0;states:CHUNKWISE_SAVE_STATES=1"
 # scalar / no gate: the value and key sides as the state tiles' pass by key column blocks + the WY pass (BWD_DQK, the
-# default) against _bwd_dv_kernel + _bwd_grad_kernel; warps of each, the column block, a register cap; and dR_local
-# from the dR_local launch instead of the reverse pass's own Pᵀ dO (BWD_P_IN_DH)
-DQK_VARIANTS = ("old:CHUNKWISE_BWD_DQK=0;dqk:;nopl:CHUNKWISE_BWD_P_IN_DH=0;w88:CHUNKWISE_BWD_WARPS=bwd_dqk:8/bwd_wy:8;w84:CHUNKWISE_BWD_WARPS=bwd_dqk:8;"
-                "w48:CHUNKWISE_BWD_WARPS=bwd_wy:8;bk32:CHUNKWISE_BWD_DQK_BK=32;bv64w84:CHUNKWISE_BWD_DQK_BV=64,CHUNKWISE_BWD_WARPS=bwd_dqk:8;"
-                "w84r128:CHUNKWISE_BWD_WARPS=bwd_dqk:8,CHUNKWISE_MAXNREG=bwd_dqk:128")
+# default) against _bwd_dv_kernel + _bwd_grad_kernel (run of b5d9499: also 8 warps, 32-wide blocks, a register cap, the
+# reverse pass's own Pᵀ dO, all slower); now: q / k / gate loads before the V loop, dk1 in 16 bits, the WY pass's key
+# loops at 64 columns, one 128-wide state-pass program per chunk at 8 warps
+DQK_VARIANTS = ("dqk:;old:CHUNKWISE_BWD_DQK=0;early:CHUNKWISE_BWD_DQK_EARLY=1;dk16:CHUNKWISE_BWD_DK1_16=1;"
+                "early_dk16:CHUNKWISE_BWD_DQK_EARLY=1,CHUNKWISE_BWD_DK1_16=1;wy64:CHUNKWISE_BWD_WY_BK=64;"
+                "bk128w8:CHUNKWISE_BWD_DQK_BK=128,CHUNKWISE_BWD_WARPS=bwd_dqk:8")
 NAMED = {"dqk": DQK_VARIANTS, "ahead": AHEAD_VARIANTS, "states": STATES_VARIANTS, "pair": PAIR_VARIANTS, "gates": GATES_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
          "oneref": ONEREF_VARIANTS}
 

@@ -150,6 +150,18 @@ def test_prep_stages_env_checked(stages, monkeypatch):
         _run(inp)
 
 
+def test_prep_stages_default(monkeypatch):
+    """Stage 1's pipeline depth: 3 for KDA with bf16 inputs at K <= 128 (the case timed on the H200), 1 for every
+    other case; the environment variable overrides."""
+    from chunkwise.triton.chunk_fwd import prep_stages
+    monkeypatch.delenv("CHUNKWISE_PREP_STAGES", raising=False)
+    assert prep_stages(2, torch.bfloat16, 128) == 3 and prep_stages(2, torch.bfloat16, 64) == 3
+    assert [prep_stages(2, torch.float16, 128), prep_stages(2, torch.float32, 128), prep_stages(2, torch.bfloat16, 256),
+            prep_stages(1, torch.bfloat16, 128), prep_stages(0, torch.bfloat16, 128)] == [1, 1, 1, 1, 1]
+    monkeypatch.setenv("CHUNKWISE_PREP_STAGES", "2")
+    assert prep_stages(2, torch.bfloat16, 128) == 2 and prep_stages(0, torch.float32, 64) == 2
+
+
 @triton.jit
 def _rn_tf32_kernel(x, y, N: tl.constexpr):
     o = tl.arange(0, N)

@@ -67,11 +67,12 @@ BWD_KD_IN = 1
 # DeltaNet 1.178 / 1.078 / 0.649 (fwd+bwd 6.56 -> 6.04), KDA 1.344 / 0.796 / 0.856 (13.63 -> 13.07), GDN 0.815 /
 # 0.879 / 0.822 (its scaled dR_local was pipelined already)
 BWD_DH_AHEAD = {0: 2, 1: 0, 2: 1}
-# Scalar / no gate with the forward's stage 1 saved: the reverse state pass forms each chunk's dR_local = scale Pᵀ dO
-# from the saved P (a product off the step's dependence on dS', its operands pipelined) instead of a chunk-parallel
-# launch writing it ([B, T, HV, V] 16-bit) for the pass to read back (_wu_kernel: 0.20 ms for DeltaNet at B1-T32768-H32
-# bf16 on the H200, session 13's profile). Unmeasured on the GPU; CHUNKWISE_BWD_P_IN_DH=0 takes the launch
-BWD_P_IN_DH = 1
+# Scalar / no gate with the forward's stage 1 saved: 1, the reverse state pass forms each chunk's dR_local = scale Pᵀ dO
+# from the saved P (one more product per step, off its dependence on dS'); 0, a chunk-parallel launch writes dR_local
+# for the pass to read (_wu_kernel, 0.20 ms). On the H200 (sweep_bwd --variants dqk, run of b5d9499, B1-T32768-H32
+# bf16) the product doubled the serial pass: DeltaNet 0.654 -> 1.299 ms, GDN 0.810 -> 1.431 (fwd+bwd 5.70 -> 6.12,
+# 7.25 -> 7.63): the serial loop's tensor-core groups are synchronous (NOTES.md, session 9). CHUNKWISE_BWD_P_IN_DH
+BWD_P_IN_DH = 0
 
 
 def _bwd_dh_ahead(gate: int) -> int:
@@ -1059,7 +1060,7 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
 def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seqlens, chunk_indices, T, scale,
                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                     BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
-                    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr = 0):
+                    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr = 0, EARLY: tl.constexpr = 0):
     """Scalar / no gate, one program per (key column block of BK, chunk, value head); everything that needs the
     chunk's state tiles h (S) and dh (dS'), read once::
 
@@ -1072,7 +1073,9 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seqlens, 
                      on the last row                       -> dGp[i_k] (summed over column blocks by _bwd_wy_kernel)
 
     R: R = U − W S with the delta rule, V without. LOWP as _bwd_grad_kernel's: the pairwise products (dP, dPᵀ with
-    k, q) take fp32 operands unless LOWP is 1."""
+    k, q) take fp32 operands unless LOWP is 1. EARLY: q, k and the gate are loaded before the V loop (their
+    latency under it), else after it. dk1's dtype: fp32, or 16-bit (then the sum with the WY pass's terms is
+    rounded twice, as fla's dk is)."""
     NK: tl.constexpr = (K + BK - 1) // BK
     i_k, i_t = tl.program_id(0) % NK, tl.program_id(0) // NK
     i_bh = tl.program_id(1)
@@ -1084,6 +1087,12 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seqlens, 
     m_k = o_k < K
     p_h = (i_g * HV + i_h).to(tl.int64) * K * V
     OPD2: tl.constexpr = q.dtype.element_ty if LOWP == 1 else tl.float32
+    m_tk, p_tk, p_hk = _col_offsets(rows, m_t, o_k, m_k, i_h, i_hk, H, HV, K)
+    if EARLY:
+        b_q0 = tl.load(q + p_tk, mask=m_tk, other=0.)
+        b_k0 = tl.load(k + p_tk, mask=m_tk, other=0.)
+        if GATE == 1:
+            b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
     b_dq = tl.zeros([C, BK], dtype=tl.float32)
     b_dk = tl.zeros([C, BK], dtype=tl.float32)
     b_dw = tl.zeros([C, BK], dtype=tl.float32)
@@ -1111,14 +1120,17 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seqlens, 
         b_dk += _mm(b_R, tl.trans(b_dSn), PREC)                                             # [C, BV] @ [BV, BK]
         if GATE == 1:
             b_dgam += tl.sum(b_S.to(tl.float32) * b_dSn.to(tl.float32), axis=1)
-    m_tk, p_tk, p_hk = _col_offsets(rows, m_t, o_k, m_k, i_h, i_hk, H, HV, K)
     if DELTA:
         tl.store(dW + p_hk, b_dw.to(dW.dtype.element_ty), mask=m_tk)
-    b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
-    b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
+    if EARLY:
+        b_q, b_k = b_q0.to(tl.float32), b_k0.to(tl.float32)
+    else:
+        b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
+        b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
     i_ge_j = o_t[:, None] >= o_t[None, :]
     if GATE == 1:
-        b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
+        if not EARLY:
+            b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
         b_eG, b_ekend = _gate_factors(b_G, b_last, GATE)
         b_dq = b_dq * scale * b_eG
         b_dk = b_dk * b_ekend
@@ -1505,11 +1517,16 @@ BWD_WARPS_PER_CHANNEL = {"fwd_h": 8, "bwd_dh": 8, "bwd_grad": 8}     # KDA (per-
 BWD_KSPLIT = 64
 # Scalar / no gate: the value and key sides as _bwd_dqk_kernel (everything that reads the state tiles h / dh, one program
 # per BWD_DQK_BK key columns of a chunk) then _bwd_wy_kernel (the gradients through T, per chunk), instead of
-# _bwd_dv_kernel + _bwd_grad_kernel (3.10 ms for DeltaNet at B1-T32768-H32 bf16 on the H200, session 13's profile: 255
-# registers each, dP / dT_v / dA through fp32 round trips); unmeasured on the GPU. CHUNKWISE_BWD_DQK=0 takes the two
-# kernels, CHUNKWISE_BWD_DQK_BK sets the column block, CHUNKWISE_BWD_DQK_BV _bwd_dqk_kernel's value block (default: BV, 32)
+# _bwd_dv_kernel + _bwd_grad_kernel (255 registers each, dP / dT_v / dA through fp32 round trips). On the H200 (sweep_bwd
+# --variants dqk, run of b5d9499, B1-T32768-H32 bf16, ms): DeltaNet 1.187 + 1.920 -> 1.223 + 1.535 (1.344 with the WY
+# pass's key loops at 32 columns), GDN 1.537 + 2.745 -> 2.123 + 1.740 (1.656); 8 warps slower for both kernels, 32-wide
+# state-pass blocks slower (1.318 / 2.397), a 64-wide value block slower. CHUNKWISE_BWD_DQK=0 takes the two kernels,
+# CHUNKWISE_BWD_DQK_BK sets the column block, CHUNKWISE_BWD_DQK_BV _bwd_dqk_kernel's value block (default: BV, 32)
 BWD_DQK = 1
 BWD_DQK_BK = 64
+BWD_WY_BK = 32          # _bwd_wy_kernel's key loops' column block (CHUNKWISE_BWD_WY_BK)
+BWD_DQK_EARLY = 0       # CHUNKWISE_BWD_DQK_EARLY: _bwd_dqk_kernel's q, k, gate loads before its V loop (a variant)
+BWD_DK1_16 = 0          # CHUNKWISE_BWD_DK1_16: dk1 between the two kernels in the 16-bit input dtype (a variant)
 # 16-bit inputs: the products' operands in the input dtype, fp32 accumulation. 1: the two serial state
 # passes (fwd_h, bwd_dh); 2: also the W / U / dR_local recompute; 3: also the key side's products of T, dW,
 # X, dT, dA and dP (a variant: on the H200, run of a3986d3, fwd+bwd DeltaNet 7.07 -> 6.36 ms, GDN 8.42 -> 7.68,
@@ -1813,17 +1830,22 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         bka = min(max(16, next_pow2(int(os.environ.get("CHUNKWISE_BWD_DQK_BK", BWD_DQK_BK)))), BK)
         nka = cdiv(K, bka)
         bva = min(max(16, next_pow2(int(os.environ.get("CHUNKWISE_BWD_DQK_BV", BV)))), max(16, next_pow2(V)))
-        dk1 = dk if not delta or dk.dtype == torch.float32 else buf(B, T, HV, K)
+        # dk1 (the state and P terms of dk) for the WY pass to finish: fp32, or 16-bit with CHUNKWISE_BWD_DK1_16
+        dk1_16 = delta and q.dtype != torch.float32 and _env_switch("CHUNKWISE_BWD_DK1_16", BWD_DK1_16)
+        dk1 = dk if not delta or dk.dtype == (q.dtype if dk1_16 else torch.float32) else \
+            buf(B, T, HV, K, dtype=q.dtype if dk1_16 else torch.float32)
         dW = buf(B, T, HV, K, dtype=q.dtype if lowp_key else torch.float32) if delta else None
         dGp = buf(nka, B, T, HV) if gate else None
         _bwd_dqk_kernel[(nka * NT, B * HV)](q, k, v, G, h, dh, R if delta else None, dR, do, dq, dk1, dW, dGp,
                                             scale=scale, H=H, HV=HV, K=K, V=V, BK=bka, BV=bva, C=C, GATE=gate,
                                             DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_key,
+                                            EARLY=_env_switch("CHUNKWISE_BWD_DQK_EARLY", BWD_DQK_EARLY),
                                             num_warps=_warps("bwd_dqk", gate), **_regs("bwd_dqk", gate),
                                             num_stages=ns, **common)
         if delta or gate:
+            bkw = min(max(16, next_pow2(int(os.environ.get("CHUNKWISE_BWD_WY_BK", BWD_WY_BK)))), BK)
             _bwd_wy_kernel[grid_c](k, v, beta, G, Tmat, dW, dR, dk1, dGp, dv, dk, dbeta, dG, H=H, HV=HV, K=K, V=V,
-                                   BK=bka, BV=BV, C=C, NKP=nka, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
+                                   BK=bkw, BV=BV, C=C, NKP=nka, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
                                    LOWP=lowp_key, num_warps=_warps("bwd_wy", gate), **_regs("bwd_wy", gate),
                                    num_stages=ns, **common)
         if not delta:       # dv = dR

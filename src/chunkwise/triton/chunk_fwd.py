@@ -965,13 +965,18 @@ def prep_config(gate: int) -> tuple[int, int, int, int]:
 # column chunks); offline sm_90 (bf16, 4 warps, 32-channel chunks, one reference) 1 stage leaves all five of their
 # loads plain (each waits on memory in the loop), 2 / 3 stages turn two of them into cp.async (spills 204 -> 208 /
 # 192 B, same shared memory). Unmeasured on the GPU: CHUNKWISE_PREP_STAGES (1-4) overrides for a timing
-# (`bench_forward --variants --variant-set pstages`).
+# (`bench_forward --variants --variant-set pstages`). On the H200 (run of b5d9499, bf16, KDA stage 1 ms at 1 / 2 / 3
+# stages): B1-T32768-H32 2.582 / 2.586 / 2.511, B8-T4096-H32 2.535 / 2.564 / 2.495; so 3 for KDA with bf16 inputs at
+# K <= 128 (the case measured), 1 elsewhere (the other families' stage 1 has no loop for it to pipeline).
 PREP_STAGES = 1
+PREP_STAGES_KDA_BF16 = 3
 
 
-def prep_stages() -> int:
-    """Stage 1's num_stages (PREP_STAGES, CHUNKWISE_PREP_STAGES)."""
-    return _env_choice("CHUNKWISE_PREP_STAGES", PREP_STAGES, range(1, 5))
+def prep_stages(gate: int = 0, dtype: torch.dtype = torch.float32, K: int = 0) -> int:
+    """Stage 1's num_stages (PREP_STAGES; PREP_STAGES_KDA_BF16 for a per-channel gate with bf16 inputs at K <= 128;
+    CHUNKWISE_PREP_STAGES overrides)."""
+    default = PREP_STAGES_KDA_BF16 if gate == 2 and dtype == torch.bfloat16 and K <= 128 else PREP_STAGES
+    return _env_choice("CHUNKWISE_PREP_STAGES", default, range(1, 5))
 
 
 def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=False, store_p=True):
@@ -1019,7 +1024,7 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
             AP_FORM=form if gate == 2 else 0, STORE_T=save_t, STORE_P=store_p, GC_OUT=gate == 1,
             AP_ONE_REF=gate == 2 and _env_switch("CHUNKWISE_KDA_ONE_REF", KDA_ONE_REF),
             SOLVE_DOUBLING=_env_switch("CHUNKWISE_SOLVE_DOUBLING", SOLVE_DOUBLING),
-            num_warps=warps, num_stages=prep_stages(), **reg_cap("prep_fwd"))
+            num_warps=warps, num_stages=prep_stages(gate, dt, K), **reg_cap("prep_fwd"))
     return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, gcum=gcum, t=t)
 
 
