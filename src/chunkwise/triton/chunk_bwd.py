@@ -1128,25 +1128,28 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seqlens, 
         b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
         b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
     i_ge_j = o_t[:, None] >= o_t[None, :]
+    # dq first, then dk: dP and dq die before dPᵀ is scaled (fewer live [C, C] / [C, BK] tiles: offline sm_90, GDN)
     if GATE == 1:
         if not EARLY:
             b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
-        b_eG, b_ekend = _gate_factors(b_G, b_last, GATE)
-        b_dq = b_dq * scale * b_eG
-        b_dk = b_dk * b_ekend
-        b_dlast = tl.sum(tl.sum(b_k * b_dk, axis=1), axis=0) + tl.exp(b_last) * tl.sum(b_dgam, axis=0)
+        b_dq = b_dq * (scale * tl.exp(b_G))[:, None]
         b_dP = tl.where(i_ge_j, b_dP * tl.exp(b_G[:, None] - b_G[None, :]), 0.) * scale
-        b_dPt = tl.where(o_t[None, :] >= o_t[:, None], b_dPt * tl.exp(b_G[None, :] - b_G[:, None]), 0.) * scale
     else:
         b_dq = b_dq * scale
         b_dP = tl.where(i_ge_j, b_dP, 0.) * scale
-        b_dPt = tl.where(o_t[None, :] >= o_t[:, None], b_dPt, 0.) * scale
     b_dq += _mm(b_dP.to(OPD2), b_k.to(OPD2), PREC)                                          # [C, C] @ [C, BK]
-    b_dk += _mm(b_dPt.to(OPD2), b_q.to(OPD2), PREC)                                         # [C, C] @ [C, BK]
     tl.store(dq + p_hk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    if GATE == 1:
+        b_dg = tl.sum(b_q * b_dq, axis=1)
+        b_dk = b_dk * tl.exp(b_last - b_G)[:, None]
+        b_dlast = tl.sum(tl.sum(b_k * b_dk, axis=1), axis=0) + tl.exp(b_last) * tl.sum(b_dgam, axis=0)
+        b_dPt = tl.where(o_t[None, :] >= o_t[:, None], b_dPt * tl.exp(b_G[None, :] - b_G[:, None]), 0.) * scale
+    else:
+        b_dPt = tl.where(o_t[None, :] >= o_t[:, None], b_dPt, 0.) * scale
+    b_dk += _mm(b_dPt.to(OPD2), b_q.to(OPD2), PREC)                                         # [C, C] @ [C, BK]
     tl.store(dk1 + p_hk, b_dk.to(dk1.dtype.element_ty), mask=m_tk)
     if GATE == 1:
-        b_dg = tl.sum(b_q * b_dq - b_k * b_dk, axis=1) + tl.where(o_t == L - 1, b_dlast, 0.)
+        b_dg += tl.where(o_t == L - 1, b_dlast, 0.) - tl.sum(b_k * b_dk, axis=1)
         tl.store(dGp + i_k * (tl.num_programs(1).to(tl.int64) * T) + rows * HV + i_h, b_dg, mask=m_t)
 
 
@@ -1525,8 +1528,13 @@ BWD_KSPLIT = 64
 BWD_DQK = 1
 BWD_DQK_BK = 64
 BWD_WY_BK = 32          # _bwd_wy_kernel's key loops' column block (CHUNKWISE_BWD_WY_BK)
-BWD_DQK_EARLY = 0       # CHUNKWISE_BWD_DQK_EARLY: _bwd_dqk_kernel's q, k, gate loads before its V loop (a variant)
-BWD_DK1_16 = 0          # CHUNKWISE_BWD_DK1_16: dk1 between the two kernels in the 16-bit input dtype (a variant)
+# _bwd_dqk_kernel's q, k (and gate) loads before its V loop, per gate kind (CHUNKWISE_BWD_DQK_EARLY), and dk1 between
+# the two kernels in the 16-bit input dtype (CHUNKWISE_BWD_DK1_16; fp32 otherwise). H200 (run of 05fc501,
+# B1-T32768-H32 bf16, state-tile pass / WY pass ms): DeltaNet 1.224 / 1.329 -> early 1.282, 16-bit dk1 1.154 / 1.304,
+# both 1.104 / 1.304 (fwd+bwd 5.50 -> 5.35); GDN 2.117 / 1.585 -> early 1.986, 16-bit dk1 1.669 / 1.529, both 1.959
+# (fwd+bwd 7.09 -> 6.59 with 16-bit dk1 alone; offline its spills 188 -> 64 B). dk is then rounded twice, as fla's
+BWD_DQK_EARLY = {0: 1, 1: 0}
+BWD_DK1_16 = 1
 # 16-bit inputs: the products' operands in the input dtype, fp32 accumulation. 1: the two serial state
 # passes (fwd_h, bwd_dh); 2: also the W / U / dR_local recompute; 3: also the key side's products of T, dW,
 # X, dT, dA and dP (a variant: on the H200, run of a3986d3, fwd+bwd DeltaNet 7.07 -> 6.36 ms, GDN 8.42 -> 7.68,
@@ -1839,7 +1847,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         _bwd_dqk_kernel[(nka * NT, B * HV)](q, k, v, G, h, dh, R if delta else None, dR, do, dq, dk1, dW, dGp,
                                             scale=scale, H=H, HV=HV, K=K, V=V, BK=bka, BV=bva, C=C, GATE=gate,
                                             DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_key,
-                                            EARLY=_env_switch("CHUNKWISE_BWD_DQK_EARLY", BWD_DQK_EARLY),
+                                            EARLY=_env_switch("CHUNKWISE_BWD_DQK_EARLY", BWD_DQK_EARLY[gate]),
                                             num_warps=_warps("bwd_dqk", gate), **_regs("bwd_dqk", gate),
                                             num_stages=ns, **common)
         if delta or gate:
