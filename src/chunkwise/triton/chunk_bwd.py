@@ -1128,28 +1128,25 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seqlens, 
         b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
         b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
     i_ge_j = o_t[:, None] >= o_t[None, :]
-    # dq first, then dk: dP and dq die before dPᵀ is scaled (fewer live [C, C] / [C, BK] tiles: offline sm_90, GDN)
     if GATE == 1:
         if not EARLY:
             b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
-        b_dq = b_dq * (scale * tl.exp(b_G))[:, None]
+        b_eG, b_ekend = _gate_factors(b_G, b_last, GATE)
+        b_dq = b_dq * scale * b_eG
+        b_dk = b_dk * b_ekend
+        b_dlast = tl.sum(tl.sum(b_k * b_dk, axis=1), axis=0) + tl.exp(b_last) * tl.sum(b_dgam, axis=0)
         b_dP = tl.where(i_ge_j, b_dP * tl.exp(b_G[:, None] - b_G[None, :]), 0.) * scale
+        b_dPt = tl.where(o_t[None, :] >= o_t[:, None], b_dPt * tl.exp(b_G[None, :] - b_G[:, None]), 0.) * scale
     else:
         b_dq = b_dq * scale
         b_dP = tl.where(i_ge_j, b_dP, 0.) * scale
-    b_dq += _mm(b_dP.to(OPD2), b_k.to(OPD2), PREC)                                          # [C, C] @ [C, BK]
-    tl.store(dq + p_hk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
-    if GATE == 1:
-        b_dg = tl.sum(b_q * b_dq, axis=1)
-        b_dk = b_dk * tl.exp(b_last - b_G)[:, None]
-        b_dlast = tl.sum(tl.sum(b_k * b_dk, axis=1), axis=0) + tl.exp(b_last) * tl.sum(b_dgam, axis=0)
-        b_dPt = tl.where(o_t[None, :] >= o_t[:, None], b_dPt * tl.exp(b_G[None, :] - b_G[:, None]), 0.) * scale
-    else:
         b_dPt = tl.where(o_t[None, :] >= o_t[:, None], b_dPt, 0.) * scale
+    b_dq += _mm(b_dP.to(OPD2), b_k.to(OPD2), PREC)                                          # [C, C] @ [C, BK]
     b_dk += _mm(b_dPt.to(OPD2), b_q.to(OPD2), PREC)                                         # [C, C] @ [C, BK]
+    tl.store(dq + p_hk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
     tl.store(dk1 + p_hk, b_dk.to(dk1.dtype.element_ty), mask=m_tk)
     if GATE == 1:
-        b_dg += tl.where(o_t == L - 1, b_dlast, 0.) - tl.sum(b_k * b_dk, axis=1)
+        b_dg = tl.sum(b_q * b_dq - b_k * b_dk, axis=1) + tl.where(o_t == L - 1, b_dlast, 0.)
         tl.store(dGp + i_k * (tl.num_programs(1).to(tl.int64) * T) + rows * HV + i_h, b_dg, mask=m_t)
 
 
