@@ -70,6 +70,22 @@ def _compare(inp, tol, dtype=torch.float32, **kw):
     return errs
 
 
+def _count_launches(monkeypatch, name):
+    """Replace chunk_bwd's Triton kernel ``name`` by a spy that records each launch's grid and launches it; returns
+    the list of grids."""
+    import chunkwise.triton.chunk_bwd as cb
+    launches = []
+    orig = getattr(cb, name)
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return orig[grid]
+
+    monkeypatch.setattr(cb, name, Spy())
+    return launches
+
+
 KS = dict(K=32, V=32)
 
 
@@ -520,17 +536,8 @@ def test_grads_saved_states(fam, dtype, monkeypatch):
     backward skips its forward state pass: every gradient equals the reference's and the recomputing backward's,
     over a varlen batch with a 1-token, a mid-chunk and a 2-chunk sequence, grouped heads and a carried-in state
     (h by slots: chunk_slots), and the pass ran only without saved states."""
-    import chunkwise.triton.chunk_bwd as cb
     inp = make_inputs(fam, lengths=[1, 70, 128, 30], H=1, HV=2, K=16, V=32, seed=18)
-    launches = []
-    orig = cb._fwd_h_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return orig[grid]
-
-    monkeypatch.setattr(cb, "_fwd_h_kernel", Spy())
+    launches = _count_launches(monkeypatch, "_fwd_h_kernel")
     keeps = not (dtype == torch.float16 and fam in ("gdn", "delta"))     # see test_saved_stage1_rule
     monkeypatch.setenv("CHUNKWISE_SAVE_STATES", "1")
     _compare(inp, TOL[dtype], dtype=dtype)
@@ -626,20 +633,11 @@ def test_value_key_side_form_checked(monkeypatch):
 @pytest.mark.parametrize("fam", ["delta", "gdn"])
 def test_reverse_pass_forms_dr_local(fam, p_in_dh, monkeypatch):
     """With the forward's stage 1 saved, the reverse state pass forms dR_local = scale Pᵀ dO from the saved P
-    (CHUNKWISE_BWD_P_IN_DH=1, the default) or reads it from a chunk-parallel launch (0): every gradient equals the
+    (CHUNKWISE_BWD_P_IN_DH=1) or reads it from a chunk-parallel launch (0, the default): every gradient equals the
     reference's and the other form's, over a varlen batch (1-token, mid-chunk, 2-chunk sequences, grouped heads);
     the launch runs only in form 0."""
-    import chunkwise.triton.chunk_bwd as cb
     inp = make_inputs(fam, lengths=[1, 70, 128, 30], H=1, HV=2, K=16, V=32, seed=19)
-    launches = []
-    orig = cb._wu_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return orig[grid]
-
-    monkeypatch.setattr(cb, "_wu_kernel", Spy())
+    launches = _count_launches(monkeypatch, "_wu_kernel")
     monkeypatch.setenv("CHUNKWISE_BWD_P_IN_DH", p_in_dh)
     _compare(inp, TOL[torch.float32])
     assert len(launches) == (0 if p_in_dh == "1" else 1)
