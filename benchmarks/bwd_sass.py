@@ -35,13 +35,13 @@ KERNELS = {
                     Pmat="fp32", Amat="fp32", dq="g", dv="in", dbeta="fp32", dG="fp32"),
                dict(T="i32", scale="fp32"), {}),
     "bwd_dqk": ("_bwd_dqk_kernel",         # scalar / no gate: the state tiles' pass by key column blocks (BWD_DQK)
-                dict(q="in", k="in", v="in", G="fp32", h="s", dh="s", R="s", dR="s", do="in", dq="g", dk1="fp32",
+                dict(q="in", k="in", v="in", G="fp32", h="s", dh="s", R="s", dR="s", do="in", dq="g", dk1="in",
                      dW="in", dGp="fp32"),
-                dict(T="i32", scale="fp32"), dict(BK=cb.BWD_DQK_BK)),
+                dict(T="i32", scale="fp32"), dict(BK=cb.BWD_DQK_BK, EARLY=0)),
     "bwd_wy": ("_bwd_wy_kernel",           # scalar / no gate: the gradients through T, per chunk (BWD_DQK)
-               dict(k="in", v="in", beta="in", G="fp32", Tmat="fp32", dW="in", dR="s", dk1="fp32", dGp="fp32",
+               dict(k="in", v="in", beta="in", G="fp32", Tmat="fp32", dW="in", dR="s", dk1="in", dGp="fp32",
                     dv="in", dk="g", dbeta="fp32", dG="fp32"),
-               dict(T="i32"), dict(BK=cb.BWD_DQK_BK, NKP=2)),
+               dict(T="i32"), dict(BK=cb.BWD_WY_BK, NKP=2)),
     "bwd_dh": ("_bwd_dh_kernel",
                dict(q="in", k="in", G="fp32", W="s", dRl="s", do="in", dht="fp32", dh="s", dR="s", dh0="fp32"),
                dict(T="i32", scale="fp32", unit="fp32"), dict(HAS_DHT=True, HAS_H0=True, TRANSPOSE=False, LOOP_WHILE=False)),
