@@ -1060,7 +1060,8 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
 def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seqlens, chunk_indices, T, scale,
                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                     BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
-                    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr = 0, EARLY: tl.constexpr = 0):
+                    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr = 0, EARLY: tl.constexpr = 0,
+                    DQ_FIRST: tl.constexpr = 0):
     """Scalar / no gate, one program per (key column block of BK, chunk, value head); everything that needs the
     chunk's state tiles h (S) and dh (dS'), read once::
 
@@ -1075,7 +1076,8 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seqlens, 
     R: R = U − W S with the delta rule, V without. LOWP as _bwd_grad_kernel's: the pairwise products (dP, dPᵀ with
     k, q) take fp32 operands unless LOWP is 1. EARLY: q, k and the gate are loaded before the V loop (their
     latency under it), else after it. dk1's dtype: fp32, or 16-bit (then the sum with the WY pass's terms is
-    rounded twice, as fla's dk is)."""
+    rounded twice, as fla's dk is). DQ_FIRST: dq formed and stored before dPᵀ is scaled (a variant: offline sm_90
+    fewer spills for GDN, but 2.13 ms against 1.67 on the H200 in two different harnesses, NOTES.md session 14)."""
     NK: tl.constexpr = (K + BK - 1) // BK
     i_k, i_t = tl.program_id(0) % NK, tl.program_id(0) // NK
     i_bh = tl.program_id(1)
@@ -1128,26 +1130,50 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seqlens, 
         b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
         b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
     i_ge_j = o_t[:, None] >= o_t[None, :]
-    if GATE == 1:
-        if not EARLY:
-            b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
-        b_eG, b_ekend = _gate_factors(b_G, b_last, GATE)
-        b_dq = b_dq * scale * b_eG
-        b_dk = b_dk * b_ekend
-        b_dlast = tl.sum(tl.sum(b_k * b_dk, axis=1), axis=0) + tl.exp(b_last) * tl.sum(b_dgam, axis=0)
-        b_dP = tl.where(i_ge_j, b_dP * tl.exp(b_G[:, None] - b_G[None, :]), 0.) * scale
-        b_dPt = tl.where(o_t[None, :] >= o_t[:, None], b_dPt * tl.exp(b_G[None, :] - b_G[:, None]), 0.) * scale
+    if DQ_FIRST:        # dq formed and stored first: dP and dq die before dPᵀ is scaled
+        if GATE == 1:
+            if not EARLY:
+                b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
+            b_dq = b_dq * (scale * tl.exp(b_G))[:, None]
+            b_dP = tl.where(i_ge_j, b_dP * tl.exp(b_G[:, None] - b_G[None, :]), 0.) * scale
+        else:
+            b_dq = b_dq * scale
+            b_dP = tl.where(i_ge_j, b_dP, 0.) * scale
+        b_dq += _mm(b_dP.to(OPD2), b_k.to(OPD2), PREC)                                      # [C, C] @ [C, BK]
+        tl.store(dq + p_hk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+        if GATE == 1:
+            b_dg = tl.sum(b_q * b_dq, axis=1)
+            b_dk = b_dk * tl.exp(b_last - b_G)[:, None]
+            b_dlast = tl.sum(tl.sum(b_k * b_dk, axis=1), axis=0) + tl.exp(b_last) * tl.sum(b_dgam, axis=0)
+            b_dPt = tl.where(o_t[None, :] >= o_t[:, None], b_dPt * tl.exp(b_G[None, :] - b_G[:, None]), 0.) * scale
+        else:
+            b_dPt = tl.where(o_t[None, :] >= o_t[:, None], b_dPt, 0.) * scale
+        b_dk += _mm(b_dPt.to(OPD2), b_q.to(OPD2), PREC)                                     # [C, C] @ [C, BK]
+        tl.store(dk1 + p_hk, b_dk.to(dk1.dtype.element_ty), mask=m_tk)
+        if GATE == 1:
+            b_dg += tl.where(o_t == L - 1, b_dlast, 0.) - tl.sum(b_k * b_dk, axis=1)
+            tl.store(dGp + i_k * (tl.num_programs(1).to(tl.int64) * T) + rows * HV + i_h, b_dg, mask=m_t)
     else:
-        b_dq = b_dq * scale
-        b_dP = tl.where(i_ge_j, b_dP, 0.) * scale
-        b_dPt = tl.where(o_t[None, :] >= o_t[:, None], b_dPt, 0.) * scale
-    b_dq += _mm(b_dP.to(OPD2), b_k.to(OPD2), PREC)                                          # [C, C] @ [C, BK]
-    b_dk += _mm(b_dPt.to(OPD2), b_q.to(OPD2), PREC)                                         # [C, C] @ [C, BK]
-    tl.store(dq + p_hk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
-    tl.store(dk1 + p_hk, b_dk.to(dk1.dtype.element_ty), mask=m_tk)
-    if GATE == 1:
-        b_dg = tl.sum(b_q * b_dq - b_k * b_dk, axis=1) + tl.where(o_t == L - 1, b_dlast, 0.)
-        tl.store(dGp + i_k * (tl.num_programs(1).to(tl.int64) * T) + rows * HV + i_h, b_dg, mask=m_t)
+        if GATE == 1:
+            if not EARLY:
+                b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
+            b_eG, b_ekend = _gate_factors(b_G, b_last, GATE)
+            b_dq = b_dq * scale * b_eG
+            b_dk = b_dk * b_ekend
+            b_dlast = tl.sum(tl.sum(b_k * b_dk, axis=1), axis=0) + tl.exp(b_last) * tl.sum(b_dgam, axis=0)
+            b_dP = tl.where(i_ge_j, b_dP * tl.exp(b_G[:, None] - b_G[None, :]), 0.) * scale
+            b_dPt = tl.where(o_t[None, :] >= o_t[:, None], b_dPt * tl.exp(b_G[None, :] - b_G[:, None]), 0.) * scale
+        else:
+            b_dq = b_dq * scale
+            b_dP = tl.where(i_ge_j, b_dP, 0.) * scale
+            b_dPt = tl.where(o_t[None, :] >= o_t[:, None], b_dPt, 0.) * scale
+        b_dq += _mm(b_dP.to(OPD2), b_k.to(OPD2), PREC)                                          # [C, C] @ [C, BK]
+        b_dk += _mm(b_dPt.to(OPD2), b_q.to(OPD2), PREC)                                         # [C, C] @ [C, BK]
+        tl.store(dq + p_hk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+        tl.store(dk1 + p_hk, b_dk.to(dk1.dtype.element_ty), mask=m_tk)
+        if GATE == 1:
+            b_dg = tl.sum(b_q * b_dq - b_k * b_dk, axis=1) + tl.where(o_t == L - 1, b_dlast, 0.)
+            tl.store(dGp + i_k * (tl.num_programs(1).to(tl.int64) * T) + rows * HV + i_h, b_dg, mask=m_t)
 
 
 @triton.jit
@@ -1845,6 +1871,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                                             scale=scale, H=H, HV=HV, K=K, V=V, BK=bka, BV=bva, C=C, GATE=gate,
                                             DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_key,
                                             EARLY=_env_switch("CHUNKWISE_BWD_DQK_EARLY", BWD_DQK_EARLY[gate]),
+                                            DQ_FIRST=_env_switch("CHUNKWISE_BWD_DQK_DQ_FIRST", 0),
                                             num_warps=_warps("bwd_dqk", gate), **_regs("bwd_dqk", gate),
                                             num_stages=ns, **common)
         if delta or gate:
