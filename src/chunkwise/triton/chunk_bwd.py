@@ -1652,6 +1652,13 @@ def _regs(name: str, gate: int, wide_ok: bool = True) -> dict:
     return {}
 
 
+def _env_block(name: str, default: int, cap: int) -> int:
+    """A column / value block width from the environment variable ``name`` (``default`` when unset): the next power
+    of two, at least 16 and at most ``cap``; 0 or less means ``cap`` (one block)."""
+    n = int(os.environ.get(name, default))
+    return cap if n <= 0 else min(max(16, next_pow2(n)), cap)
+
+
 def _warps(name: str, gate: int, wide_ok: bool = True) -> int:
     """num_warps of a backward kernel. ``wide_ok``: the per-channel 8-warp picks may apply, which they do only
     where they were measured and checked, 16-bit inputs at K <= 128: on the H200 (run of e1f8201,
@@ -1858,13 +1865,13 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     dG = buf(*g.shape) if gate else None
     if dqk:
         # scalar / no gate: the state tiles' pass split over key column blocks, then the per-chunk WY pass
-        bka = min(max(16, next_pow2(int(os.environ.get("CHUNKWISE_BWD_DQK_BK", BWD_DQK_BK)))), BK)
+        bka = _env_block("CHUNKWISE_BWD_DQK_BK", BWD_DQK_BK, BK)
         nka = cdiv(K, bka)
-        bva = min(max(16, next_pow2(int(os.environ.get("CHUNKWISE_BWD_DQK_BV", BV)))), max(16, next_pow2(V)))
+        bva = _env_block("CHUNKWISE_BWD_DQK_BV", BV, max(16, next_pow2(V)))
         # dk1 (the state and P terms of dk) for the WY pass to finish: fp32, or 16-bit with CHUNKWISE_BWD_DK1_16
         dk1_16 = delta and q.dtype != torch.float32 and _env_switch("CHUNKWISE_BWD_DK1_16", BWD_DK1_16)
-        dk1 = dk if not delta or dk.dtype == (q.dtype if dk1_16 else torch.float32) else \
-            buf(B, T, HV, K, dtype=q.dtype if dk1_16 else torch.float32)
+        dk1_dt = q.dtype if dk1_16 else torch.float32
+        dk1 = dk if not delta or dk.dtype == dk1_dt else buf(B, T, HV, K, dtype=dk1_dt)
         dW = buf(B, T, HV, K, dtype=q.dtype if lowp_key else torch.float32) if delta else None
         dGp = buf(nka, B, T, HV) if gate else None
         _bwd_dqk_kernel[(nka * NT, B * HV)](q, k, v, G, h, dh, R if delta else None, dR, do, dq, dk1, dW, dGp,
@@ -1875,7 +1882,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                                             num_warps=_warps("bwd_dqk", gate), **_regs("bwd_dqk", gate),
                                             num_stages=ns, **common)
         if delta or gate:
-            bkw = min(max(16, next_pow2(int(os.environ.get("CHUNKWISE_BWD_WY_BK", BWD_WY_BK)))), BK)
+            bkw = _env_block("CHUNKWISE_BWD_WY_BK", BWD_WY_BK, BK)
             _bwd_wy_kernel[grid_c](k, v, beta, G, Tmat, dW, dR, dk1, dGp, dv, dk, dbeta, dG, H=H, HV=HV, K=K, V=V,
                                    BK=bkw, BV=BV, C=C, NKP=nka, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
                                    LOWP=lowp_key, num_warps=_warps("bwd_wy", gate), **_regs("bwd_wy", gate),
@@ -1887,12 +1894,10 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         _bwd_dv_kernel[grid_c](q, k, v, beta, G, Tmat, h, R, dR, do, Pmat, Amat, dq, dv, dbeta, dG, scale=scale, H=H,
                                HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
                                num_warps=_warps("bwd_dv", gate, wide8), **_regs("bwd_dv", gate, wide8), num_stages=ns, **common)
-        bkh = int(os.environ.get("CHUNKWISE_BWD_KSPLIT", BWD_KSPLIT))   # the key side's column block (0: one block)
-        bkh = BK if bkh <= 0 else min(max(16, next_pow2(bkh)), BK)
+        bkh = _env_block("CHUNKWISE_BWD_KSPLIT", BWD_KSPLIT, BK)     # the key side's column block (0: one block)
         # per-channel gates: the pairwise gradients in their own kernel, split over key channels (BWD_PAIR_SPLIT;
         # 0: one block of all channels)
-        bkp = int(os.environ.get("CHUNKWISE_BWD_PAIR_SPLIT", BWD_PAIR_SPLIT))
-        bkp = BK if bkp <= 0 else min(max(16, next_pow2(bkp)), BK)
+        bkp = _env_block("CHUNKWISE_BWD_PAIR_SPLIT", BWD_PAIR_SPLIT, BK)
         one_ref = _env_choice("CHUNKWISE_BWD_ONE_REF", BWD_ONE_REF, range(3)) if gate == 2 else 0
         if one_ref == 2:    # the key side does the column blocks that fit; the pair kernel the others, on the same blocks
             bkp = bkh
