@@ -40,10 +40,11 @@ KERNELS = {
                 dict(T="i32", scale="fp32"), dict(BK=cb.BWD_DQK_BK, EARLY=0)),
     "bwd_wy": ("_bwd_wy_kernel",           # scalar / no gate: the gradients through T, per chunk (BWD_DQK)
                dict(k="in", v="in", beta="in", G="fp32", Tmat="fp32", dW="in", dR="s", dk1="in", dGp="fp32",
-                    dv="in", dk="g", dbeta="fp32", dG="fp32"),
+                    dgam="fp32", dv="in", dk="g", dbeta="fp32", dG="fp32"),
                dict(T="i32"), dict(BK=cb.BWD_WY_BK, NKP=2)),
     "bwd_dh": ("_bwd_dh_kernel",
-               dict(q="in", k="in", G="fp32", W="s", dRl="s", do="in", dht="fp32", dh="s", dR="s", dh0="fp32"),
+               dict(q="in", k="in", G="fp32", W="s", dRl="s", do="in", dht="fp32", dh="s", dR="s", dh0="fp32",
+                    h="s", dgam="fp32"),
                dict(T="i32", scale="fp32", unit="fp32"), dict(HAS_DHT=True, HAS_H0=True, TRANSPOSE=False, LOOP_WHILE=False)),
     "fwd_h": ("_fwd_h_kernel",
               dict(k="in", v="in", G="fp32", W="s", U="s", h0="fp32", h="s", R="s"),
@@ -97,14 +98,18 @@ KERNELS = {
 }
 
 
-def compile_kernel(name, fam="gdn", num_warps=8, K=128, V=128, num_stages=3, lowp=0, dtype="bf16"):
+def compile_kernel(name, fam="gdn", num_warps=8, K=128, V=128, num_stages=3, lowp=0, dtype="bf16", **overrides):
+    """The sm_90 build of backward kernel ``name`` at the launch's defaults for ``fam`` (``overrides``: constexprs
+    set otherwise, e.g. DGAM=0)."""
     kname, ptrs, scalars, extra = KERNELS[name]
     kernel = getattr(cb, kname)
     gate, delta = GATES[fam], fam != "gla"
     gdt = dtype if gate != 2 else "fp32"
     sig, consts = {}, dict(cu_seqlens=None, chunk_indices=None)
     for arg, kind in ptrs.items():
-        absent = (arg == "G" and not gate) or (arg in ("beta", "Tmat", "W", "U", "R", "dbeta", "dbp", "dW") and not delta) or \
+        dgam = gate == 1 and cb.BWD_DGAM_DH and overrides.get("DGAM", 1) and overrides.get("NVD", 1)
+        absent = (arg == "dgam" and not dgam) or (arg == "h" and name == "bwd_dh" and not dgam) or \
+                 (arg == "G" and not gate) or (arg in ("beta", "Tmat", "W", "U", "R", "dbeta", "dbp", "dW") and not delta) or \
                  (arg == "Amat" and not delta) or (arg in ("dG", "dGp") and not gate)
         if absent:
             consts[arg] = None
@@ -115,6 +120,9 @@ def compile_kernel(name, fam="gdn", num_warps=8, K=128, V=128, num_stages=3, low
                   PREC="tf32" if dtype != "fp32" else "tf32x3",
                   LOWP=lowp)
     params.update(extra)
+    dgam = int(bool(gate == 1 and cb.BWD_DGAM_DH))     # ⟨S, dS'⟩ from the reverse pass (BWD_DGAM_DH)
+    params.update(DGAM=dgam, NVD=4 * dgam)
+    params.update(overrides)
     consts.update({p: v for p, v in params.items() if p in kernel.arg_names})
     for arg in list(consts):
         if arg not in kernel.arg_names:

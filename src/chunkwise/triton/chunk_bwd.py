@@ -621,16 +621,18 @@ def _fwd_h_kernel(k, v, G, W, U, h0, h, R, cu_seqlens, T,
 # ------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, b_dRl, b_lastp, i_c, bos, eos, boh, i_h, i_hk, o_v, scale, unit,
-                 H: tl.constexpr,
+def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, h, dgam, b_dS, b_dRl, b_lastp, i_c, bos, eos, boh, i_h, i_hk, o_v,
+                 scale, unit, H: tl.constexpr,
                  HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                  C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
-                 KD_IN: tl.constexpr = 0, AHEAD: tl.constexpr = 1, PL: tl.constexpr = 0):
+                 KD_IN: tl.constexpr = 0, AHEAD: tl.constexpr = 1, PL: tl.constexpr = 0, DGAM: tl.constexpr = 0):
     """One chunk of the reverse state pass: store dS', dR = dR_local + Kend dS', dS = γ dS' + ...
     LOWP: the products' operands in the 16-bit input dtype (see _fwd_h_step). KD_IN: q, k are
     _gate_scaled_kernel's qd, kd [B, T, HV, K]. b_dRl, b_lastp: this chunk's dR_local tile and (KD_IN) G_last,
     loaded a step ahead (_step_ahead) where AHEAD, else loaded here. PL: dRl is P [B, T, HV, C] (the forward's
-    stage 1) and dR_local = scale Pᵀ dO is formed here, off the step's dependence on dS'."""
+    stage 1) and dR_local = scale Pᵀ dO is formed here, off the step's dependence on dS'. DGAM (scalar gate):
+    also store ⟨S, dS'⟩ over this program's value columns (S = h, the state entering the chunk) to dgam[slot, i_h,
+    i_v], the scalar the gate's gradient needs on the chunk's last row."""
     o_t = tl.arange(0, C)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
@@ -640,7 +642,10 @@ def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, b_dRl, b_lastp, i_c, bos, eo
     L = tl.minimum(eos - t0, C)
     m_t = o_t < L
     rows = (t0 + o_t).to(tl.int64)
-    tl.store(dh + (((boh + i_c) * HV + i_h) * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :], b_dS, mask=m_kv)
+    p_s = (((boh + i_c) * HV + i_h) * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :]
+    if DGAM:    # issued first: its only use is off the chain, after the step's first product
+        b_S = tl.load(h + p_s, mask=m_kv, other=0.)
+    tl.store(dh + p_s, b_dS, mask=m_kv)
     m_tk = m_t[:, None] & m_k[None, :]
     m_tv = m_t[:, None] & m_v[None, :]
     p_tv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
@@ -677,6 +682,9 @@ def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, b_dRl, b_lastp, i_c, bos, eo
         b_kdS = b_kdS * unit
     b_dR = b_dRl.to(tl.float32) + b_kdS
     tl.store(dR + p_tv, b_dR, mask=m_tv)
+    if DGAM:
+        b_sds = tl.sum(tl.sum(b_S.to(tl.float32) * b_dS, axis=1), axis=0)
+        tl.store(dgam + ((boh + i_c) * HV + i_h).to(tl.int64) * tl.num_programs(0) + tl.program_id(0), b_sds)
     if GATE == 2:
         b_dS *= tl.exp(b_last)[:, None]
     elif GATE == 1:
@@ -689,13 +697,15 @@ def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, b_dRl, b_lastp, i_c, bos, eo
 
 
 @triton.jit
-def _bwd_dh_kernel(q, k, G, W, dRl, do, dht, dh, dR, dh0, cu_seqlens, T, scale, unit,
+def _bwd_dh_kernel(q, k, G, W, dRl, do, dht, dh, dR, dh0, h, dgam, cu_seqlens, T, scale, unit,
                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                    BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
                    HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, TRANSPOSE: tl.constexpr,
                    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOOP_WHILE: tl.constexpr, LOWP: tl.constexpr = 0,
-                   KD_IN: tl.constexpr = 0, AHEAD: tl.constexpr = 1, PL: tl.constexpr = 0):
+                   KD_IN: tl.constexpr = 0, AHEAD: tl.constexpr = 1, PL: tl.constexpr = 0, DGAM: tl.constexpr = 0):
     """dR = dR_local + Kend dS';  dS = γ dS' + scale Qgᵀ dO − Wᵀ dR.
+    DGAM (scalar gate): dgam [NC, HV, NV] fp32 gets each chunk's ⟨S, dS'⟩ over value block i_v (h: the states
+    entering the chunks, the forward state pass's)
     PL: dRl is P (the forward's stage 1, [B, T, HV, C]) and each step forms dR_local = scale Pᵀ dO itself.
     AHEAD (BWD_DH_AHEAD): 1, dR_local (and KDA's G_last) loaded a step ahead (_step_ahead); 0, in the step; 2, in
     the step with K dS' scaled by ``unit`` (1.0, a runtime value) so that the compiler cannot fold dR_local into the
@@ -724,16 +734,17 @@ def _bwd_dh_kernel(q, k, G, W, dRl, do, dht, dh, dR, dh0, cu_seqlens, T, scale, 
         i_c = NTs - 1
         while i_c >= 0:
             b_dRn, b_lastn = _step_ahead(dRl, G, i_c - 1, bos, eos, i_h, o_v, HV, K, V, BK, BV, C, AH, LAST)
-            b_dS = _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, b_dRl, b_last, i_c, bos, eos, boh, i_h, i_hk, o_v,
-                                scale, unit, H, HV, K, V, BK, BV, C, GATE, DELTA, PREC, LOWP, KD_IN, AHEAD, PL)
+            b_dS = _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, h, dgam, b_dS, b_dRl, b_last, i_c, bos, eos, boh, i_h,
+                                i_hk, o_v, scale, unit, H, HV, K, V, BK, BV, C, GATE, DELTA, PREC, LOWP, KD_IN, AHEAD,
+                                PL, DGAM)
             b_dRl, b_last = b_dRn, b_lastn
             i_c -= 1
     else:
         for i_r in range(NTs):
             b_dRn, b_lastn = _step_ahead(dRl, G, NTs - 2 - i_r, bos, eos, i_h, o_v, HV, K, V, BK, BV, C, AH, LAST)
-            b_dS = _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, b_dS, b_dRl, b_last, NTs - 1 - i_r, bos, eos, boh, i_h,
-                                i_hk, o_v, scale, unit, H, HV, K, V, BK, BV, C, GATE, DELTA, PREC, LOWP, KD_IN, AHEAD,
-                                PL)
+            b_dS = _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, h, dgam, b_dS, b_dRl, b_last, NTs - 1 - i_r, bos, eos,
+                                boh, i_h, i_hk, o_v, scale, unit, H, HV, K, V, BK, BV, C, GATE, DELTA, PREC, LOWP,
+                                KD_IN, AHEAD, PL, DGAM)
             b_dRl, b_last = b_dRn, b_lastn
     if HAS_H0:
         tl.store(dh0 + p0, b_dS, mask=m_kv)
@@ -1061,7 +1072,7 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seqlens, 
                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                     BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
                     IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr = 0, EARLY: tl.constexpr = 0,
-                    DQ_FIRST: tl.constexpr = 0):
+                    DQ_FIRST: tl.constexpr = 0, DGAM: tl.constexpr = 0):
     """Scalar / no gate, one program per (key column block of BK, chunk, value head); everything that needs the
     chunk's state tiles h (S) and dh (dS'), read once::
 
@@ -1077,7 +1088,9 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seqlens, 
     k, q) take fp32 operands unless LOWP is 1. EARLY: q, k and the gate are loaded before the V loop (their
     latency under it), else after it. dk1's dtype: fp32, or 16-bit (then the sum with the WY pass's terms is
     rounded twice, as fla's dk is). DQ_FIRST: dq formed and stored before dPᵀ is scaled (a variant: offline sm_90
-    fewer spills for GDN, but 2.13 ms against 1.67 on the H200 in two different harnesses, NOTES.md session 14)."""
+    fewer spills for GDN, but 2.13 ms against 1.67 on the H200 in two different harnesses, NOTES.md session 14).
+    DGAM: the reverse state pass formed ⟨S, dS'⟩ (its dgam) and the WY pass adds e^{G_last} times it, so that the V
+    loop here has no elementwise S ⊙ dS' (the tiles stay product operands)."""
     NK: tl.constexpr = (K + BK - 1) // BK
     i_k, i_t = tl.program_id(0) % NK, tl.program_id(0) // NK
     i_bh = tl.program_id(1)
@@ -1120,7 +1133,7 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seqlens, 
         b_dPt += _mm(b_R, tl.trans(b_do), PREC)                                             # [C, BV] @ [BV, C]
         b_dq += _mm(b_do, tl.trans(b_S), PREC)                                              # [C, BV] @ [BV, BK]
         b_dk += _mm(b_R, tl.trans(b_dSn), PREC)                                             # [C, BV] @ [BV, BK]
-        if GATE == 1:
+        if GATE == 1 and not DGAM:
             b_dgam += tl.sum(b_S.to(tl.float32) * b_dSn.to(tl.float32), axis=1)
     if DELTA:
         tl.store(dW + p_hk, b_dw.to(dW.dtype.element_ty), mask=m_tk)
@@ -1144,7 +1157,9 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seqlens, 
         if GATE == 1:
             b_dg = tl.sum(b_q * b_dq, axis=1)
             b_dk = b_dk * tl.exp(b_last - b_G)[:, None]
-            b_dlast = tl.sum(tl.sum(b_k * b_dk, axis=1), axis=0) + tl.exp(b_last) * tl.sum(b_dgam, axis=0)
+            b_dlast = tl.sum(tl.sum(b_k * b_dk, axis=1), axis=0)
+            if not DGAM:
+                b_dlast += tl.exp(b_last) * tl.sum(b_dgam, axis=0)
             b_dPt = tl.where(o_t[None, :] >= o_t[:, None], b_dPt * tl.exp(b_G[None, :] - b_G[:, None]), 0.) * scale
         else:
             b_dPt = tl.where(o_t[None, :] >= o_t[:, None], b_dPt, 0.) * scale
@@ -1160,7 +1175,9 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seqlens, 
             b_eG, b_ekend = _gate_factors(b_G, b_last, GATE)
             b_dq = b_dq * scale * b_eG
             b_dk = b_dk * b_ekend
-            b_dlast = tl.sum(tl.sum(b_k * b_dk, axis=1), axis=0) + tl.exp(b_last) * tl.sum(b_dgam, axis=0)
+            b_dlast = tl.sum(tl.sum(b_k * b_dk, axis=1), axis=0)
+            if not DGAM:
+                b_dlast += tl.exp(b_last) * tl.sum(b_dgam, axis=0)
             b_dP = tl.where(i_ge_j, b_dP * tl.exp(b_G[:, None] - b_G[None, :]), 0.) * scale
             b_dPt = tl.where(o_t[None, :] >= o_t[:, None], b_dPt * tl.exp(b_G[None, :] - b_G[:, None]), 0.) * scale
         else:
@@ -1177,10 +1194,10 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seqlens, 
 
 
 @triton.jit
-def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dv, dk, dbeta, dG, cu_seqlens, chunk_indices, T,
+def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, dv, dk, dbeta, dG, cu_seqlens, chunk_indices, T,
                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                    BV: tl.constexpr, C: tl.constexpr, NKP: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
-                   IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr = 0):
+                   IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr = 0, NVD: tl.constexpr = 0):
     """Scalar / no gate, one program per (chunk, value head), after _bwd_dqk_kernel: the gradients through T
     (the WY form W = T X, U = T Y), then dk, dβ, dg finished::
 
@@ -1191,21 +1208,28 @@ def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dv, dk, dbeta, dG, cu_
         scalar gate: dG = Σ of _bwd_dqk_kernel's NKP column-block shares + Σ_k (X ⊙ dX + βK ⊙ dA K − K ⊙ dAᵀ βK),
                      dg its reverse cumsum in the chunk
     Without the delta rule only the last step runs (dv = dR and dk = dk1 are the caller's). BK: the key loops'
-    column block. LOWP as _bwd_grad_kernel's (T, dW, X, dT in 16 bits from 1, dA with K in 16 bits at 1 only)."""
+    column block. LOWP as _bwd_grad_kernel's (T, dW, X, dT in 16 bits from 1, dA with K in 16 bits at 1 only).
+    NVD > 0 (scalar gate): the last row's dG also takes e^{G_last} ⟨S, dS'⟩, summed from the reverse state pass's
+    NVD value-block shares in dgam [NC, HV, NVD]."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
     i_hk = i_h // (HV // H)
-    t0, L, _ = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
+    t0, L, i_g = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
     o_t, m_t, rows, m_cc, p_cc, p_ccT = _chunk_rows(t0, L, i_h, HV, C)
     OPD: tl.constexpr = k.dtype.element_ty if LOWP else tl.float32
     OPD2: tl.constexpr = k.dtype.element_ty if LOWP == 1 else tl.float32
     if GATE == 1:
-        b_G, _ = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
+        b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
         b_eG = tl.exp(b_G)[:, None]
         b_dGr = tl.zeros([C], dtype=tl.float32)
         s_p = tl.num_programs(1).to(tl.int64) * T          # one column block's share: [B, T, HV]
         for i_p in tl.static_range(NKP):
             b_dGr += tl.load(dGp + i_p * s_p + rows * HV + i_h, mask=m_t, other=0.)
+        if NVD > 0:
+            b_sds = 0.
+            for i_p in tl.static_range(NVD):
+                b_sds += tl.load(dgam + (i_g * HV + i_h).to(tl.int64) * NVD + i_p)
+            b_dGr += tl.where(o_t == L - 1, tl.exp(b_last) * b_sds, 0.)
     if DELTA:
         b_beta = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.).to(tl.float32)
         b_Tt = tl.load(Tmat + p_ccT, mask=m_cc & (o_t[None, :] >= o_t[:, None]), other=0.)        # Tᵀ [C, C]
@@ -1557,6 +1581,10 @@ BWD_WY_BK = 32          # _bwd_wy_kernel's key loops' column block (CHUNKWISE_BW
 # both 1.104 / 1.304 (fwd+bwd 5.50 -> 5.35); GDN 2.117 / 1.585 -> early 1.986, 16-bit dk1 1.669 / 1.529, both 1.959
 # (fwd+bwd 7.09 -> 6.59 with 16-bit dk1 alone; offline its spills 188 -> 64 B). dk is then rounded twice, as fla's
 BWD_DQK_EARLY = {0: 1, 1: 0}
+# Scalar gate on the dqk path: the gate's ⟨S, dS'⟩ term (dG_last's share e^{G_last} Σ S ⊙ dS') formed by the reverse
+# state pass, which holds dS' in registers and loads S once per chunk off its chain, instead of by _bwd_dqk_kernel's V
+# loop (offline sm_90, GDN bf16: that kernel spilled only with this elementwise product; CHUNKWISE_BWD_DGAM_DH=0 keeps it)
+BWD_DGAM_DH = 1
 BWD_DK1_16 = 1
 # 16-bit inputs: the products' operands in the input dtype, fp32 accumulation. 1: the two serial state
 # passes (fwd_h, bwd_dh); 2: also the W / U / dR_local recompute; 3: also the key side's products of T, dW,
@@ -1847,10 +1875,15 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     dh = buf(NC, HV, K, V, dtype=sdt)
     dR = buf(B, T, HV, V, dtype=sdt)
     dh0 = buf(*h0.shape) if has_h0 else None
-    _bwd_dh_kernel[grid_s](q_s, k_s, G, W, dRl, do, dht, dh, dR, dh0, scale=scale, unit=1.0, H=H, HV=HV, K=K, V=V, BK=BK,
+    dqk = gate != 2 and _env_switch("CHUNKWISE_BWD_DQK", BWD_DQK)
+    # scalar gate on the dqk path: ⟨S, dS'⟩ per chunk from the reverse pass (BWD_DGAM_DH)
+    dgam_dh = dqk and gate == 1 and _env_switch("CHUNKWISE_BWD_DGAM_DH", BWD_DGAM_DH)
+    dgam = buf(NC, HV, grid_s[0]) if dgam_dh else None
+    _bwd_dh_kernel[grid_s](q_s, k_s, G, W, dRl, do, dht, dh, dR, dh0, h, dgam, scale=scale, unit=1.0, H=H, HV=HV, K=K,
+                           V=V, BK=BK,
                            BV=BV, C=C, GATE=gate, DELTA=delta, HAS_DHT=dht is not None, HAS_H0=has_h0,
                            TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen, PREC=prec, LOOP_WHILE=_INTERPRET,
-                           LOWP=lowp, KD_IN=kd_in, AHEAD=_bwd_dh_ahead(gate), PL=p_in_dh,
+                           LOWP=lowp, KD_IN=kd_in, AHEAD=_bwd_dh_ahead(gate), PL=p_in_dh, DGAM=dgam_dh,
                            num_warps=_warps("bwd_dh", gate, wide8),
                            **_regs("bwd_dh", gate, wide8), num_stages=ns_state, **seq)
     del dRl, q_s, k_s
@@ -1859,7 +1892,6 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     # finished by the per-channel diagonal kernel
     gdt = q.dtype if (HV == H and gate != 2) else torch.float32
     dq, dk = buf(B, T, HV, K, dtype=gdt), buf(B, T, HV, K, dtype=gdt)
-    dqk = gate != 2 and _env_switch("CHUNKWISE_BWD_DQK", BWD_DQK)
     dv = None if dqk and not delta else buf(B, T, HV, V, dtype=v.dtype)
     dbeta = buf(B, T, HV) if delta else None
     dG = buf(*g.shape) if gate else None
@@ -1878,18 +1910,18 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                                             scale=scale, H=H, HV=HV, K=K, V=V, BK=bka, BV=bva, C=C, GATE=gate,
                                             DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_key,
                                             EARLY=_env_switch("CHUNKWISE_BWD_DQK_EARLY", BWD_DQK_EARLY[gate]),
-                                            DQ_FIRST=_env_switch("CHUNKWISE_BWD_DQK_DQ_FIRST", 0),
+                                            DQ_FIRST=_env_switch("CHUNKWISE_BWD_DQK_DQ_FIRST", 0), DGAM=dgam_dh,
                                             num_warps=_warps("bwd_dqk", gate), **_regs("bwd_dqk", gate),
                                             num_stages=ns, **common)
         if delta or gate:
             bkw = _env_block("CHUNKWISE_BWD_WY_BK", BWD_WY_BK, BK)
-            _bwd_wy_kernel[grid_c](k, v, beta, G, Tmat, dW, dR, dk1, dGp, dv, dk, dbeta, dG, H=H, HV=HV, K=K, V=V,
-                                   BK=bkw, BV=BV, C=C, NKP=nka, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
-                                   LOWP=lowp_key, num_warps=_warps("bwd_wy", gate), **_regs("bwd_wy", gate),
+            _bwd_wy_kernel[grid_c](k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, dv, dk, dbeta, dG, H=H, HV=HV, K=K,
+                                   V=V, BK=bkw, BV=BV, C=C, NKP=nka, GATE=gate, DELTA=delta, IS_VARLEN=varlen,
+                                   PREC=prec, LOWP=lowp_key, NVD=grid_s[0] if dgam_dh else 0, num_warps=_warps("bwd_wy", gate), **_regs("bwd_wy", gate),
                                    num_stages=ns, **common)
         if not delta:       # dv = dR
             dv = dR if dR.dtype == v.dtype else dR.to(v.dtype)
-        del dk1, dW, dGp
+        del dk1, dW, dGp, dgam
     else:     # the value side, the key side (and per channel the pairwise kernels)
         _bwd_dv_kernel[grid_c](q, k, v, beta, G, Tmat, h, R, dR, do, Pmat, Amat, dq, dv, dbeta, dG, scale=scale, H=H,
                                HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
