@@ -41,7 +41,8 @@ KERNELS = {
     "bwd_wy": ("_bwd_wy_kernel",           # scalar / no gate: the gradients through T, per chunk (BWD_DQK)
                dict(k="in", v="in", beta="in", G="fp32", Tmat="fp32", dW="in", dR="s", dk1="in", dGp="fp32",
                     dgam="fp32", dv="in", dk="g", dbeta="fp32", dG="fp32"),
-               dict(T="i32"), dict(BK=cb.BWD_WY_BK, NKP=2)),
+               dict(T="i32"),
+               dict(BK=cb.BWD_WY_BK, NKP=2, KD=128, T_TRANS=cb.BWD_WY_T_TRANS, DK1_AHEAD=cb.BWD_WY_DK1_AHEAD)),
     "bwd_dh": ("_bwd_dh_kernel",
                dict(q="in", k="in", G="fp32", W="s", dRl="s", do="in", dht="fp32", dh="s", dR="s", dh0="fp32",
                     h="s", dgam="fp32"),

@@ -92,11 +92,11 @@ STATES_VARIANTS = "recompute:CHUNKWISE_SAVE_STATES=0;states:CHUNKWISE_SAVE_STATE
 # scalar / no gate: the value and key sides as the state tiles' pass by key column blocks + the WY pass (BWD_DQK, the
 # default) against _bwd_dv_kernel + _bwd_grad_kernel (run of b5d9499: also 8 warps, 32-wide blocks, a register cap, the
 # reverse pass's own Pᵀ dO, all slower; run of 05fc501: 16-bit dk1 and the early loads for DeltaNet won, now the
-# defaults; fp32 dk1 and the WY pass at 64 columns slower); now: the dq-first order of the state-tile pass's last
-# products (2.13 against 1.67 ms for GDN in two harnesses: one run of both owed), the early loads on / off, the gate's
-# ⟨S, dS'⟩ in the state-tile pass's V loop (dgamv) instead of the reverse pass (BWD_DGAM_DH, the default)
-DQK_VARIANTS = ("dqk:;dqfirst:CHUNKWISE_BWD_DQK_DQ_FIRST=1;early:CHUNKWISE_BWD_DQK_EARLY=1;late:CHUNKWISE_BWD_DQK_EARLY=0;"
-                "dgamv:CHUNKWISE_BWD_DGAM_DH=0;dgamv_dqfirst:CHUNKWISE_BWD_DGAM_DH=0,CHUNKWISE_BWD_DQK_DQ_FIRST=1")
+# defaults; fp32 dk1 and the WY pass at 64 columns slower; run of 804bdbc: the dq-first order slower for both,
+# removed); now: the gate's ⟨S, dS'⟩ in the state-tile pass's V loop (dgamv) instead of the reverse pass
+# (BWD_DGAM_DH, the default), the WY pass with T loaded twice (ttwice) or dk1 loaded where it is used (dk1here), or both
+DQK_VARIANTS = ("dqk:;dgamv:CHUNKWISE_BWD_DGAM_DH=0;ttwice:CHUNKWISE_BWD_WY_T_TRANS=0;dk1here:CHUNKWISE_BWD_WY_DK1_AHEAD=0;"
+                "wyplain:CHUNKWISE_BWD_WY_T_TRANS=0,CHUNKWISE_BWD_WY_DK1_AHEAD=0")
 NAMED = {"dqk": DQK_VARIANTS, "ahead": AHEAD_VARIANTS, "states": STATES_VARIANTS, "pair": PAIR_VARIANTS, "gates": GATES_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
          "oneref": ONEREF_VARIANTS}
 

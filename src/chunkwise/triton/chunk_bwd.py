@@ -630,9 +630,9 @@ def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, h, dgam, b_dS, b_dRl, b_lastp, i_c
     LOWP: the products' operands in the 16-bit input dtype (see _fwd_h_step). KD_IN: q, k are
     _gate_scaled_kernel's qd, kd [B, T, HV, K]. b_dRl, b_lastp: this chunk's dR_local tile and (KD_IN) G_last,
     loaded a step ahead (_step_ahead) where AHEAD, else loaded here. PL: dRl is P [B, T, HV, C] (the forward's
-    stage 1) and dR_local = scale Pᵀ dO is formed here, off the step's dependence on dS'. DGAM (scalar gate):
-    also store ⟨S, dS'⟩ over this program's value columns (S = h, the state entering the chunk) to dgam[slot, i_h,
-    i_v], the scalar the gate's gradient needs on the chunk's last row."""
+    stage 1) and dR_local = scale Pᵀ dO is formed here, off the step's dependence on dS'. DGAM (scalar gate): the
+    step's dS is chunk i_c − 1's dS'; the state entering that chunk is loaded first and Σ_v S ⊙ dS' over this
+    program's value columns stored at the end (_dgam_rows), when the load has had the step to arrive."""
     o_t = tl.arange(0, C)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
@@ -642,10 +642,9 @@ def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, h, dgam, b_dS, b_dRl, b_lastp, i_c
     L = tl.minimum(eos - t0, C)
     m_t = o_t < L
     rows = (t0 + o_t).to(tl.int64)
-    p_s = (((boh + i_c) * HV + i_h) * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :]
-    if DGAM:    # issued first: its only use is off the chain, after the step's first product
-        b_S = tl.load(h + p_s, mask=m_kv, other=0.)
-    tl.store(dh + p_s, b_dS, mask=m_kv)
+    if DGAM:    # the state entering chunk i_c − 1, for the end of the step
+        b_Sp = _state_ahead(h, i_c - 1, boh, i_h, o_v, HV, K, V, BK, BV)
+    tl.store(dh + (((boh + i_c) * HV + i_h) * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :], b_dS, mask=m_kv)
     m_tk = m_t[:, None] & m_k[None, :]
     m_tv = m_t[:, None] & m_v[None, :]
     p_tv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
@@ -682,9 +681,6 @@ def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, h, dgam, b_dS, b_dRl, b_lastp, i_c
         b_kdS = b_kdS * unit
     b_dR = b_dRl.to(tl.float32) + b_kdS
     tl.store(dR + p_tv, b_dR, mask=m_tv)
-    if DGAM:
-        b_sds = tl.sum(tl.sum(b_S.to(tl.float32) * b_dS, axis=1), axis=0)
-        tl.store(dgam + ((boh + i_c) * HV + i_h).to(tl.int64) * tl.num_programs(0) + tl.program_id(0), b_sds)
     if GATE == 2:
         b_dS *= tl.exp(b_last)[:, None]
     elif GATE == 1:
@@ -693,7 +689,31 @@ def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, h, dgam, b_dS, b_dRl, b_lastp, i_c
     if DELTA:
         b_w = tl.load(W + (rows[:, None] * HV + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(op_dt)
         b_dS -= _mm(tl.trans(b_w), b_dR.to(op_dt), PREC)                            # [BK, C] @ [C, BV]
+    if DGAM:
+        _dgam_rows(dgam, b_Sp, b_dS, i_c - 1, boh, i_h, HV, BK)
     return b_dS
+
+
+@triton.jit
+def _state_ahead(h, i_c, boh, i_h, o_v, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                 BV: tl.constexpr):
+    """The [BK, BV] tile of h (per-chunk states) of chunk i_c, zeros where i_c < 0."""
+    o_k = tl.arange(0, BK)
+    m = ((o_k < K) & (i_c >= 0))[:, None] & (o_v < V)[None, :]
+    return tl.load(h + (((boh + tl.maximum(i_c, 0)) * HV + i_h) * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :],
+                   mask=m, other=0.)
+
+
+@triton.jit
+def _dgam_rows(dgam, b_S, b_dSn, i_c, boh, i_h, HV: tl.constexpr, BK: tl.constexpr):
+    """Chunk i_c's Σ_v S ⊙ dS' over this program's value columns, per key row: dgam[slot, i_h, i_v, :] (nothing where
+    i_c < 0). Rows, not the scalar: the sum over a row stays within a warp (no barrier on the serial path); the WY
+    pass sums the rest. Loaded in the step and used mid-step instead, S's DRAM latency took GDN's reverse pass from
+    0.81 to 1.18 ms on the H200 (run of 804bdbc)."""
+    o_k = tl.arange(0, BK)
+    b_r = tl.sum(b_S.to(tl.float32) * b_dSn, axis=1)
+    p = (((boh + tl.maximum(i_c, 0)) * HV + i_h) * tl.num_programs(0) + tl.program_id(0)).to(tl.int64) * BK
+    tl.store(dgam + p + o_k, b_r, mask=(o_k < BK) & (i_c >= 0))
 
 
 @triton.jit
@@ -704,8 +724,8 @@ def _bwd_dh_kernel(q, k, G, W, dRl, do, dht, dh, dR, dh0, h, dgam, cu_seqlens, T
                    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOOP_WHILE: tl.constexpr, LOWP: tl.constexpr = 0,
                    KD_IN: tl.constexpr = 0, AHEAD: tl.constexpr = 1, PL: tl.constexpr = 0, DGAM: tl.constexpr = 0):
     """dR = dR_local + Kend dS';  dS = γ dS' + scale Qgᵀ dO − Wᵀ dR.
-    DGAM (scalar gate): dgam [NC, HV, NV] fp32 gets each chunk's ⟨S, dS'⟩ over value block i_v (h: the states
-    entering the chunks, the forward state pass's)
+    DGAM (scalar gate): dgam [NC, HV, NV, BK] fp32 gets each chunk's Σ_v S ⊙ dS' per key row over value block i_v
+    (h: the states entering the chunks, the forward state pass's)
     PL: dRl is P (the forward's stage 1, [B, T, HV, C]) and each step forms dR_local = scale Pᵀ dO itself.
     AHEAD (BWD_DH_AHEAD): 1, dR_local (and KDA's G_last) loaded a step ahead (_step_ahead); 0, in the step; 2, in
     the step with K dS' scaled by ``unit`` (1.0, a runtime value) so that the compiler cannot fold dR_local into the
@@ -730,6 +750,8 @@ def _bwd_dh_kernel(q, k, G, W, dRl, do, dht, dh, dR, dh0, h, dgam, cu_seqlens, T
     LAST: tl.constexpr = GATE == 2 and KD_IN and AHEAD == 1
     AH: tl.constexpr = AHEAD == 1 and not PL          # dR_local's tile loaded a step ahead
     b_dRl, b_last = _step_ahead(dRl, G, NTs - 1, bos, eos, i_h, o_v, HV, K, V, BK, BV, C, AH, LAST)
+    if DGAM:    # the last chunk's pair: its dS' is dht (or zero)
+        _dgam_rows(dgam, _state_ahead(h, NTs - 1, boh, i_h, o_v, HV, K, V, BK, BV), b_dS, NTs - 1, boh, i_h, HV, BK)
     if LOOP_WHILE:  # the interpreter cannot take a loaded bound in range()
         i_c = NTs - 1
         while i_c >= 0:
@@ -1072,7 +1094,7 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seqlens, 
                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                     BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
                     IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr = 0, EARLY: tl.constexpr = 0,
-                    DQ_FIRST: tl.constexpr = 0, DGAM: tl.constexpr = 0):
+                    DGAM: tl.constexpr = 0):
     """Scalar / no gate, one program per (key column block of BK, chunk, value head); everything that needs the
     chunk's state tiles h (S) and dh (dS'), read once::
 
@@ -1087,8 +1109,7 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seqlens, 
     R: R = U − W S with the delta rule, V without. LOWP as _bwd_grad_kernel's: the pairwise products (dP, dPᵀ with
     k, q) take fp32 operands unless LOWP is 1. EARLY: q, k and the gate are loaded before the V loop (their
     latency under it), else after it. dk1's dtype: fp32, or 16-bit (then the sum with the WY pass's terms is
-    rounded twice, as fla's dk is). DQ_FIRST: dq formed and stored before dPᵀ is scaled (a variant: offline sm_90
-    fewer spills for GDN, but 2.13 ms against 1.67 on the H200 in two different harnesses, NOTES.md session 14).
+    rounded twice, as fla's dk is).
     DGAM: the reverse state pass formed ⟨S, dS'⟩ (its dgam) and the WY pass adds e^{G_last} times it, so that the V
     loop here has no elementwise S ⊙ dS' (the tiles stay product operands)."""
     NK: tl.constexpr = (K + BK - 1) // BK
@@ -1143,61 +1164,43 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seqlens, 
         b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
         b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
     i_ge_j = o_t[:, None] >= o_t[None, :]
-    if DQ_FIRST:        # dq formed and stored first: dP and dq die before dPᵀ is scaled
-        if GATE == 1:
-            if not EARLY:
-                b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
-            b_dq = b_dq * (scale * tl.exp(b_G))[:, None]
-            b_dP = tl.where(i_ge_j, b_dP * tl.exp(b_G[:, None] - b_G[None, :]), 0.) * scale
-        else:
-            b_dq = b_dq * scale
-            b_dP = tl.where(i_ge_j, b_dP, 0.) * scale
-        b_dq += _mm(b_dP.to(OPD2), b_k.to(OPD2), PREC)                                      # [C, C] @ [C, BK]
-        tl.store(dq + p_hk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
-        if GATE == 1:
-            b_dg = tl.sum(b_q * b_dq, axis=1)
-            b_dk = b_dk * tl.exp(b_last - b_G)[:, None]
-            b_dlast = tl.sum(tl.sum(b_k * b_dk, axis=1), axis=0)
-            if not DGAM:
-                b_dlast += tl.exp(b_last) * tl.sum(b_dgam, axis=0)
-            b_dPt = tl.where(o_t[None, :] >= o_t[:, None], b_dPt * tl.exp(b_G[None, :] - b_G[:, None]), 0.) * scale
-        else:
-            b_dPt = tl.where(o_t[None, :] >= o_t[:, None], b_dPt, 0.) * scale
-        b_dk += _mm(b_dPt.to(OPD2), b_q.to(OPD2), PREC)                                     # [C, C] @ [C, BK]
-        tl.store(dk1 + p_hk, b_dk.to(dk1.dtype.element_ty), mask=m_tk)
-        if GATE == 1:
-            b_dg += tl.where(o_t == L - 1, b_dlast, 0.) - tl.sum(b_k * b_dk, axis=1)
-            tl.store(dGp + i_k * (tl.num_programs(1).to(tl.int64) * T) + rows * HV + i_h, b_dg, mask=m_t)
+    if GATE == 1:
+        if not EARLY:
+            b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
+        b_eG, b_ekend = _gate_factors(b_G, b_last, GATE)
+        b_dq = b_dq * scale * b_eG
+        b_dk = b_dk * b_ekend
+        b_dlast = tl.sum(tl.sum(b_k * b_dk, axis=1), axis=0)
+        if not DGAM:
+            b_dlast += tl.exp(b_last) * tl.sum(b_dgam, axis=0)
+        b_dP = tl.where(i_ge_j, b_dP * tl.exp(b_G[:, None] - b_G[None, :]), 0.) * scale
+        b_dPt = tl.where(o_t[None, :] >= o_t[:, None], b_dPt * tl.exp(b_G[None, :] - b_G[:, None]), 0.) * scale
     else:
-        if GATE == 1:
-            if not EARLY:
-                b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
-            b_eG, b_ekend = _gate_factors(b_G, b_last, GATE)
-            b_dq = b_dq * scale * b_eG
-            b_dk = b_dk * b_ekend
-            b_dlast = tl.sum(tl.sum(b_k * b_dk, axis=1), axis=0)
-            if not DGAM:
-                b_dlast += tl.exp(b_last) * tl.sum(b_dgam, axis=0)
-            b_dP = tl.where(i_ge_j, b_dP * tl.exp(b_G[:, None] - b_G[None, :]), 0.) * scale
-            b_dPt = tl.where(o_t[None, :] >= o_t[:, None], b_dPt * tl.exp(b_G[None, :] - b_G[:, None]), 0.) * scale
-        else:
-            b_dq = b_dq * scale
-            b_dP = tl.where(i_ge_j, b_dP, 0.) * scale
-            b_dPt = tl.where(o_t[None, :] >= o_t[:, None], b_dPt, 0.) * scale
-        b_dq += _mm(b_dP.to(OPD2), b_k.to(OPD2), PREC)                                          # [C, C] @ [C, BK]
-        b_dk += _mm(b_dPt.to(OPD2), b_q.to(OPD2), PREC)                                         # [C, C] @ [C, BK]
-        tl.store(dq + p_hk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
-        tl.store(dk1 + p_hk, b_dk.to(dk1.dtype.element_ty), mask=m_tk)
-        if GATE == 1:
-            b_dg = tl.sum(b_q * b_dq - b_k * b_dk, axis=1) + tl.where(o_t == L - 1, b_dlast, 0.)
-            tl.store(dGp + i_k * (tl.num_programs(1).to(tl.int64) * T) + rows * HV + i_h, b_dg, mask=m_t)
+        b_dq = b_dq * scale
+        b_dP = tl.where(i_ge_j, b_dP, 0.) * scale
+        b_dPt = tl.where(o_t[None, :] >= o_t[:, None], b_dPt, 0.) * scale
+    b_dq += _mm(b_dP.to(OPD2), b_k.to(OPD2), PREC)                                          # [C, C] @ [C, BK]
+    b_dk += _mm(b_dPt.to(OPD2), b_q.to(OPD2), PREC)                                         # [C, C] @ [C, BK]
+    tl.store(dq + p_hk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    tl.store(dk1 + p_hk, b_dk.to(dk1.dtype.element_ty), mask=m_tk)
+    if GATE == 1:
+        b_dg = tl.sum(b_q * b_dq - b_k * b_dk, axis=1) + tl.where(o_t == L - 1, b_dlast, 0.)
+        tl.store(dGp + i_k * (tl.num_programs(1).to(tl.int64) * T) + rows * HV + i_h, b_dg, mask=m_t)
+
+
+@triton.jit
+def _cols_ahead(X, rows, m_t, k0, i_h, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """Columns [k0, k0 + BK) of a [B, T, HV, K] tensor at the chunk's rows (zeros past K)."""
+    o_k = k0 + tl.arange(0, BK)
+    return tl.load(X + (rows[:, None] * HV + i_h) * K + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :], other=0.)
 
 
 @triton.jit
 def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, dv, dk, dbeta, dG, cu_seqlens, chunk_indices, T,
                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                    BV: tl.constexpr, C: tl.constexpr, NKP: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
-                   IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr = 0, NVD: tl.constexpr = 0):
+                   IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr = 0, NVD: tl.constexpr = 0,
+                   KD: tl.constexpr = 16, T_TRANS: tl.constexpr = 0, DK1_AHEAD: tl.constexpr = 0):
     """Scalar / no gate, one program per (chunk, value head), after _bwd_dqk_kernel: the gradients through T
     (the WY form W = T X, U = T Y), then dk, dβ, dg finished::
 
@@ -1210,7 +1213,10 @@ def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, dv, dk, dbeta, d
     Without the delta rule only the last step runs (dv = dR and dk = dk1 are the caller's). BK: the key loops'
     column block. LOWP as _bwd_grad_kernel's (T, dW, X, dT in 16 bits from 1, dA with K in 16 bits at 1 only).
     NVD > 0 (scalar gate): the last row's dG also takes e^{G_last} ⟨S, dS'⟩, summed from the reverse state pass's
-    NVD value-block shares in dgam [NC, HV, NVD]."""
+    rows in dgam [NC, HV, NVD, KD]. T_TRANS: T is Tᵀ's tile transposed (a loaded tile, not a product's
+    accumulator) instead of a second load of Tmat, whose latency the program waited on. DK1_AHEAD: the last key
+    loop loads dk1's next column block an iteration ahead (a plain load: Triton's pipeline leaves it out, and in the
+    iteration that uses it the program waited on it)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
     i_hk = i_h // (HV // H)
@@ -1225,11 +1231,6 @@ def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, dv, dk, dbeta, d
         s_p = tl.num_programs(1).to(tl.int64) * T          # one column block's share: [B, T, HV]
         for i_p in tl.static_range(NKP):
             b_dGr += tl.load(dGp + i_p * s_p + rows * HV + i_h, mask=m_t, other=0.)
-        if NVD > 0:
-            b_sds = 0.
-            for i_p in tl.static_range(NVD):
-                b_sds += tl.load(dgam + (i_g * HV + i_h).to(tl.int64) * NVD + i_p)
-            b_dGr += tl.where(o_t == L - 1, tl.exp(b_last) * b_sds, 0.)
     if DELTA:
         b_beta = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.).to(tl.float32)
         b_Tt = tl.load(Tmat + p_ccT, mask=m_cc & (o_t[None, :] >= o_t[:, None]), other=0.)        # Tᵀ [C, C]
@@ -1261,7 +1262,12 @@ def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, dv, dk, dbeta, d
             b_dw = tl.load(dW + p_hk, mask=m_tk, other=0.).to(OPD)
             b_dT += _mm(b_dw, tl.trans(b_x), PREC)                                           # [C, BK] @ [BK, C]
             b_dTt += _mm(b_x, tl.trans(b_dw), PREC)                                          # [C, BK] @ [BK, C]
-        b_Tl = tl.load(Tmat + p_cc, mask=m_cc & (o_t[:, None] >= o_t[None, :]), other=0.).to(OPD)   # T
+        if T_TRANS:
+            b_Tl = tl.trans(b_Ttl)                                                          # T
+        else:
+            b_Tl = tl.load(Tmat + p_cc, mask=m_cc & (o_t[:, None] >= o_t[None, :]), other=0.).to(OPD)
+        if DK1_AHEAD:   # the first column block of dk1, its latency under the dA products
+            b_dk1n = _cols_ahead(dk1, rows, m_t, 0, i_h, HV, K, BK)
         b_dA = _mm(_mm(b_Ttl, b_dT.to(OPD), PREC).to(OPD), b_Ttl, PREC)                     # [C, C] @ [C, C] @ [C, C]
         b_dAt = _mm(_mm(b_Tl, b_dTt.to(OPD), PREC).to(OPD), b_Tl, PREC)                     # [C, C] @ [C, C] @ [C, C]
         b_dA = tl.where(m_cc & (o_t[:, None] > o_t[None, :]), -b_dA, 0.)
@@ -1283,17 +1289,28 @@ def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, dv, dk, dbeta, d
             b_dx = _mm(b_Ttl, b_dw, PREC)                                                    # [C, C] @ [C, BK]
             b_dkb = _mm(b_dA, b_k.to(OPD2), PREC)                                            # [C, C] @ [C, BK]
             b_dkp = _mm(b_dAt, b_kb.to(OPD2), PREC)                                          # [C, C] @ [C, BK]
+            if DK1_AHEAD:
+                b_dk1 = b_dk1n
+                b_dk1n = _cols_ahead(dk1, rows, m_t, (i_k + 1) * BK, i_h, HV, K, BK)
+            else:
+                b_dk1 = tl.load(dk1 + p_hk, mask=m_tk, other=0.)
             if GATE == 1:
                 b_dxk = b_beta[:, None] * b_eG * b_dx
             else:
                 b_dxk = b_beta[:, None] * b_dx
-            b_dk = tl.load(dk1 + p_hk, mask=m_tk, other=0.) + b_dxk + b_dkp + b_beta[:, None] * b_dkb
+            b_dk = b_dk1 + b_dxk + b_dkp + b_beta[:, None] * b_dkb
             b_db += tl.sum(b_ke * b_dx + b_k * b_dkb, axis=1)
             if GATE == 1:
                 b_dGr += tl.sum(b_k * b_dxk + b_kb * b_dkb - b_k * b_dkp, axis=1)
             tl.store(dk + p_hk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
         tl.store(dbeta + rows * HV + i_h, b_db, mask=m_t)
     if GATE == 1:
+        if NVD > 0:     # e^{G_last} ⟨S, dS'⟩ on the last row, from the reverse pass's rows
+            o_d = tl.arange(0, KD)
+            b_sds = tl.zeros([KD], dtype=tl.float32)
+            for i_p in tl.static_range(NVD):
+                b_sds += tl.load(dgam + ((i_g * HV + i_h) * NVD + i_p).to(tl.int64) * KD + o_d)
+            b_dGr += tl.where(o_t == L - 1, tl.exp(b_last) * tl.sum(b_sds, axis=0), 0.)
         b_dg = tl.sum(b_dGr, axis=0) - tl.cumsum(b_dGr, axis=0) + b_dGr                         # reverse cumsum
         tl.store(dG + rows * HV + i_h, b_dg, mask=m_t)
 
@@ -1585,6 +1602,14 @@ BWD_DQK_EARLY = {0: 1, 1: 0}
 # state pass, which holds dS' in registers and loads S once per chunk off its chain, instead of by _bwd_dqk_kernel's V
 # loop (offline sm_90, GDN bf16: that kernel spilled only with this elementwise product; CHUNKWISE_BWD_DGAM_DH=0 keeps it)
 BWD_DGAM_DH = 1
+# _bwd_wy_kernel's two plain loads that Nsight Compute's long-scoreboard stalls point at (DeltaNet B1-T32768-H32 bf16,
+# run of 804bdbc: 1.30 ms, 2 programs per SM, issue slots 23 % busy, long scoreboard 2.97 cycles per issue): T read a
+# second time (BWD_WY_T_TRANS=1: Tᵀ's tile transposed instead) and dk1 loaded in every iteration of the last key
+# loop where it is used (offline sm_90: a plain load, the product accumulator it feeds keeps it out of the software
+# pipeline; BWD_WY_DK1_AHEAD=1: loaded an iteration ahead). CHUNKWISE_BWD_WY_T_TRANS / CHUNKWISE_BWD_WY_DK1_AHEAD
+# override
+BWD_WY_T_TRANS = 1
+BWD_WY_DK1_AHEAD = 1
 BWD_DK1_16 = 1
 # 16-bit inputs: the products' operands in the input dtype, fp32 accumulation. 1: the two serial state
 # passes (fwd_h, bwd_dh); 2: also the W / U / dR_local recompute; 3: also the key side's products of T, dW,
@@ -1878,7 +1903,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     dqk = gate != 2 and _env_switch("CHUNKWISE_BWD_DQK", BWD_DQK)
     # scalar gate on the dqk path: ⟨S, dS'⟩ per chunk from the reverse pass (BWD_DGAM_DH)
     dgam_dh = dqk and gate == 1 and _env_switch("CHUNKWISE_BWD_DGAM_DH", BWD_DGAM_DH)
-    dgam = buf(NC, HV, grid_s[0]) if dgam_dh else None
+    dgam = buf(NC, HV, grid_s[0], BK) if dgam_dh else None
     _bwd_dh_kernel[grid_s](q_s, k_s, G, W, dRl, do, dht, dh, dR, dh0, h, dgam, scale=scale, unit=1.0, H=H, HV=HV, K=K,
                            V=V, BK=BK,
                            BV=BV, C=C, GATE=gate, DELTA=delta, HAS_DHT=dht is not None, HAS_H0=has_h0,
@@ -1910,14 +1935,16 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                                             scale=scale, H=H, HV=HV, K=K, V=V, BK=bka, BV=bva, C=C, GATE=gate,
                                             DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_key,
                                             EARLY=_env_switch("CHUNKWISE_BWD_DQK_EARLY", BWD_DQK_EARLY[gate]),
-                                            DQ_FIRST=_env_switch("CHUNKWISE_BWD_DQK_DQ_FIRST", 0), DGAM=dgam_dh,
+                                            DGAM=dgam_dh,
                                             num_warps=_warps("bwd_dqk", gate), **_regs("bwd_dqk", gate),
                                             num_stages=ns, **common)
         if delta or gate:
             bkw = _env_block("CHUNKWISE_BWD_WY_BK", BWD_WY_BK, BK)
-            _bwd_wy_kernel[grid_c](k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, dv, dk, dbeta, dG, H=H, HV=HV, K=K,
-                                   V=V, BK=bkw, BV=BV, C=C, NKP=nka, GATE=gate, DELTA=delta, IS_VARLEN=varlen,
-                                   PREC=prec, LOWP=lowp_key, NVD=grid_s[0] if dgam_dh else 0, num_warps=_warps("bwd_wy", gate), **_regs("bwd_wy", gate),
+            _bwd_wy_kernel[grid_c](k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, dv, dk, dbeta, dG, H=H, HV=HV,
+                                   K=K, V=V, BK=bkw, BV=BV, C=C, NKP=nka, GATE=gate, DELTA=delta, IS_VARLEN=varlen,
+                                   PREC=prec, LOWP=lowp_key, NVD=grid_s[0] if dgam_dh else 0, KD=BK,
+                                   T_TRANS=_env_switch("CHUNKWISE_BWD_WY_T_TRANS", BWD_WY_T_TRANS),
+                                   DK1_AHEAD=_env_switch("CHUNKWISE_BWD_WY_DK1_AHEAD", BWD_WY_DK1_AHEAD), num_warps=_warps("bwd_wy", gate), **_regs("bwd_wy", gate),
                                    num_stages=ns, **common)
         if not delta:       # dv = dR
             dv = dR if dR.dtype == v.dtype else dR.to(v.dtype)
