@@ -40,9 +40,10 @@ KERNELS = {
                 dict(T="i32", scale="fp32"), dict(BK=cb.BWD_DQK_BK, EARLY=0)),
     "bwd_wy": ("_bwd_wy_kernel",           # scalar / no gate: the gradients through T, per chunk (BWD_DQK)
                dict(k="in", v="in", beta="in", G="fp32", Tmat="fp32", dW="in", dR="s", dk1="in", dGp="fp32",
-                    dgam="fp32", dv="in", dk="g", dbeta="fp32", dG="fp32"),
+                    dgam="fp32", Ascr="fp32", dv="in", dk="g", dbeta="fp32", dG="fp32"),
                dict(T="i32"),
-               dict(BK=cb.BWD_WY_BK, NKP=2, KD=128, T_TRANS=cb.BWD_WY_T_TRANS, DK1_AHEAD=cb.BWD_WY_DK1_AHEAD)),
+               dict(BK=cb.BWD_WY_BK, NKP=2, KD=128, T_TRANS=cb.BWD_WY_T_TRANS, DK1_AHEAD=cb.BWD_WY_DK1_AHEAD,
+                    DA_SCR=cb.BWD_WY_DA_SCR)),
     "bwd_dh": ("_bwd_dh_kernel",
                dict(q="in", k="in", G="fp32", W="s", dRl="s", do="in", dht="fp32", dh="s", dR="s", dh0="fp32",
                     h="s", dgam="fp32"),
@@ -110,7 +111,7 @@ def compile_kernel(name, fam="gdn", num_warps=8, K=128, V=128, num_stages=3, low
     for arg, kind in ptrs.items():
         dgam = gate == 1 and cb.BWD_DGAM_DH and overrides.get("DGAM", 1) and overrides.get("NVD", 1)
         absent = (arg == "dgam" and not dgam) or (arg == "h" and name == "bwd_dh" and not dgam) or \
-                 (arg == "G" and not gate) or (arg in ("beta", "Tmat", "W", "U", "R", "dbeta", "dbp", "dW") and not delta) or \
+                 (arg == "G" and not gate) or (arg in ("beta", "Tmat", "W", "U", "R", "dbeta", "dbp", "dW", "Ascr") and not delta) or \
                  (arg == "Amat" and not delta) or (arg in ("dG", "dGp") and not gate)
         if absent:
             consts[arg] = None

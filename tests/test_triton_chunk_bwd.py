@@ -597,14 +597,15 @@ def test_bwd_lowp_default_level(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("form", ["dqk", "dqk_bk16", "old", "early_dk32_wy16", "dgam_vloop", "wy_plain"])
+@pytest.mark.parametrize("form", ["dqk", "dqk_bk16", "old", "early_dk32_wy16", "dgam_vloop", "wy_plain", "wy_da_scratch"])
 @pytest.mark.parametrize("fam", ["delta", "gdn", "gla"])
 def test_value_key_side_forms(fam, form, dtype, monkeypatch):
     """Scalar / no gate: the value and key sides as the state tiles' pass by key column blocks and the WY pass
     (CHUNKWISE_BWD_DQK=1, the default; at 16-wide blocks the dg shares of two blocks are summed; the variant with q,
     k, the gate loaded before the V loop, dk1 kept in fp32, the WY pass's key loops at 16 columns; the gate's
     ⟨S, dS'⟩ in the state-tile pass's V loop instead of the reverse pass, CHUNKWISE_BWD_DGAM_DH=0; the WY pass with
-    T loaded twice and dk1 loaded where it is used, CHUNKWISE_BWD_WY_T_TRANS=0 / _DK1_AHEAD=0) or as the
+    T loaded twice and dk1 loaded where it is used, CHUNKWISE_BWD_WY_T_TRANS=0 / _DK1_AHEAD=0; its dAᵀ read back
+    transposed from a scratch, CHUNKWISE_BWD_WY_DA_SCR=1) or as the
     value-side and key-side kernels (0): every gradient equals the reference's, on a varlen batch whose sequences
     end mid-chunk, take one chunk and one token, with grouped heads; and the two forms agree with each other. The
     default form runs at V = 64, two value blocks of the reverse pass (two ⟨S, dS'⟩ shares per chunk)."""
@@ -620,6 +621,8 @@ def test_value_key_side_forms(fam, form, dtype, monkeypatch):
     if form == "wy_plain":
         monkeypatch.setenv("CHUNKWISE_BWD_WY_T_TRANS", "0")
         monkeypatch.setenv("CHUNKWISE_BWD_WY_DK1_AHEAD", "0")
+    if form == "wy_da_scratch":
+        monkeypatch.setenv("CHUNKWISE_BWD_WY_DA_SCR", "1")
     inp = make_inputs(fam, lengths=[1, 130, 64, 30], H=1, HV=2, K=32, V=64 if form == "dqk" else 32, seed=17)
     ours = _grads(inp, "triton", dtype)
     _compare(inp, TOL[dtype], dtype=dtype)

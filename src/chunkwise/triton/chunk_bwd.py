@@ -1196,11 +1196,12 @@ def _cols_ahead(X, rows, m_t, k0, i_h, HV: tl.constexpr, K: tl.constexpr, BK: tl
 
 
 @triton.jit
-def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, dv, dk, dbeta, dG, cu_seqlens, chunk_indices, T,
+def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, Ascr, dv, dk, dbeta, dG, cu_seqlens, chunk_indices, T,
                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                    BV: tl.constexpr, C: tl.constexpr, NKP: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
                    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr = 0, NVD: tl.constexpr = 0,
-                   KD: tl.constexpr = 16, T_TRANS: tl.constexpr = 0, DK1_AHEAD: tl.constexpr = 0):
+                   KD: tl.constexpr = 16, T_TRANS: tl.constexpr = 0, DK1_AHEAD: tl.constexpr = 0,
+                   DA_SCR: tl.constexpr = 0):
     """Scalar / no gate, one program per (chunk, value head), after _bwd_dqk_kernel: the gradients through T
     (the WY form W = T X, U = T Y), then dk, dβ, dg finished::
 
@@ -1216,7 +1217,9 @@ def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, dv, dk, dbeta, d
     rows in dgam [NC, HV, NVD, KD]. T_TRANS: T is Tᵀ's tile transposed (a loaded tile, not a product's
     accumulator) instead of a second load of Tmat, whose latency the program waited on. DK1_AHEAD: the last key
     loop loads dk1's next column block an iteration ahead (a plain load: Triton's pipeline leaves it out, and in the
-    iteration that uses it the program waited on it)."""
+    iteration that uses it the program waited on it). DA_SCR: dAᵀ read back transposed from the chunk's rows of Ascr
+    ([B, T, HV, C] fp32 scratch) after dA is stored there and the program's threads meet at a barrier, instead of
+    formed by products of its own (dTᵀ in both loops and −T dTᵀ T: 12 of the pass's 40 [64, 32, 64] products)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
     i_hk = i_h // (HV // H)
@@ -1247,7 +1250,8 @@ def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, dv, dk, dbeta, d
             b_v = tl.load(v + p_tv, mask=m_tv, other=0.)
             b_vb = (b_v.to(tl.float32) * b_beta[:, None]).to(dR.dtype.element_ty)
             b_dT += _mm(b_dR, tl.trans(b_vb), PREC)                                          # [C, BV] @ [BV, C]
-            b_dTt += _mm(b_vb, tl.trans(b_dR), PREC)                                         # [C, BV] @ [BV, C]
+            if not DA_SCR:
+                b_dTt += _mm(b_vb, tl.trans(b_dR), PREC)                                     # [C, BV] @ [BV, C]
             b_dy = _mm(b_Ttv, b_dR, PREC)                                                    # [C, C] @ [C, BV]
             tl.store(dv + p_tv, (b_dy * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
             b_db += tl.sum(b_v.to(tl.float32) * b_dy, axis=1)
@@ -1261,20 +1265,31 @@ def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, dv, dk, dbeta, d
             b_x = b_x.to(OPD)
             b_dw = tl.load(dW + p_hk, mask=m_tk, other=0.).to(OPD)
             b_dT += _mm(b_dw, tl.trans(b_x), PREC)                                           # [C, BK] @ [BK, C]
-            b_dTt += _mm(b_x, tl.trans(b_dw), PREC)                                          # [C, BK] @ [BK, C]
-        if T_TRANS:
+            if not DA_SCR:
+                b_dTt += _mm(b_x, tl.trans(b_dw), PREC)                                      # [C, BK] @ [BK, C]
+        if DA_SCR:
+            pass
+        elif T_TRANS:
             b_Tl = tl.trans(b_Ttl)                                                          # T
         else:
             b_Tl = tl.load(Tmat + p_cc, mask=m_cc & (o_t[:, None] >= o_t[None, :]), other=0.).to(OPD)
         if DK1_AHEAD:   # the first column block of dk1, its latency under the dA products
             b_dk1n = _cols_ahead(dk1, rows, m_t, 0, i_h, HV, K, BK)
         b_dA = _mm(_mm(b_Ttl, b_dT.to(OPD), PREC).to(OPD), b_Ttl, PREC)                     # [C, C] @ [C, C] @ [C, C]
-        b_dAt = _mm(_mm(b_Tl, b_dTt.to(OPD), PREC).to(OPD), b_Tl, PREC)                     # [C, C] @ [C, C] @ [C, C]
+        if not DA_SCR:
+            b_dAt = _mm(_mm(b_Tl, b_dTt.to(OPD), PREC).to(OPD), b_Tl, PREC)                 # [C, C] @ [C, C] @ [C, C]
         b_dA = tl.where(m_cc & (o_t[:, None] > o_t[None, :]), -b_dA, 0.)
-        b_dAt = tl.where(m_cc & (o_t[None, :] > o_t[:, None]), -b_dAt, 0.)
+        if not DA_SCR:
+            b_dAt = tl.where(m_cc & (o_t[None, :] > o_t[:, None]), -b_dAt, 0.)
         if GATE == 1:
             b_dA = b_dA * tl.exp(tl.where(o_t[:, None] > o_t[None, :], b_G[:, None] - b_G[None, :], float("-inf")))
-            b_dAt = b_dAt * tl.exp(tl.where(o_t[None, :] > o_t[:, None], b_G[None, :] - b_G[:, None], float("-inf")))
+            if not DA_SCR:
+                b_dAt = b_dAt * tl.exp(tl.where(o_t[None, :] > o_t[:, None], b_G[None, :] - b_G[:, None],
+                                                float("-inf")))
+        if DA_SCR:      # dAᵀ: the chunk's rows of the scratch, read back transposed once every thread has stored
+            tl.store(Ascr + p_cc, b_dA, mask=m_cc)
+            tl.debug_barrier()
+            b_dAt = tl.load(Ascr + p_ccT, mask=m_cc, other=0.)
         b_dA, b_dAt = b_dA.to(OPD2), b_dAt.to(OPD2)
         for i_k in range(tl.cdiv(K, BK)):
             o_k = i_k * BK + tl.arange(0, BK)
@@ -1610,6 +1625,10 @@ BWD_DGAM_DH = 1
 # override
 BWD_WY_T_TRANS = 1
 BWD_WY_DK1_AHEAD = 1
+# _bwd_wy_kernel's dAᵀ through a per-chunk fp32 scratch (the unused Amat) and a barrier instead of its own products
+# (CHUNKWISE_BWD_WY_DA_SCR=1; a variant until timed: 30 % fewer products and one [C, C] accumulator less, for a
+# 16 KB store, a barrier and an L2 read per chunk)
+BWD_WY_DA_SCR = 0
 BWD_DK1_16 = 1
 # 16-bit inputs: the products' operands in the input dtype, fp32 accumulation. 1: the two serial state
 # passes (fwd_h, bwd_dh); 2: also the W / U / dR_local recompute; 3: also the key side's products of T, dW,
@@ -1834,8 +1853,15 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         G = buf(*g.shape)
         _gate_cumsum_kernel[grid_c](g, G, floor=GATE_FLOOR, HV=HV, K=K, BK=BK, C=C, PER_CHANNEL=gate == 2,
                                     IS_VARLEN=varlen, num_warps=_warps("gate_cumsum", gate, wide8), **_regs("gate_cumsum", gate, wide8), num_stages=ns, **common)
-    Amat = buf(B, T, HV, C) if delta else None
-    Pmat = buf(B, T, HV, C)
+    # scalar / no gate: the dqk path (BWD_DQK) needs no Amat / Pmat scratch but where the recompute takes the three
+    # chunk kernels (no saved stage 1, no fused pass) or the WY pass reads dAᵀ back through Amat (BWD_WY_DA_SCR)
+    dqk = gate != 2 and _env_switch("CHUNKWISE_BWD_DQK", BWD_DQK)
+    fused_prep = saved is None and delta and gate != 2 and q.dtype != torch.float16 and \
+        int(os.environ.get("CHUNKWISE_BWD_FUSED_PREP", BWD_FUSED_PREP))
+    da_scr = dqk and delta and _env_switch("CHUNKWISE_BWD_WY_DA_SCR", BWD_WY_DA_SCR)
+    scratch = not dqk or (saved is None and not fused_prep)
+    Amat = buf(B, T, HV, C) if delta and (scratch or da_scr) else None
+    Pmat = buf(B, T, HV, C) if scratch else None
     Tmat = W = U = R = None
     if saved is not None:
         # the forward's stage 1 (T, W, U in the dtypes the recompute would give; P in the input dtype, as the
@@ -1855,7 +1881,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                                HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate, DELTA=False, IS_VARLEN=varlen, PREC=prec,
                                LOWP=lowp_wu, num_warps=_warps("wu", gate, wide8), **_regs("wu", gate, wide8),
                                num_stages=ns, **common)
-    elif delta and gate != 2 and q.dtype != torch.float16 and int(os.environ.get("CHUNKWISE_BWD_FUSED_PREP", BWD_FUSED_PREP)):
+    elif fused_prep:
         # one pass per chunk (the forward's stage-1 kernel): T, W, U, dR_local; A and P stay in registers,
         # Amat and Pmat are only the scratch the value and key sides write dT_v / dA / dP into
         from .chunk_fwd import chunk_prepare_bwd
@@ -1900,7 +1926,6 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     dh = buf(NC, HV, K, V, dtype=sdt)
     dR = buf(B, T, HV, V, dtype=sdt)
     dh0 = buf(*h0.shape) if has_h0 else None
-    dqk = gate != 2 and _env_switch("CHUNKWISE_BWD_DQK", BWD_DQK)
     # scalar gate on the dqk path: ⟨S, dS'⟩ per chunk from the reverse pass (BWD_DGAM_DH)
     dgam_dh = dqk and gate == 1 and _env_switch("CHUNKWISE_BWD_DGAM_DH", BWD_DGAM_DH)
     dgam = buf(NC, HV, grid_s[0], BK) if dgam_dh else None
@@ -1940,11 +1965,12 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                                             num_stages=ns, **common)
         if delta or gate:
             bkw = _env_block("CHUNKWISE_BWD_WY_BK", BWD_WY_BK, BK)
-            _bwd_wy_kernel[grid_c](k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, dv, dk, dbeta, dG, H=H, HV=HV,
+            _bwd_wy_kernel[grid_c](k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, Amat, dv, dk, dbeta, dG, H=H, HV=HV,
                                    K=K, V=V, BK=bkw, BV=BV, C=C, NKP=nka, GATE=gate, DELTA=delta, IS_VARLEN=varlen,
                                    PREC=prec, LOWP=lowp_key, NVD=grid_s[0] if dgam_dh else 0, KD=BK,
                                    T_TRANS=_env_switch("CHUNKWISE_BWD_WY_T_TRANS", BWD_WY_T_TRANS),
-                                   DK1_AHEAD=_env_switch("CHUNKWISE_BWD_WY_DK1_AHEAD", BWD_WY_DK1_AHEAD), num_warps=_warps("bwd_wy", gate), **_regs("bwd_wy", gate),
+                                   DK1_AHEAD=_env_switch("CHUNKWISE_BWD_WY_DK1_AHEAD", BWD_WY_DK1_AHEAD),
+                                   DA_SCR=da_scr, num_warps=_warps("bwd_wy", gate), **_regs("bwd_wy", gate),
                                    num_stages=ns, **common)
         if not delta:       # dv = dR
             dv = dR if dR.dtype == v.dtype else dR.to(v.dtype)
