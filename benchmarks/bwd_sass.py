@@ -34,16 +34,16 @@ KERNELS = {
                dict(q="in", k="in", v="in", beta="in", G="fp32", Tmat="fp32", h="s", R="s", dR="s", do="in",
                     Pmat="fp32", Amat="fp32", dq="g", dv="in", dbeta="fp32", dG="fp32"),
                dict(T="i32", scale="fp32"), {}),
-    "bwd_dqk": ("_bwd_dqk_kernel",         # scalar / no gate: the state tiles' pass by key column blocks (BWD_DQK)
+    "bwd_dqk": ("_bwd_dqk_kernel",         # the state tiles' pass by key column blocks (BWD_DQK, KDA: BWD_DQK_KDA)
                 dict(q="in", k="in", v="in", G="fp32", h="s", dh="s", R="s", dR="s", do="in", dq="g", dk1="in",
-                     dW="in", dGp="fp32"),
-                dict(T="i32", scale="fp32"), dict(BK=cb.BWD_DQK_BK, EARLY=0)),
+                     dW="in", dGp="fp32", dgam="fp32"),
+                dict(T="i32", scale="fp32"), dict(BK=cb.BWD_DQK_BK, EARLY=0, KD=128)),
     "bwd_wy": ("_bwd_wy_kernel",           # scalar / no gate: the gradients through T, per chunk (BWD_DQK)
                dict(k="in", v="in", beta="in", G="fp32", Tmat="fp32", dW="in", dR="s", dk1="in", dGp="fp32",
-                    dgam="fp32", Ascr="fp32", dv="in", dk="g", dbeta="fp32", dG="fp32"),
-               dict(T="i32"),
+                    dgam="fp32", Ascr="fp32", dv="in", dk="g", dbeta="fp32", dG="fp32", R="s", do="in", Pmat="fp32"),
+               dict(T="i32", scale="fp32"),
                dict(BK=cb.BWD_WY_BK, NKP=2, KD=128, T_TRANS=cb.BWD_WY_T_TRANS, DK1_AHEAD=cb.BWD_WY_DK1_AHEAD,
-                    DA_SCR=cb.BWD_WY_DA_SCR)),
+                    DA_SCR=0)),
     "bwd_dh": ("_bwd_dh_kernel",
                dict(q="in", k="in", G="fp32", W="s", dRl="s", do="in", dht="fp32", dh="s", dR="s", dh0="fp32",
                     h="s", dgam="fp32"),
@@ -109,8 +109,13 @@ def compile_kernel(name, fam="gdn", num_warps=8, K=128, V=128, num_stages=3, low
     gdt = dtype if gate != 2 else "fp32"
     sig, consts = {}, dict(cu_seqlens=None, chunk_indices=None)
     for arg, kind in ptrs.items():
-        dgam = gate == 1 and cb.BWD_DGAM_DH and overrides.get("DGAM", 1) and overrides.get("NVD", 1)
+        dgam = gate > 0 and cb.BWD_DGAM_DH and overrides.get("DGAM", 1) and overrides.get("NVD", 1)
+        if arg == "dk1" and gate == 2:
+            kind = "g"          # KDA's dk1 is dk itself (fp32)
         absent = (arg == "dgam" and not dgam) or (arg == "h" and name == "bwd_dh" and not dgam) or \
+                 (arg in ("Ascr", "Pmat") and name == "bwd_wy" and gate != 2 and
+                  not overrides.get("DA_SCR", delta and cb.BWD_WY_DA_SCR[gate])) or (arg == "Pmat" and gate != 2) or \
+                 (arg in ("R", "do") and name == "bwd_wy" and gate != 2) or \
                  (arg == "G" and not gate) or (arg in ("beta", "Tmat", "W", "U", "R", "dbeta", "dbp", "dW", "Ascr") and not delta) or \
                  (arg == "Amat" and not delta) or (arg in ("dG", "dGp") and not gate)
         if absent:
@@ -122,8 +127,8 @@ def compile_kernel(name, fam="gdn", num_warps=8, K=128, V=128, num_stages=3, low
                   PREC="tf32" if dtype != "fp32" else "tf32x3",
                   LOWP=lowp)
     params.update(extra)
-    dgam = int(bool(gate == 1 and cb.BWD_DGAM_DH))     # ⟨S, dS'⟩ from the reverse pass (BWD_DGAM_DH)
-    params.update(DGAM=dgam, NVD=4 * dgam)
+    dgam = int(bool(gate > 0 and cb.BWD_DGAM_DH))      # ⟨S, dS'⟩ from the reverse pass (BWD_DGAM_DH)
+    params.update(DGAM=dgam, NVD=4 * dgam, DA_SCR=int(bool(delta and cb.BWD_WY_DA_SCR[gate])))
     params.update(overrides)
     consts.update({p: v for p, v in params.items() if p in kernel.arg_names})
     for arg in list(consts):

@@ -93,11 +93,10 @@ STATES_VARIANTS = "recompute:CHUNKWISE_SAVE_STATES=0;states:CHUNKWISE_SAVE_STATE
 # default) against _bwd_dv_kernel + _bwd_grad_kernel (run of b5d9499: also 8 warps, 32-wide blocks, a register cap, the
 # reverse pass's own Pᵀ dO, all slower; run of 05fc501: 16-bit dk1 and the early loads for DeltaNet won, now the
 # defaults; fp32 dk1 and the WY pass at 64 columns slower; run of 804bdbc: the dq-first order slower for both,
-# removed); now: the gate's ⟨S, dS'⟩ in the state-tile pass's V loop (dgamv) instead of the reverse pass
-# (BWD_DGAM_DH, the default), the WY pass with T loaded twice and dk1 loaded where it is used (wyplain), its dAᵀ
-# through a scratch and a barrier instead of its own products (dascr)
-DQK_VARIANTS = ("dqk:;dgamv:CHUNKWISE_BWD_DGAM_DH=0;wyplain:CHUNKWISE_BWD_WY_T_TRANS=0,CHUNKWISE_BWD_WY_DK1_AHEAD=0;"
-                "dascr:CHUNKWISE_BWD_WY_DA_SCR=1")
+# removed; run of 21cb7e1: the gate's ⟨S, dS'⟩ from the reverse pass slower (off), the WY pass's T once and dk1 ahead
+# faster for DeltaNet, its dAᵀ through a scratch faster for GDN only); now KDA: the two kernels + the pair kernel
+# (BWD_DQK_KDA, the default) against the value-side + key-side kernels (kdaold), with ⟨S, dS'⟩ from the reverse pass
+DQK_VARIANTS = "dqk:;kdaold:CHUNKWISE_BWD_DQK_KDA=0;dgamdh:CHUNKWISE_BWD_DGAM_DH=1"
 NAMED = {"dqk": DQK_VARIANTS, "ahead": AHEAD_VARIANTS, "states": STATES_VARIANTS, "pair": PAIR_VARIANTS, "gates": GATES_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
          "oneref": ONEREF_VARIANTS}
 

@@ -596,19 +596,23 @@ def test_bwd_lowp_default_level(monkeypatch):
     assert bwd_lowp_level(torch.bfloat16, 128) == 1 and bwd_lowp_level(torch.float32, 128) == 0
 
 
+_FORMS = ["dqk", "dqk_bk16", "old", "early_dk32_wy16", "dgam_dh", "wy_plain", "wy_da_other"]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("form", ["dqk", "dqk_bk16", "old", "early_dk32_wy16", "dgam_vloop", "wy_plain", "wy_da_scratch"])
-@pytest.mark.parametrize("fam", ["delta", "gdn", "gla"])
+@pytest.mark.parametrize("fam, form", [(f, m) for f in ("delta", "gdn", "gla", "kda") for m in _FORMS
+                                       if not (f == "kda" and m.startswith("wy_"))])
 def test_value_key_side_forms(fam, form, dtype, monkeypatch):
-    """Scalar / no gate: the value and key sides as the state tiles' pass by key column blocks and the WY pass
-    (CHUNKWISE_BWD_DQK=1, the default; at 16-wide blocks the dg shares of two blocks are summed; the variant with q,
-    k, the gate loaded before the V loop, dk1 kept in fp32, the WY pass's key loops at 16 columns; the gate's
-    ⟨S, dS'⟩ in the state-tile pass's V loop instead of the reverse pass, CHUNKWISE_BWD_DGAM_DH=0; the WY pass with
-    T loaded twice and dk1 loaded where it is used, CHUNKWISE_BWD_WY_T_TRANS=0 / _DK1_AHEAD=0; its dAᵀ read back
-    transposed from a scratch, CHUNKWISE_BWD_WY_DA_SCR=1) or as the
-    value-side and key-side kernels (0): every gradient equals the reference's, on a varlen batch whose sequences
-    end mid-chunk, take one chunk and one token, with grouped heads; and the two forms agree with each other. The
-    default form runs at V = 64, two value blocks of the reverse pass (two ⟨S, dS'⟩ shares per chunk)."""
+    """The value and key sides as the state tiles' pass by key column blocks and the WY pass (CHUNKWISE_BWD_DQK=1,
+    the default; per-channel gates then the pair kernel) or as the value-side and key-side kernels (0), in each
+    variant: at 16-wide blocks (the dg shares of two blocks summed); q, k and the gate loaded before the V loop, dk1
+    kept in fp32 and the WY pass's key loops at 16 columns; the gate's ⟨S, dS'⟩ from the reverse pass
+    (CHUNKWISE_BWD_DGAM_DH=1); the WY pass with T loaded twice and dk1 loaded where it is used
+    (CHUNKWISE_BWD_WY_T_TRANS=0 / _DK1_AHEAD=0); its dAᵀ through the scratch or through products, whichever is not
+    the family's default (CHUNKWISE_BWD_WY_DA_SCR). Every gradient equals the reference's, on a varlen batch whose
+    sequences end mid-chunk, take one chunk and one token, with grouped heads; and the two forms agree with each
+    other. The default and ⟨S, dS'⟩ forms run at V = 64 (two value blocks of the reverse pass)."""
+    from chunkwise.triton.chunk_bwd import BWD_WY_DA_SCR
     monkeypatch.setenv("CHUNKWISE_BWD_DQK", "0" if form == "old" else "1")
     if form == "dqk_bk16":
         monkeypatch.setenv("CHUNKWISE_BWD_DQK_BK", "16")
@@ -616,14 +620,15 @@ def test_value_key_side_forms(fam, form, dtype, monkeypatch):
         monkeypatch.setenv("CHUNKWISE_BWD_DQK_EARLY", "1")
         monkeypatch.setenv("CHUNKWISE_BWD_DK1_16", "0")
         monkeypatch.setenv("CHUNKWISE_BWD_WY_BK", "16")
-    if form == "dgam_vloop":
-        monkeypatch.setenv("CHUNKWISE_BWD_DGAM_DH", "0")
+    if form == "dgam_dh":
+        monkeypatch.setenv("CHUNKWISE_BWD_DGAM_DH", "1")
     if form == "wy_plain":
         monkeypatch.setenv("CHUNKWISE_BWD_WY_T_TRANS", "0")
         monkeypatch.setenv("CHUNKWISE_BWD_WY_DK1_AHEAD", "0")
-    if form == "wy_da_scratch":
-        monkeypatch.setenv("CHUNKWISE_BWD_WY_DA_SCR", "1")
-    inp = make_inputs(fam, lengths=[1, 130, 64, 30], H=1, HV=2, K=32, V=64 if form == "dqk" else 32, seed=17)
+    if form == "wy_da_other":
+        monkeypatch.setenv("CHUNKWISE_BWD_WY_DA_SCR", str(1 - BWD_WY_DA_SCR[1 if fam == "gdn" else 0]))
+    inp = make_inputs(fam, lengths=[1, 130, 64, 30], H=1, HV=2, K=32, V=64 if form in ("dqk", "dgam_dh") else 32,
+                      seed=17)
     ours = _grads(inp, "triton", dtype)
     _compare(inp, TOL[dtype], dtype=dtype)
     monkeypatch.setenv("CHUNKWISE_BWD_DQK", "1" if form == "old" else "0")

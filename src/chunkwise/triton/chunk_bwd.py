@@ -1090,11 +1090,11 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
 # ------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seqlens, chunk_indices, T, scale,
+def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, dgam, cu_seqlens, chunk_indices, T, scale,
                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                     BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
                     IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr = 0, EARLY: tl.constexpr = 0,
-                    DGAM: tl.constexpr = 0):
+                    DGAM: tl.constexpr = 0, NVD: tl.constexpr = 0, KD: tl.constexpr = 16):
     """Scalar / no gate, one program per (key column block of BK, chunk, value head); everything that needs the
     chunk's state tiles h (S) and dh (dS'), read once::
 
@@ -1111,7 +1111,12 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seqlens, 
     latency under it), else after it. dk1's dtype: fp32, or 16-bit (then the sum with the WY pass's terms is
     rounded twice, as fla's dk is).
     DGAM: the reverse state pass formed ⟨S, dS'⟩ (its dgam) and the WY pass adds e^{G_last} times it, so that the V
-    loop here has no elementwise S ⊙ dS' (the tiles stay product operands)."""
+    loop here has no elementwise S ⊙ dS' (the tiles stay product operands).
+
+    Per-channel gate (GATE 2, KDA): no pairwise products here (dP, dA and their gradients are _bwd_wy_kernel's and
+    _bwd_pair_kernel's): dq = scale dQg ⊙ e^G and dk1 = dK_end ⊙ e^{G_last − G} go out in fp32 for the pair kernel to
+    finish, and dGp is dG [B, T, HV, K] per channel: −k ⊙ dk1, plus on the last row Σ_t k ⊙ dk1 + e^{G_last}
+    Σ_v S ⊙ dS' (with DGAM, the latter from the reverse pass's rows dgam [NC, HV, NVD, KD], summed here)."""
     NK: tl.constexpr = (K + BK - 1) // BK
     i_k, i_t = tl.program_id(0) % NK, tl.program_id(0) // NK
     i_bh = tl.program_id(1)
@@ -1129,6 +1134,8 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seqlens, 
         b_k0 = tl.load(k + p_tk, mask=m_tk, other=0.)
         if GATE == 1:
             b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
+        elif GATE == 2:
+            b_G, b_last = _load_gate_cols(G, t0, L, i_h, o_k, m_k, HV, K, C)
     b_dq = tl.zeros([C, BK], dtype=tl.float32)
     b_dk = tl.zeros([C, BK], dtype=tl.float32)
     b_dw = tl.zeros([C, BK], dtype=tl.float32)
@@ -1150,11 +1157,12 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seqlens, 
             b_dw -= _mm(b_dR, tl.trans(b_S), PREC)                                          # [C, BV] @ [BV, BK]
         else:
             b_R = tl.load(v + p_tv, mask=m_tv, other=0.)
-        b_dP += _mm(b_do, tl.trans(b_R), PREC)                                              # [C, BV] @ [BV, C]
-        b_dPt += _mm(b_R, tl.trans(b_do), PREC)                                             # [C, BV] @ [BV, C]
+        if GATE != 2:
+            b_dP += _mm(b_do, tl.trans(b_R), PREC)                                          # [C, BV] @ [BV, C]
+            b_dPt += _mm(b_R, tl.trans(b_do), PREC)                                         # [C, BV] @ [BV, C]
         b_dq += _mm(b_do, tl.trans(b_S), PREC)                                              # [C, BV] @ [BV, BK]
         b_dk += _mm(b_R, tl.trans(b_dSn), PREC)                                             # [C, BV] @ [BV, BK]
-        if GATE == 1 and not DGAM:
+        if GATE > 0 and not DGAM:
             b_dgam += tl.sum(b_S.to(tl.float32) * b_dSn.to(tl.float32), axis=1)
     if DELTA:
         tl.store(dW + p_hk, b_dw.to(dW.dtype.element_ty), mask=m_tk)
@@ -1164,28 +1172,43 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seqlens, 
         b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
         b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
     i_ge_j = o_t[:, None] >= o_t[None, :]
-    if GATE == 1:
+    if GATE == 2:   # the pairwise parts are the pair kernel's
         if not EARLY:
-            b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
+            b_G, b_last = _load_gate_cols(G, t0, L, i_h, o_k, m_k, HV, K, C)
         b_eG, b_ekend = _gate_factors(b_G, b_last, GATE)
-        b_dq = b_dq * scale * b_eG
+        tl.store(dq + p_hk, b_dq * scale * b_eG, mask=m_tk)
         b_dk = b_dk * b_ekend
-        b_dlast = tl.sum(tl.sum(b_k * b_dk, axis=1), axis=0)
-        if not DGAM:
-            b_dlast += tl.exp(b_last) * tl.sum(b_dgam, axis=0)
-        b_dP = tl.where(i_ge_j, b_dP * tl.exp(b_G[:, None] - b_G[None, :]), 0.) * scale
-        b_dPt = tl.where(o_t[None, :] >= o_t[:, None], b_dPt * tl.exp(b_G[None, :] - b_G[:, None]), 0.) * scale
+        tl.store(dk1 + p_hk, b_dk.to(dk1.dtype.element_ty), mask=m_tk)
+        b_kdk = b_k * b_dk
+        if DGAM:
+            for i_p in tl.static_range(NVD):
+                b_dgam += tl.load(dgam + ((i_g * HV + i_h) * NVD + i_p).to(tl.int64) * KD + o_k, mask=m_k, other=0.)
+        b_dlast = tl.sum(b_kdk, axis=0) + tl.exp(b_last) * b_dgam                              # [BK]
+        b_dGm = tl.where((o_t == L - 1)[:, None], b_dlast[None, :], 0.) - b_kdk
+        tl.store(dGp + p_hk, b_dGm, mask=m_tk)
     else:
-        b_dq = b_dq * scale
-        b_dP = tl.where(i_ge_j, b_dP, 0.) * scale
-        b_dPt = tl.where(o_t[None, :] >= o_t[:, None], b_dPt, 0.) * scale
-    b_dq += _mm(b_dP.to(OPD2), b_k.to(OPD2), PREC)                                          # [C, C] @ [C, BK]
-    b_dk += _mm(b_dPt.to(OPD2), b_q.to(OPD2), PREC)                                         # [C, C] @ [C, BK]
-    tl.store(dq + p_hk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
-    tl.store(dk1 + p_hk, b_dk.to(dk1.dtype.element_ty), mask=m_tk)
-    if GATE == 1:
-        b_dg = tl.sum(b_q * b_dq - b_k * b_dk, axis=1) + tl.where(o_t == L - 1, b_dlast, 0.)
-        tl.store(dGp + i_k * (tl.num_programs(1).to(tl.int64) * T) + rows * HV + i_h, b_dg, mask=m_t)
+        if GATE == 1:
+            if not EARLY:
+                b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
+            b_eG, b_ekend = _gate_factors(b_G, b_last, GATE)
+            b_dq = b_dq * scale * b_eG
+            b_dk = b_dk * b_ekend
+            b_dlast = tl.sum(tl.sum(b_k * b_dk, axis=1), axis=0)
+            if not DGAM:
+                b_dlast += tl.exp(b_last) * tl.sum(b_dgam, axis=0)
+            b_dP = tl.where(i_ge_j, b_dP * tl.exp(b_G[:, None] - b_G[None, :]), 0.) * scale
+            b_dPt = tl.where(o_t[None, :] >= o_t[:, None], b_dPt * tl.exp(b_G[None, :] - b_G[:, None]), 0.) * scale
+        else:
+            b_dq = b_dq * scale
+            b_dP = tl.where(i_ge_j, b_dP, 0.) * scale
+            b_dPt = tl.where(o_t[None, :] >= o_t[:, None], b_dPt, 0.) * scale
+        b_dq += _mm(b_dP.to(OPD2), b_k.to(OPD2), PREC)                                          # [C, C] @ [C, BK]
+        b_dk += _mm(b_dPt.to(OPD2), b_q.to(OPD2), PREC)                                         # [C, C] @ [C, BK]
+        tl.store(dq + p_hk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+        tl.store(dk1 + p_hk, b_dk.to(dk1.dtype.element_ty), mask=m_tk)
+        if GATE == 1:
+            b_dg = tl.sum(b_q * b_dq - b_k * b_dk, axis=1) + tl.where(o_t == L - 1, b_dlast, 0.)
+            tl.store(dGp + i_k * (tl.num_programs(1).to(tl.int64) * T) + rows * HV + i_h, b_dg, mask=m_t)
 
 
 @triton.jit
@@ -1196,7 +1219,8 @@ def _cols_ahead(X, rows, m_t, k0, i_h, HV: tl.constexpr, K: tl.constexpr, BK: tl
 
 
 @triton.jit
-def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, Ascr, dv, dk, dbeta, dG, cu_seqlens, chunk_indices, T,
+def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, Ascr, dv, dk, dbeta, dG, R, do, Pmat, cu_seqlens,
+                   chunk_indices, T, scale,
                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                    BV: tl.constexpr, C: tl.constexpr, NKP: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
                    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr = 0, NVD: tl.constexpr = 0,
@@ -1219,7 +1243,12 @@ def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, Ascr, dv, dk, db
     loop loads dk1's next column block an iteration ahead (a plain load: Triton's pipeline leaves it out, and in the
     iteration that uses it the program waited on it). DA_SCR: dAᵀ read back transposed from the chunk's rows of Ascr
     ([B, T, HV, C] fp32 scratch) after dA is stored there and the program's threads meet at a barrier, instead of
-    formed by products of its own (dTᵀ in both loops and −T dTᵀ T: 12 of the pass's 40 [64, 32, 64] products)."""
+    formed by products of its own (dTᵀ in both loops and −T dTᵀ T: 12 of the pass's 40 [64, 32, 64] products).
+
+    Per-channel gate (GATE 2, KDA; after _bwd_dqk_kernel, before _bwd_pair_kernel): X = β K ⊙ e^G per channel; no
+    pairwise products and no dAᵀ: dA (no gate factor) goes to Ascr (Amat) and dP = scale tril(dO Rᵀ) to Pmat, both
+    fp32, for the pair kernel; dk = dk1 + β e^G ⊙ dX and dG += X ⊙ dX (dG: the state-tile pass's per-channel dG,
+    in place), dβ without its pairwise share; the pair kernel finishes dq, dk, dG, dβ."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
     i_hk = i_h // (HV // H)
@@ -1241,6 +1270,7 @@ def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, Ascr, dv, dk, db
         b_Ttl = b_Tt.to(OPD)
         b_dT = tl.zeros([C, C], dtype=tl.float32)
         b_dTt = tl.zeros([C, C], dtype=tl.float32)
+        b_dP = tl.zeros([C, C], dtype=tl.float32)
         b_db = tl.zeros([C], dtype=tl.float32)
         for i_v in range(tl.cdiv(V, BV)):
             o_v = i_v * BV + tl.arange(0, BV)
@@ -1250,11 +1280,14 @@ def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, Ascr, dv, dk, db
             b_v = tl.load(v + p_tv, mask=m_tv, other=0.)
             b_vb = (b_v.to(tl.float32) * b_beta[:, None]).to(dR.dtype.element_ty)
             b_dT += _mm(b_dR, tl.trans(b_vb), PREC)                                          # [C, BV] @ [BV, C]
-            if not DA_SCR:
+            if not DA_SCR and GATE != 2:
                 b_dTt += _mm(b_vb, tl.trans(b_dR), PREC)                                     # [C, BV] @ [BV, C]
             b_dy = _mm(b_Ttv, b_dR, PREC)                                                    # [C, C] @ [C, BV]
             tl.store(dv + p_tv, (b_dy * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
             b_db += tl.sum(b_v.to(tl.float32) * b_dy, axis=1)
+            if GATE == 2:
+                b_dP += _mm(tl.load(do + p_tv, mask=m_tv, other=0.),
+                            tl.trans(tl.load(R + p_tv, mask=m_tv, other=0.)), PREC)          # [C, BV] @ [BV, C]
         for i_k in range(tl.cdiv(K, BK)):
             o_k = i_k * BK + tl.arange(0, BK)
             m_tk, p_tk, p_hk = _col_offsets(rows, m_t, o_k, o_k < K, i_h, i_hk, H, HV, K)
@@ -1262,12 +1295,14 @@ def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, Ascr, dv, dk, db
             b_x = b_k * b_beta[:, None]
             if GATE == 1:
                 b_x = b_x * b_eG
+            elif GATE == 2:
+                b_x = b_x * tl.exp(tl.load(G + p_hk, mask=m_tk, other=0.))
             b_x = b_x.to(OPD)
             b_dw = tl.load(dW + p_hk, mask=m_tk, other=0.).to(OPD)
             b_dT += _mm(b_dw, tl.trans(b_x), PREC)                                           # [C, BK] @ [BK, C]
-            if not DA_SCR:
+            if not DA_SCR and GATE != 2:
                 b_dTt += _mm(b_x, tl.trans(b_dw), PREC)                                      # [C, BK] @ [BK, C]
-        if DA_SCR:
+        if DA_SCR or GATE == 2:
             pass
         elif T_TRANS:
             b_Tl = tl.trans(b_Ttl)                                                          # T
@@ -1276,9 +1311,24 @@ def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, Ascr, dv, dk, db
         if DK1_AHEAD:   # the first column block of dk1, its latency under the dA products
             b_dk1n = _cols_ahead(dk1, rows, m_t, 0, i_h, HV, K, BK)
         b_dA = _mm(_mm(b_Ttl, b_dT.to(OPD), PREC).to(OPD), b_Ttl, PREC)                     # [C, C] @ [C, C] @ [C, C]
-        if not DA_SCR:
+        if not DA_SCR and GATE != 2:
             b_dAt = _mm(_mm(b_Tl, b_dTt.to(OPD), PREC).to(OPD), b_Tl, PREC)                 # [C, C] @ [C, C] @ [C, C]
         b_dA = tl.where(m_cc & (o_t[:, None] > o_t[None, :]), -b_dA, 0.)
+    if DELTA and GATE == 2:     # dA and dP for the pair kernel; then dX's terms
+        tl.store(Ascr + p_cc, b_dA, mask=m_cc)
+        tl.store(Pmat + p_cc, tl.where(o_t[:, None] >= o_t[None, :], b_dP * scale, 0.), mask=m_cc)
+        for i_k in range(tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            m_tk, p_tk, p_hk = _col_offsets(rows, m_t, o_k, o_k < K, i_h, i_hk, H, HV, K)
+            b_eGk = tl.exp(tl.load(G + p_hk, mask=m_tk, other=0.))
+            b_ke = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32) * b_eGk
+            b_dw = tl.load(dW + p_hk, mask=m_tk, other=0.).to(OPD)
+            b_dx = _mm(b_Ttl, b_dw, PREC)                                                    # [C, C] @ [C, BK]
+            tl.store(dk + p_hk, tl.load(dk1 + p_hk, mask=m_tk, other=0.) + b_beta[:, None] * b_eGk * b_dx, mask=m_tk)
+            b_db += tl.sum(b_ke * b_dx, axis=1)
+            tl.store(dG + p_hk, tl.load(dGp + p_hk, mask=m_tk, other=0.) + b_beta[:, None] * b_ke * b_dx, mask=m_tk)
+        tl.store(dbeta + rows * HV + i_h, b_db, mask=m_t)
+    elif DELTA:
         if not DA_SCR:
             b_dAt = tl.where(m_cc & (o_t[None, :] > o_t[:, None]), -b_dAt, 0.)
         if GATE == 1:
@@ -1612,11 +1662,16 @@ BWD_WY_BK = 32          # _bwd_wy_kernel's key loops' column block (CHUNKWISE_BW
 # B1-T32768-H32 bf16, state-tile pass / WY pass ms): DeltaNet 1.224 / 1.329 -> early 1.282, 16-bit dk1 1.154 / 1.304,
 # both 1.104 / 1.304 (fwd+bwd 5.50 -> 5.35); GDN 2.117 / 1.585 -> early 1.986, 16-bit dk1 1.669 / 1.529, both 1.959
 # (fwd+bwd 7.09 -> 6.59 with 16-bit dk1 alone; offline its spills 188 -> 64 B). dk is then rounded twice, as fla's
-BWD_DQK_EARLY = {0: 1, 1: 0}
-# Scalar gate on the dqk path: the gate's ⟨S, dS'⟩ term (dG_last's share e^{G_last} Σ S ⊙ dS') formed by the reverse
-# state pass, which holds dS' in registers and loads S once per chunk off its chain, instead of by _bwd_dqk_kernel's V
-# loop (offline sm_90, GDN bf16: that kernel spilled only with this elementwise product; CHUNKWISE_BWD_DGAM_DH=0 keeps it)
-BWD_DGAM_DH = 1
+BWD_DQK_EARLY = {0: 1, 1: 0, 2: 0}
+# KDA: the state-tile pass and the WY pass without the pairwise products (those stay the pair kernel's), instead of
+# _bwd_dv_kernel + _bwd_grad_kernel (CHUNKWISE_BWD_DQK_KDA=0)
+BWD_DQK_KDA = 1
+# Gates on the dqk path: the gate's ⟨S, dS'⟩ term (dG_last's share e^{G_last} Σ S ⊙ dS') formed by the reverse state
+# pass, which holds dS' in registers and loads S per chunk (CHUNKWISE_BWD_DGAM_DH=1), instead of by _bwd_dqk_kernel's V
+# loop (0). On the H200 (GDN B1-T32768-H32 bf16, runs of 804bdbc and 21cb7e1) the state-tile pass gained 0.10 ms
+# but the reverse pass lost 0.37-0.40 (0.81 -> 1.18 / 1.21 ms) with S loaded in mid-step and used there, and as much
+# with S loaded at the step's start and used at its end: off
+BWD_DGAM_DH = 0
 # _bwd_wy_kernel's two plain loads that Nsight Compute's long-scoreboard stalls point at (DeltaNet B1-T32768-H32 bf16,
 # run of 804bdbc: 1.30 ms, 2 programs per SM, issue slots 23 % busy, long scoreboard 2.97 cycles per issue): T read a
 # second time (BWD_WY_T_TRANS=1: Tᵀ's tile transposed instead) and dk1 loaded in every iteration of the last key
@@ -1625,10 +1680,12 @@ BWD_DGAM_DH = 1
 # override
 BWD_WY_T_TRANS = 1
 BWD_WY_DK1_AHEAD = 1
-# _bwd_wy_kernel's dAᵀ through a per-chunk fp32 scratch (the unused Amat) and a barrier instead of its own products
-# (CHUNKWISE_BWD_WY_DA_SCR=1; a variant until timed: 30 % fewer products and one [C, C] accumulator less, for a
-# 16 KB store, a barrier and an L2 read per chunk)
-BWD_WY_DA_SCR = 0
+# _bwd_wy_kernel's dAᵀ through a per-chunk fp32 scratch (Amat) and a barrier instead of its own products (30 % fewer
+# products and one [C, C] accumulator less, for a 16 KB store, a barrier and an L2 read per chunk), per gate kind
+# (CHUNKWISE_BWD_WY_DA_SCR overrides). H200 (run of 21cb7e1, B1-T32768-H32 bf16, WY pass ms, products / scratch):
+# DeltaNet 1.164 / 1.267, GDN 1.556 / 1.461. (T_TRANS + DK1_AHEAD above, same run: DeltaNet 1.298 -> 1.164, GDN
+# 1.552 -> 1.556)
+BWD_WY_DA_SCR = {0: 0, 1: 1, 2: 0}
 BWD_DK1_16 = 1
 # 16-bit inputs: the products' operands in the input dtype, fp32 accumulation. 1: the two serial state
 # passes (fwd_h, bwd_dh); 2: also the W / U / dR_local recompute; 3: also the key side's products of T, dW,
@@ -1855,11 +1912,15 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                                     IS_VARLEN=varlen, num_warps=_warps("gate_cumsum", gate, wide8), **_regs("gate_cumsum", gate, wide8), num_stages=ns, **common)
     # scalar / no gate: the dqk path (BWD_DQK) needs no Amat / Pmat scratch but where the recompute takes the three
     # chunk kernels (no saved stage 1, no fused pass) or the WY pass reads dAᵀ back through Amat (BWD_WY_DA_SCR)
-    dqk = gate != 2 and _env_switch("CHUNKWISE_BWD_DQK", BWD_DQK)
+    # per-channel gate (KDA): the same two kernels without the pairwise products, then the pair kernel (BWD_DQK_KDA;
+    # not with the key side's one-reference pass, CHUNKWISE_BWD_ONE_REF=2, which only the older key side has)
+    one_ref = _env_choice("CHUNKWISE_BWD_ONE_REF", BWD_ONE_REF, range(3)) if gate == 2 else 0
+    dqk = _env_switch("CHUNKWISE_BWD_DQK", BWD_DQK) and (
+        gate != 2 or (delta and one_ref != 2 and _env_switch("CHUNKWISE_BWD_DQK_KDA", BWD_DQK_KDA)))
     fused_prep = saved is None and delta and gate != 2 and q.dtype != torch.float16 and \
         int(os.environ.get("CHUNKWISE_BWD_FUSED_PREP", BWD_FUSED_PREP))
-    da_scr = dqk and delta and _env_switch("CHUNKWISE_BWD_WY_DA_SCR", BWD_WY_DA_SCR)
-    scratch = not dqk or (saved is None and not fused_prep)
+    da_scr = dqk and delta and gate != 2 and _env_switch("CHUNKWISE_BWD_WY_DA_SCR", BWD_WY_DA_SCR[gate])
+    scratch = not dqk or gate == 2 or (saved is None and not fused_prep)
     Amat = buf(B, T, HV, C) if delta and (scratch or da_scr) else None
     Pmat = buf(B, T, HV, C) if scratch else None
     Tmat = W = U = R = None
@@ -1927,7 +1988,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     dR = buf(B, T, HV, V, dtype=sdt)
     dh0 = buf(*h0.shape) if has_h0 else None
     # scalar gate on the dqk path: ⟨S, dS'⟩ per chunk from the reverse pass (BWD_DGAM_DH)
-    dgam_dh = dqk and gate == 1 and _env_switch("CHUNKWISE_BWD_DGAM_DH", BWD_DGAM_DH)
+    dgam_dh = dqk and gate > 0 and _env_switch("CHUNKWISE_BWD_DGAM_DH", BWD_DGAM_DH)
     dgam = buf(NC, HV, grid_s[0], BK) if dgam_dh else None
     _bwd_dh_kernel[grid_s](q_s, k_s, G, W, dRl, do, dht, dh, dR, dh0, h, dgam, scale=scale, unit=1.0, H=H, HV=HV, K=K,
                            V=V, BK=BK,
@@ -1945,29 +2006,35 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     dv = None if dqk and not delta else buf(B, T, HV, V, dtype=v.dtype)
     dbeta = buf(B, T, HV) if delta else None
     dG = buf(*g.shape) if gate else None
+    bkp = _env_block("CHUNKWISE_BWD_PAIR_SPLIT", BWD_PAIR_SPLIT, BK)   # the pair kernel's channel block (0: all)
     if dqk:
-        # scalar / no gate: the state tiles' pass split over key column blocks, then the per-chunk WY pass
+        # the state tiles' pass split over key column blocks, then the per-chunk WY pass (per channel: then the pair
+        # kernel)
         bka = _env_block("CHUNKWISE_BWD_DQK_BK", BWD_DQK_BK, BK)
         nka = cdiv(K, bka)
         bva = _env_block("CHUNKWISE_BWD_DQK_BV", BV, max(16, next_pow2(V)))
-        # dk1 (the state and P terms of dk) for the WY pass to finish: fp32, or 16-bit with CHUNKWISE_BWD_DK1_16
-        dk1_16 = delta and q.dtype != torch.float32 and _env_switch("CHUNKWISE_BWD_DK1_16", BWD_DK1_16)
+        # dk1 (the state and P terms of dk) for the WY pass to finish: fp32, or 16-bit with CHUNKWISE_BWD_DK1_16;
+        # per channel fp32 in dk itself (the pair kernel adds to it)
+        dk1_16 = delta and gate != 2 and q.dtype != torch.float32 and _env_switch("CHUNKWISE_BWD_DK1_16", BWD_DK1_16)
         dk1_dt = q.dtype if dk1_16 else torch.float32
         dk1 = dk if not delta or dk.dtype == dk1_dt else buf(B, T, HV, K, dtype=dk1_dt)
         dW = buf(B, T, HV, K, dtype=q.dtype if lowp_key else torch.float32) if delta else None
-        dGp = buf(nka, B, T, HV) if gate else None
-        _bwd_dqk_kernel[(nka * NT, B * HV)](q, k, v, G, h, dh, R if delta else None, dR, do, dq, dk1, dW, dGp,
+        # the gate's shares: per column block and row (scalar gate), or dG itself per channel (the WY pass adds in place)
+        dGp = None if not gate else (dG if gate == 2 else buf(nka, B, T, HV))
+        nvd = grid_s[0] if dgam_dh else 0
+        _bwd_dqk_kernel[(nka * NT, B * HV)](q, k, v, G, h, dh, R if delta else None, dR, do, dq, dk1, dW, dGp, dgam,
                                             scale=scale, H=H, HV=HV, K=K, V=V, BK=bka, BV=bva, C=C, GATE=gate,
                                             DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_key,
                                             EARLY=_env_switch("CHUNKWISE_BWD_DQK_EARLY", BWD_DQK_EARLY[gate]),
-                                            DGAM=dgam_dh,
+                                            DGAM=dgam_dh, NVD=nvd, KD=BK,
                                             num_warps=_warps("bwd_dqk", gate), **_regs("bwd_dqk", gate),
                                             num_stages=ns, **common)
         if delta or gate:
             bkw = _env_block("CHUNKWISE_BWD_WY_BK", BWD_WY_BK, BK)
-            _bwd_wy_kernel[grid_c](k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, Amat, dv, dk, dbeta, dG, H=H, HV=HV,
+            _bwd_wy_kernel[grid_c](k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, Amat, dv, dk, dbeta, dG,
+                                   R if delta else None, do, Pmat, scale=scale, H=H, HV=HV,
                                    K=K, V=V, BK=bkw, BV=BV, C=C, NKP=nka, GATE=gate, DELTA=delta, IS_VARLEN=varlen,
-                                   PREC=prec, LOWP=lowp_key, NVD=grid_s[0] if dgam_dh else 0, KD=BK,
+                                   PREC=prec, LOWP=lowp_key, NVD=nvd, KD=BK,
                                    T_TRANS=_env_switch("CHUNKWISE_BWD_WY_T_TRANS", BWD_WY_T_TRANS),
                                    DK1_AHEAD=_env_switch("CHUNKWISE_BWD_WY_DK1_AHEAD", BWD_WY_DK1_AHEAD),
                                    DA_SCR=da_scr, num_warps=_warps("bwd_wy", gate), **_regs("bwd_wy", gate),
@@ -1980,10 +2047,6 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                                HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
                                num_warps=_warps("bwd_dv", gate, wide8), **_regs("bwd_dv", gate, wide8), num_stages=ns, **common)
         bkh = _env_block("CHUNKWISE_BWD_KSPLIT", BWD_KSPLIT, BK)     # the key side's column block (0: one block)
-        # per-channel gates: the pairwise gradients in their own kernel, split over key channels (BWD_PAIR_SPLIT;
-        # 0: one block of all channels)
-        bkp = _env_block("CHUNKWISE_BWD_PAIR_SPLIT", BWD_PAIR_SPLIT, BK)
-        one_ref = _env_choice("CHUNKWISE_BWD_ONE_REF", BWD_ONE_REF, range(3)) if gate == 2 else 0
         if one_ref == 2:    # the key side does the column blocks that fit; the pair kernel the others, on the same blocks
             bkp = bkh
         _bwd_grad_kernel[grid_c](q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, dk, dbeta, dG,
@@ -1991,37 +2054,37 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                                  DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_key, ONE_REF=one_ref == 2,
                                  span_max=SPAN_MAX, num_warps=_warps("bwd_grad", gate, wide8), **_regs("bwd_grad", gate, wide8),
                                  num_stages=ns, **common)
-        if gate == 2:
-            nkb = cdiv(K, bkp)
-            # the diagonal blocks in their own launch over all channels (BWD_PAIR_DIAG=0, the default) or with the rest
-            split_diag = nkb > 1 and one_ref != 2 and not int(os.environ.get("CHUNKWISE_BWD_PAIR_DIAG", BWD_PAIR_DIAG))
-            # dβ's shares by channel block; with the key side taking blocks (ONE_REF 2), those the pair kernel skips are 0
-            dbp = None if not delta else (torch.zeros(nkb, B * T * HV, device=dev) if one_ref == 2
-                                          else buf(nkb + split_diag, B * T * HV))
-            # the launch that finishes a gradient element stores it in the input's dtype (no cast afterwards), where
-            # nothing follows: not for grouped heads (summed over the group in fp32) nor when the key side finishes some
-            dq_o, dk_o = dq, dk
-            if HV == H and one_ref != 2 and q.dtype != dq.dtype:
-                dq_o, dk_o = buf(*dq.shape, dtype=q.dtype), buf(*dk.shape, dtype=k.dtype)
-            pair = dict(s_dbp=B * T * HV, H=H, HV=HV, K=K, C=C, BC=BC, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
-                        span_max=SPAN_MAX, LOWP=lowp_key is True, num_stages=ns, **common)
-            if one_ref == 1:    # the one-reference programs, then the block form where a chunk's gate spans too far
-                kloop = _env_switch("CHUNKWISE_BWD_PAIR_KLOOP", BWD_PAIR_KLOOP)
-                _bwd_pair_kernel[(NT, B * HV, 1 if kloop else nkb)](q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o,
-                                                    BKP=bkp, OFFDIAG=True, DIAG=True, ONE_REF=1, KLOOP=kloop,
-                                                    num_warps=_warps("bwd_pair_ref", gate, wide8),
-                                                    **_regs("bwd_pair_ref", gate, wide8), **pair)
-            _bwd_pair_kernel[(NT, B * HV, nkb)](q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, BKP=bkp, OFFDIAG=True,
-                                                DIAG=not split_diag, ONE_REF=2 if one_ref else 0,
-                                                num_warps=_warps("bwd_pair", gate, wide8), **_regs("bwd_pair", gate, wide8), **pair)
-            if split_diag:
-                _bwd_pair_kernel[(NT, B * HV, 1)](q, k, beta, G, Pmat, Amat, dq, dk, None if dbp is None else dbp[nkb:], dG,
-                                                  dq_o, dk_o, BKP=BK, OFFDIAG=False, DIAG=True, ONE_REF=3 if one_ref else 0,
-                                                  FITB=bkp, num_warps=_warps("bwd_diag", gate, wide8),
-                                                  **_regs("bwd_diag", gate, wide8), **pair)
-            if delta:
-                dbeta += dbp.view(-1, B, T, HV).sum(0)
-            dq, dk = dq_o, dk_o
+    if gate == 2:   # per-channel gates: the pairwise gradients in their own kernel, BWD_PAIR_SPLIT channels each
+        nkb = cdiv(K, bkp)
+        # the diagonal blocks in their own launch over all channels (BWD_PAIR_DIAG=0, the default) or with the rest
+        split_diag = nkb > 1 and one_ref != 2 and not int(os.environ.get("CHUNKWISE_BWD_PAIR_DIAG", BWD_PAIR_DIAG))
+        # dβ's shares by channel block; with the key side taking blocks (ONE_REF 2), those the pair kernel skips are 0
+        dbp = None if not delta else (torch.zeros(nkb, B * T * HV, device=dev) if one_ref == 2
+                                      else buf(nkb + split_diag, B * T * HV))
+        # the launch that finishes a gradient element stores it in the input's dtype (no cast afterwards), where
+        # nothing follows: not for grouped heads (summed over the group in fp32) nor when the key side finishes some
+        dq_o, dk_o = dq, dk
+        if HV == H and one_ref != 2 and q.dtype != dq.dtype:
+            dq_o, dk_o = buf(*dq.shape, dtype=q.dtype), buf(*dk.shape, dtype=k.dtype)
+        pair = dict(s_dbp=B * T * HV, H=H, HV=HV, K=K, C=C, BC=BC, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
+                    span_max=SPAN_MAX, LOWP=lowp_key is True, num_stages=ns, **common)
+        if one_ref == 1:    # the one-reference programs, then the block form where a chunk's gate spans too far
+            kloop = _env_switch("CHUNKWISE_BWD_PAIR_KLOOP", BWD_PAIR_KLOOP)
+            _bwd_pair_kernel[(NT, B * HV, 1 if kloop else nkb)](q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o,
+                                                BKP=bkp, OFFDIAG=True, DIAG=True, ONE_REF=1, KLOOP=kloop,
+                                                num_warps=_warps("bwd_pair_ref", gate, wide8),
+                                                **_regs("bwd_pair_ref", gate, wide8), **pair)
+        _bwd_pair_kernel[(NT, B * HV, nkb)](q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, BKP=bkp, OFFDIAG=True,
+                                            DIAG=not split_diag, ONE_REF=2 if one_ref else 0,
+                                            num_warps=_warps("bwd_pair", gate, wide8), **_regs("bwd_pair", gate, wide8), **pair)
+        if split_diag:
+            _bwd_pair_kernel[(NT, B * HV, 1)](q, k, beta, G, Pmat, Amat, dq, dk, None if dbp is None else dbp[nkb:], dG,
+                                              dq_o, dk_o, BKP=BK, OFFDIAG=False, DIAG=True, ONE_REF=3 if one_ref else 0,
+                                              FITB=bkp, num_warps=_warps("bwd_diag", gate, wide8),
+                                              **_regs("bwd_diag", gate, wide8), **pair)
+        if delta:
+            dbeta += dbp.view(-1, B, T, HV).sum(0)
+        dq, dk = dq_o, dk_o
     if HV != H:
         dq = dq.view(B, T, H, HV // H, K).sum(3)
         dk = dk.view(B, T, H, HV // H, K).sum(3)
