@@ -36,11 +36,12 @@ KERNELS = {
                dict(T="i32", scale="fp32"), {}),
     "bwd_dqk": ("_bwd_dqk_kernel",         # the state tiles' pass by key column blocks (BWD_DQK, KDA: BWD_DQK_KDA)
                 dict(q="in", k="in", v="in", G="fp32", h="s", dh="s", R="s", dR="s", do="in", dq="g", dk1="in",
-                     dW="in", dGp="fp32", dgam="fp32"),
+                     dW="in", dGp="fp32", dgam="fp32", Tmat="fp32", beta="in", dTp="fp32", dbs="fp32"),
                 dict(T="i32", scale="fp32"), dict(BK=cb.BWD_DQK_BK, EARLY=0, KD=128)),
     "bwd_wy": ("_bwd_wy_kernel",           # scalar / no gate: the gradients through T, per chunk (BWD_DQK)
                dict(k="in", v="in", beta="in", G="fp32", Tmat="fp32", dW="in", dR="s", dk1="in", dGp="fp32",
-                    dgam="fp32", Ascr="fp32", dv="in", dk="g", dbeta="fp32", dG="fp32", R="s", do="in", Pmat="fp32"),
+                    dgam="fp32", Ascr="fp32", dv="in", dk="g", dbeta="fp32", dG="fp32", R="s", do="in", Pmat="fp32",
+                    dTp="fp32"),
                dict(T="i32", scale="fp32"),
                dict(BK=cb.BWD_WY_BK, NKP=2, KD=128, T_TRANS=cb.BWD_WY_T_TRANS, DK1_AHEAD=cb.BWD_WY_DK1_AHEAD,
                     DA_SCR=0)),
@@ -115,7 +116,9 @@ def compile_kernel(name, fam="gdn", num_warps=8, K=128, V=128, num_stages=3, low
         absent = (arg == "dgam" and not dgam) or (arg == "h" and name == "bwd_dh" and not dgam) or \
                  (arg in ("Ascr", "Pmat") and name == "bwd_wy" and gate != 2 and
                   not overrides.get("DA_SCR", delta and cb.BWD_WY_DA_SCR[gate])) or (arg == "Pmat" and gate != 2) or \
-                 (arg in ("R", "do") and name == "bwd_wy" and gate != 2) or \
+                 (arg in ("R", "do", "dTp") and name == "bwd_wy" and gate != 2) or \
+                 (arg in ("Tmat", "beta", "dTp", "dbs") and name == "bwd_dqk" and gate != 2) or \
+                 (arg == "dW" and name in ("bwd_dqk", "bwd_wy") and gate == 2) or \
                  (arg == "G" and not gate) or (arg in ("beta", "Tmat", "W", "U", "R", "dbeta", "dbp", "dW", "Ascr") and not delta) or \
                  (arg == "Amat" and not delta) or (arg in ("dG", "dGp") and not gate)
         if absent:

@@ -95,8 +95,11 @@ STATES_VARIANTS = "recompute:CHUNKWISE_SAVE_STATES=0;states:CHUNKWISE_SAVE_STATE
 # defaults; fp32 dk1 and the WY pass at 64 columns slower; run of 804bdbc: the dq-first order slower for both,
 # removed; run of 21cb7e1: the gate's ⟨S, dS'⟩ from the reverse pass slower (off), the WY pass's T once and dk1 ahead
 # faster for DeltaNet, its dAᵀ through a scratch faster for GDN only); now KDA: the two kernels + the pair kernel
-# (BWD_DQK_KDA, the default) against the value-side + key-side kernels (kdaold), with ⟨S, dS'⟩ from the reverse pass
-DQK_VARIANTS = "dqk:;kdaold:CHUNKWISE_BWD_DQK_KDA=0;dgamdh:CHUNKWISE_BWD_DGAM_DH=1"
+# (BWD_DQK_KDA, the default; run of 8f95fab: 1.54 + 2.22 ms against 1.24 + 2.54, with ⟨S, dS'⟩ from the reverse pass
+# slower) against the value-side + key-side kernels (kdaold); now with the WY form's column-local terms in the
+# state-tile pass (8 warps; 4 warps, 4 warps at 32 columns)
+DQK_VARIANTS = ("dqk:;kdaold:CHUNKWISE_BWD_DQK_KDA=0;w4:CHUNKWISE_BWD_WARPS=bwd_dqk:4;"
+                "bk32w4:CHUNKWISE_BWD_WARPS=bwd_dqk:4,CHUNKWISE_BWD_DQK_BK=32")
 NAMED = {"dqk": DQK_VARIANTS, "ahead": AHEAD_VARIANTS, "states": STATES_VARIANTS, "pair": PAIR_VARIANTS, "gates": GATES_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
          "oneref": ONEREF_VARIANTS}
 

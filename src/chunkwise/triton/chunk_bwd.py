@@ -1090,7 +1090,8 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
 # ------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, dgam, cu_seqlens, chunk_indices, T, scale,
+def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, dgam, Tmat, beta, dTp, dbs, cu_seqlens,
+                    chunk_indices, T, scale,
                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                     BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
                     IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr = 0, EARLY: tl.constexpr = 0,
@@ -1114,9 +1115,14 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, dgam, cu_seq
     loop here has no elementwise S ⊙ dS' (the tiles stay product operands).
 
     Per-channel gate (GATE 2, KDA): no pairwise products here (dP, dA and their gradients are _bwd_wy_kernel's and
-    _bwd_pair_kernel's): dq = scale dQg ⊙ e^G and dk1 = dK_end ⊙ e^{G_last − G} go out in fp32 for the pair kernel to
-    finish, and dGp is dG [B, T, HV, K] per channel: −k ⊙ dk1, plus on the last row Σ_t k ⊙ dk1 + e^{G_last}
-    Σ_v S ⊙ dS' (with DGAM, the latter from the reverse pass's rows dgam [NC, HV, NVD, KD], summed here)."""
+    _bwd_pair_kernel's), but the WY form's column-local terms, since this program holds its columns' whole dW:
+        dX = Tᵀ dW,  X = β K ⊙ e^G
+        dk1 = dK_end ⊙ e^{G_last − G} + β e^G ⊙ dX                  -> dk1 (fp32, the pair kernel finishes it)
+        dG  = −k ⊙ dK_end e^{..} + X ⊙ dX, + on the last row Σ_t k ⊙ dK_end e^{..} + e^{G_last} Σ_v S ⊙ dS'
+                                                                     -> dGp ([B, T, HV, K] per channel)
+        dq  = scale dQg ⊙ e^G                                        -> dq (fp32, likewise)
+        dT's share dW Xᵀ -> dTp[i_k] ([NK, B, T, HV, C] fp32), dβ's share Σ_k K e^G ⊙ dX -> dbs[i_k] ([NK, B, T, HV])
+    (with DGAM, Σ_v S ⊙ dS' from the reverse pass's rows dgam [NC, HV, NVD, KD], summed here); dW is not stored."""
     NK: tl.constexpr = (K + BK - 1) // BK
     i_k, i_t = tl.program_id(0) % NK, tl.program_id(0) // NK
     i_bh = tl.program_id(1)
@@ -1164,7 +1170,7 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, dgam, cu_seq
         b_dk += _mm(b_R, tl.trans(b_dSn), PREC)                                             # [C, BV] @ [BV, BK]
         if GATE > 0 and not DGAM:
             b_dgam += tl.sum(b_S.to(tl.float32) * b_dSn.to(tl.float32), axis=1)
-    if DELTA:
+    if DELTA and GATE != 2:
         tl.store(dW + p_hk, b_dw.to(dW.dtype.element_ty), mask=m_tk)
     if EARLY:
         b_q, b_k = b_q0.to(tl.float32), b_k0.to(tl.float32)
@@ -1172,20 +1178,29 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, dgam, cu_seq
         b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
         b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
     i_ge_j = o_t[:, None] >= o_t[None, :]
-    if GATE == 2:   # the pairwise parts are the pair kernel's
+    if GATE == 2:   # the pairwise parts are the pair kernel's; ordered so that few [C, BK] tiles are live at once
+        OPD: tl.constexpr = q.dtype.element_ty if LOWP else tl.float32
+        s_p = tl.num_programs(1).to(tl.int64) * T                                               # B·HV·T
+        b_dwo = b_dw.to(OPD)
         if not EARLY:
             b_G, b_last = _load_gate_cols(G, t0, L, i_h, o_k, m_k, HV, K, C)
-        b_eG, b_ekend = _gate_factors(b_G, b_last, GATE)
+        b_eG = tl.exp(b_G)
         tl.store(dq + p_hk, b_dq * scale * b_eG, mask=m_tk)
-        b_dk = b_dk * b_ekend
-        tl.store(dk1 + p_hk, b_dk.to(dk1.dtype.element_ty), mask=m_tk)
-        b_kdk = b_k * b_dk
+        b_dk = b_dk * tl.exp(b_last[None, :] - b_G)                                            # a: the state part
+        b_Tt = tl.load(Tmat + p_ccT, mask=m_cc & (o_t[None, :] >= o_t[:, None]), other=0.).to(OPD)   # Tᵀ
+        b_dx = _mm(b_Tt, b_dwo, PREC)                                                          # [C, C] @ [C, BK]
+        b_beta = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.).to(tl.float32)
+        b_ke = b_k * b_eG
+        tl.store(dbs + i_k * s_p + rows * HV + i_h, tl.sum(b_ke * b_dx, axis=1), mask=m_t)
+        b_dx = b_dx * b_eG * b_beta[:, None]                                                   # b = β e^G dX
         if DGAM:
             for i_p in tl.static_range(NVD):
                 b_dgam += tl.load(dgam + ((i_g * HV + i_h) * NVD + i_p).to(tl.int64) * KD + o_k, mask=m_k, other=0.)
-        b_dlast = tl.sum(b_kdk, axis=0) + tl.exp(b_last) * b_dgam                              # [BK]
-        b_dGm = tl.where((o_t == L - 1)[:, None], b_dlast[None, :], 0.) - b_kdk
-        tl.store(dGp + p_hk, b_dGm, mask=m_tk)
+        b_dlast = tl.sum(b_k * b_dk, axis=0) + tl.exp(b_last) * b_dgam                         # [BK]
+        tl.store(dk1 + p_hk, (b_dk + b_dx).to(dk1.dtype.element_ty), mask=m_tk)
+        tl.store(dGp + p_hk, b_k * (b_dx - b_dk) + tl.where((o_t == L - 1)[:, None], b_dlast[None, :], 0.), mask=m_tk)
+        b_dTp = _mm(b_dwo, tl.trans((b_ke * b_beta[:, None]).to(OPD)), PREC)                   # dW Xᵀ [C, BK] @ [BK, C]
+        tl.store(dTp + i_k * (s_p * C) + p_cc, b_dTp, mask=m_cc)
     else:
         if GATE == 1:
             if not EARLY:
@@ -1219,8 +1234,8 @@ def _cols_ahead(X, rows, m_t, k0, i_h, HV: tl.constexpr, K: tl.constexpr, BK: tl
 
 
 @triton.jit
-def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, Ascr, dv, dk, dbeta, dG, R, do, Pmat, cu_seqlens,
-                   chunk_indices, T, scale,
+def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, Ascr, dv, dk, dbeta, dG, R, do, Pmat, dTp,
+                   cu_seqlens, chunk_indices, T, scale,
                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                    BV: tl.constexpr, C: tl.constexpr, NKP: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
                    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr = 0, NVD: tl.constexpr = 0,
@@ -1245,10 +1260,11 @@ def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, Ascr, dv, dk, db
     ([B, T, HV, C] fp32 scratch) after dA is stored there and the program's threads meet at a barrier, instead of
     formed by products of its own (dTᵀ in both loops and −T dTᵀ T: 12 of the pass's 40 [64, 32, 64] products).
 
-    Per-channel gate (GATE 2, KDA; after _bwd_dqk_kernel, before _bwd_pair_kernel): X = β K ⊙ e^G per channel; no
-    pairwise products and no dAᵀ: dA (no gate factor) goes to Ascr (Amat) and dP = scale tril(dO Rᵀ) to Pmat, both
-    fp32, for the pair kernel; dk = dk1 + β e^G ⊙ dX and dG += X ⊙ dX (dG: the state-tile pass's per-channel dG,
-    in place), dβ without its pairwise share; the pair kernel finishes dq, dk, dG, dβ."""
+    Per-channel gate (GATE 2, KDA; after _bwd_dqk_kernel, before _bwd_pair_kernel): no key loops: dT = dR (βV)ᵀ + the
+    state-tile pass's NKP shares in dTp ([NKP, B, T, HV, C]), dβ = Σ_v V ⊙ Tᵀ dR + its shares in dGp ([NKP, B, T,
+    HV]); no pairwise products and no dAᵀ: dA (no gate factor) goes to Ascr (Amat) and dP = scale tril(dO Rᵀ) to
+    Pmat, fp32, for the pair kernel, which finishes dq, dk, dG, dβ. (Ascr and Pmat may be dTp's first two blocks:
+    each program reads its rows of dTp before it writes them.)"""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
     i_hk = i_h // (HV // H)
@@ -1288,20 +1304,24 @@ def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, Ascr, dv, dk, db
             if GATE == 2:
                 b_dP += _mm(tl.load(do + p_tv, mask=m_tv, other=0.),
                             tl.trans(tl.load(R + p_tv, mask=m_tv, other=0.)), PREC)          # [C, BV] @ [BV, C]
-        for i_k in range(tl.cdiv(K, BK)):
-            o_k = i_k * BK + tl.arange(0, BK)
-            m_tk, p_tk, p_hk = _col_offsets(rows, m_t, o_k, o_k < K, i_h, i_hk, H, HV, K)
-            b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
-            b_x = b_k * b_beta[:, None]
-            if GATE == 1:
-                b_x = b_x * b_eG
-            elif GATE == 2:
-                b_x = b_x * tl.exp(tl.load(G + p_hk, mask=m_tk, other=0.))
-            b_x = b_x.to(OPD)
-            b_dw = tl.load(dW + p_hk, mask=m_tk, other=0.).to(OPD)
-            b_dT += _mm(b_dw, tl.trans(b_x), PREC)                                           # [C, BK] @ [BK, C]
-            if not DA_SCR and GATE != 2:
-                b_dTt += _mm(b_x, tl.trans(b_dw), PREC)                                      # [C, BK] @ [BK, C]
+        if GATE == 2:   # dT's and dβ's column-block shares from the state-tile pass
+            s_p = tl.num_programs(1).to(tl.int64) * T
+            for i_p in tl.static_range(NKP):
+                b_dT += tl.load(dTp + i_p * (s_p * C) + p_cc, mask=m_cc, other=0.)
+                b_db += tl.load(dGp + i_p * s_p + rows * HV + i_h, mask=m_t, other=0.)
+        if GATE != 2:   # dT += dW Xᵀ
+            for i_k in range(tl.cdiv(K, BK)):
+                o_k = i_k * BK + tl.arange(0, BK)
+                m_tk, p_tk, p_hk = _col_offsets(rows, m_t, o_k, o_k < K, i_h, i_hk, H, HV, K)
+                b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
+                b_x = b_k * b_beta[:, None]
+                if GATE == 1:
+                    b_x = b_x * b_eG
+                b_x = b_x.to(OPD)
+                b_dw = tl.load(dW + p_hk, mask=m_tk, other=0.).to(OPD)
+                b_dT += _mm(b_dw, tl.trans(b_x), PREC)                                           # [C, BK] @ [BK, C]
+                if not DA_SCR and GATE != 2:
+                    b_dTt += _mm(b_x, tl.trans(b_dw), PREC)                                      # [C, BK] @ [BK, C]
         if DA_SCR or GATE == 2:
             pass
         elif T_TRANS:
@@ -1314,19 +1334,9 @@ def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, Ascr, dv, dk, db
         if not DA_SCR and GATE != 2:
             b_dAt = _mm(_mm(b_Tl, b_dTt.to(OPD), PREC).to(OPD), b_Tl, PREC)                 # [C, C] @ [C, C] @ [C, C]
         b_dA = tl.where(m_cc & (o_t[:, None] > o_t[None, :]), -b_dA, 0.)
-    if DELTA and GATE == 2:     # dA and dP for the pair kernel; then dX's terms
+    if DELTA and GATE == 2:     # dA and dP for the pair kernel
         tl.store(Ascr + p_cc, b_dA, mask=m_cc)
         tl.store(Pmat + p_cc, tl.where(o_t[:, None] >= o_t[None, :], b_dP * scale, 0.), mask=m_cc)
-        for i_k in range(tl.cdiv(K, BK)):
-            o_k = i_k * BK + tl.arange(0, BK)
-            m_tk, p_tk, p_hk = _col_offsets(rows, m_t, o_k, o_k < K, i_h, i_hk, H, HV, K)
-            b_eGk = tl.exp(tl.load(G + p_hk, mask=m_tk, other=0.))
-            b_ke = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32) * b_eGk
-            b_dw = tl.load(dW + p_hk, mask=m_tk, other=0.).to(OPD)
-            b_dx = _mm(b_Ttl, b_dw, PREC)                                                    # [C, C] @ [C, BK]
-            tl.store(dk + p_hk, tl.load(dk1 + p_hk, mask=m_tk, other=0.) + b_beta[:, None] * b_eGk * b_dx, mask=m_tk)
-            b_db += tl.sum(b_ke * b_dx, axis=1)
-            tl.store(dG + p_hk, tl.load(dGp + p_hk, mask=m_tk, other=0.) + b_beta[:, None] * b_ke * b_dx, mask=m_tk)
         tl.store(dbeta + rows * HV + i_h, b_db, mask=m_t)
     elif DELTA:
         if not DA_SCR:
@@ -1645,7 +1655,8 @@ def _num_stages(dtype: torch.dtype, BK: int, state_pass: bool = False) -> int:
 BWD_WARPS = {"gate_cumsum": 4, "intra": 4, "intra_diag": 4, "solve": 4, "wu": 4, "fwd_h": 4, "bwd_dh": 4,
              "bwd_dv": 4, "bwd_grad": 4, "bwd_diag": 4, "bwd_pair": 4, "bwd_pair_ref": 4, "prep": 4,
              "bwd_dqk": 4, "bwd_wy": 4}     # prep: the fused recompute (BWD_FUSED_PREP)
-BWD_WARPS_PER_CHANNEL = {"fwd_h": 8, "bwd_dh": 8, "bwd_grad": 8}     # KDA (per-channel gate)
+BWD_WARPS_PER_CHANNEL = {"fwd_h": 8, "bwd_dh": 8, "bwd_grad": 8, "bwd_dqk": 8}     # KDA (per-channel gate)
+# (bwd_dqk: offline sm_90 bf16 at 4 warps 255 registers and 240 B of spills, at 8 warps 208 and none)
 BWD_KSPLIT = 64
 # Scalar / no gate: the value and key sides as _bwd_dqk_kernel (everything that reads the state tiles h / dh, one program
 # per BWD_DQK_BK key columns of a chunk) then _bwd_wy_kernel (the gradients through T, per chunk), instead of
@@ -1921,8 +1932,12 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         int(os.environ.get("CHUNKWISE_BWD_FUSED_PREP", BWD_FUSED_PREP))
     da_scr = dqk and delta and gate != 2 and _env_switch("CHUNKWISE_BWD_WY_DA_SCR", BWD_WY_DA_SCR[gate])
     scratch = not dqk or gate == 2 or (saved is None and not fused_prep)
-    Amat = buf(B, T, HV, C) if delta and (scratch or da_scr) else None
-    Pmat = buf(B, T, HV, C) if scratch else None
+    if dqk and gate == 2:   # one buffer, so that it can also take the state-tile pass's dT shares (dTp)
+        AP = buf(2, B, T, HV, C)
+        Amat, Pmat = AP[0], AP[1]
+    else:
+        Amat = buf(B, T, HV, C) if delta and (scratch or da_scr) else None
+        Pmat = buf(B, T, HV, C) if scratch else None
     Tmat = W = U = R = None
     if saved is not None:
         # the forward's stage 1 (T, W, U in the dtypes the recompute would give; P in the input dtype, as the
@@ -2018,21 +2033,27 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         dk1_16 = delta and gate != 2 and q.dtype != torch.float32 and _env_switch("CHUNKWISE_BWD_DK1_16", BWD_DK1_16)
         dk1_dt = q.dtype if dk1_16 else torch.float32
         dk1 = dk if not delta or dk.dtype == dk1_dt else buf(B, T, HV, K, dtype=dk1_dt)
-        dW = buf(B, T, HV, K, dtype=q.dtype if lowp_key else torch.float32) if delta else None
-        # the gate's shares: per column block and row (scalar gate), or dG itself per channel (the WY pass adds in place)
+        dW = buf(B, T, HV, K, dtype=q.dtype if lowp_key else torch.float32) if delta and gate != 2 else None
+        # the gate's shares: per column block and row (scalar gate), or dG itself per channel; per channel also dT's and
+        # dβ's shares by column block (dTp in Amat / Pmat where two blocks or fewer: the WY pass reads its rows first)
         dGp = None if not gate else (dG if gate == 2 else buf(nka, B, T, HV))
+        dTp = dbs = None
+        if gate == 2:
+            dTp = AP if nka <= 2 else buf(nka, B, T, HV, C)
+            dbs = buf(nka, B, T, HV)
         nvd = grid_s[0] if dgam_dh else 0
         _bwd_dqk_kernel[(nka * NT, B * HV)](q, k, v, G, h, dh, R if delta else None, dR, do, dq, dk1, dW, dGp, dgam,
+                                            Tmat, beta, dTp, dbs,
                                             scale=scale, H=H, HV=HV, K=K, V=V, BK=bka, BV=bva, C=C, GATE=gate,
                                             DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_key,
                                             EARLY=_env_switch("CHUNKWISE_BWD_DQK_EARLY", BWD_DQK_EARLY[gate]),
                                             DGAM=dgam_dh, NVD=nvd, KD=BK,
-                                            num_warps=_warps("bwd_dqk", gate), **_regs("bwd_dqk", gate),
+                                            num_warps=_warps("bwd_dqk", gate, wide8), **_regs("bwd_dqk", gate),
                                             num_stages=ns, **common)
         if delta or gate:
             bkw = _env_block("CHUNKWISE_BWD_WY_BK", BWD_WY_BK, BK)
-            _bwd_wy_kernel[grid_c](k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, Amat, dv, dk, dbeta, dG,
-                                   R if delta else None, do, Pmat, scale=scale, H=H, HV=HV,
+            _bwd_wy_kernel[grid_c](k, v, beta, G, Tmat, dW, dR, dk1, dbs if gate == 2 else dGp, dgam, Amat, dv, dk,
+                                   dbeta, dG, R if delta else None, do, Pmat, dTp, scale=scale, H=H, HV=HV,
                                    K=K, V=V, BK=bkw, BV=BV, C=C, NKP=nka, GATE=gate, DELTA=delta, IS_VARLEN=varlen,
                                    PREC=prec, LOWP=lowp_key, NVD=nvd, KD=BK,
                                    T_TRANS=_env_switch("CHUNKWISE_BWD_WY_T_TRANS", BWD_WY_T_TRANS),
@@ -2041,7 +2062,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                                    num_stages=ns, **common)
         if not delta:       # dv = dR
             dv = dR if dR.dtype == v.dtype else dR.to(v.dtype)
-        del dk1, dW, dGp, dgam
+        del dk1, dW, dGp, dgam, dTp, dbs
     else:     # the value side, the key side (and per channel the pairwise kernels)
         _bwd_dv_kernel[grid_c](q, k, v, beta, G, Tmat, h, R, dR, do, Pmat, Amat, dq, dv, dbeta, dG, scale=scale, H=H,
                                HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
