@@ -97,9 +97,9 @@ STATES_VARIANTS = "recompute:CHUNKWISE_SAVE_STATES=0;states:CHUNKWISE_SAVE_STATE
 # faster for DeltaNet, its dAᵀ through a scratch faster for GDN only); now KDA: the two kernels + the pair kernel
 # (BWD_DQK_KDA, the default; run of 8f95fab: 1.54 + 2.22 ms against 1.24 + 2.54, with ⟨S, dS'⟩ from the reverse pass
 # slower) against the value-side + key-side kernels (kdaold); now with the WY form's column-local terms in the
-# state-tile pass (8 warps; 4 warps, 4 warps at 32 columns)
-DQK_VARIANTS = ("dqk:;kdaold:CHUNKWISE_BWD_DQK_KDA=0;w4:CHUNKWISE_BWD_WARPS=bwd_dqk:4;"
-                "bk32w4:CHUNKWISE_BWD_WARPS=bwd_dqk:4,CHUNKWISE_BWD_DQK_BK=32")
+# state-tile pass (run of c470c78: 2.90 + 0.96 ms at 8 warps, 2.41 + 0.96 at 4 (now the default), 3.04 + 1.14 at 4
+# warps and 32 columns; fwd+bwd 12.60 against the older kernels' 13.04)
+DQK_VARIANTS = "dqk:;kdaold:CHUNKWISE_BWD_DQK_KDA=0;w8:CHUNKWISE_BWD_WARPS=bwd_dqk:8"
 NAMED = {"dqk": DQK_VARIANTS, "ahead": AHEAD_VARIANTS, "states": STATES_VARIANTS, "pair": PAIR_VARIANTS, "gates": GATES_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
          "oneref": ONEREF_VARIANTS}
 

@@ -1655,8 +1655,9 @@ def _num_stages(dtype: torch.dtype, BK: int, state_pass: bool = False) -> int:
 BWD_WARPS = {"gate_cumsum": 4, "intra": 4, "intra_diag": 4, "solve": 4, "wu": 4, "fwd_h": 4, "bwd_dh": 4,
              "bwd_dv": 4, "bwd_grad": 4, "bwd_diag": 4, "bwd_pair": 4, "bwd_pair_ref": 4, "prep": 4,
              "bwd_dqk": 4, "bwd_wy": 4}     # prep: the fused recompute (BWD_FUSED_PREP)
-BWD_WARPS_PER_CHANNEL = {"fwd_h": 8, "bwd_dh": 8, "bwd_grad": 8, "bwd_dqk": 8}     # KDA (per-channel gate)
-# (bwd_dqk: offline sm_90 bf16 at 4 warps 255 registers and 240 B of spills, at 8 warps 208 and none)
+BWD_WARPS_PER_CHANNEL = {"fwd_h": 8, "bwd_dh": 8, "bwd_grad": 8}     # KDA (per-channel gate)
+# (KDA's bwd_dqk stays at 4 warps: offline sm_90 bf16 255 registers and 240 B of spills against 208 and none at 8, but
+# on the H200 2.41 ms against 2.90 at 8, run of c470c78)
 BWD_KSPLIT = 64
 # Scalar / no gate: the value and key sides as _bwd_dqk_kernel (everything that reads the state tiles h / dh, one program
 # per BWD_DQK_BK key columns of a chunk) then _bwd_wy_kernel (the gradients through T, per chunk), instead of
