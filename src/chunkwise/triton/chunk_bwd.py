@@ -1319,16 +1319,15 @@ def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, Ascr, dv, dk, db
                     b_x = b_x * b_eG
                 b_x = b_x.to(OPD)
                 b_dw = tl.load(dW + p_hk, mask=m_tk, other=0.).to(OPD)
-                b_dT += _mm(b_dw, tl.trans(b_x), PREC)                                           # [C, BK] @ [BK, C]
-                if not DA_SCR and GATE != 2:
-                    b_dTt += _mm(b_x, tl.trans(b_dw), PREC)                                      # [C, BK] @ [BK, C]
-        if DA_SCR or GATE == 2:
-            pass
-        elif T_TRANS:
-            b_Tl = tl.trans(b_Ttl)                                                          # T
-        else:
-            b_Tl = tl.load(Tmat + p_cc, mask=m_cc & (o_t[:, None] >= o_t[None, :]), other=0.).to(OPD)
-        if DK1_AHEAD:   # the first column block of dk1, its latency under the dA products
+                b_dT += _mm(b_dw, tl.trans(b_x), PREC)                                       # [C, BK] @ [BK, C]
+                if not DA_SCR:
+                    b_dTt += _mm(b_x, tl.trans(b_dw), PREC)                                  # [C, BK] @ [BK, C]
+            if not DA_SCR:
+                if T_TRANS:
+                    b_Tl = tl.trans(b_Ttl)                                                  # T
+                else:
+                    b_Tl = tl.load(Tmat + p_cc, mask=m_cc & (o_t[:, None] >= o_t[None, :]), other=0.).to(OPD)
+        if DK1_AHEAD and GATE != 2:     # the first column block of dk1, its latency under the dA products
             b_dk1n = _cols_ahead(dk1, rows, m_t, 0, i_h, HV, K, BK)
         b_dA = _mm(_mm(b_Ttl, b_dT.to(OPD), PREC).to(OPD), b_Ttl, PREC)                     # [C, C] @ [C, C] @ [C, C]
         if not DA_SCR and GATE != 2:
@@ -2003,7 +2002,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     dh = buf(NC, HV, K, V, dtype=sdt)
     dR = buf(B, T, HV, V, dtype=sdt)
     dh0 = buf(*h0.shape) if has_h0 else None
-    # scalar gate on the dqk path: ⟨S, dS'⟩ per chunk from the reverse pass (BWD_DGAM_DH)
+    # gates on the dqk path: ⟨S, dS'⟩ per chunk from the reverse pass (BWD_DGAM_DH, off by default)
     dgam_dh = dqk and gate > 0 and _env_switch("CHUNKWISE_BWD_DGAM_DH", BWD_DGAM_DH)
     dgam = buf(NC, HV, grid_s[0], BK) if dgam_dh else None
     _bwd_dh_kernel[grid_s](q_s, k_s, G, W, dRl, do, dht, dh, dR, dh0, h, dgam, scale=scale, unit=1.0, H=H, HV=HV, K=K,
