@@ -23,7 +23,7 @@ BF16 = ("q", "k", "v", "w", "u", "p", "qg", "kg", "o")
 FP32 = ("g", "glast", "gcum", "h0", "ht", "sloc", "gam")
 
 
-def compile_variant(fam="gdn", bv=32, K=128, V=128, num_warps=4, num_stages=None, tma=0):
+def compile_variant(fam="gdn", bv=32, K=128, V=128, num_warps=4, num_stages=None, tma=0, trans=0):
     gate = GATES[fam]
     p_in = gate == 2 or DELTA_P_IN[gate]
     if num_stages is None:
@@ -33,7 +33,7 @@ def compile_variant(fam="gdn", bv=32, K=128, V=128, num_warps=4, num_stages=None
     sig |= {a: "i32" for a in ("s_h0n", "s_h0h", "s_h0k", "s_h0v", "s_htn", "s_hth", "s_htk", "s_htv")}
     consts = dict(cu_seqlens=None, K=K, V=V, BTc=BT, BK=K, BV=bv, GATE=gate, DELTA=True, P_IN=int(p_in),
                   USE_H0=False, STORE_HT=False, IS_VARLEN=False, DOT_PREC="tf32", g_floor=G_FLOOR, LOOP_WHILE=False,
-                  SEG=0, NSEG=1, SUB=1, GC_IN=int(gate == 1), TMA=int(tma > 0), TMA_O=int(tma > 1))
+                  SEG=0, NSEG=1, SUB=1, GC_IN=int(gate == 1), TMA=int(tma > 0), TMA_O=int(tma > 1), TRANS=trans)
     absent = ["h0", "ht", "sloc", "gam", "v"]
     absent += ([] if p_in else ["p"]) + ([] if gate == 2 else ["qg", "kg"] + ([] if gate == 1 else ["glast"]))
     absent += [] if gate == 1 else ["gcum"]
@@ -46,7 +46,7 @@ def summary(compiled) -> dict:
     ops = re.findall(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
     count = lambda *names: sum(1 for o in ops if o.split(".")[0] in names)  # noqa: E731
     waits = sum(1 for o in ops if o.startswith("WARPGROUP.DEPBAR"))
-    return dict(regs=regs, spill=spill, smem=compiled.metadata.shared, instrs=len(ops), mma=count("HGMMA"),
+    return dict(regs=regs, spill=spill, smem=compiled.metadata.shared, instrs=len(ops), mma=count("HGMMA", "HMMA"),
                 waits=waits, bar=count("BAR"), lds=count("LDS", "LDSM"), sts=count("STS"), ldg=count("LDG"))
 
 
@@ -56,12 +56,14 @@ def main():
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--tma", type=int, default=0, help="1: the loop's tile loads through tensor descriptors (TMA), 2: its output stores too")
     ap.add_argument("--bv", type=int, default=32)
+    ap.add_argument("--trans", type=int, default=0, help="1: the transposed state (TRANS, _state_output_step_t)")
     ap.add_argument("--stages", type=int, default=None, help="pipeline depth (default: _pick_stages)")
     args = ap.parse_args()
     print(f"{'fam':5s} {'stg':>3s} {'regs':>4s} {'spill':>5s} {'smem':>6s} {'instrs':>6s} {'mma':>4s} "
           f"{'waits':>5s} {'bar':>4s} {'lds':>4s} {'sts':>4s} {'ldg':>4s}")
     for fam in args.fams.split(","):
-        c, stages = compile_variant(fam, args.bv, num_warps=args.warps, num_stages=args.stages, tma=args.tma)
+        c, stages = compile_variant(fam, args.bv, num_warps=args.warps, num_stages=args.stages, tma=args.tma,
+                                   trans=args.trans)
         s = summary(c)
         print(f"{fam:5s} {stages:3d} {s['regs']:4d} {s['spill']:5d} {s['smem']:6d} {s['instrs']:6d} "
               f"{s['mma']:4d} {s['waits']:5d} {s['bar']:4d} {s['lds']:4d} {s['sts']:4d} {s['ldg']:4d}", flush=True)

@@ -252,6 +252,48 @@ def test_tile_paths(fam, tma, monkeypatch):
     _check(inp, o, ht, TOL[torch.float32])
 
 
+@pytest.mark.parametrize("form", ["tma", "plain-other-p"])
+@pytest.mark.parametrize("fam", FAMS)
+def test_transposed_state_loop(fam, form, monkeypatch):
+    """Stage 2 on the transposed state Sᵀ (CHUNKWISE_FWD_TRANS=1, _state_output_step_t): equal to the float64
+    recurrence and to the plain loop, output and final state, in both state layouts (carried in and out), over
+    varlen with a length-1 sequence and grouped heads; with the tiles through tensor descriptors, and through
+    per-thread addresses with P taken from the other place (formed in the loop for GDN, from stage 1 for
+    DeltaNet; simple GLA: its own P kernel)."""
+    monkeypatch.setenv("CHUNKWISE_FWD_TMA", "1" if form == "tma" else "0")
+    if form != "tma":
+        monkeypatch.setenv("CHUNKWISE_FWD_P_IN", "0" if fam == "gdn" else "1")
+    inp = make_inputs(fam, lengths=[1, 130, 70], H=1, HV=2, K=KS[0], V=VS[0], dtype=torch.float32, seed=37)
+    for transpose in (False, True):
+        monkeypatch.setenv("CHUNKWISE_FWD_TRANS", "0")
+        o0, ht0 = _run(inp, transpose=transpose)
+        monkeypatch.setenv("CHUNKWISE_FWD_TRANS", "1")
+        o, ht = _run(inp, transpose=transpose)
+        _check(inp, o, ht, TOL[torch.float32])
+        assert rel_err(o, o0) <= TOL[torch.float32] / 4 and rel_err(ht, ht0) <= TOL[torch.float32] / 4
+
+
+@pytest.mark.parametrize("fam", ("gdn", "kda", "delta"))
+def test_transposed_state_loop_saves_states(fam, monkeypatch):
+    """A forward saved for the backward with its per-chunk states and R (CHUNKWISE_SAVE_STATES=1) writes the same
+    h (by chunk slot) and R from the transposed loop as from the plain one, over varlen with a 1-token, a
+    mid-chunk and a 2-chunk sequence and grouped heads."""
+    from chunkwise.triton.chunk_fwd import chunk_fwd
+    inp = make_inputs(fam, lengths=[1, 70, 128, 30], H=1, HV=2, K=16, V=32, dtype=torch.float32, seed=41)
+    monkeypatch.setenv("CHUNKWISE_SAVE_STATES", "1")
+    out = {}
+    for trans in ("0", "1"):
+        monkeypatch.setenv("CHUNKWISE_FWD_TRANS", trans)
+        saved = {}
+        o, ht = chunk_fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, 0.25, inp.h0, True, inp.cu_seqlens, saved_out=saved)
+        assert "h" in saved and "r" in saved
+        out[trans] = (o, ht, saved["h"], saved["r"])
+    for a, b in zip(out["0"], out["1"]):         # (h's slots past a sequence's chunks stay unwritten: NaN)
+        written = torch.isfinite(a)
+        assert written.any() and torch.equal(torch.isfinite(b), written)
+        assert rel_err(b[written], a[written]) <= TOL[torch.float32] / 4
+
+
 def test_tma_allocator_kept():
     """The forward sets Triton's scratch allocator (for its tensor descriptors) only where none is set: a
     caller's own allocator is kept."""

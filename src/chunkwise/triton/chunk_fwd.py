@@ -732,6 +732,82 @@ def _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, 
     return S
 
 
+@triton.jit
+def _state_output_step_t(i_t, St, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, hs, rs, slot0, bos, T_seq, i_h,
+                         i_hk, i_v, scale, H, HV, K, V,
+                         BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                         GATE: tl.constexpr, DELTA: tl.constexpr, P_IN: tl.constexpr, GC_IN: tl.constexpr,
+                         DOT_PREC: tl.constexpr, g_floor: tl.constexpr, TMA: tl.constexpr = 0,
+                         TMA_O: tl.constexpr = 0, STORE_HR: tl.constexpr = 0):
+    """_state_output_step on the transposed state St = Sᵀ [BV, BK] (TRANS): every product takes St or Rᵀ, values
+    in registers, as its first operand and a loaded tile as its second, so nothing on the state's chain is staged
+    through shared memory, and at BV < 64 the products are warp-level (mma v2) ones the compiler can overlap::
+
+        Rᵀ = Uᵀ − Sᵀ Wᵀ                                 [BV, C]
+        oᵀ = scale · (Sᵀ (Q ⊙ e^G)ᵀ + Rᵀ Pᵀ)             [BV, C]
+        Sᵀ = e^{G_last} Sᵀ + Rᵀ (K ⊙ e^{G_last − G})     [BV, K]
+    """
+    o_k = tl.arange(0, BK)
+    o_t = tl.arange(0, BTc)
+    o_v = i_v * BV + tl.arange(0, BV)
+    t0 = i_t * BTc
+    if STORE_HR:
+        tl.store(hs + (((slot0 + i_t) * HV + i_h) * K + o_k[None, :]).to(tl.int64) * V + o_v[:, None],
+                 St.to(hs.dtype.element_ty), mask=(o_k < K)[None, :] & (o_v < V)[:, None])
+    if DELTA:
+        b_w = _tile(w, (bos * HV + i_h) * K, T_seq, K, HV * K, t0, 0, BTc, BK, TMA)
+        b_u = _tile(u, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, i_v * BV, BTc, BV, TMA)
+        b_Rt = tl.trans(b_u).to(tl.float32) - tl.dot(St.to(b_w.dtype), tl.trans(b_w),
+                                                     input_precision=DOT_PREC)     # [BV, BK] @ [BK, BT]
+        if STORE_HR:
+            tl.store(rs + ((bos + t0 + o_t[None, :]) * HV + i_h) * V + o_v[:, None], b_Rt.to(rs.dtype.element_ty),
+                     mask=(t0 + o_t < T_seq)[None, :] & (o_v < V)[:, None])
+    else:
+        b_Rt = tl.trans(_tile(v, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, i_v * BV, BTc, BV, TMA)).to(tl.float32)
+    if GATE == 2:
+        b_qd = _tile(qg, (bos * HV + i_h) * K, T_seq, K, HV * K, t0, 0, BTc, BK, TMA)
+        b_kd = _tile(kg, (bos * HV + i_h) * K, T_seq, K, HV * K, t0, 0, BTc, BK, TMA)
+    else:
+        b_qd = _tile(q, (bos * H + i_hk) * K, T_seq, K, H * K, t0, 0, BTc, BK, TMA)
+        b_kd = _tile(k, (bos * H + i_hk) * K, T_seq, K, H * K, t0, 0, BTc, BK, TMA)
+        if GATE == 1:
+            if GC_IN:
+                Gc = tl.load(gcum + (bos + t0 + o_t) * HV + i_h, mask=t0 + o_t < T_seq, other=0.)   # [BT]
+                G_last = b_gl
+            else:
+                Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor)            # [BT]
+                G_last = tl.sum(tl.where(o_t == BTc - 1, Gc, 0.), 0)
+            b_dl = tl.exp(G_last)
+            b_eg = tl.exp(Gc)
+            b_ek = tl.exp(G_last - Gc)
+    if P_IN:
+        b_Pt = tl.trans(_tile(p, (bos * HV + i_h) * BTc, T_seq, BTc, HV * BTc, t0, 0, BTc, BTc, TMA))
+    else:
+        b_Pt = tl.dot(b_kd, tl.trans(b_qd), input_precision=DOT_PREC)            # [BT, BK] @ [BK, BT] = Pᵀ
+        if GATE == 1:
+            b_Pt = b_Pt * tl.exp(tl.where(o_t[:, None] <= o_t[None, :], Gc[None, :] - Gc[:, None], float("-inf")))
+        else:
+            b_Pt = tl.where(o_t[:, None] <= o_t[None, :], b_Pt, 0.)
+        b_Pt = b_Pt.to(b_qd.dtype)
+    b_ot = tl.dot(St.to(b_qd.dtype), tl.trans(b_qd), input_precision=DOT_PREC)    # [BV, BK] @ [BK, BT]
+    if GATE == 1:
+        b_ot = b_ot * b_eg[None, :]
+    b_ot += tl.dot(b_Rt.to(b_qd.dtype), b_Pt.to(b_qd.dtype), input_precision=DOT_PREC)   # [BV, BT] @ [BT, BT]
+    b_o = tl.trans(b_ot * scale)
+    if TMA_O:
+        o_base.store([t0, i_v * BV], b_o.to(o_base.dtype))
+    else:
+        tl.store(tl.make_block_ptr(o_base, (T_seq, V), (HV * V, 1), (t0, i_v * BV), (BTc, BV), (1, 0)),
+                 b_o.to(o_base.dtype.element_ty), boundary_check=(0, 1))
+    if GATE == 1:
+        St = St * b_dl
+        b_Rt = b_Rt * b_ek[None, :]
+    elif GATE == 2:
+        St = St * b_gl[None, :]
+    St += tl.dot(b_Rt.to(b_qd.dtype), b_kd, input_precision=DOT_PREC)             # [BV, BT] @ [BT, BK]
+    return St
+
+
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV", "seg_len"])
 def chunk_state_output_kernel(
     q, k, v, w, u, p, g,         # [B,T,H,K] [B,T,H,K] [B,T,HV,V] [B,T,HV,K] [B,T,HV,V] [B,T,HV,BT] [B,T,HV] fp32
@@ -749,9 +825,10 @@ def chunk_state_output_kernel(
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
     DOT_PREC: tl.constexpr, g_floor: tl.constexpr, LOOP_WHILE: tl.constexpr,
     SEG: tl.constexpr = 0, NSEG: tl.constexpr = 1, SUB: tl.constexpr = 1, GC_IN: tl.constexpr = 0,
-    TMA: tl.constexpr = 0, TMA_O: tl.constexpr = 0, STORE_HR: tl.constexpr = 0,
+    TMA: tl.constexpr = 0, TMA_O: tl.constexpr = 0, STORE_HR: tl.constexpr = 0, TRANS: tl.constexpr = 0,
 ):
-    """Stage 2 (module docstring). Grid (cdiv(V, BV), N·HV); S [BK, BV] fp32 stays in registers.
+    """Stage 2 (module docstring). Grid (cdiv(V, BV), N·HV); S [BK, BV] fp32 stays in registers (TRANS, SEG = 0:
+    Sᵀ [BV, BK], the products' first operand; _state_output_step_t).
 
     SEG (simple GLA, no varlen): each sequence split into NSEG segments of seg_len chunks, grid
     (cdiv(V, BV), N·NSEG·HV), so that a short batch still fills the GPU. Its state is linear in the
@@ -790,7 +867,10 @@ def chunk_state_output_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
 
-    S = tl.zeros([BK, BV], dtype=tl.float32)
+    if TRANS:
+        S = tl.zeros([BV, BK], dtype=tl.float32)
+    else:
+        S = tl.zeros([BK, BV], dtype=tl.float32)
     c0 = 0
     c1 = n_chunks
     if SEG > 0:
@@ -816,8 +896,12 @@ def chunk_state_output_kernel(
             tl.store(gam + i_seg * HV + i_h, d)
     else:
         if USE_H0:
-            p_h0 = h0 + i_n * s_h0n + i_h * s_h0h + o_k[:, None] * s_h0k + o_v[None, :] * s_h0v
-            S += tl.load(p_h0, mask=m_kv, other=0.).to(tl.float32)
+            if TRANS:
+                p_h0 = h0 + i_n * s_h0n + i_h * s_h0h + o_k[None, :] * s_h0k + o_v[:, None] * s_h0v
+                S += tl.load(p_h0, mask=(o_k < K)[None, :] & (o_v < V)[:, None], other=0.).to(tl.float32)
+            else:
+                p_h0 = h0 + i_n * s_h0n + i_h * s_h0h + o_k[:, None] * s_h0k + o_v[None, :] * s_h0v
+                S += tl.load(p_h0, mask=m_kv, other=0.).to(tl.float32)
         if SEG == 2:    # the start state: the earlier (sub-)segments, in order
             for i_p in tl.static_range(NSEG * SUB - 1):
                 if i_p < i_s * SUB:
@@ -839,23 +923,37 @@ def chunk_state_output_kernel(
             i_t = c0
             while i_t < c1:
                 b_gl_next = _chunk_decay(glast, slot0, i_t + 1, c1, i_h, HV, K, BK, GATE, GC_IN)
-                S = _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, hs, rs, slot0, bos,
-                                       T_seq, i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, GC_IN,
-                                       DOT_PREC, g_floor, TMA, TMA_O, STORE_HR)
+                if TRANS:
+                    S = _state_output_step_t(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, hs, rs, slot0,
+                                             bos, T_seq, i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA,
+                                             P_IN, GC_IN, DOT_PREC, g_floor, TMA, TMA_O, STORE_HR)
+                else:
+                    S = _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, hs, rs, slot0,
+                                           bos, T_seq, i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA,
+                                           P_IN, GC_IN, DOT_PREC, g_floor, TMA, TMA_O, STORE_HR)
                 b_gl = b_gl_next
                 i_t += 1
         else:               # compiled: a for loop, so that the loads of later chunks are pipelined
             for i_t in range(c0, c1):
                 b_gl_next = _chunk_decay(glast, slot0, i_t + 1, c1, i_h, HV, K, BK, GATE, GC_IN)
-                S = _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, hs, rs, slot0, bos,
-                                       T_seq, i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, GC_IN,
-                                       DOT_PREC, g_floor, TMA, TMA_O, STORE_HR)
+                if TRANS:
+                    S = _state_output_step_t(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, hs, rs, slot0,
+                                             bos, T_seq, i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA,
+                                             P_IN, GC_IN, DOT_PREC, g_floor, TMA, TMA_O, STORE_HR)
+                else:
+                    S = _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, hs, rs, slot0,
+                                           bos, T_seq, i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA,
+                                           P_IN, GC_IN, DOT_PREC, g_floor, TMA, TMA_O, STORE_HR)
                 b_gl = b_gl_next
 
     if STORE_HT and SEG != 1:
         if i_s == NSEG - 1:     # the last segment (always, without SEG)
-            p_ht = ht + i_n * s_htn + i_h * s_hth + o_k[:, None] * s_htk + o_v[None, :] * s_htv
-            tl.store(p_ht, S, mask=m_kv)
+            if TRANS:
+                p_ht = ht + i_n * s_htn + i_h * s_hth + o_k[None, :] * s_htk + o_v[:, None] * s_htv
+                tl.store(p_ht, S, mask=(o_k < K)[None, :] & (o_v < V)[:, None])
+            else:
+                p_ht = ht + i_n * s_htn + i_h * s_hth + o_k[:, None] * s_htk + o_v[None, :] * s_htv
+                tl.store(p_ht, S, mask=m_kv)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1136,6 +1234,12 @@ DELTA_P_IN = {0: 0, 1: 1}
 FWD_TMA = 1
 FWD_TMA_O = 1
 
+# the serial stage on the transposed state Sᵀ [BV, K] (_state_output_step_t; not simple GLA's segment split): the
+# products take the state and R from registers as their first operand instead of staging them through shared
+# memory as the second, and at BV = 32 they are warp-level mma.sync products rather than wgmma groups each waited
+# on (offline sm_90, NOTES.md session 16). Unmeasured: off until timed; CHUNKWISE_FWD_TRANS=1 turns it on.
+FWD_TRANS = 0
+
 
 def _torch_scratch(size: int, alignment: int, stream):
     """Triton's scratch memory for tensor descriptors made inside a kernel, from torch's caching allocator (on the
@@ -1309,6 +1413,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         return (sn, sh, s3, s2) if transpose_state_layout else (sn, sh, s2, s3)
 
     dot_prec = _dot_prec(q.dtype)[0]
+    trans = _env_switch("CHUNKWISE_FWD_TRANS", FWD_TRANS)
     tma = _env_switch("CHUNKWISE_FWD_TMA", FWD_TMA)
     tma_o = tma and _env_switch("CHUNKWISE_FWD_TMA_O", int(FWD_TMA_O and nseg == 1))
     if tma and not _INTERPRET:
@@ -1340,7 +1445,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
             USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=cu_seqlens is not None,
             DOT_PREC=dot_prec, g_floor=G_FLOOR, LOOP_WHILE=_INTERPRET, SEG=seg_mode, NSEG=nseg_m,
             SUB=sub if seg_mode == 2 else 1, GC_IN=delta and gate == 1, TMA=tma,
-            TMA_O=tma_o, STORE_HR=hs is not None,
+            TMA_O=tma_o, STORE_HR=hs is not None, TRANS=int(trans and seg_mode == 0),
             num_warps=warps_m, num_stages=stages_m, **reg_cap("fwd_o"))
     if padded:
         o, ht = o[..., :V0].contiguous(), cut_state(ht, K0, V0, transpose_state_layout)
