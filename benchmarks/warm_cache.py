@@ -87,6 +87,7 @@ def warm_benchmarks(only: str = ""):
     for script, argv in (("bench_forward", ["--warm"]), ("bench_forward", ["--warm", "--variants"]), ("sweep_stage1", ["--warm"]),
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "pfree"]),
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "tma"]),
+                         ("bench_forward", ["--warm", "--variants", "--variant-set", "trans"]),
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "solve", "--families", "gdn,kda,delta"]),
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "pstages", "--families", "kda"]),
                          ("sweep_bwd", ["--warm", "--warps", "4,8"]),
