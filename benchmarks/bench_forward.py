@@ -171,12 +171,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--families", default=",".join(FAMILIES))
-    ap.add_argument("--variant-set", default="all", choices=("all", "seg", "pfree", "tma", "solve", "pstages", "trans"),
+    ap.add_argument("--variant-set", default="all", choices=("all", "seg", "pfree", "tma", "solve", "pstages", "trans", "kdasplit"),
                     help="seg: only simple GLA's segment variants; pfree: only GDN / DeltaNet with P formed in "
                          "stage 2 instead of stage 1; tma: every family's serial stage with its tiles loaded through tensor "
                          "descriptors or not; solve: the delta families with (I + A)⁻¹'s diagonal blocks by "
                          "substitution or doubling; pstages: KDA's stage 1 at 1 / 2 / 3 pipeline stages; trans: "
-                         "stage 2 on the transposed state or not, at BV 32 / 64 (with --variants)")
+                         "stage 2 on the transposed state or not, at BV 32 / 64; kdasplit: KDA's stage 1 in one launch or "
+                         "two (CHUNKWISE_KDA_ONE_REF 1 / 2) (with --variants)")
     ap.add_argument("--variants", action="store_true", help="also time stage-2 variants (BV 16/32/64 x 4/8 warps x 2/3 stages; GLA also with P from its own kernel, GDN with the decays from stage 1)")
     ap.add_argument("--shapes", default="")
     ap.add_argument("--warm", action="store_true", help="compile everything on tiny inputs, time nothing")
@@ -248,11 +249,15 @@ def main():
                     # (I + A)⁻¹'s diagonal blocks by substitution (0) or doubling (1): the forward and stage 1
                     for form in ("0", "1"):
                         time_variant(f"solve{form}", env={"CHUNKWISE_SOLVE_DOUBLING": form}, stage1=True)
+                if a.variant_set == "kdasplit" and fam == "kda":
+                    # KDA's stage 1 as one launch with both A / P forms built in, or two (CHUNKWISE_KDA_ONE_REF 1 / 2)
+                    for n in ("1", "2"):
+                        time_variant(f"oneref{n}", env={"CHUNKWISE_KDA_ONE_REF": n}, stage1=True)
                 if a.variant_set == "pstages" and fam == "kda":
                     # stage 1's software pipeline over its column chunks (CHUNKWISE_PREP_STAGES): the forward and stage 1
                     for n in ("1", "2", "3"):
                         time_variant(f"pstages{n}", env={"CHUNKWISE_PREP_STAGES": n}, stage1=True)
-                if fam == "gla" and a.variant_set not in ("pfree", "tma", "solve", "pstages", "trans") and x["q"].shape[0] == 1 and x["cu"] is None:
+                if fam == "gla" and a.variant_set not in ("pfree", "tma", "solve", "pstages", "trans", "kdasplit") and x["q"].shape[0] == 1 and x["cu"] is None:
                     # the segment split's first pass in sub-segments (chunk_fwd(seg_sub=)), 4 segments, at the
                     # second pass's value block (64, 4 warps) or its own
                     for sub, p1 in ((1, (128, 4)), (2, (128, 4)), (4, (128, 4)), (2, (128, 4, 3)), (2, (128, 4, 1)),

@@ -121,6 +121,36 @@ def test_kda_one_reference_taken(monkeypatch):
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("gate", ["normal", "strong"])
+def test_kda_one_reference_split_launch(gate, monkeypatch):
+    """CHUNKWISE_KDA_ONE_REF=2: a launch built with the one-reference products only, then the block form for the
+    chunks it flagged. Stage 1's outputs (w, u, p, qg, kg, glast) equal the single launch's, and the forward the
+    float64 recurrence, with normal gates (nothing flagged) and with strong ones (a hard reset and chunks whose
+    gates sum below -100: flagged chunks, redone), over varlen with grouped heads."""
+    inp = make_inputs("kda", lengths=[1, 130, 70], H=1, HV=2, K=KS[1], V=VS[0], dtype=torch.float32, gate=gate,
+                      seed=13)
+    outs = {}
+    for one_ref in ("1", "2"):
+        monkeypatch.setenv("CHUNKWISE_KDA_ONE_REF", one_ref)
+        from chunkwise.api import prepare_chunk_indices
+        outs[one_ref] = chunk_prepare(inp.q, inp.k, inp.v, inp.g, inp.beta, inp.cu_seqlens,
+                                      prepare_chunk_indices(inp.cu_seqlens, 64))
+    for name in ("w", "u", "p", "qg", "kg", "glast"):
+        a, b = outs["1"][name], outs["2"][name]
+        assert torch.isfinite(b).all(), name
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=name)
+    o, ht = _run(inp)
+    _check(inp, o, ht, TOL[torch.float32])
+
+
+def test_kda_one_reference_env_checked(monkeypatch):
+    """CHUNKWISE_KDA_ONE_REF outside 0 / 1 / 2 is refused with its name."""
+    monkeypatch.setenv("CHUNKWISE_KDA_ONE_REF", "3")
+    inp = make_inputs("kda", B=1, T=20, H=1, HV=1, K=16, V=16, dtype=torch.float32, seed=3)
+    with pytest.raises(ValueError, match="CHUNKWISE_KDA_ONE_REF"):
+        chunk_prepare(inp.q, inp.k, inp.v, inp.g, inp.beta)
+
+
 @pytest.mark.parametrize("prec", ["tf32", "tf32rn", "tf32x3"])
 def test_kda_fp16_product_precisions(prec, monkeypatch):
     """KDA with fp16 inputs, stage 1's fp32 factor products at each precision CHUNKWISE_FP16_MM_PREC offers

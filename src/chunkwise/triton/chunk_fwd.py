@@ -364,6 +364,8 @@ def chunk_prepare_kernel(
     qg, kg, glast,               # out (GATE == 2): [B,T,HV,K] [B,T,HV,K] input dtype, [slots,HV,K] fp32
     gcum,                        # out (GC_OUT, GATE == 1): [B,T,HV] fp32 G; glast then [slots,HV] fp32 G_last
     do, t_out, drl,              # BWD: [B,T,HV,V] in; out [B,T,HV,BT] fp32, [B,T,HV,V] (do's dtype)
+    flag,                        # AP_ONE_REF 2 / 3: [chunks · B·HV] int32, per program: 1 where a column chunk's gate
+                                 # left the one-reference span (written by 2, read by 3)
     cu_seqlens, chunk_indices,   # varlen: [N+1], [NT_total, 2] (sequence, chunk in sequence)
     T, NT, H, HV, K, V, scale,
     BTc: tl.constexpr, BCc: tl.constexpr, BK: tl.constexpr, BVf: tl.constexpr, BKC: tl.constexpr,
@@ -380,8 +382,15 @@ def chunk_prepare_kernel(
     STORE_T (forward, for a backward that reuses stage 1): also write T = (I + A)⁻¹ (fp32) to t_out.
     STORE_P = 0 (forward, scalar / no gate): no P (stage 2 forms it), q is not read.
     GC_OUT (forward, scalar gate): also write the chunk-local cumulative gate G per token and G_last per chunk,
-    so that stage 2's serial loop neither scans nor reduces the gate."""
+    so that stage 2's serial loop neither scans nor reduces the gate.
+    AP_ONE_REF (per-channel gate, AP_FORM 0): 1 each column chunk takes the one-reference products where its gate
+    allows them, else the block form (both built in); 2 the one-reference products only (the block form not built:
+    fewer registers, no spills), flagging the programs where a column chunk's gate did not allow them; 3 the block
+    form only, for the flagged programs alone (the others return at once), overwriting everything 2 wrote there."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    if AP_ONE_REF == 3:
+        if tl.load(flag + i_bh * tl.num_programs(0) + i_t) == 0:
+            return
     i_b, i_h = i_bh // HV, i_bh % HV
     i_hk = i_h // (HV // H)
     bos, T_seq, t0, slot = _chunk_span(i_t, i_b, cu_seqlens, chunk_indices, T, NT, BTc, IS_VARLEN)
@@ -412,6 +421,7 @@ def chunk_prepare_kernel(
         else:
             A = tl.zeros([BTc, BTc], dtype=tl.float32)
             P = tl.zeros([BTc, BTc], dtype=tl.float32)
+        n_out = tl.zeros([], dtype=tl.int32)     # AP_ONE_REF 2: column chunks whose gate left the one-reference span
         for i_kc in range(BK // BKC):
             kc0 = i_kc * BKC
             kf, qf, b_g = _kqg_tiles(k_base, q_base, g_base, t0, kc0, T_seq, H, HV, K, BTc, BKC)
@@ -430,7 +440,10 @@ def chunk_prepare_kernel(
                 r = 0.5 * G_last
                 b_Gr = b_G - r[None, :]
                 fast = False
-                if AP_ONE_REF:
+                if AP_ONE_REF == 2:     # (the products may overflow where the span is left: launch 3 redoes those)
+                    fast = True
+                    n_out += (tl.max(tl.max(tl.abs(b_Gr), 1), 0) >= span_max).to(tl.int32)
+                elif AP_ONE_REF == 1:
                     fast = tl.max(tl.max(tl.abs(b_Gr), 1), 0) < span_max
                 if fast:
                     x = tl.exp(b_Gr)                                                         # e^{G_i − r}
@@ -491,10 +504,12 @@ def chunk_prepare_kernel(
                                        (1, 0)), b_kg.to(kg.dtype.element_ty), boundary_check=(0, 1))
             o_k = kc0 + tl.arange(0, BKC)
             tl.store(glast + (slot * HV + i_h) * K + o_k, tl.exp(G_last), mask=o_k < K)
+        if AP_ONE_REF == 2:
+            tl.store(flag + i_bh * tl.num_programs(0) + i_t, tl.minimum(n_out, 1))
         if AP_FORM == 1:
             A = tl.where(strict, _stack_rows(A0, A1, A2, A3), 0.)
             P = tl.where(incl, _stack_rows(P0, P1, P2, P3), 0.)
-        elif AP_ONE_REF:    # the one-reference products also filled the upper triangle (there up to e^{2 span_max})
+        elif AP_ONE_REF == 1 or AP_ONE_REF == 2:    # the one-reference products also filled the upper triangle (there up to e^{2 span_max})
             A = tl.where(strict, A, 0.)
             P = tl.where(incl, P, 0.)
     else:
@@ -1010,7 +1025,10 @@ def _dot_prec(dtype, gate: int = 0) -> tuple[str, str, str]:
 PREP_CONFIG = {0: (1, 4, 64, 0), 1: (1, 4, 64, 0), 2: (0, 4, 32, 0)}
 # KDA's A and P (form 0): a column chunk whose chunk gate stays within ±span_max of one reference (G_last / 2)
 # takes two [BT, BKC] x [BKC, BT] products of e^{±(G − r)}-scaled operands instead of eight by blocks
-# (chunk_prepare_kernel's AP_ONE_REF). CHUNKWISE_KDA_ONE_REF (0 / 1) overrides.
+# (chunk_prepare_kernel's AP_ONE_REF). 2: two launches, the first built with the one-reference products only
+# (offline sm_90, bf16, BKC 32, 3 stages: 255 registers and 192 B of spills with both forms built in, 255 and none
+# without the block form), flagging the chunks whose gate leaves the span, the second the block form on those alone
+# (unmeasured: off until timed). CHUNKWISE_KDA_ONE_REF (0 / 1 / 2) overrides.
 KDA_ONE_REF = 1
 
 
@@ -1113,15 +1131,18 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     t = _alloc((B, T, HV, BT), torch.float32, dev) if save_t else None
     dot_prec, mm_prec, solve_prec = _dot_prec(dt, gate)
     wu_lowp, warps, bkc, form = prep_config(gate)
-    if n_chunks > 0:
+    one_ref = _env_choice("CHUNKWISE_KDA_ONE_REF", KDA_ONE_REF, range(3)) if gate == 2 and form == 0 else 0
+    flag = torch.empty(n_chunks * B * HV, dtype=torch.int32, device=dev) if one_ref == 2 else None
+    for ap_one_ref in ((2, 3) if one_ref == 2 else (one_ref,)):
+        if n_chunks == 0:
+            break
         chunk_prepare_kernel[(n_chunks, B * HV)](
-            q, k, v, g, beta, w, u, p, qg, kg, glast, gcum, None, t, None, cu_seqlens, chunk_indices, T, NT,
+            q, k, v, g, beta, w, u, p, qg, kg, glast, gcum, None, t, None, flag, cu_seqlens, chunk_indices, T, NT,
             H=H, HV=HV, K=K, V=V, scale=1.0, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)), GATE=gate,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=solve_prec,
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(dt, K) and gate != 2,
             AP_FORM=form if gate == 2 else 0, STORE_T=save_t, STORE_P=store_p, GC_OUT=gate == 1,
-            AP_ONE_REF=gate == 2 and _env_switch("CHUNKWISE_KDA_ONE_REF", KDA_ONE_REF),
-            SOLVE_DOUBLING=_env_switch("CHUNKWISE_SOLVE_DOUBLING", SOLVE_DOUBLING),
+            AP_ONE_REF=ap_one_ref, SOLVE_DOUBLING=_env_switch("CHUNKWISE_SOLVE_DOUBLING", SOLVE_DOUBLING),
             num_warps=warps, num_stages=prep_stages(gate, dt, K), **reg_cap("prep_fwd"))
     return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, gcum=gcum, t=t)
 
@@ -1142,7 +1163,7 @@ def chunk_prepare_bwd(q, k, v, g, beta, do, scale, w, u, t_out, drl, cu_seqlens=
     bkc = prep_config(gate)[2]
     if n_chunks > 0:
         chunk_prepare_kernel[(n_chunks, B * HV)](
-            q, k, v, g, beta, w, u, None, None, None, None, None, do, t_out, drl, cu_seqlens, chunk_indices, T, NT,
+            q, k, v, g, beta, w, u, None, None, None, None, None, do, t_out, drl, None, cu_seqlens, chunk_indices, T, NT,
             H=H, HV=HV, K=K, V=V, scale=scale, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)),
             GATE=gate, IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=solve_prec,
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(q.dtype, K), BWD=True,
@@ -1234,11 +1255,16 @@ DELTA_P_IN = {0: 0, 1: 1}
 FWD_TMA = 1
 FWD_TMA_O = 1
 
-# the serial stage on the transposed state Sᵀ [BV, K] (_state_output_step_t; not simple GLA's segment split): the
-# products take the state and R from registers as their first operand instead of staging them through shared
-# memory as the second, and at BV = 32 they are warp-level mma.sync products rather than wgmma groups each waited
-# on (offline sm_90, NOTES.md session 16). Unmeasured: off until timed; CHUNKWISE_FWD_TRANS=1 turns it on.
-FWD_TRANS = 0
+# the serial stage on the transposed state Sᵀ [BV, K] (_state_output_step_t; not simple GLA's segment split), per
+# gate kind, at BV >= 64 only: the products take the state and R from registers as their first operand (wgmma with
+# A in registers) instead of staging them through shared memory as the second. On the H200 (run of e227cb1, bf16,
+# forward ms, plain / transposed at BV 64): DeltaNet B8-T4096-H32 0.951 / 0.918, B4-T8192-H16/HV32 0.919 / 0.881,
+# varlen16 1.013 / 0.978; KDA 2.926 / 2.893, 2.891 / 2.855, 3.021 / 2.987; but GDN 1.153 / 1.289 (its per-token
+# gate, loaded along the transposed tiles' columns, becomes 48 single-element cp.async per thread), simple GLA
+# 0.469 / 0.526 at B8. At BV = 32 (B1, 128 programs) the products are mma.sync ones and the state is still staged
+# (the warps split the columns): DeltaNet 1.157 / 1.288, GDN 1.380 / 1.490, KDA 3.110 / 3.170.
+# CHUNKWISE_FWD_TRANS (0 / 1) overrides, at any BV.
+FWD_TRANS = {0: 1, 1: 0, 2: 1}
 
 
 def _torch_scratch(size: int, alignment: int, stream):
@@ -1413,7 +1439,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         return (sn, sh, s3, s2) if transpose_state_layout else (sn, sh, s2, s3)
 
     dot_prec = _dot_prec(q.dtype)[0]
-    trans = _env_switch("CHUNKWISE_FWD_TRANS", FWD_TRANS)
+    trans = _env_switch("CHUNKWISE_FWD_TRANS", int(FWD_TRANS[gate] and bv >= 64))
     tma = _env_switch("CHUNKWISE_FWD_TMA", FWD_TMA)
     tma_o = tma and _env_switch("CHUNKWISE_FWD_TMA_O", int(FWD_TMA_O and nseg == 1))
     if tma and not _INTERPRET:
