@@ -385,8 +385,9 @@ def chunk_prepare_kernel(
     so that stage 2's serial loop neither scans nor reduces the gate.
     AP_ONE_REF (per-channel gate, AP_FORM 0): 1 each column chunk takes the one-reference products where its gate
     allows them, else the block form (both built in); 2 the one-reference products only (the block form not built:
-    fewer registers, no spills), flagging the programs where a column chunk's gate did not allow them; 3 the block
-    form only, for the flagged programs alone (the others return at once), overwriting everything 2 wrote there."""
+    fewer registers, no spills), flagging the programs where a column chunk's gate did not allow them (which then
+    stop after A and P); 3 as 1, for the flagged programs alone (the others return at once), writing everything
+    there."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     if AP_ONE_REF == 3:
         if tl.load(flag + i_bh * tl.num_programs(0) + i_t) == 0:
@@ -441,9 +442,9 @@ def chunk_prepare_kernel(
                 b_Gr = b_G - r[None, :]
                 fast = False
                 if AP_ONE_REF == 2:     # (the products may overflow where the span is left: launch 3 redoes those)
-                    fast = True
                     n_out += (tl.max(tl.max(tl.abs(b_Gr), 1), 0) >= span_max).to(tl.int32)
-                elif AP_ONE_REF == 1:
+                    fast = True
+                elif AP_ONE_REF:
                     fast = tl.max(tl.max(tl.abs(b_Gr), 1), 0) < span_max
                 if fast:
                     x = tl.exp(b_Gr)                                                         # e^{G_i − r}
@@ -504,12 +505,14 @@ def chunk_prepare_kernel(
                                        (1, 0)), b_kg.to(kg.dtype.element_ty), boundary_check=(0, 1))
             o_k = kc0 + tl.arange(0, BKC)
             tl.store(glast + (slot * HV + i_h) * K + o_k, tl.exp(G_last), mask=o_k < K)
-        if AP_ONE_REF == 2:
+        if AP_ONE_REF == 2:     # flagged: nothing more to form here
             tl.store(flag + i_bh * tl.num_programs(0) + i_t, tl.minimum(n_out, 1))
+            if n_out > 0:
+                return
         if AP_FORM == 1:
             A = tl.where(strict, _stack_rows(A0, A1, A2, A3), 0.)
             P = tl.where(incl, _stack_rows(P0, P1, P2, P3), 0.)
-        elif AP_ONE_REF == 1 or AP_ONE_REF == 2:    # the one-reference products also filled the upper triangle (there up to e^{2 span_max})
+        elif AP_ONE_REF:    # the one-reference products also filled the upper triangle (there up to e^{2 span_max})
             A = tl.where(strict, A, 0.)
             P = tl.where(incl, P, 0.)
     else:
@@ -1027,7 +1030,7 @@ PREP_CONFIG = {0: (1, 4, 64, 0), 1: (1, 4, 64, 0), 2: (0, 4, 32, 0)}
 # takes two [BT, BKC] x [BKC, BT] products of e^{±(G − r)}-scaled operands instead of eight by blocks
 # (chunk_prepare_kernel's AP_ONE_REF). 2: two launches, the first built with the one-reference products only
 # (offline sm_90, bf16, BKC 32, 3 stages: 255 registers and 192 B of spills with both forms built in, 255 and none
-# without the block form), flagging the chunks whose gate leaves the span, the second the block form on those alone
+# without the block form), flagging the chunks whose gate leaves the span, the second launch 1's build on those alone
 # (unmeasured: off until timed). CHUNKWISE_KDA_ONE_REF (0 / 1 / 2) overrides.
 KDA_ONE_REF = 1
 
