@@ -100,7 +100,9 @@ STATES_VARIANTS = "recompute:CHUNKWISE_SAVE_STATES=0;states:CHUNKWISE_SAVE_STATE
 # state-tile pass (run of c470c78: 2.90 + 0.96 ms at 8 warps, 2.41 + 0.96 at 4 (now the default), 3.04 + 1.14 at 4
 # warps and 32 columns; fwd+bwd 12.60 against the older kernels' 13.04)
 DQK_VARIANTS = "dqk:;kdaold:CHUNKWISE_BWD_DQK_KDA=0;w8:CHUNKWISE_BWD_WARPS=bwd_dqk:8"
-NAMED = {"dqk": DQK_VARIANTS, "ahead": AHEAD_VARIANTS, "states": STATES_VARIANTS, "pair": PAIR_VARIANTS, "gates": GATES_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
+# KDA's stage 1 (kept for the backward) in one launch or two (CHUNKWISE_KDA_ONE_REF 1 / 2, chunk_fwd.KDA_ONE_REF)
+KDASPLIT_VARIANTS = "oneref1:CHUNKWISE_KDA_ONE_REF=1;oneref2:CHUNKWISE_KDA_ONE_REF=2"
+NAMED = {"kdasplit": KDASPLIT_VARIANTS, "dqk": DQK_VARIANTS, "ahead": AHEAD_VARIANTS, "states": STATES_VARIANTS, "pair": PAIR_VARIANTS, "gates": GATES_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
          "oneref": ONEREF_VARIANTS}
 
 
