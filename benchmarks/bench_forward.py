@@ -253,6 +253,9 @@ def main():
                     # KDA's stage 1 as one launch with both A / P forms built in, or two (CHUNKWISE_KDA_ONE_REF 1 / 2)
                     for n in ("1", "2"):
                         time_variant(f"oneref{n}", env={"CHUNKWISE_KDA_ONE_REF": n}, stage1=True)
+                    # the one-reference build at 8 warps (offline sm_90: 182 registers, one program per SM)
+                    time_variant("oneref2-w8", env={"CHUNKWISE_KDA_ONE_REF": "2", "CHUNKWISE_PREP_CONFIG": "2:0,8,32,0"},
+                                 stage1=True)
                 if a.variant_set == "pstages" and fam == "kda":
                     # stage 1's software pipeline over its column chunks (CHUNKWISE_PREP_STAGES): the forward and stage 1
                     for n in ("1", "2", "3"):
