@@ -123,8 +123,8 @@ def test_kda_one_reference_taken(monkeypatch):
 
 @pytest.mark.parametrize("gate", ["normal", "strong"])
 def test_kda_one_reference_split_launch(gate, monkeypatch):
-    """CHUNKWISE_KDA_ONE_REF=2: a launch built with the one-reference products only, then the block form for the
-    chunks it flagged. Stage 1's outputs (w, u, p, qg, kg, glast) equal the single launch's, and the forward the
+    """CHUNKWISE_KDA_ONE_REF=2 (the default): a launch built with the one-reference products only, then the
+    one-launch build (=1) on the chunks it flagged. Stage 1's outputs (w, u, p, qg, kg, glast) equal the single launch's, and the forward the
     float64 recurrence, with normal gates (nothing flagged) and with strong ones (a hard reset and chunks whose
     gates sum below -100: flagged chunks, redone), over varlen with grouped heads."""
     inp = make_inputs("kda", lengths=[1, 130, 70], H=1, HV=2, K=KS[1], V=VS[0], dtype=torch.float32, gate=gate,

@@ -1028,11 +1028,14 @@ def _dot_prec(dtype, gate: int = 0) -> tuple[str, str, str]:
 PREP_CONFIG = {0: (1, 4, 64, 0), 1: (1, 4, 64, 0), 2: (0, 4, 32, 0)}
 # KDA's A and P (form 0): a column chunk whose chunk gate stays within ±span_max of one reference (G_last / 2)
 # takes two [BT, BKC] x [BKC, BT] products of e^{±(G − r)}-scaled operands instead of eight by blocks
-# (chunk_prepare_kernel's AP_ONE_REF). 2: two launches, the first built with the one-reference products only
-# (offline sm_90, bf16, BKC 32, 3 stages: 255 registers and 192 B of spills with both forms built in, 255 and none
-# without the block form), flagging the chunks whose gate leaves the span, the second launch 1's build on those alone
-# (unmeasured: off until timed). CHUNKWISE_KDA_ONE_REF (0 / 1 / 2) overrides.
-KDA_ONE_REF = 1
+# (chunk_prepare_kernel's AP_ONE_REF). 2 (default): two launches, the first built with the one-reference products
+# only (offline sm_90, bf16, BKC 32, 3 stages: 255 registers and 192 B of spills with both forms built in, none
+# without the block form), flagging the chunks whose gate leaves the span, which stop after A / P; the second the
+# one-launch build on those alone. On the H200 (runs of b278c03 / 8f4f4a8, bf16, stage 1 ms, 1 / 2): B1-T32768-H32
+# 2.517 / 2.248, B8-T4096-H32 2.485 / 2.228, B4-T8192-H16/HV32 2.464 / 2.220, varlen16 2.534 / 2.268; with steep
+# gates (every chunk flagged: CHUNKWISE_BENCH_GATE_SCALE=4) 5.360 / 6.387. CHUNKWISE_KDA_ONE_REF (0 / 1 / 2)
+# overrides.
+KDA_ONE_REF = 2
 
 
 # (I + A)⁻¹'s 16×16 diagonal blocks by doubling (log-depth, _solve_unit_lower's DOUBLING) instead of substitution
