@@ -675,6 +675,20 @@ def _tma_view(x, base, n_rows, n_cols, row_stride, R: tl.constexpr, C: tl.conste
 
 
 @triton.jit
+def _step_gate(g, gcum, b_gl, bos, t0, T_seq, i_h, HV, BTc: tl.constexpr, GC_IN: tl.constexpr, g_floor: tl.constexpr):
+    """A scalar gate's chunk in stage 2: (G [BT], e^{G_last}, e^G [BT], e^{G_last − G} [BT]). GC_IN: G from stage 1
+    and G_last = b_gl (_chunk_decay's), no scan or reduction on the serial path; else both formed here."""
+    o_t = tl.arange(0, BTc)
+    if GC_IN:
+        Gc = tl.load(gcum + (bos + t0 + o_t) * HV + i_h, mask=t0 + o_t < T_seq, other=0.)           # [BT]
+        G_last = b_gl
+    else:
+        Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor)                                  # [BT]
+        G_last = tl.sum(tl.where(o_t == BTc - 1, Gc, 0.), 0)
+    return Gc, tl.exp(G_last), tl.exp(Gc), tl.exp(G_last - Gc)
+
+
+@triton.jit
 def _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, hs, rs, slot0, bos, T_seq, i_h, i_hk,
                        i_v, scale, H, HV, K, V,
                        BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -710,15 +724,7 @@ def _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, 
         b_q = _tile(q, (bos * H + i_hk) * K, T_seq, K, H * K, t0, 0, BTc, BK, TMA)
         b_k = _tile(k, (bos * H + i_hk) * K, T_seq, K, H * K, t0, 0, BTc, BK, TMA)
         if GATE == 1:
-            if GC_IN:       # from stage 1: no scan, no reduction on the serial path
-                Gc = tl.load(gcum + (bos + t0 + o_t) * HV + i_h, mask=t0 + o_t < T_seq, other=0.)   # [BT]
-                G_last = b_gl
-            else:
-                Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor)            # [BT]
-                G_last = tl.sum(tl.where(o_t == BTc - 1, Gc, 0.), 0)
-            b_dl = tl.exp(G_last)
-            b_eg = tl.exp(Gc)
-            b_ek = tl.exp(G_last - Gc)
+            Gc, b_dl, b_eg, b_ek = _step_gate(g, gcum, b_gl, bos, t0, T_seq, i_h, HV, BTc, GC_IN, g_floor)
         b_qd = b_q
         b_kd = b_k
     if P_IN:
@@ -789,15 +795,7 @@ def _state_output_step_t(i_t, St, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_bas
         b_qd = _tile(q, (bos * H + i_hk) * K, T_seq, K, H * K, t0, 0, BTc, BK, TMA)
         b_kd = _tile(k, (bos * H + i_hk) * K, T_seq, K, H * K, t0, 0, BTc, BK, TMA)
         if GATE == 1:
-            if GC_IN:
-                Gc = tl.load(gcum + (bos + t0 + o_t) * HV + i_h, mask=t0 + o_t < T_seq, other=0.)   # [BT]
-                G_last = b_gl
-            else:
-                Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor)            # [BT]
-                G_last = tl.sum(tl.where(o_t == BTc - 1, Gc, 0.), 0)
-            b_dl = tl.exp(G_last)
-            b_eg = tl.exp(Gc)
-            b_ek = tl.exp(G_last - Gc)
+            Gc, b_dl, b_eg, b_ek = _step_gate(g, gcum, b_gl, bos, t0, T_seq, i_h, HV, BTc, GC_IN, g_floor)
     if P_IN:
         b_Pt = tl.trans(_tile(p, (bos * HV + i_h) * BTc, T_seq, BTc, HV * BTc, t0, 0, BTc, BTc, TMA))
     else:
@@ -824,6 +822,24 @@ def _state_output_step_t(i_t, St, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_bas
         St = St * b_gl[None, :]
     St += tl.dot(b_Rt.to(b_qd.dtype), b_kd, input_precision=DOT_PREC)             # [BV, BT] @ [BT, BK]
     return St
+
+
+@triton.jit
+def _state_output_chunk(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, hs, rs, slot0, bos, T_seq, i_h, i_hk,
+                        i_v, scale, H, HV, K, V, BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                        GATE: tl.constexpr, DELTA: tl.constexpr, P_IN: tl.constexpr, GC_IN: tl.constexpr,
+                        DOT_PREC: tl.constexpr, g_floor: tl.constexpr, TMA: tl.constexpr, TMA_O: tl.constexpr,
+                        STORE_HR: tl.constexpr, TRANS: tl.constexpr):
+    """One chunk of stage 2 on S [BK, BV] (_state_output_step) or, TRANS, on Sᵀ [BV, BK] (_state_output_step_t)."""
+    if TRANS:
+        S = _state_output_step_t(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, hs, rs, slot0, bos, T_seq,
+                                 i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, GC_IN, DOT_PREC,
+                                 g_floor, TMA, TMA_O, STORE_HR)
+    else:
+        S = _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, hs, rs, slot0, bos, T_seq,
+                               i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, GC_IN, DOT_PREC,
+                               g_floor, TMA, TMA_O, STORE_HR)
+    return S
 
 
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV", "seg_len"])
@@ -941,27 +957,17 @@ def chunk_state_output_kernel(
             i_t = c0
             while i_t < c1:
                 b_gl_next = _chunk_decay(glast, slot0, i_t + 1, c1, i_h, HV, K, BK, GATE, GC_IN)
-                if TRANS:
-                    S = _state_output_step_t(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, hs, rs, slot0,
-                                             bos, T_seq, i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA,
-                                             P_IN, GC_IN, DOT_PREC, g_floor, TMA, TMA_O, STORE_HR)
-                else:
-                    S = _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, hs, rs, slot0,
-                                           bos, T_seq, i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA,
-                                           P_IN, GC_IN, DOT_PREC, g_floor, TMA, TMA_O, STORE_HR)
+                S = _state_output_chunk(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, hs, rs, slot0, bos,
+                                        T_seq, i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, GC_IN,
+                                        DOT_PREC, g_floor, TMA, TMA_O, STORE_HR, TRANS)
                 b_gl = b_gl_next
                 i_t += 1
         else:               # compiled: a for loop, so that the loads of later chunks are pipelined
             for i_t in range(c0, c1):
                 b_gl_next = _chunk_decay(glast, slot0, i_t + 1, c1, i_h, HV, K, BK, GATE, GC_IN)
-                if TRANS:
-                    S = _state_output_step_t(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, hs, rs, slot0,
-                                             bos, T_seq, i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA,
-                                             P_IN, GC_IN, DOT_PREC, g_floor, TMA, TMA_O, STORE_HR)
-                else:
-                    S = _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, hs, rs, slot0,
-                                           bos, T_seq, i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA,
-                                           P_IN, GC_IN, DOT_PREC, g_floor, TMA, TMA_O, STORE_HR)
+                S = _state_output_chunk(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, hs, rs, slot0, bos,
+                                        T_seq, i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, GC_IN,
+                                        DOT_PREC, g_floor, TMA, TMA_O, STORE_HR, TRANS)
                 b_gl = b_gl_next
 
     if STORE_HT and SEG != 1:
