@@ -362,7 +362,7 @@ def chunk_prepare_kernel(
     q, k, v, g, beta,            # [B,T,H,K] [B,T,H,K] [B,T,HV,V] None|[B,T,HV]|[B,T,HV,K] fp32, [B,T,HV]
     w, u, p,                     # out: [B,T,HV,K] [B,T,HV,V] [B,T,HV,BT] (input dtype)
     qg, kg, glast,               # out (GATE == 2): [B,T,HV,K] [B,T,HV,K] input dtype, [slots,HV,K] fp32
-    gcum,                        # out (GC_OUT, GATE == 1): [B,T,HV] fp32 G; glast then [slots,HV] fp32 G_last
+    gcum,                        # out (GC_OUT, GATE == 1): [slots,HV,BT] fp32 G by chunk; glast then [slots,HV] G_last
     do, t_out, drl,              # BWD: [B,T,HV,V] in; out [B,T,HV,BT] fp32, [B,T,HV,V] (do's dtype)
     flag,                        # AP_ONE_REF 2 / 3: [chunks · B·HV] int32, per program: 1 where a column chunk's gate
                                  # left the one-reference span (written by 2, read by 3)
@@ -526,7 +526,7 @@ def chunk_prepare_kernel(
         if GATE == 1:
             Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor)                  # [BT]
             if GC_OUT:
-                tl.store(gcum + (bos + t0 + o_t) * HV + i_h, Gc, mask=t0 + o_t < T_seq)
+                tl.store(gcum + (slot * HV + i_h) * BTc + o_t, Gc)
                 tl.store(glast + slot * HV + i_h, tl.sum(tl.where(o_t == BTc - 1, Gc, 0.), 0))
             dec = tl.exp(tl.where(incl, Gc[:, None] - Gc[None, :], float("-inf")))     # e^{G_i − G_j}, i ≥ j
             A = tl.where(strict, KK * dec, 0.) * b_beta[:, None]
@@ -675,12 +675,14 @@ def _tma_view(x, base, n_rows, n_cols, row_stride, R: tl.constexpr, C: tl.conste
 
 
 @triton.jit
-def _step_gate(g, gcum, b_gl, bos, t0, T_seq, i_h, HV, BTc: tl.constexpr, GC_IN: tl.constexpr, g_floor: tl.constexpr):
+def _step_gate(g, gcum, b_gl, slot, bos, t0, T_seq, i_h, HV, BTc: tl.constexpr, GC_IN: tl.constexpr,
+               g_floor: tl.constexpr):
     """A scalar gate's chunk in stage 2: (G [BT], e^{G_last}, e^G [BT], e^{G_last − G} [BT]). GC_IN: G from stage 1
-    and G_last = b_gl (_chunk_decay's), no scan or reduction on the serial path; else both formed here."""
+    (chunk-major, [slots, HV, BT]: one contiguous row per chunk) and G_last = b_gl (_chunk_decay's), no scan or
+    reduction on the serial path; else both formed here."""
     o_t = tl.arange(0, BTc)
     if GC_IN:
-        Gc = tl.load(gcum + (bos + t0 + o_t) * HV + i_h, mask=t0 + o_t < T_seq, other=0.)           # [BT]
+        Gc = tl.load(gcum + (slot * HV + i_h) * BTc + o_t, mask=t0 + o_t < T_seq, other=0.)         # [BT]
         G_last = b_gl
     else:
         Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor)                                  # [BT]
@@ -724,7 +726,7 @@ def _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, 
         b_q = _tile(q, (bos * H + i_hk) * K, T_seq, K, H * K, t0, 0, BTc, BK, TMA)
         b_k = _tile(k, (bos * H + i_hk) * K, T_seq, K, H * K, t0, 0, BTc, BK, TMA)
         if GATE == 1:
-            Gc, b_dl, b_eg, b_ek = _step_gate(g, gcum, b_gl, bos, t0, T_seq, i_h, HV, BTc, GC_IN, g_floor)
+            Gc, b_dl, b_eg, b_ek = _step_gate(g, gcum, b_gl, slot0 + i_t, bos, t0, T_seq, i_h, HV, BTc, GC_IN, g_floor)
         b_qd = b_q
         b_kd = b_k
     if P_IN:
@@ -795,7 +797,7 @@ def _state_output_step_t(i_t, St, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_bas
         b_qd = _tile(q, (bos * H + i_hk) * K, T_seq, K, H * K, t0, 0, BTc, BK, TMA)
         b_kd = _tile(k, (bos * H + i_hk) * K, T_seq, K, H * K, t0, 0, BTc, BK, TMA)
         if GATE == 1:
-            Gc, b_dl, b_eg, b_ek = _step_gate(g, gcum, b_gl, bos, t0, T_seq, i_h, HV, BTc, GC_IN, g_floor)
+            Gc, b_dl, b_eg, b_ek = _step_gate(g, gcum, b_gl, slot0 + i_t, bos, t0, T_seq, i_h, HV, BTc, GC_IN, g_floor)
     if P_IN:
         b_Pt = tl.trans(_tile(p, (bos * HV + i_h) * BTc, T_seq, BTc, HV * BTc, t0, 0, BTc, BTc, TMA))
     else:
@@ -846,7 +848,7 @@ def _state_output_chunk(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base,
 def chunk_state_output_kernel(
     q, k, v, w, u, p, g,         # [B,T,H,K] [B,T,H,K] [B,T,HV,V] [B,T,HV,K] [B,T,HV,V] [B,T,HV,BT] [B,T,HV] fp32
     qg, kg, glast,               # GATE == 2: [B,T,HV,K] [B,T,HV,K] [slots,HV,K] fp32; GC_IN: glast [slots,HV]
-    gcum,                        # GC_IN: [B,T,HV] fp32 chunk-local cumulative scalar gate (stage 1)
+    gcum,                        # GC_IN: [slots,HV,BT] fp32 chunk-local cumulative scalar gate by chunk (stage 1)
     o, h0, ht,                   # out [B,T,HV,V]; [N,HV,·,·] any float; out [N,HV,·,·] fp32
     sloc, gam,                   # SEG > 0: [N·NSEG, HV, K, V] fp32 segment-local end states, [N·NSEG, HV] fp32 decays
     hs, rs,                      # STORE_HR: out [slots, HV, K, V], [B, T, HV, V] (the backward's h and R)
@@ -1114,8 +1116,8 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     beta [B,T,HV]; cu_seqlens [N+1] with chunk_indices [NT_total, 2] (varlen, B = 1).
     Returns dict: w [B,T,HV,K], u [B,T,HV,V], p [B,T,HV,64] (q's dtype) and, for per-channel g,
     qg, kg [B,T,HV,K] (q's dtype) and glast [slots, HV, K] fp32 (e^{G_last} per chunk; the slot of
-    chunk i of sequence n is n·NT + i, or n + start_token // 64 with cu_seqlens), for scalar g gcum [B,T,HV]
-    fp32 (the chunk-local cumulative gate G) and glast [slots, HV] fp32 (G_last per chunk); with ``save_t`` also
+    chunk i of sequence n is n·NT + i, or n + start_token // 64 with cu_seqlens), for scalar g gcum [slots, HV, 64]
+    fp32 (the chunk-local cumulative gate G, one row per chunk slot) and glast [slots, HV] fp32 (G_last per chunk); with ``save_t`` also
     t = (I + A)⁻¹ [B,T,HV,64] fp32 (for a backward that reuses stage 1). ``store_p=False`` (scalar / no
     gate): p is None, for a stage 2 that forms P itself.
     """
@@ -1138,7 +1140,7 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     else:
         qg = kg = glast = None
         if gate == 1:       # G and G_last for stage 2 (GC_IN)
-            gcum = _alloc((B, T, HV), torch.float32, dev)
+            gcum = _alloc((slots, HV, BT), torch.float32, dev)
             glast = _alloc((slots, HV), torch.float32, dev)
     t = _alloc((B, T, HV, BT), torch.float32, dev) if save_t else None
     dot_prec, mm_prec, solve_prec = _dot_prec(dt, gate)
