@@ -844,6 +844,18 @@ def _state_output_chunk(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base,
     return S
 
 
+@triton.jit
+def _state_offsets(o_k, o_v, s_k, s_v, K, V, TRANS: tl.constexpr):
+    """Offsets (strides s_k, s_v) and mask of the state's [BK, BV] tile, or of its transpose [BV, BK] (TRANS)."""
+    if TRANS:
+        off = o_k[None, :] * s_k + o_v[:, None] * s_v
+        m = (o_k < K)[None, :] & (o_v < V)[:, None]
+    else:
+        off = o_k[:, None] * s_k + o_v[None, :] * s_v
+        m = (o_k < K)[:, None] & (o_v < V)[None, :]
+    return off, m
+
+
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV", "seg_len"])
 def chunk_state_output_kernel(
     q, k, v, w, u, p, g,         # [B,T,H,K] [B,T,H,K] [B,T,HV,V] [B,T,HV,K] [B,T,HV,V] [B,T,HV,BT] [B,T,HV] fp32
@@ -932,12 +944,8 @@ def chunk_state_output_kernel(
             tl.store(gam + i_seg * HV + i_h, d)
     else:
         if USE_H0:
-            if TRANS:
-                p_h0 = h0 + i_n * s_h0n + i_h * s_h0h + o_k[None, :] * s_h0k + o_v[:, None] * s_h0v
-                S += tl.load(p_h0, mask=(o_k < K)[None, :] & (o_v < V)[:, None], other=0.).to(tl.float32)
-            else:
-                p_h0 = h0 + i_n * s_h0n + i_h * s_h0h + o_k[:, None] * s_h0k + o_v[None, :] * s_h0v
-                S += tl.load(p_h0, mask=m_kv, other=0.).to(tl.float32)
+            off, m = _state_offsets(o_k, o_v, s_h0k, s_h0v, K, V, TRANS)
+            S += tl.load(h0 + i_n * s_h0n + i_h * s_h0h + off, mask=m, other=0.).to(tl.float32)
         if SEG == 2:    # the start state: the earlier (sub-)segments, in order
             for i_p in tl.static_range(NSEG * SUB - 1):
                 if i_p < i_s * SUB:
@@ -974,12 +982,8 @@ def chunk_state_output_kernel(
 
     if STORE_HT and SEG != 1:
         if i_s == NSEG - 1:     # the last segment (always, without SEG)
-            if TRANS:
-                p_ht = ht + i_n * s_htn + i_h * s_hth + o_k[None, :] * s_htk + o_v[:, None] * s_htv
-                tl.store(p_ht, S, mask=(o_k < K)[None, :] & (o_v < V)[:, None])
-            else:
-                p_ht = ht + i_n * s_htn + i_h * s_hth + o_k[:, None] * s_htk + o_v[None, :] * s_htv
-                tl.store(p_ht, S, mask=m_kv)
+            off, m = _state_offsets(o_k, o_v, s_htk, s_htv, K, V, TRANS)
+            tl.store(ht + i_n * s_htn + i_h * s_hth + off, S, mask=m)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1147,9 +1151,7 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     wu_lowp, warps, bkc, form = prep_config(gate)
     one_ref = _env_choice("CHUNKWISE_KDA_ONE_REF", KDA_ONE_REF, range(3)) if gate == 2 and form == 0 else 0
     flag = torch.empty(n_chunks * B * HV, dtype=torch.int32, device=dev) if one_ref == 2 else None
-    for ap_one_ref in ((2, 3) if one_ref == 2 else (one_ref,)):
-        if n_chunks == 0:
-            break
+    for ap_one_ref in ((2, 3) if one_ref == 2 else (one_ref,)) if n_chunks > 0 else ():
         chunk_prepare_kernel[(n_chunks, B * HV)](
             q, k, v, g, beta, w, u, p, qg, kg, glast, gcum, None, t, None, flag, cu_seqlens, chunk_indices, T, NT,
             H=H, HV=HV, K=K, V=V, scale=1.0, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)), GATE=gate,
