@@ -101,7 +101,8 @@ def warm_benchmarks(only: str = ""):
                          ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "ahead"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "states"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "dqk"]),
-                         ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "kdasplit"])):
+                         ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "kdasplit"]),
+                         ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "side"])):
         if not any(o in " ".join([script] + argv) for o in only.split("|")):
             continue
         t = time.time()
