@@ -18,7 +18,6 @@
 #   ahead: the reverse state pass's dR_local in the step / a step ahead / in the step unfused (CHUNKWISE_BWD_DH_AHEAD 0 / 1 / 2)
 #   kdasplit: KDA fwd+bwd with its stage 1 in one launch or two (CHUNKWISE_KDA_ONE_REF 1 / 2)
 #   dqk:   scalar / no gate: the value and key sides as _bwd_dqk_kernel + _bwd_wy_kernel (warps, column block) against the two older kernels
-#   side:  the forward state pass on a second stream beside the reverse pass, against one after the other (sweep_bwd.py SIDE_VARIANTS)
 #   states: fwd+bwd with the forward keeping the per-chunk states and R (CHUNKWISE_SAVE_STATES=1) against recomputing them
 #   oneref: KDA's one-reference products off / forward / both / with scaled keys / pair at 64 channels (sweep_bwd.py ONEREF_VARIANTS)
 #   variants: stage-2 launch variants (VAR_FAMS, default gla,gdn; VAR_SHAPES; VARIANT_SET=seg: only GLA's segment split, pfree: P in stage 2) (BV x warps x stages) of GLA and GDN at B1 / B8 (~3 min)
@@ -126,7 +125,7 @@ if has pair; then       # KDA's pairwise-gradient kernel: channels per program x
 fi
 # regs: registers per thread capped in the chunk-parallel kernels; save: the forward keeps stage 1 for the backward
 # (CHUNKWISE_SAVE_STAGE1=1); sweep_bwd.py's named variant sets, each against the defaults (REG_FAMS, REGS_T)
-for set in regs save lowp oneref ahead states dqk kdasplit side; do
+for set in regs save lowp oneref ahead states dqk kdasplit; do
   has $set && TAILN=40 step ${REGS_T:-200} sweep_$set python3 benchmarks/sweep_bwd.py --fams "${REG_FAMS:-kda,delta,gdn}" \
     --out "$OUT/$set" --variants $set
 done

@@ -102,13 +102,7 @@ STATES_VARIANTS = "recompute:CHUNKWISE_SAVE_STATES=0;states:CHUNKWISE_SAVE_STATE
 DQK_VARIANTS = "dqk:;kdaold:CHUNKWISE_BWD_DQK_KDA=0;w8:CHUNKWISE_BWD_WARPS=bwd_dqk:8"
 # KDA's stage 1 (kept for the backward) in one launch or two (CHUNKWISE_KDA_ONE_REF 1 / 2, chunk_fwd.KDA_ONE_REF)
 KDASPLIT_VARIANTS = "oneref1:CHUNKWISE_KDA_ONE_REF=1;oneref2:CHUNKWISE_KDA_ONE_REF=2"
-# the forward state pass on a second stream beside the reverse pass (CHUNKWISE_BWD_SIDE, chunk_bwd.BWD_SIDE) against
-# one after the other; at 3 pipeline stages (their shared memory does not fit one SM together); KDA at 4 warps in both
-# passes, or 8 in the forward pass and 4 in the reverse one (the default 8 + 8 does not fit one SM's registers together)
-SIDE_VARIANTS = ("serial:CHUNKWISE_BWD_SIDE=0;side:CHUNKWISE_BWD_SIDE=1;side3:CHUNKWISE_BWD_SIDE_STAGES=3;"
-                 "side_w4:CHUNKWISE_BWD_WARPS=fwd_h:4/bwd_dh:4;side_w84:CHUNKWISE_BWD_WARPS=bwd_dh:4;"
-                 "serial_w4:CHUNKWISE_BWD_SIDE=0,CHUNKWISE_BWD_WARPS=fwd_h:4/bwd_dh:4")
-NAMED = {"side": SIDE_VARIANTS, "kdasplit": KDASPLIT_VARIANTS, "dqk": DQK_VARIANTS, "ahead": AHEAD_VARIANTS, "states": STATES_VARIANTS, "pair": PAIR_VARIANTS, "gates": GATES_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
+NAMED = {"kdasplit": KDASPLIT_VARIANTS, "dqk": DQK_VARIANTS, "ahead": AHEAD_VARIANTS, "states": STATES_VARIANTS, "pair": PAIR_VARIANTS, "gates": GATES_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
          "oneref": ONEREF_VARIANTS}
 
 

@@ -101,8 +101,7 @@ def warm_benchmarks(only: str = ""):
                          ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "ahead"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "states"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "dqk"]),
-                         ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "kdasplit"]),
-                         ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "side"])):
+                         ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "kdasplit"])):
         if not any(o in " ".join([script] + argv) for o in only.split("|")):
             continue
         t = time.time()

@@ -36,7 +36,6 @@ differences of cumsums stay accurate after a hard reset (g = −1e4).
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import warnings
 
@@ -74,24 +73,6 @@ BWD_DH_AHEAD = {0: 2, 1: 0, 2: 1}
 # bf16) the product doubled the serial pass: DeltaNet 0.654 -> 1.299 ms, GDN 0.810 -> 1.431 (fwd+bwd 5.70 -> 6.12,
 # 7.25 -> 7.63): the serial loop's tensor-core groups are synchronous (NOTES.md, session 9). CHUNKWISE_BWD_P_IN_DH
 BWD_P_IN_DH = 0
-# The two serial state passes side by side (CUDA only): the forward pass (h, R) and the reverse pass (dh, dR) read
-# none of each other's outputs, and where each is one program per SM (B1-T32768-H32: V / 32 x 32 = 128 programs) each
-# is bound by its own instruction stream (IPC ~1 of 4, NOTES.md session 10), so the forward pass runs on a second
-# stream beside the chunk-parallel dR_local launch and the reverse pass. Both then run at BWD_SIDE_STAGES pipeline
-# stages, where their shared memory fits one SM together (offline sm_90 bf16, 4 warps, 2 stages: fwd_h 82 KB,
-# bwd_dh 119-123 KB; at 3 stages 118 + 177-180 KB does not). CHUNKWISE_BWD_SIDE (0 / 1) and
-# CHUNKWISE_BWD_SIDE_STAGES override
-BWD_SIDE = 1
-BWD_SIDE_STAGES = 2
-_SIDE_STREAMS: dict = {}
-
-
-def _side_stream(dev: torch.device):
-    """The second stream of device ``dev`` (one per device, made on first use)."""
-    key = dev.index if dev.index is not None else torch.cuda.current_device()
-    if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(device=key)
-    return _SIDE_STREAMS[key]
 
 
 def _bwd_dh_ahead(gate: int) -> int:
@@ -1970,14 +1951,19 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     dRl = saved["p"].contiguous() if p_in_dh else buf(B, T, HV, V, dtype=sdt)
     # fp16 takes the three kernels: on the H200 (run of e1f8201) the fused pass with fp16 products at 4 warps gave
     # gradient errors of 1.1 (GDN) and inf (DeltaNet) at K = 16 while bf16 passed at real size
-    # (with stage 1 saved, dR_local is formed after the forward state pass is launched, beside it: below)
-    if saved is None and fused_prep:
+    if saved is not None:
+        if not p_in_dh:
+            _wu_kernel[grid_c](k, v, beta, G, None, saved["p"].contiguous(), do, None, None, dRl, scale=scale, H=H,
+                               HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate, DELTA=False, IS_VARLEN=varlen, PREC=prec,
+                               LOWP=lowp_wu, num_warps=_warps("wu", gate, wide8), **_regs("wu", gate, wide8),
+                               num_stages=ns, **common)
+    elif fused_prep:
         # one pass per chunk (the forward's stage-1 kernel): T, W, U, dR_local; A and P stay in registers,
         # Amat and Pmat are only the scratch the value and key sides write dT_v / dA / dP into
         from .chunk_fwd import chunk_prepare_bwd
         chunk_prepare_bwd(q, k, v, g, beta, do, scale, W, U, Tmat, dRl, cu_seqlens, chunk_indices, wu_lowp=lowp_wu,
                           num_warps=_warps("prep", gate, wide8))
-    elif saved is None:
+    else:
         _intra_kernel[grid_c](q, k, beta, G, Amat, Pmat, H=H, HV=HV, K=K, BK=BK, C=C, BC=BC, GATE=gate, DELTA=delta,
                               IS_VARLEN=varlen, PREC=prec, num_warps=_warps("intra", gate, wide8), **_regs("intra", gate, wide8), num_stages=ns, **common)
         if gate == 2:
@@ -2007,31 +1993,17 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     if kd_in:
         q_s, k_s = buf(B, T, HV, K, dtype=q.dtype), buf(B, T, HV, K, dtype=q.dtype)
         _gate_scaled_kernel[grid_c](q, k, G, q_s, k_s, H=H, HV=HV, K=K, BK=BK, C=C, IS_VARLEN=varlen, **common)
-    # gates on the dqk path: ⟨S, dS'⟩ per chunk from the reverse pass (BWD_DGAM_DH, off by default), which then reads h
-    dgam_dh = dqk and gate > 0 and _env_switch("CHUNKWISE_BWD_DGAM_DH", BWD_DGAM_DH)
-    # the forward state pass on the side stream, beside dR_local and the reverse pass (BWD_SIDE)
-    # (the stages apply on any device, so that a build off the GPU is the one the GPU runs)
-    side = None
-    if not states_saved and not dgam_dh and _env_switch("CHUNKWISE_BWD_SIDE", BWD_SIDE):
-        ns_state = min(ns_state, _env_choice("CHUNKWISE_BWD_SIDE_STAGES", BWD_SIDE_STAGES, range(1, 4)))
-        if dev.type == "cuda":
-            main, side = torch.cuda.current_stream(dev), _side_stream(dev)
-            side.wait_stream(main)
     if not states_saved:
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            _fwd_h_kernel[grid_s](k_s, v, G, W, U, h0, h, R, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate,
-                                  DELTA=delta, HAS_H0=has_h0, TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen,
-                                  PREC=prec, LOOP_WHILE=_INTERPRET, LOWP=lowp, KD_IN=kd_in,
-                                  num_warps=_warps("fwd_h", gate, wide8), **_regs("fwd_h", gate, wide8),
-                                  num_stages=ns_state, **seq)
-    if saved is not None and not p_in_dh:      # dR_local = scale Pᵀ dO from the saved P
-        _wu_kernel[grid_c](k, v, beta, G, None, saved["p"].contiguous(), do, None, None, dRl, scale=scale, H=H,
-                           HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate, DELTA=False, IS_VARLEN=varlen, PREC=prec,
-                           LOWP=lowp_wu, num_warps=_warps("wu", gate, wide8), **_regs("wu", gate, wide8),
-                           num_stages=ns, **common)
+        _fwd_h_kernel[grid_s](k_s, v, G, W, U, h0, h, R, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate,
+                              DELTA=delta, HAS_H0=has_h0, TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen,
+                              PREC=prec, LOOP_WHILE=_INTERPRET, LOWP=lowp, KD_IN=kd_in,
+                              num_warps=_warps("fwd_h", gate, wide8), **_regs("fwd_h", gate, wide8),
+                              num_stages=ns_state, **seq)
     dh = buf(NC, HV, K, V, dtype=sdt)
     dR = buf(B, T, HV, V, dtype=sdt)
     dh0 = buf(*h0.shape) if has_h0 else None
+    # gates on the dqk path: ⟨S, dS'⟩ per chunk from the reverse pass (BWD_DGAM_DH, off by default)
+    dgam_dh = dqk and gate > 0 and _env_switch("CHUNKWISE_BWD_DGAM_DH", BWD_DGAM_DH)
     dgam = buf(NC, HV, grid_s[0], BK) if dgam_dh else None
     _bwd_dh_kernel[grid_s](q_s, k_s, G, W, dRl, do, dht, dh, dR, dh0, h, dgam, scale=scale, unit=1.0, H=H, HV=HV, K=K,
                            V=V, BK=BK,
@@ -2040,8 +2012,6 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                            LOWP=lowp, KD_IN=kd_in, AHEAD=_bwd_dh_ahead(gate), PL=p_in_dh, DGAM=dgam_dh,
                            num_warps=_warps("bwd_dh", gate, wide8),
                            **_regs("bwd_dh", gate, wide8), num_stages=ns_state, **seq)
-    if side is not None:    # join before anything the side stream reads can be freed (the allocator is per stream)
-        main.wait_stream(side)
     del dRl, q_s, k_s
 
     # gradients go out in the input dtype directly unless they are summed over head groups or
