@@ -171,13 +171,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--families", default=",".join(FAMILIES))
-    ap.add_argument("--variant-set", default="all", choices=("all", "seg", "pfree", "tma", "solve", "pstages", "trans", "kdasplit"),
+    ap.add_argument("--variant-set", default="all", choices=("all", "seg", "pfree", "tma", "solve", "pstages", "trans", "kdasplit",
+                                                            "tform"),
                     help="seg: only simple GLA's segment variants; pfree: only GDN / DeltaNet with P formed in "
                          "stage 2 instead of stage 1; tma: every family's serial stage with its tiles loaded through tensor "
                          "descriptors or not; solve: the delta families with (I + A)⁻¹'s diagonal blocks by "
                          "substitution or doubling; pstages: KDA's stage 1 at 1 / 2 / 3 pipeline stages; trans: "
                          "stage 2 on the transposed state or not, at BV 32 / 64; kdasplit: KDA's stage 1 in one launch or "
-                         "two (CHUNKWISE_KDA_ONE_REF 1 / 2) (with --variants)")
+                         "two (CHUNKWISE_KDA_ONE_REF 1 / 2); tform: GDN / DeltaNet with stage 1 writing T diag(β) "
+                         "instead of W, U (CHUNKWISE_FWD_T_FORM) (with --variants)")
     ap.add_argument("--variants", action="store_true", help="also time stage-2 variants (BV 16/32/64 x 4/8 warps x 2/3 stages; GLA also with P from its own kernel, GDN with the decays from stage 1)")
     ap.add_argument("--shapes", default="")
     ap.add_argument("--warm", action="store_true", help="compile everything on tiny inputs, time nothing")
@@ -256,11 +258,25 @@ def main():
                     # the one-reference build at 8 warps (offline sm_90: 182 registers, one program per SM)
                     time_variant("oneref2-w8", env={"CHUNKWISE_KDA_ONE_REF": "2", "CHUNKWISE_PREP_CONFIG": "2:0,8,32,0"},
                                  stage1=True)
+                if a.variant_set == "tform" and fam in ("gdn", "delta"):
+                    # stage 1 writes T diag(β) and stage 2 forms R from it (CHUNKWISE_FWD_T_FORM=1) against W, U from
+                    # stage 1 (the default); P where the default puts it or the other place; BV 32 / 64; stage 1 alone
+                    time_variant("wu", env={"CHUNKWISE_FWD_T_FORM": "0"})
+                    time_variant("tform", env={"CHUNKWISE_FWD_T_FORM": "1"})
+                    other = {"CHUNKWISE_FWD_P_IN": "0" if fam == "gdn" else "1"}
+                    time_variant("tform-pother", env={"CHUNKWISE_FWD_T_FORM": "1", **other})
+                    time_variant("wu-pother", env={"CHUNKWISE_FWD_T_FORM": "0", **other})
+                    for bv in (32, 64):
+                        time_variant(f"tform-bv{bv}", env={"CHUNKWISE_FWD_T_FORM": "1"}, bv=bv)
+                    for sp in (True, False):
+                        var[f"tform-s1-p{int(sp)}"] = bench(lambda: chunk_prepare(
+                            x["q"], x["k"], x["v"], x["g"], x["beta"], x["cu"], x["chunk_indices"], store_p=sp,
+                            t_form=True))[0]
                 if a.variant_set == "pstages" and fam == "kda":
                     # stage 1's software pipeline over its column chunks (CHUNKWISE_PREP_STAGES): the forward and stage 1
                     for n in ("1", "2", "3"):
                         time_variant(f"pstages{n}", env={"CHUNKWISE_PREP_STAGES": n}, stage1=True)
-                if fam == "gla" and a.variant_set not in ("pfree", "tma", "solve", "pstages", "trans", "kdasplit") and x["q"].shape[0] == 1 and x["cu"] is None:
+                if fam == "gla" and a.variant_set not in ("pfree", "tma", "solve", "pstages", "trans", "kdasplit", "tform") and x["q"].shape[0] == 1 and x["cu"] is None:
                     # the segment split's first pass in sub-segments (chunk_fwd(seg_sub=)), 4 segments, at the
                     # second pass's value block (64, 4 warps) or its own
                     for sub, p1 in ((1, (128, 4)), (2, (128, 4)), (4, (128, 4)), (2, (128, 4, 3)), (2, (128, 4, 1)),

@@ -373,7 +373,7 @@ def chunk_prepare_kernel(
     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, MM_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
     g_floor: tl.constexpr, span_max: tl.constexpr, WU_LOWP: tl.constexpr = 0, AP_FORM: tl.constexpr = 0,
     BWD: tl.constexpr = 0, STORE_T: tl.constexpr = 0, STORE_P: tl.constexpr = 1, GC_OUT: tl.constexpr = 0,
-    AP_ONE_REF: tl.constexpr = 0, SOLVE_DOUBLING: tl.constexpr = 0,
+    AP_ONE_REF: tl.constexpr = 0, SOLVE_DOUBLING: tl.constexpr = 0, T_FORM: tl.constexpr = 0,
 ):
     """One chunk of one value head: see the module docstring (stage 1). Grid (chunks, B·HV).
 
@@ -387,7 +387,9 @@ def chunk_prepare_kernel(
     allows them, else the block form (both built in); 2 the one-reference products only (the block form not built:
     fewer registers, no spills), flagging the programs where a column chunk's gate did not allow them (which then
     stop after A and P); 3 as 1, for the flagged programs alone (the others return at once), writing everything
-    there."""
+    there.
+    T_FORM (forward, scalar / no gate): write T diag(β) = (I + A)⁻¹ diag(β) to t_out in the input dtype instead of
+    W and U (v is not read): stage 2 forms R = T diag(β) (V − e^G ⊙ K S) itself."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     if AP_ONE_REF == 3:
         if tl.load(flag + i_bh * tl.num_programs(0) + i_t) == 0:
@@ -543,43 +545,48 @@ def chunk_prepare_kernel(
                                    (1, 0)), P.to(p.dtype.element_ty), boundary_check=(0, 1))
 
     Tm = _solve_unit_lower(A, SOLVE_PREC, BTc, BCc, SOLVE_DOUBLING)                      # (I + A)^-1
-    if BWD or STORE_T:
+    if T_FORM:      # T diag(β) for stage 2; no W, U
         tl.store(tl.make_block_ptr(t_out + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0),
-                                   (BTc, BTc), (1, 0)), Tm, boundary_check=(0, 1))
-    if BWD:
-        b_do = tl.load(tl.make_block_ptr(do + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf),
-                                         (1, 0)), boundary_check=(0, 1))
-        if WU_LOWP:     # P in the input dtype, as the backward's W / U recompute does at BWD_LOWP 2
-            b_drl = _mm(tl.trans(P.to(b_do.dtype)), b_do, MM_PREC)                       # [BT, BT] @ [BT, BV]
-        else:
-            b_drl = _mm(tl.trans(P), b_do.to(tl.float32), MM_PREC)                       # [BT, BT] @ [BT, BV]
-        tl.store(tl.make_block_ptr(drl + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf), (1, 0)),
-                 (b_drl * scale).to(drl.dtype.element_ty), boundary_check=(0, 1))
-    if WU_LOWP:         # W, U products in the input dtype (tensor cores at the 16-bit rate), as fla does
-        Tm = Tm.to(w.dtype.element_ty)
-    if GATE == 2:
-        # W = T (β e^G K), the right-hand side formed again per column chunk (e^G ≤ 1)
-        for i_kc in range(BK // BKC):
-            kc0 = i_kc * BKC
-            kf = tl.load(tl.make_block_ptr(k_base, (T_seq, K), (H * K, 1), (t0, kc0), (BTc, BKC), (1, 0)),
-                         boundary_check=(0, 1)).to(tl.float32)
-            b_g = tl.load(tl.make_block_ptr(g + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
-                                            (1, 0)), boundary_check=(0, 1)).to(tl.float32)
-            b_G = tl.cumsum(tl.where(b_g < g_floor, g_floor, b_g), 0)
-            Xk = kf * b_beta[:, None] * tl.exp(b_G)
-            b_w = _mm(Tm, Xk.to(Tm.dtype), MM_PREC)                                      # [BT, BT] @ [BT, BKC]
-            tl.store(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
-                                       (1, 0)), b_w.to(w.dtype.element_ty), boundary_check=(0, 1))
+                                   (BTc, BTc), (1, 0)), (Tm * b_beta[None, :]).to(t_out.dtype.element_ty),
+                 boundary_check=(0, 1))
     else:
-        Xk = b_k.to(tl.float32) * b_ks[:, None]
-        b_w = _mm(Tm, Xk.to(Tm.dtype), MM_PREC)                                          # [BT, BT] @ [BT, BK]
-        tl.store(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK), (1, 0)),
-                 b_w.to(w.dtype.element_ty), boundary_check=(0, 1))
-    Xv = tl.load(tl.make_block_ptr(v + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf),
-                                   (1, 0)), boundary_check=(0, 1)).to(tl.float32) * b_beta[:, None]
-    b_u = _mm(Tm, Xv.to(Tm.dtype), MM_PREC).to(u.dtype.element_ty)                      # [BT, BT] @ [BT, BV]
-    tl.store(tl.make_block_ptr(u + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf), (1, 0)),
-             b_u, boundary_check=(0, 1))
+        if BWD or STORE_T:
+            tl.store(tl.make_block_ptr(t_out + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0),
+                                       (BTc, BTc), (1, 0)), Tm, boundary_check=(0, 1))
+        if BWD:
+            b_do = tl.load(tl.make_block_ptr(do + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf),
+                                             (1, 0)), boundary_check=(0, 1))
+            if WU_LOWP:     # P in the input dtype, as the backward's W / U recompute does at BWD_LOWP 2
+                b_drl = _mm(tl.trans(P.to(b_do.dtype)), b_do, MM_PREC)                       # [BT, BT] @ [BT, BV]
+            else:
+                b_drl = _mm(tl.trans(P), b_do.to(tl.float32), MM_PREC)                       # [BT, BT] @ [BT, BV]
+            tl.store(tl.make_block_ptr(drl + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf), (1, 0)),
+                     (b_drl * scale).to(drl.dtype.element_ty), boundary_check=(0, 1))
+        if WU_LOWP:         # W, U products in the input dtype (tensor cores at the 16-bit rate), as fla does
+            Tm = Tm.to(w.dtype.element_ty)
+        if GATE == 2:
+            # W = T (β e^G K), the right-hand side formed again per column chunk (e^G ≤ 1)
+            for i_kc in range(BK // BKC):
+                kc0 = i_kc * BKC
+                kf = tl.load(tl.make_block_ptr(k_base, (T_seq, K), (H * K, 1), (t0, kc0), (BTc, BKC), (1, 0)),
+                             boundary_check=(0, 1)).to(tl.float32)
+                b_g = tl.load(tl.make_block_ptr(g + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
+                                                (1, 0)), boundary_check=(0, 1)).to(tl.float32)
+                b_G = tl.cumsum(tl.where(b_g < g_floor, g_floor, b_g), 0)
+                Xk = kf * b_beta[:, None] * tl.exp(b_G)
+                b_w = _mm(Tm, Xk.to(Tm.dtype), MM_PREC)                                      # [BT, BT] @ [BT, BKC]
+                tl.store(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
+                                           (1, 0)), b_w.to(w.dtype.element_ty), boundary_check=(0, 1))
+        else:
+            Xk = b_k.to(tl.float32) * b_ks[:, None]
+            b_w = _mm(Tm, Xk.to(Tm.dtype), MM_PREC)                                          # [BT, BT] @ [BT, BK]
+            tl.store(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK), (1, 0)),
+                     b_w.to(w.dtype.element_ty), boundary_check=(0, 1))
+        Xv = tl.load(tl.make_block_ptr(v + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf),
+                                       (1, 0)), boundary_check=(0, 1)).to(tl.float32) * b_beta[:, None]
+        b_u = _mm(Tm, Xv.to(Tm.dtype), MM_PREC).to(u.dtype.element_ty)                      # [BT, BT] @ [BT, BV]
+        tl.store(tl.make_block_ptr(u + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf), (1, 0)),
+                 b_u, boundary_check=(0, 1))
 
 
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
@@ -696,12 +703,14 @@ def _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, 
                        BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        GATE: tl.constexpr, DELTA: tl.constexpr, P_IN: tl.constexpr, GC_IN: tl.constexpr,
                        DOT_PREC: tl.constexpr, g_floor: tl.constexpr, TMA: tl.constexpr = 0,
-                       TMA_O: tl.constexpr = 0, STORE_HR: tl.constexpr = 0):
+                       TMA_O: tl.constexpr = 0, STORE_HR: tl.constexpr = 0, T_FORM: tl.constexpr = 0):
     """One chunk of stage 2: returns the state after chunk i_t, writes its rows of o. b_gl: _chunk_decay's.
     TMA: q, k, v, w, u, p, qg, kg are _tma_view descriptors; TMA_O: o_base too (the output's stores).
     STORE_HR (a forward saved for the backward, delta families): the state entering the chunk -> hs [slots, HV, K, V]
     at slot slot0 + i_t, and R -> rs [B, T, HV, V] (before any gate scales it), in their dtype, as the backward's
-    forward state pass would form them."""
+    forward state pass would form them.
+    T_FORM (delta rule, scalar / no gate): w is stage 1's T diag(β) [B, T, HV, BT] and u is not read;
+    R = T diag(β) (V − e^G ⊙ K S), which is U − W S with U = T diag(β) V, W = T diag(β e^G) K."""
     o_k = tl.arange(0, BK)
     o_t = tl.arange(0, BTc)
     t0 = i_t * BTc
@@ -709,7 +718,10 @@ def _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, 
         o_v = i_v * BV + tl.arange(0, BV)
         tl.store(hs + (((slot0 + i_t) * HV + i_h) * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :],
                  S.to(hs.dtype.element_ty), mask=(o_k < K)[:, None] & (o_v < V)[None, :])
-    if DELTA:
+    if DELTA and T_FORM:
+        b_T = _tile(w, (bos * HV + i_h) * BTc, T_seq, BTc, HV * BTc, t0, 0, BTc, BTc, TMA)
+        b_v = _tile(v, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, i_v * BV, BTc, BV, TMA)
+    elif DELTA:
         b_w = _tile(w, (bos * HV + i_h) * K, T_seq, K, HV * K, t0, 0, BTc, BK, TMA)
         b_u = _tile(u, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, i_v * BV, BTc, BV, TMA)
         b_R = b_u.to(tl.float32) - tl.dot(b_w, S.to(b_w.dtype), input_precision=DOT_PREC)   # [BT, BK] @ [BK, BV]
@@ -729,6 +741,12 @@ def _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, 
             Gc, b_dl, b_eg, b_ek = _step_gate(g, gcum, b_gl, slot0 + i_t, bos, t0, T_seq, i_h, HV, BTc, GC_IN, g_floor)
         b_qd = b_q
         b_kd = b_k
+    if DELTA and T_FORM:
+        b_Z = tl.dot(b_k, S.to(b_k.dtype), input_precision=DOT_PREC)                # [BT, BK] @ [BK, BV]
+        if GATE == 1:
+            b_Z = b_Z * b_eg[:, None]
+        b_Z = b_v.to(tl.float32) - b_Z
+        b_R = tl.dot(b_T, b_Z.to(b_T.dtype), input_precision=DOT_PREC)              # [BT, BT] @ [BT, BV]
     if P_IN:
         b_P = _tile(p, (bos * HV + i_h) * BTc, T_seq, BTc, HV * BTc, t0, 0, BTc, BTc, TMA)
     else:
@@ -831,8 +849,10 @@ def _state_output_chunk(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base,
                         i_v, scale, H, HV, K, V, BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                         GATE: tl.constexpr, DELTA: tl.constexpr, P_IN: tl.constexpr, GC_IN: tl.constexpr,
                         DOT_PREC: tl.constexpr, g_floor: tl.constexpr, TMA: tl.constexpr, TMA_O: tl.constexpr,
-                        STORE_HR: tl.constexpr, TRANS: tl.constexpr):
-    """One chunk of stage 2 on S [BK, BV] (_state_output_step) or, TRANS, on Sᵀ [BV, BK] (_state_output_step_t)."""
+                        STORE_HR: tl.constexpr, TRANS: tl.constexpr, T_FORM: tl.constexpr = 0):
+    """One chunk of stage 2 on S [BK, BV] (_state_output_step) or, TRANS, on Sᵀ [BV, BK] (_state_output_step_t;
+    not with T_FORM)."""
+    tl.static_assert(not (TRANS and T_FORM), "T_FORM takes the plain step")
     if TRANS:
         S = _state_output_step_t(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, hs, rs, slot0, bos, T_seq,
                                  i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, GC_IN, DOT_PREC,
@@ -840,7 +860,7 @@ def _state_output_chunk(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base,
     else:
         S = _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, hs, rs, slot0, bos, T_seq,
                                i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, GC_IN, DOT_PREC,
-                               g_floor, TMA, TMA_O, STORE_HR)
+                               g_floor, TMA, TMA_O, STORE_HR, T_FORM)
     return S
 
 
@@ -874,6 +894,7 @@ def chunk_state_output_kernel(
     DOT_PREC: tl.constexpr, g_floor: tl.constexpr, LOOP_WHILE: tl.constexpr,
     SEG: tl.constexpr = 0, NSEG: tl.constexpr = 1, SUB: tl.constexpr = 1, GC_IN: tl.constexpr = 0,
     TMA: tl.constexpr = 0, TMA_O: tl.constexpr = 0, STORE_HR: tl.constexpr = 0, TRANS: tl.constexpr = 0,
+    T_FORM: tl.constexpr = 0,
 ):
     """Stage 2 (module docstring). Grid (cdiv(V, BV), N·HV); S [BK, BV] fp32 stays in registers (TRANS, SEG = 0:
     Sᵀ [BV, BK], the products' first operand; _state_output_step_t).
@@ -891,6 +912,9 @@ def chunk_state_output_kernel(
         R = U − W S  |  V                              [C, BV]
         o = scale · ((Q ⊙ e^G) S + P R)                [C, BV]
         S = e^{G_last} S + (K ⊙ e^{G_last − G})ᵀ R      [K, BV]
+
+    T_FORM (delta rule, scalar / no gate): w is T diag(β) [B,T,HV,BT] from stage 1 (u unused) and
+    R = T diag(β) (V − e^G ⊙ K S)                        [C, C] @ [C, BV]
     """
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
@@ -956,9 +980,12 @@ def chunk_state_output_kernel(
         if TMA:         # the tiles the loop loads, as tensor descriptors of this sequence and head (made once)
             q = _tma_view(q, (bos * H + i_hk) * K, T_seq, K, H * K, BTc, BK, GATE != 2)
             k = _tma_view(k, (bos * H + i_hk) * K, T_seq, K, H * K, BTc, BK, GATE != 2)
-            w = _tma_view(w, (bos * HV + i_h) * K, T_seq, K, HV * K, BTc, BK, DELTA)
-            u = _tma_view(u, (bos * HV + i_h) * V, T_seq, V, HV * V, BTc, BV, DELTA)
-            v = _tma_view(v, (bos * HV + i_h) * V, T_seq, V, HV * V, BTc, BV, not DELTA)
+            if T_FORM:
+                w = _tma_view(w, (bos * HV + i_h) * BTc, T_seq, BTc, HV * BTc, BTc, BTc, DELTA)
+            else:
+                w = _tma_view(w, (bos * HV + i_h) * K, T_seq, K, HV * K, BTc, BK, DELTA)
+            u = _tma_view(u, (bos * HV + i_h) * V, T_seq, V, HV * V, BTc, BV, DELTA and not T_FORM)
+            v = _tma_view(v, (bos * HV + i_h) * V, T_seq, V, HV * V, BTc, BV, not DELTA or T_FORM)
             p = _tma_view(p, (bos * HV + i_h) * BTc, T_seq, BTc, HV * BTc, BTc, BTc, P_IN)
             qg = _tma_view(qg, (bos * HV + i_h) * K, T_seq, K, HV * K, BTc, BK, GATE == 2)
             kg = _tma_view(kg, (bos * HV + i_h) * K, T_seq, K, HV * K, BTc, BK, GATE == 2)
@@ -969,7 +996,7 @@ def chunk_state_output_kernel(
                 b_gl_next = _chunk_decay(glast, slot0, i_t + 1, c1, i_h, HV, K, BK, GATE, GC_IN)
                 S = _state_output_chunk(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, hs, rs, slot0, bos,
                                         T_seq, i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, GC_IN,
-                                        DOT_PREC, g_floor, TMA, TMA_O, STORE_HR, TRANS)
+                                        DOT_PREC, g_floor, TMA, TMA_O, STORE_HR, TRANS, T_FORM)
                 b_gl = b_gl_next
                 i_t += 1
         else:               # compiled: a for loop, so that the loads of later chunks are pipelined
@@ -977,7 +1004,7 @@ def chunk_state_output_kernel(
                 b_gl_next = _chunk_decay(glast, slot0, i_t + 1, c1, i_h, HV, K, BK, GATE, GC_IN)
                 S = _state_output_chunk(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, hs, rs, slot0, bos,
                                         T_seq, i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, GC_IN,
-                                        DOT_PREC, g_floor, TMA, TMA_O, STORE_HR, TRANS)
+                                        DOT_PREC, g_floor, TMA, TMA_O, STORE_HR, TRANS, T_FORM)
                 b_gl = b_gl_next
 
     if STORE_HT and SEG != 1:
@@ -1113,7 +1140,7 @@ def prep_stages(gate: int = 0, dtype: torch.dtype = torch.float32, K: int = 0) -
     return _env_choice("CHUNKWISE_PREP_STAGES", default, range(1, 5))
 
 
-def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=False, store_p=True):
+def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=False, store_p=True, t_form=False):
     """Stage 1 for the delta families.
 
     Args: q, k [B,T,H,K]; v [B,T,HV,V]; g None | [B,T,HV] fp32 | [B,T,HV,K] fp32 (raw log-decays);
@@ -1123,15 +1150,17 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     chunk i of sequence n is n·NT + i, or n + start_token // 64 with cu_seqlens), for scalar g gcum [slots, HV, 64]
     fp32 (the chunk-local cumulative gate G, one row per chunk slot) and glast [slots, HV] fp32 (G_last per chunk); with ``save_t`` also
     t = (I + A)⁻¹ [B,T,HV,64] fp32 (for a backward that reuses stage 1). ``store_p=False`` (scalar / no
-    gate): p is None, for a stage 2 that forms P itself.
+    gate): p is None, for a stage 2 that forms P itself. ``t_form`` (scalar / no gate, not with ``save_t``): w and u
+    are None and td = (I + A)⁻¹ diag(β) [B,T,HV,64] (q's dtype) is returned instead, for stage 2's T_FORM.
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     gate = _gate_kind(g)
+    assert not (t_form and (save_t or gate == 2)), "t_form: scalar / no gate, without save_t"
     NT = cdiv(T, BT)
     dev, dt = q.device, q.dtype
-    w = _alloc((B, T, HV, K), dt, dev)
-    u = _alloc((B, T, HV, V), dt, dev)
+    w = None if t_form else _alloc((B, T, HV, K), dt, dev)
+    u = None if t_form else _alloc((B, T, HV, V), dt, dev)
     store_p = store_p or gate == 2
     p = _alloc((B, T, HV, BT), dt, dev) if store_p else None
     n_chunks = chunk_indices.shape[0] if cu_seqlens is not None else NT
@@ -1147,20 +1176,22 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
             gcum = _alloc((slots, HV, BT), torch.float32, dev)
             glast = _alloc((slots, HV), torch.float32, dev)
     t = _alloc((B, T, HV, BT), torch.float32, dev) if save_t else None
+    td = _alloc((B, T, HV, BT), dt, dev) if t_form else None
     dot_prec, mm_prec, solve_prec = _dot_prec(dt, gate)
     wu_lowp, warps, bkc, form = prep_config(gate)
     one_ref = _env_choice("CHUNKWISE_KDA_ONE_REF", KDA_ONE_REF, range(3)) if gate == 2 and form == 0 else 0
     flag = torch.empty(n_chunks * B * HV, dtype=torch.int32, device=dev) if one_ref == 2 else None
     for ap_one_ref in ((2, 3) if one_ref == 2 else (one_ref,)) if n_chunks > 0 else ():
         chunk_prepare_kernel[(n_chunks, B * HV)](
-            q, k, v, g, beta, w, u, p, qg, kg, glast, gcum, None, t, None, flag, cu_seqlens, chunk_indices, T, NT,
+            q, k, v, g, beta, w, u, p, qg, kg, glast, gcum, None, td if t_form else t, None, flag, cu_seqlens,
+            chunk_indices, T, NT,
             H=H, HV=HV, K=K, V=V, scale=1.0, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)), GATE=gate,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=solve_prec,
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(dt, K) and gate != 2,
             AP_FORM=form if gate == 2 else 0, STORE_T=save_t, STORE_P=store_p, GC_OUT=gate == 1,
             AP_ONE_REF=ap_one_ref, SOLVE_DOUBLING=_env_switch("CHUNKWISE_SOLVE_DOUBLING", SOLVE_DOUBLING),
-            num_warps=warps, num_stages=prep_stages(gate, dt, K), **reg_cap("prep_fwd"))
-    return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, gcum=gcum, t=t)
+            T_FORM=t_form, num_warps=warps, num_stages=prep_stages(gate, dt, K), **reg_cap("prep_fwd"))
+    return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, gcum=gcum, t=t, td=td)
 
 
 def chunk_prepare_bwd(q, k, v, g, beta, do, scale, w, u, t_out, drl, cu_seqlens=None, chunk_indices=None,
@@ -1281,6 +1312,13 @@ FWD_TMA_O = 1
 # (the warps split the columns): DeltaNet 1.157 / 1.288, GDN 1.380 / 1.490, KDA 3.110 / 3.170.
 # CHUNKWISE_FWD_TRANS (0 / 1) overrides, at any BV.
 FWD_TRANS = {0: 1, 1: 0, 2: 1}
+
+# The delta rule with a scalar gate or none (GDN, DeltaNet; not a forward saved for the backward), per gate kind:
+# stage 1 writes T diag(β) [C, C] per chunk instead of W = T diag(β e^G) K and U = T diag(β) V (T_FORM; no v read,
+# two [C, C] @ [C, 128] products and 512 B per token and head fewer written), and stage 2 forms
+# R = T diag(β) (V − e^G ⊙ K S): one [C, C] @ [C, BV] product more on its serial path, K S in place of W S.
+# Not with the transposed stage 2. CHUNKWISE_FWD_T_FORM (0 / 1) overrides
+FWD_T_FORM = {0: 0, 1: 0}
 
 
 def _torch_scratch(size: int, alignment: int, stream):
@@ -1427,7 +1465,10 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         from ..api import prepare_chunk_indices
         chunk_indices = prepare_chunk_indices(cu_seqlens, BT)
 
-    stage1 = chunk_prepare(q, k, v, g, beta, cu_seqlens, chunk_indices, save_t=save, store_p=p_in or save) \
+    # the delta rule with a scalar gate or none: stage 1 writes T diag(β) and stage 2 forms R from it (T_FORM)
+    t_form = delta and gate != 2 and not save and _env_switch("CHUNKWISE_FWD_T_FORM", FWD_T_FORM[gate])
+    stage1 = chunk_prepare(q, k, v, g, beta, cu_seqlens, chunk_indices, save_t=save, store_p=p_in or save,
+                           t_form=t_form) \
         if delta else dict(w=None, u=None, p=None, qg=None, kg=None, glast=None, gcum=None)
     hs = rs = None
     if save:
@@ -1455,7 +1496,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         return (sn, sh, s3, s2) if transpose_state_layout else (sn, sh, s2, s3)
 
     dot_prec = _dot_prec(q.dtype)[0]
-    trans = _env_switch("CHUNKWISE_FWD_TRANS", int(FWD_TRANS[gate] and bv >= 64))
+    trans = not t_form and _env_switch("CHUNKWISE_FWD_TRANS", int(FWD_TRANS[gate] and bv >= 64))
     tma = _env_switch("CHUNKWISE_FWD_TMA", FWD_TMA)
     tma_o = tma and _env_switch("CHUNKWISE_FWD_TMA_O", int(FWD_TMA_O and nseg == 1))
     if tma and not _INTERPRET:
@@ -1480,14 +1521,15 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
                 bv_m, warps_m = min(seg_phase1[0], _dim(V)), seg_phase1[1]
                 stages_m = seg_phase1[2] if len(seg_phase1) > 2 else num_stages
         chunk_state_output_kernel[(cdiv(V, bv_m), rows_m)](
-            q, k, v, stage1["w"], stage1["u"], stage1["p"], g, stage1["qg"], stage1["kg"], stage1["glast"],
+            q, k, v, stage1["td"] if t_form else stage1["w"], stage1["u"], stage1["p"], g, stage1["qg"], stage1["kg"],
+            stage1["glast"],
             stage1["gcum"], o, initial_state, ht, sloc, gam, hs, rs, cu_seqlens, scale, T, NT, len_m,
             *strides(initial_state), *strides(ht),
             H=H, HV=HV, K=K, V=V, BTc=BT, BK=_dim(K), BV=bv_m, GATE=gate, DELTA=delta, P_IN=p_in,
             USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=cu_seqlens is not None,
             DOT_PREC=dot_prec, g_floor=G_FLOOR, LOOP_WHILE=_INTERPRET, SEG=seg_mode, NSEG=nseg_m,
             SUB=sub if seg_mode == 2 else 1, GC_IN=delta and gate == 1, TMA=tma,
-            TMA_O=tma_o, STORE_HR=hs is not None, TRANS=int(trans and seg_mode == 0),
+            TMA_O=tma_o, STORE_HR=hs is not None, TRANS=int(trans and seg_mode == 0), T_FORM=t_form,
             num_warps=warps_m, num_stages=stages_m, **reg_cap("fwd_o"))
     if padded:
         o, ht = o[..., :V0].contiguous(), cut_state(ht, K0, V0, transpose_state_layout)
