@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import triton
 
 import chunkwise
-from chunkwise.triton.chunk_fwd import chunk_fwd, chunk_prepare
+from chunkwise.triton.chunk_fwd import DELTA_P_IN, FWD_T_FORM, _env_switch, chunk_fwd, chunk_prepare
 
 FAMILIES = ("gdn", "kda", "delta", "gla")
 OURS = {"gdn": chunkwise.chunk_gated_delta_rule, "kda": chunkwise.chunk_kda,
@@ -204,9 +204,13 @@ def main():
             row = dict(shape=s["name"], family=fam, ours_ms=t_ours, all_finite=finite)
 
             def stage1_ms():
-                """Stage 1 alone, P stored as the forward stores it (DELTA_P_IN: not DeltaNet's)."""
+                """Stage 1 alone, as the forward launches it: P stored where stage 2 does not form it (DELTA_P_IN),
+                T diag(β) instead of W and U for GDN / DeltaNet (FWD_T_FORM)."""
+                gate = {"gdn": 1, "delta": 0, "kda": 2}[fam]
+                t_form = _env_switch("CHUNKWISE_FWD_T_FORM", FWD_T_FORM[gate])
+                store_p = gate == 2 or _env_switch("CHUNKWISE_FWD_P_IN", DELTA_P_IN[gate])
                 return bench(lambda: chunk_prepare(x["q"], x["k"], x["v"], x["g"], x["beta"], x["cu"],
-                                                   x["chunk_indices"], store_p=fam != "delta"))[0]
+                                                   x["chunk_indices"], store_p=store_p, t_form=t_form))[0]
             if x["beta"] is not None:       # (the rest of ours_ms is stage 2)
                 row["stage1_ms"] = stage1_ms()
             f = fla_fn(fam)
@@ -258,17 +262,21 @@ def main():
                     # the one-reference build at 8 warps (offline sm_90: 182 registers, one program per SM)
                     time_variant("oneref2-w8", env={"CHUNKWISE_KDA_ONE_REF": "2", "CHUNKWISE_PREP_CONFIG": "2:0,8,32,0"},
                                  stage1=True)
-                if a.variant_set == "tform" and fam in ("gdn", "delta"):
-                    # stage 1 writes T diag(β) and stage 2 forms R from it (CHUNKWISE_FWD_T_FORM=1) against W, U from
-                    # stage 1 (the default); P where the default puts it or the other place; BV 32 / 64; stage 1 alone
-                    time_variant("wu", env={"CHUNKWISE_FWD_T_FORM": "0"})
-                    time_variant("tform", env={"CHUNKWISE_FWD_T_FORM": "1"})
-                    other = {"CHUNKWISE_FWD_P_IN": "0" if fam == "gdn" else "1"}
-                    time_variant("tform-pother", env={"CHUNKWISE_FWD_T_FORM": "1", **other})
-                    time_variant("wu-pother", env={"CHUNKWISE_FWD_T_FORM": "0", **other})
+                if a.variant_set == "tform" and fam in ("gdn", "delta", "kda"):
+                    # stage 1 writes T diag(β) (KDA: and K ⊙ e^G) and stage 2 forms R from it (CHUNKWISE_FWD_T_FORM=1)
+                    # against W, U from stage 1; P where the default puts it or the other place (not KDA's); BV 32 /
+                    # 64; KDA at 3 pipeline stages (2 by default with its T tile); stage 1 alone
+                    time_variant("wu", env={"CHUNKWISE_FWD_T_FORM": "0"}, stage1=fam == "kda")
+                    time_variant("tform", env={"CHUNKWISE_FWD_T_FORM": "1"}, stage1=fam == "kda")
+                    if fam == "kda":
+                        time_variant("tform-ns3-bv32", env={"CHUNKWISE_FWD_T_FORM": "1"}, bv=32, num_stages=3)
+                    else:
+                        other = {"CHUNKWISE_FWD_P_IN": "0" if fam == "gdn" else "1"}
+                        time_variant("tform-pother", env={"CHUNKWISE_FWD_T_FORM": "1", **other})
+                        time_variant("wu-pother", env={"CHUNKWISE_FWD_T_FORM": "0", **other})
                     for bv in (32, 64):
                         time_variant(f"tform-bv{bv}", env={"CHUNKWISE_FWD_T_FORM": "1"}, bv=bv)
-                    for sp in (True, False):
+                    for sp in (True, False) if fam != "kda" else ():
                         var[f"tform-s1-p{int(sp)}"] = bench(lambda: chunk_prepare(
                             x["q"], x["k"], x["v"], x["g"], x["beta"], x["cu"], x["chunk_indices"], store_p=sp,
                             t_form=True))[0]

@@ -29,12 +29,10 @@ def compile_variant(fam="gdn", wu_lowp=0, num_warps=4, K=128, V=128, BKC=64, for
                   span_max=SPAN_MAX, WU_LOWP=wu_lowp,
                   AP_FORM=form if gate == 2 else 0, BWD=bwd, STORE_P=int(store_p or gate == 2),
                   AP_ONE_REF=int(one_ref if gate == 2 else 0), SOLVE_DOUBLING=doubling, T_FORM=tform)
-    if tform:   # T diag(β) in the input dtype to t_out, no W / U
-        sig["t_out"] = "*bf16"
     absent = [] if gate == 2 else ["qg", "kg", "glast"]
     absent += ["p"] if bwd or not consts["STORE_P"] else []
-    absent += [] if bwd else ["do", "drl"] + ([] if tform else ["t_out"])
-    absent += ["w", "u"] if tform else []
+    absent += [] if bwd else ["do", "drl", "t_out"]
+    absent += ["w"] if tform and gate != 2 else []     # (T_FORM: T diag(β) in u, K ⊙ e^G in w per channel)
     absent += [] if one_ref in (2, 3) and gate == 2 else ["flag"]
     if gate == 0:
         absent.append("g")

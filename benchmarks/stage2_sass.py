@@ -27,7 +27,7 @@ def compile_variant(fam="gdn", bv=32, K=128, V=128, num_warps=4, num_stages=None
     gate = GATES[fam]
     p_in = (gate == 2 or DELTA_P_IN[gate]) if p_in is None else p_in
     if num_stages is None:
-        num_stages = _pick_stages(2, K, bv, True, p_in, False)
+        num_stages = _pick_stages(2, K, bv, True, p_in, False, bool(tform and gate == 2))
     sig = {a: "*bf16" for a in BF16} | {a: "*fp32" for a in FP32}
     sig |= {a: "i32" for a in ("T", "NT", "seg_len", "H", "HV")} | {"scale": "fp32"}
     sig |= {a: "i32" for a in ("s_h0n", "s_h0h", "s_h0k", "s_h0v", "s_htn", "s_hth", "s_htk", "s_htv")}
@@ -35,7 +35,7 @@ def compile_variant(fam="gdn", bv=32, K=128, V=128, num_warps=4, num_stages=None
                   USE_H0=False, STORE_HT=False, IS_VARLEN=False, DOT_PREC="tf32", g_floor=G_FLOOR, LOOP_WHILE=False,
                   SEG=0, NSEG=1, SUB=1, GC_IN=int(gate == 1), TMA=int(tma > 0), TMA_O=int(tma > 1), TRANS=trans,
                   T_FORM=tform)
-    absent = ["h0", "ht", "sloc", "gam", "u" if tform else "v"]
+    absent = ["h0", "ht", "sloc", "gam"] + ((["w"] if gate != 2 else []) if tform else ["v"])
     absent += ([] if p_in else ["p"]) + ([] if gate == 2 else ["qg", "kg"] + ([] if gate == 1 else ["glast"]))
     absent += [] if gate == 1 else ["gcum"]
     absent += ["g"] if gate != 1 else []

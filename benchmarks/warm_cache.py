@@ -89,7 +89,7 @@ def warm_benchmarks(only: str = ""):
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "tma"]),
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "trans"]),
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "kdasplit", "--families", "kda"]),
-                         ("bench_forward", ["--warm", "--variants", "--variant-set", "tform", "--families", "gdn,delta"]),
+                         ("bench_forward", ["--warm", "--variants", "--variant-set", "tform", "--families", "gdn,delta,kda"]),
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "solve", "--families", "gdn,kda,delta"]),
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "pstages", "--families", "kda"]),
                          ("sweep_bwd", ["--warm", "--warps", "4,8"]),

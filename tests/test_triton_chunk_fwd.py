@@ -121,12 +121,15 @@ def test_kda_one_reference_taken(monkeypatch):
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("t_form", [False, True])
 @pytest.mark.parametrize("gate", ["normal", "strong"])
-def test_kda_one_reference_split_launch(gate, monkeypatch):
+def test_kda_one_reference_split_launch(gate, t_form, monkeypatch):
     """CHUNKWISE_KDA_ONE_REF=2 (the default): a launch built with the one-reference products only, then the
-    one-launch build (=1) on the chunks it flagged. Stage 1's outputs (w, u, p, qg, kg, glast) equal the single launch's, and the forward the
-    float64 recurrence, with normal gates (nothing flagged) and with strong ones (a hard reset and chunks whose
-    gates sum below -100: flagged chunks, redone), over varlen with grouped heads."""
+    one-launch build (=1) on the chunks it flagged. Stage 1's outputs (w, u, p, qg, kg, glast; with t_form K ⊙ e^G
+    and T diag(β) in w and u) equal the single launch's, and the forward the float64 recurrence, with normal gates
+    (nothing flagged) and with strong ones (a hard reset and chunks whose gates sum below -100: flagged chunks,
+    redone), over varlen with grouped heads."""
+    monkeypatch.setenv("CHUNKWISE_FWD_T_FORM", str(int(t_form)))
     inp = make_inputs("kda", lengths=[1, 130, 70], H=1, HV=2, K=KS[1], V=VS[0], dtype=torch.float32, gate=gate,
                       seed=13)
     outs = {}
@@ -134,7 +137,7 @@ def test_kda_one_reference_split_launch(gate, monkeypatch):
         monkeypatch.setenv("CHUNKWISE_KDA_ONE_REF", one_ref)
         from chunkwise.api import prepare_chunk_indices
         outs[one_ref] = chunk_prepare(inp.q, inp.k, inp.v, inp.g, inp.beta, inp.cu_seqlens,
-                                      prepare_chunk_indices(inp.cu_seqlens, 64))
+                                      prepare_chunk_indices(inp.cu_seqlens, 64), t_form=t_form)
     for name in ("w", "u", "p", "qg", "kg", "glast"):
         a, b = outs["1"][name], outs["2"][name]
         assert torch.isfinite(b).all(), name
@@ -304,14 +307,15 @@ def test_transposed_state_loop(fam, form, monkeypatch):
 
 
 @pytest.mark.parametrize("form", ["tma", "plain-other-p"])
-@pytest.mark.parametrize("fam", ("gdn", "delta"))
+@pytest.mark.parametrize("fam", ("gdn", "delta", "kda"))
 def test_t_form_stage2(fam, form, monkeypatch):
-    """Stage 1 writing T diag(β) and stage 2 forming R = T diag(β) (V − e^G ⊙ K S) (CHUNKWISE_FWD_T_FORM=1): equal
+    """Stage 1 writing T diag(β) (KDA: and K ⊙ e^G) and stage 2 forming R = T diag(β) (V − e^G ⊙ K S)
+    (CHUNKWISE_FWD_T_FORM=1): equal
     to the float64 recurrence and to W / U from stage 1, output and final state, in both state layouts (carried in
     and out), over varlen with a length-1 sequence and grouped heads; with the tiles through tensor descriptors, and
     through per-thread addresses with P taken from the other place; then fp16 against the recurrence."""
     monkeypatch.setenv("CHUNKWISE_FWD_TMA", "1" if form == "tma" else "0")
-    if form != "tma":
+    if form != "tma" and fam != "kda":
         monkeypatch.setenv("CHUNKWISE_FWD_P_IN", "0" if fam == "gdn" else "1")
     inp = make_inputs(fam, lengths=[1, 130, 70], H=1, HV=2, K=KS[0], V=VS[0], dtype=torch.float32, seed=43)
     for transpose in (False, True):

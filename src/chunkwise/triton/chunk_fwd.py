@@ -388,8 +388,9 @@ def chunk_prepare_kernel(
     fewer registers, no spills), flagging the programs where a column chunk's gate did not allow them (which then
     stop after A and P); 3 as 1, for the flagged programs alone (the others return at once), writing everything
     there.
-    T_FORM (forward, scalar / no gate): write T diag(β) = (I + A)⁻¹ diag(β) to t_out in the input dtype instead of
-    W and U (v is not read): stage 2 forms R = T diag(β) (V − e^G ⊙ K S) itself."""
+    T_FORM (forward, not with BWD / STORE_T): write T diag(β) = (I + A)⁻¹ diag(β) [B,T,HV,BT] to u (input dtype)
+    instead of W and U (v is not read; per channel no second column loop), and per channel K ⊙ e^G to w: stage 2
+    forms R = T diag(β) (V − (K ⊙ e^G) S) itself."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     if AP_ONE_REF == 3:
         if tl.load(flag + i_bh * tl.num_programs(0) + i_t) == 0:
@@ -436,6 +437,8 @@ def chunk_prepare_kernel(
                     T_seq, i_h, H, HV, K, kc0, MM_PREC, BTc, BCc, BKC, g_floor, span_max)
                 b_qg = qf * tl.exp(b_G)
                 b_kg = kf * tl.exp(G_last[None, :] - b_G)
+                if T_FORM:
+                    b_kx = kf * tl.exp(b_G)
             else:
                 # one reference for the whole chunk, r = G_last / 2 per channel, when every |G_i − r| of this
                 # column chunk is under span_max: e^{G_i − G_j} = e^{G_i − r} · e^{r − G_j}, both factors in
@@ -456,6 +459,8 @@ def chunk_prepare_kernel(
                     P += _mm(qx, tl.trans(kinv), MM_PREC)                                    # [BT, BKC] @ [BKC, BT]
                     b_qg = qx * tl.exp(r)[None, :]
                     b_kg = kinv * tl.exp(G_last - r)[None, :]
+                    if T_FORM:
+                        b_kx = kf * x * tl.exp(r)[None, :]                                   # k e^G
                 else:
                     e0, e1, e2, s_rows, worst = _block_starts(b_G, BTc, BCc)                    # block ends, starts
                     e3 = _row_of(b_G, 4 * BCc - 1, BTc)
@@ -500,6 +505,8 @@ def chunk_prepare_kernel(
                     P += tl.where(same & incl, Pd, 0.)
                     b_qg = qf * tl.exp(b_G)
                     b_kg = kf * tl.exp(G_last[None, :] - b_G)
+                    if T_FORM:
+                        b_kx = kf * tl.exp(b_G)
             # q e^G, k e^{G_last − G} for stage 2 (both exponents ≤ 0)
             tl.store(tl.make_block_ptr(qg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0),
                                        (BTc, BKC), (1, 0)), b_qg.to(qg.dtype.element_ty), boundary_check=(0, 1))
@@ -507,6 +514,9 @@ def chunk_prepare_kernel(
                                        (1, 0)), b_kg.to(kg.dtype.element_ty), boundary_check=(0, 1))
             o_k = kc0 + tl.arange(0, BKC)
             tl.store(glast + (slot * HV + i_h) * K + o_k, tl.exp(G_last), mask=o_k < K)
+            if T_FORM:      # k e^G (exponent ≤ 0) for stage 2's (K ⊙ e^G) S, in W's place
+                tl.store(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
+                                           (1, 0)), b_kx.to(w.dtype.element_ty), boundary_check=(0, 1))
         if AP_ONE_REF == 2:     # flagged: nothing more to form here
             tl.store(flag + i_bh * tl.num_programs(0) + i_t, tl.minimum(n_out, 1))
             if n_out > 0:
@@ -545,9 +555,9 @@ def chunk_prepare_kernel(
                                    (1, 0)), P.to(p.dtype.element_ty), boundary_check=(0, 1))
 
     Tm = _solve_unit_lower(A, SOLVE_PREC, BTc, BCc, SOLVE_DOUBLING)                      # (I + A)^-1
-    if T_FORM:      # T diag(β) for stage 2; no W, U
-        tl.store(tl.make_block_ptr(t_out + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0),
-                                   (BTc, BTc), (1, 0)), (Tm * b_beta[None, :]).to(t_out.dtype.element_ty),
+    if T_FORM:      # T diag(β) for stage 2, in U's place; no W, U
+        tl.store(tl.make_block_ptr(u + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0),
+                                   (BTc, BTc), (1, 0)), (Tm * b_beta[None, :]).to(u.dtype.element_ty),
                  boundary_check=(0, 1))
     else:
         if BWD or STORE_T:
@@ -709,8 +719,8 @@ def _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, 
     STORE_HR (a forward saved for the backward, delta families): the state entering the chunk -> hs [slots, HV, K, V]
     at slot slot0 + i_t, and R -> rs [B, T, HV, V] (before any gate scales it), in their dtype, as the backward's
     forward state pass would form them.
-    T_FORM (delta rule, scalar / no gate): w is stage 1's T diag(β) [B, T, HV, BT] and u is not read;
-    R = T diag(β) (V − e^G ⊙ K S), which is U − W S with U = T diag(β) V, W = T diag(β e^G) K."""
+    T_FORM (delta rule): u is stage 1's T diag(β) [B, T, HV, BT], w (per-channel gate only) K ⊙ e^G [B, T, HV, K];
+    R = T diag(β) (V − (K ⊙ e^G) S), which is U − W S with U = T diag(β) V, W = T diag(β) (K ⊙ e^G)."""
     o_k = tl.arange(0, BK)
     o_t = tl.arange(0, BTc)
     t0 = i_t * BTc
@@ -719,8 +729,10 @@ def _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, 
         tl.store(hs + (((slot0 + i_t) * HV + i_h) * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :],
                  S.to(hs.dtype.element_ty), mask=(o_k < K)[:, None] & (o_v < V)[None, :])
     if DELTA and T_FORM:
-        b_T = _tile(w, (bos * HV + i_h) * BTc, T_seq, BTc, HV * BTc, t0, 0, BTc, BTc, TMA)
+        b_T = _tile(u, (bos * HV + i_h) * BTc, T_seq, BTc, HV * BTc, t0, 0, BTc, BTc, TMA)
         b_v = _tile(v, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, i_v * BV, BTc, BV, TMA)
+        if GATE == 2:
+            b_kx = _tile(w, (bos * HV + i_h) * K, T_seq, K, HV * K, t0, 0, BTc, BK, TMA)
     elif DELTA:
         b_w = _tile(w, (bos * HV + i_h) * K, T_seq, K, HV * K, t0, 0, BTc, BK, TMA)
         b_u = _tile(u, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, i_v * BV, BTc, BV, TMA)
@@ -742,7 +754,10 @@ def _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, 
         b_qd = b_q
         b_kd = b_k
     if DELTA and T_FORM:
-        b_Z = tl.dot(b_k, S.to(b_k.dtype), input_precision=DOT_PREC)                # [BT, BK] @ [BK, BV]
+        if GATE == 2:
+            b_Z = tl.dot(b_kx, S.to(b_kx.dtype), input_precision=DOT_PREC)         # [BT, BK] @ [BK, BV]
+        else:
+            b_Z = tl.dot(b_k, S.to(b_k.dtype), input_precision=DOT_PREC)           # [BT, BK] @ [BK, BV]
         if GATE == 1:
             b_Z = b_Z * b_eg[:, None]
         b_Z = b_v.to(tl.float32) - b_Z
@@ -913,8 +928,8 @@ def chunk_state_output_kernel(
         o = scale · ((Q ⊙ e^G) S + P R)                [C, BV]
         S = e^{G_last} S + (K ⊙ e^{G_last − G})ᵀ R      [K, BV]
 
-    T_FORM (delta rule, scalar / no gate): w is T diag(β) [B,T,HV,BT] from stage 1 (u unused) and
-    R = T diag(β) (V − e^G ⊙ K S)                        [C, C] @ [C, BV]
+    T_FORM (delta rule): u is T diag(β) [B,T,HV,BT] from stage 1, w (per-channel gate only) K ⊙ e^G, and
+    R = T diag(β) (V − (K ⊙ e^G) S)                      [C, C] @ [C, BV]
     """
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
@@ -980,11 +995,11 @@ def chunk_state_output_kernel(
         if TMA:         # the tiles the loop loads, as tensor descriptors of this sequence and head (made once)
             q = _tma_view(q, (bos * H + i_hk) * K, T_seq, K, H * K, BTc, BK, GATE != 2)
             k = _tma_view(k, (bos * H + i_hk) * K, T_seq, K, H * K, BTc, BK, GATE != 2)
+            w = _tma_view(w, (bos * HV + i_h) * K, T_seq, K, HV * K, BTc, BK, DELTA and (not T_FORM or GATE == 2))
             if T_FORM:
-                w = _tma_view(w, (bos * HV + i_h) * BTc, T_seq, BTc, HV * BTc, BTc, BTc, DELTA)
+                u = _tma_view(u, (bos * HV + i_h) * BTc, T_seq, BTc, HV * BTc, BTc, BTc, DELTA)
             else:
-                w = _tma_view(w, (bos * HV + i_h) * K, T_seq, K, HV * K, BTc, BK, DELTA)
-            u = _tma_view(u, (bos * HV + i_h) * V, T_seq, V, HV * V, BTc, BV, DELTA and not T_FORM)
+                u = _tma_view(u, (bos * HV + i_h) * V, T_seq, V, HV * V, BTc, BV, DELTA)
             v = _tma_view(v, (bos * HV + i_h) * V, T_seq, V, HV * V, BTc, BV, not DELTA or T_FORM)
             p = _tma_view(p, (bos * HV + i_h) * BTc, T_seq, BTc, HV * BTc, BTc, BTc, P_IN)
             qg = _tma_view(qg, (bos * HV + i_h) * K, T_seq, K, HV * K, BTc, BK, GATE == 2)
@@ -1150,17 +1165,17 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     chunk i of sequence n is n·NT + i, or n + start_token // 64 with cu_seqlens), for scalar g gcum [slots, HV, 64]
     fp32 (the chunk-local cumulative gate G, one row per chunk slot) and glast [slots, HV] fp32 (G_last per chunk); with ``save_t`` also
     t = (I + A)⁻¹ [B,T,HV,64] fp32 (for a backward that reuses stage 1). ``store_p=False`` (scalar / no
-    gate): p is None, for a stage 2 that forms P itself. ``t_form`` (scalar / no gate, not with ``save_t``): w and u
-    are None and td = (I + A)⁻¹ diag(β) [B,T,HV,64] (q's dtype) is returned instead, for stage 2's T_FORM.
+    gate): p is None, for a stage 2 that forms P itself. ``t_form`` (not with ``save_t``): u is (I + A)⁻¹ diag(β)
+    [B,T,HV,64] and w (per-channel g) K ⊙ e^G [B,T,HV,K] or None, in q's dtype, for stage 2's T_FORM.
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     gate = _gate_kind(g)
-    assert not (t_form and (save_t or gate == 2)), "t_form: scalar / no gate, without save_t"
+    assert not (t_form and save_t), "t_form: not with save_t"
     NT = cdiv(T, BT)
     dev, dt = q.device, q.dtype
-    w = None if t_form else _alloc((B, T, HV, K), dt, dev)
-    u = None if t_form else _alloc((B, T, HV, V), dt, dev)
+    w = None if t_form and gate != 2 else _alloc((B, T, HV, K), dt, dev)
+    u = _alloc((B, T, HV, BT if t_form else V), dt, dev)
     store_p = store_p or gate == 2
     p = _alloc((B, T, HV, BT), dt, dev) if store_p else None
     n_chunks = chunk_indices.shape[0] if cu_seqlens is not None else NT
@@ -1176,22 +1191,20 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
             gcum = _alloc((slots, HV, BT), torch.float32, dev)
             glast = _alloc((slots, HV), torch.float32, dev)
     t = _alloc((B, T, HV, BT), torch.float32, dev) if save_t else None
-    td = _alloc((B, T, HV, BT), dt, dev) if t_form else None
     dot_prec, mm_prec, solve_prec = _dot_prec(dt, gate)
     wu_lowp, warps, bkc, form = prep_config(gate)
     one_ref = _env_choice("CHUNKWISE_KDA_ONE_REF", KDA_ONE_REF, range(3)) if gate == 2 and form == 0 else 0
     flag = torch.empty(n_chunks * B * HV, dtype=torch.int32, device=dev) if one_ref == 2 else None
     for ap_one_ref in ((2, 3) if one_ref == 2 else (one_ref,)) if n_chunks > 0 else ():
         chunk_prepare_kernel[(n_chunks, B * HV)](
-            q, k, v, g, beta, w, u, p, qg, kg, glast, gcum, None, td if t_form else t, None, flag, cu_seqlens,
-            chunk_indices, T, NT,
+            q, k, v, g, beta, w, u, p, qg, kg, glast, gcum, None, t, None, flag, cu_seqlens, chunk_indices, T, NT,
             H=H, HV=HV, K=K, V=V, scale=1.0, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)), GATE=gate,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=solve_prec,
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(dt, K) and gate != 2,
             AP_FORM=form if gate == 2 else 0, STORE_T=save_t, STORE_P=store_p, GC_OUT=gate == 1,
             AP_ONE_REF=ap_one_ref, SOLVE_DOUBLING=_env_switch("CHUNKWISE_SOLVE_DOUBLING", SOLVE_DOUBLING),
             T_FORM=t_form, num_warps=warps, num_stages=prep_stages(gate, dt, K), **reg_cap("prep_fwd"))
-    return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, gcum=gcum, t=t, td=td)
+    return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, gcum=gcum, t=t)
 
 
 def chunk_prepare_bwd(q, k, v, g, beta, do, scale, w, u, t_out, drl, cu_seqlens=None, chunk_indices=None,
@@ -1245,13 +1258,13 @@ def _pick_bv(V: int, K: int, programs: int) -> int:
     return min(bv, _dim(V))
 
 
-def _pick_stages(elt: int, BK: int, bv: int, delta: bool, p_in: bool, busy: bool) -> int:
+def _pick_stages(elt: int, BK: int, bv: int, delta: bool, p_in: bool, busy: bool, t_tile: bool = False) -> int:
     """Pipeline depth of stage 2: 3 (best measured for bf16, K = V = 128) while the tiles of one chunk,
     times the depth, stay under ~200 KB of the H200's 227 KB shared memory; fp32 or K = 256 get 1-2.
     ``busy`` (at least two programs per SM): the deepest of 2-3 stages at which two programs share an SM,
     where one exists (simple GLA: B8-T4096-H32, BV = 64, 0.96 -> 0.55 ms at 2 stages instead of 3; the delta
-    families' three [C, K] tiles per stage leave no such depth)."""
-    per_stage = elt * (BT * BK * (3 if delta else 2) + (BT * BT if p_in else 0) + BT * bv)
+    families' three [C, K] tiles per stage leave no such depth). ``t_tile``: a [C, C] tile more (KDA's T_FORM)."""
+    per_stage = elt * (BT * BK * (3 if delta else 2) + (BT * BT if p_in else 0) + (BT * BT if t_tile else 0) + BT * bv)
     if busy and 2 * 2 * per_stage <= 200 * 1024:
         return min(3, (100 * 1024) // per_stage)
     return max(1, min(3, (200 * 1024) // per_stage))
@@ -1313,12 +1326,16 @@ FWD_TMA_O = 1
 # CHUNKWISE_FWD_TRANS (0 / 1) overrides, at any BV.
 FWD_TRANS = {0: 1, 1: 0, 2: 1}
 
-# The delta rule with a scalar gate or none (GDN, DeltaNet; not a forward saved for the backward), per gate kind:
-# stage 1 writes T diag(β) [C, C] per chunk instead of W = T diag(β e^G) K and U = T diag(β) V (T_FORM; no v read,
-# two [C, C] @ [C, 128] products and 512 B per token and head fewer written), and stage 2 forms
-# R = T diag(β) (V − e^G ⊙ K S): one [C, C] @ [C, BV] product more on its serial path, K S in place of W S.
-# Not with the transposed stage 2. CHUNKWISE_FWD_T_FORM (0 / 1) overrides
-FWD_T_FORM = {0: 0, 1: 0}
+# The delta rule (not a forward saved for the backward), per gate kind: stage 1 writes T diag(β) [C, C] per chunk
+# instead of W = T diag(β e^G) K and U = T diag(β) V (T_FORM; no v read, two [C, C] @ [C, 128] products and 512 B
+# per token and head fewer written; per channel K ⊙ e^G in W's place, formed in the first column loop, so that the
+# second one, W's, is gone), and stage 2 forms R = T diag(β) (V − e^G ⊙ K S): one [C, C] @ [C, BV] product more on
+# its serial path, K S in place of W S.
+# Not with the transposed stage 2. On the H200 (run of 38d0bad, bf16, forward ms, W / U against T_FORM; stage 1
+# alone): GDN B1-T32768-H32 1.354 / 1.195 (0.732 / 0.508), B8-T4096-H32 1.143 / 0.971, B4-T8192-H16/HV32 1.098 /
+# 0.928, varlen16-T32768-H32 1.247 / 1.056; DeltaNet 1.155 / 0.975 (0.518 / 0.289), 0.921 / 0.759, 0.888 / 0.731,
+# 0.985 / 0.797. CHUNKWISE_FWD_T_FORM (0 / 1) overrides
+FWD_T_FORM = {0: 1, 1: 1, 2: 0}
 
 
 def _torch_scratch(size: int, alignment: int, stream):
@@ -1465,8 +1482,8 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         from ..api import prepare_chunk_indices
         chunk_indices = prepare_chunk_indices(cu_seqlens, BT)
 
-    # the delta rule with a scalar gate or none: stage 1 writes T diag(β) and stage 2 forms R from it (T_FORM)
-    t_form = delta and gate != 2 and not save and _env_switch("CHUNKWISE_FWD_T_FORM", FWD_T_FORM[gate])
+    # the delta rule: stage 1 writes T diag(β) (and per channel K ⊙ e^G) and stage 2 forms R from it (T_FORM)
+    t_form = delta and not save and _env_switch("CHUNKWISE_FWD_T_FORM", FWD_T_FORM[gate])
     stage1 = chunk_prepare(q, k, v, g, beta, cu_seqlens, chunk_indices, save_t=save, store_p=p_in or save,
                            t_form=t_form) \
         if delta else dict(w=None, u=None, p=None, qg=None, kg=None, glast=None, gcum=None)
@@ -1502,7 +1519,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     if tma and not _INTERPRET:
         _ensure_allocator()
     if num_stages is None:
-        num_stages = _pick_stages(q.element_size(), _dim(K), bv, delta, p_in, busy)
+        num_stages = _pick_stages(q.element_size(), _dim(K), bv, delta, p_in, busy, t_form and gate == 2)
     grid = (cdiv(V, bv), N * nseg * HV)
     sloc = gam = None
     sub = (seg_sub or 1) if nseg > 1 else 1
@@ -1521,8 +1538,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
                 bv_m, warps_m = min(seg_phase1[0], _dim(V)), seg_phase1[1]
                 stages_m = seg_phase1[2] if len(seg_phase1) > 2 else num_stages
         chunk_state_output_kernel[(cdiv(V, bv_m), rows_m)](
-            q, k, v, stage1["td"] if t_form else stage1["w"], stage1["u"], stage1["p"], g, stage1["qg"], stage1["kg"],
-            stage1["glast"],
+            q, k, v, stage1["w"], stage1["u"], stage1["p"], g, stage1["qg"], stage1["kg"], stage1["glast"],
             stage1["gcum"], o, initial_state, ht, sloc, gam, hs, rs, cu_seqlens, scale, T, NT, len_m,
             *strides(initial_state), *strides(ht),
             H=H, HV=HV, K=K, V=V, BTc=BT, BK=_dim(K), BV=bv_m, GATE=gate, DELTA=delta, P_IN=p_in,
