@@ -1263,11 +1263,13 @@ def _pick_stages(elt: int, BK: int, bv: int, delta: bool, p_in: bool, busy: bool
     times the depth, stay under ~200 KB of the H200's 227 KB shared memory; fp32 or K = 256 get 1-2.
     ``busy`` (at least two programs per SM): the deepest of 2-3 stages at which two programs share an SM,
     where one exists (simple GLA: B8-T4096-H32, BV = 64, 0.96 -> 0.55 ms at 2 stages instead of 3; the delta
-    families' three [C, K] tiles per stage leave no such depth). ``t_tile``: a [C, C] tile more (KDA's T_FORM)."""
+    families' three [C, K] tiles per stage leave no such depth). ``t_tile``: a [C, C] tile more (KDA's T_FORM), with
+    212 KB for the tiles: at BV 32 its 3 stages compile to 221 KB of shared memory (sm_90, bf16, TMA), and on the H200
+    (B1-T32768-H32) KDA's forward took 2.054 ms at 3 against 2.470 at 2."""
     per_stage = elt * (BT * BK * (3 if delta else 2) + (BT * BT if p_in else 0) + (BT * BT if t_tile else 0) + BT * bv)
     if busy and 2 * 2 * per_stage <= 200 * 1024:
         return min(3, (100 * 1024) // per_stage)
-    return max(1, min(3, (200 * 1024) // per_stage))
+    return max(1, min(3, ((212 if t_tile else 200) * 1024) // per_stage))
 
 
 # 16-bit inputs with K above this run the chunk forward and backward in fp32 (inputs upcast, outputs and gradients
@@ -1334,8 +1336,10 @@ FWD_TRANS = {0: 1, 1: 0, 2: 1}
 # Not with the transposed stage 2. On the H200 (run of 38d0bad, bf16, forward ms, W / U against T_FORM; stage 1
 # alone): GDN B1-T32768-H32 1.354 / 1.195 (0.732 / 0.508), B8-T4096-H32 1.143 / 0.971, B4-T8192-H16/HV32 1.098 /
 # 0.928, varlen16-T32768-H32 1.247 / 1.056; DeltaNet 1.155 / 0.975 (0.518 / 0.289), 0.921 / 0.759, 0.888 / 0.731,
-# 0.985 / 0.797. CHUNKWISE_FWD_T_FORM (0 / 1) overrides
-FWD_T_FORM = {0: 1, 1: 1, 2: 0}
+# 0.985 / 0.797; KDA (run of 8a265be; stage 1 2.232 -> 1.372 ms at B1) 2.837 / 2.054 (3 pipeline stages at BV 32;
+# 2.470 at 2), 2.630 / 2.066, 2.607 / 2.048, 2.709 / 2.146, and with steep gates (about −3 per token, every chunk
+# flagged) 7.035 / 6.436. CHUNKWISE_FWD_T_FORM (0 / 1) overrides
+FWD_T_FORM = {0: 1, 1: 1, 2: 1}
 
 
 def _torch_scratch(size: int, alignment: int, stream):
