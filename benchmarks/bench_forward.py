@@ -271,6 +271,10 @@ def main():
                     if fam == "kda":
                         time_variant("tform-ns3-bv32", env={"CHUNKWISE_FWD_T_FORM": "1"}, bv=32, num_stages=3)
                     else:
+                        if fam == "gdn":    # stage 1 (P stored, 186 registers) capped for three programs per SM
+                            for cap in (168, 160):
+                                time_variant(f"tform-r{cap}", env={"CHUNKWISE_FWD_T_FORM": "1",
+                                                                   "CHUNKWISE_MAXNREG": f"prep_fwd:{cap}"})
                         other = {"CHUNKWISE_FWD_P_IN": "0" if fam == "gdn" else "1"}
                         time_variant("tform-pother", env={"CHUNKWISE_FWD_T_FORM": "1", **other})
                         time_variant("wu-pother", env={"CHUNKWISE_FWD_T_FORM": "0", **other})
