@@ -1148,6 +1148,24 @@ PREP_STAGES = 1
 PREP_STAGES_KDA_BF16 = 3
 
 
+# Registers per thread of stage 1 under T_FORM with P stored, per gate kind (Triton's maxnreg): GDN's build takes 186
+# (offline sm_90, bf16), two programs per SM; capped at 168 (20 B of spills) three fit. On the H200 (run of 5b70710,
+# bf16, GDN forward ms, uncapped / 168 / 160): B1-T32768-H32 1.194 / 1.136 / 1.133, B8-T4096-H32 0.962 / 0.912 /
+# 0.900, B4-T8192-H16/HV32 0.922 / 0.877 / 0.873, varlen16-T32768-H32 1.045 / 0.967 / 0.983. CHUNKWISE_MAXNREG
+# ("prep_fwd:N") overrides. Only for 16-bit inputs at K <= 128, the case measured
+PREP_REGS_T_FORM = {1: 168}
+
+
+def prep_regs(gate: int, t_form: bool, store_p: bool, dtype: torch.dtype, K: int) -> dict:
+    """Stage 1's maxnreg launch option: CHUNKWISE_MAXNREG's "prep_fwd" if set, else PREP_REGS_T_FORM under T_FORM
+    with P stored (16-bit inputs, K <= 128), else none."""
+    env = reg_cap("prep_fwd")
+    if env or not (t_form and store_p and gate in PREP_REGS_T_FORM and dtype in (torch.bfloat16, torch.float16)
+                   and K <= 128):
+        return env
+    return {"maxnreg": PREP_REGS_T_FORM[gate]}
+
+
 def prep_stages(gate: int = 0, dtype: torch.dtype = torch.float32, K: int = 0) -> int:
     """Stage 1's num_stages (PREP_STAGES; PREP_STAGES_KDA_BF16 for a per-channel gate with bf16 inputs at K <= 128;
     CHUNKWISE_PREP_STAGES overrides)."""
@@ -1203,7 +1221,7 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(dt, K) and gate != 2,
             AP_FORM=form if gate == 2 else 0, STORE_T=save_t, STORE_P=store_p, GC_OUT=gate == 1,
             AP_ONE_REF=ap_one_ref, SOLVE_DOUBLING=_env_switch("CHUNKWISE_SOLVE_DOUBLING", SOLVE_DOUBLING),
-            T_FORM=t_form, num_warps=warps, num_stages=prep_stages(gate, dt, K), **reg_cap("prep_fwd"))
+            T_FORM=t_form, num_warps=warps, num_stages=prep_stages(gate, dt, K), **prep_regs(gate, t_form, store_p, dt, K))
     return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, gcum=gcum, t=t)
 
 
