@@ -254,12 +254,14 @@ def test_gla_sequence_segments(nseg, gate, h0, transpose):
     assert rel_err(o3, o1) <= TOL[torch.float32] and rel_err(ht3, ht1) <= TOL[torch.float32]
 
 
+@pytest.mark.parametrize("t_form", ["0", "1"])
 @pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("fam", ["gdn", "delta"])
-def test_p_formed_in_stage2(fam, varlen, monkeypatch):
+def test_p_formed_in_stage2(fam, varlen, t_form, monkeypatch):
     """GDN / DeltaNet with P formed in stage 2's serial loop (CHUNKWISE_FWD_P_IN=0: stage 1 reads no q and
     writes no P): equal to the float64 recurrence and to P from stage 1, output and final state, grouped heads,
-    a carried-in state, varlen with a length-1 sequence."""
+    a carried-in state, varlen with a length-1 sequence; with W, U from stage 1 and with T diag(β) (T_FORM)."""
+    monkeypatch.setenv("CHUNKWISE_FWD_T_FORM", t_form)
     mk = dict(lengths=[1, 130, 70]) if varlen else dict(B=2, T=T_LONG)
     inp = make_inputs(fam, H=1, HV=2, K=KS[0], V=VS[0], dtype=torch.float32, seed=19, **mk)
     monkeypatch.setenv("CHUNKWISE_FWD_P_IN", "0")
@@ -294,6 +296,7 @@ def test_transposed_state_loop(fam, form, monkeypatch):
     per-thread addresses with P taken from the other place (formed in the loop for GDN, from stage 1 for
     DeltaNet; simple GLA: its own P kernel)."""
     monkeypatch.setenv("CHUNKWISE_FWD_TMA", "1" if form == "tma" else "0")
+    monkeypatch.setenv("CHUNKWISE_FWD_T_FORM", "0")     # (T_FORM takes the plain loop only)
     if form != "tma":
         monkeypatch.setenv("CHUNKWISE_FWD_P_IN", "0" if fam == "gdn" else "1")
     inp = make_inputs(fam, lengths=[1, 130, 70], H=1, HV=2, K=KS[0], V=VS[0], dtype=torch.float32, seed=37)
