@@ -14,12 +14,15 @@ Two kernels, each with its launcher:
 
    It writes w [B,T,HV,K], u [B,T,HV,V] (input dtype), P [B,T,HV,C] (input dtype) and, for KDA's
    per-channel gate only, q ⊙ e^G and k ⊙ e^{G_last − G} [B,T,HV,K] (input dtype) plus
-   e^{G_last} [slots, HV, K] fp32.
+   e^{G_last} [slots, HV, K] fp32. Outside autograd (``T_FORM``, the default) it writes T diag(β)
+   [B,T,HV,C] in u's place instead of W and U (and, per channel, K ⊙ e^G in w's), and stage 2 forms
+   R = U − W S = T diag(β) (V − e^G ⊙ K S) itself: stage 1 reads no v and skips W's and U's products.
 
 2. ``chunk_state_output_kernel``, grid (V / BV, N·HV), serial over the chunks of one sequence. It
    carries S [K, BV] fp32 in registers::
 
        R = U − W S              (delta)        R = V        (simple GLA)
+         = T diag(β) (V − e^G ⊙ K S)            (delta, T_FORM)
        O = scale · ((Q ⊙ e^G) S + P R)
        S ← diag(e^{G_last}) S + (K ⊙ e^{G_last − G})ᵀ R
 
