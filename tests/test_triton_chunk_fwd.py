@@ -300,10 +300,16 @@ def test_transposed_state_loop(fam, form, monkeypatch):
     if form != "tma":
         monkeypatch.setenv("CHUNKWISE_FWD_P_IN", "0" if fam == "gdn" else "1")
     inp = make_inputs(fam, lengths=[1, 130, 70], H=1, HV=2, K=KS[0], V=VS[0], dtype=torch.float32, seed=37)
+    _check_switch(inp, "CHUNKWISE_FWD_TRANS", monkeypatch)
+
+
+def _check_switch(inp, name, monkeypatch):
+    """The forward with the environment switch ``name`` at 1 against the float64 recurrence and against the same
+    forward at 0, output and final state, in both state layouts (fp32 inputs)."""
     for transpose in (False, True):
-        monkeypatch.setenv("CHUNKWISE_FWD_TRANS", "0")
+        monkeypatch.setenv(name, "0")
         o0, ht0 = _run(inp, transpose=transpose)
-        monkeypatch.setenv("CHUNKWISE_FWD_TRANS", "1")
+        monkeypatch.setenv(name, "1")
         o, ht = _run(inp, transpose=transpose)
         _check(inp, o, ht, TOL[torch.float32])
         assert rel_err(o, o0) <= TOL[torch.float32] / 4 and rel_err(ht, ht0) <= TOL[torch.float32] / 4
@@ -313,21 +319,15 @@ def test_transposed_state_loop(fam, form, monkeypatch):
 @pytest.mark.parametrize("fam", ("gdn", "delta", "kda"))
 def test_t_form_stage2(fam, form, monkeypatch):
     """Stage 1 writing T diag(β) (KDA: and K ⊙ e^G) and stage 2 forming R = T diag(β) (V − e^G ⊙ K S)
-    (CHUNKWISE_FWD_T_FORM=1): equal
-    to the float64 recurrence and to W / U from stage 1, output and final state, in both state layouts (carried in
-    and out), over varlen with a length-1 sequence and grouped heads; with the tiles through tensor descriptors, and
-    through per-thread addresses with P taken from the other place; then fp16 against the recurrence."""
+    (CHUNKWISE_FWD_T_FORM=1): equal to the float64 recurrence and to W / U from stage 1, output and final state, in
+    both state layouts (carried in and out), over varlen with a length-1 sequence and grouped heads; with the tiles
+    through tensor descriptors, and through per-thread addresses with P taken from the other place; then fp16
+    against the recurrence."""
     monkeypatch.setenv("CHUNKWISE_FWD_TMA", "1" if form == "tma" else "0")
     if form != "tma" and fam != "kda":
         monkeypatch.setenv("CHUNKWISE_FWD_P_IN", "0" if fam == "gdn" else "1")
     inp = make_inputs(fam, lengths=[1, 130, 70], H=1, HV=2, K=KS[0], V=VS[0], dtype=torch.float32, seed=43)
-    for transpose in (False, True):
-        monkeypatch.setenv("CHUNKWISE_FWD_T_FORM", "0")
-        o0, ht0 = _run(inp, transpose=transpose)
-        monkeypatch.setenv("CHUNKWISE_FWD_T_FORM", "1")
-        o, ht = _run(inp, transpose=transpose)
-        _check(inp, o, ht, TOL[torch.float32])
-        assert rel_err(o, o0) <= TOL[torch.float32] / 4 and rel_err(ht, ht0) <= TOL[torch.float32] / 4
+    _check_switch(inp, "CHUNKWISE_FWD_T_FORM", monkeypatch)
     inp = make_inputs(fam, B=1, T=T_LONG, H=1, HV=2, K=KS[0], V=VS[0], dtype=torch.float16, seed=44)
     o, ht = _run(inp)
     _check(inp, o, ht, TOL[torch.float16])
