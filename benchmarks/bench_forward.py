@@ -270,6 +270,11 @@ def main():
                     time_variant("tform", env={"CHUNKWISE_FWD_T_FORM": "1"}, stage1=fam == "kda")
                     if fam == "kda":
                         time_variant("tform-ns3-bv32", env={"CHUNKWISE_FWD_T_FORM": "1"}, bv=32, num_stages=3)
+                        # stage 1 in 16-channel column chunks (offline sm_90: 221 registers, no spills; capped at
+                        # 168, 28 B of spills and three programs per SM)
+                        bkc16 = {"CHUNKWISE_FWD_T_FORM": "1", "CHUNKWISE_PREP_BKC": "16"}
+                        time_variant("tform-bkc16", env=bkc16, stage1=True)
+                        time_variant("tform-bkc16-r168", env={**bkc16, "CHUNKWISE_MAXNREG": "prep_fwd:168"}, stage1=True)
                     else:
                         if fam == "gdn":    # stage 1 (P stored, 186 registers) capped for three programs per SM
                             for cap in (168, 160):
