@@ -271,7 +271,7 @@ def main():
                     if fam == "kda":
                         time_variant("tform-ns3-bv32", env={"CHUNKWISE_FWD_T_FORM": "1"}, bv=32, num_stages=3)
                         # stage 1 in 16-channel column chunks (offline sm_90: 221 registers, no spills; capped at
-                        # 168, 28 B of spills and three programs per SM)
+                        # 168, 28 B of spills and three programs per SM): slower (run of a5e484b, NOTES session 17)
                         bkc16 = {"CHUNKWISE_FWD_T_FORM": "1", "CHUNKWISE_PREP_BKC": "16"}
                         time_variant("tform-bkc16", env=bkc16, stage1=True)
                         time_variant("tform-bkc16-r168", env={**bkc16, "CHUNKWISE_MAXNREG": "prep_fwd:168"}, stage1=True)
