@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import triton
 
 import chunkwise
-from chunkwise.triton.chunk_fwd import DELTA_P_IN, FWD_T_FORM, _env_switch, chunk_fwd, chunk_prepare
+from chunkwise.triton.chunk_fwd import chunk_fwd, chunk_prepare, delta_stage1_form
 
 FAMILIES = ("gdn", "kda", "delta", "gla")
 OURS = {"gdn": chunkwise.chunk_gated_delta_rule, "kda": chunkwise.chunk_kda,
@@ -204,11 +204,9 @@ def main():
             row = dict(shape=s["name"], family=fam, ours_ms=t_ours, all_finite=finite)
 
             def stage1_ms():
-                """Stage 1 alone, as the forward launches it: P stored where stage 2 does not form it (DELTA_P_IN),
-                T diag(β) instead of W and U for GDN / DeltaNet (FWD_T_FORM)."""
-                gate = {"gdn": 1, "delta": 0, "kda": 2}[fam]
-                t_form = _env_switch("CHUNKWISE_FWD_T_FORM", FWD_T_FORM[gate])
-                store_p = gate == 2 or _env_switch("CHUNKWISE_FWD_P_IN", DELTA_P_IN[gate])
+                """Stage 1 alone, as the forward launches it (delta_stage1_form: P stored where stage 2 does not
+                form it, T diag(β) instead of W and U)."""
+                store_p, t_form = delta_stage1_form({"gdn": 1, "delta": 0, "kda": 2}[fam])
                 return bench(lambda: chunk_prepare(x["q"], x["k"], x["v"], x["g"], x["beta"], x["cu"],
                                                    x["chunk_indices"], store_p=store_p, t_form=t_form))[0]
             if x["beta"] is not None:       # (the rest of ours_ms is stage 2)

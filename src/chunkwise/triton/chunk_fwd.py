@@ -1396,6 +1396,15 @@ def _env_switch(name: str, default: int) -> bool:
     return _env_choice(name, default) == 1
 
 
+def delta_stage1_form(gate: int, save: bool = False) -> tuple[bool, bool]:
+    """How chunk_fwd launches the delta families' stage 1 by default, for a gate kind (``save``: kept for the
+    backward): (P stored by stage 1 (DELTA_P_IN; always per channel or saved), T diag(β) instead of W, U
+    (FWD_T_FORM; never saved)), with CHUNKWISE_FWD_P_IN / CHUNKWISE_FWD_T_FORM applied."""
+    store_p = save or _env_switch("CHUNKWISE_FWD_P_IN", DELTA_P_IN.get(gate, 1)) or gate == 2
+    t_form = not save and _env_switch("CHUNKWISE_FWD_T_FORM", FWD_T_FORM[gate])
+    return store_p, t_form
+
+
 def saves_stage1(q, v, g, beta) -> bool:
     """Whether chunk_fwd(saved_out=...) fills saved_out for these inputs: the delta families at head dims the
     kernels take as they are (not padded, not 16-bit with K > WIDE_16BIT_K, which run in fp32), except GDN and
@@ -1500,7 +1509,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         # its own chunk-parallel kernel when they are not (H200, B1-T32768-H32: 1.17 -> 0.95 ms; B8-T4096-H32:
         # 0.55 ms inside at 2 stages, 0.67 taken at 3); GDN / KDA take it from stage 1, DeltaNet forms it in
         # stage 2 (DELTA_P_IN) unless stage 1 is saved for a backward (which needs P)
-        p_in = (save or _env_switch("CHUNKWISE_FWD_P_IN", DELTA_P_IN.get(gate, 1))) if delta else not busy
+        p_in = delta_stage1_form(gate, save)[0] if delta else not busy
     if gate == 2:
         p_in = True
     if cu_seqlens is not None and chunk_indices is None and (delta or p_in):
@@ -1508,7 +1517,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         chunk_indices = prepare_chunk_indices(cu_seqlens, BT)
 
     # the delta rule: stage 1 writes T diag(β) (and per channel K ⊙ e^G) and stage 2 forms R from it (T_FORM)
-    t_form = delta and not save and _env_switch("CHUNKWISE_FWD_T_FORM", FWD_T_FORM[gate])
+    t_form = delta and delta_stage1_form(gate, save)[1]
     stage1 = chunk_prepare(q, k, v, g, beta, cu_seqlens, chunk_indices, save_t=save, store_p=p_in or save,
                            t_form=t_form) \
         if delta else dict(w=None, u=None, p=None, qg=None, kg=None, glast=None, gcum=None)
