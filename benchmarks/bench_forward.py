@@ -172,14 +172,15 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--variant-set", default="all", choices=("all", "seg", "pfree", "tma", "solve", "pstages", "trans", "kdasplit",
-                                                            "tform"),
+                                                            "tform", "bv128"),
                     help="seg: only simple GLA's segment variants; pfree: only GDN / DeltaNet with P formed in "
                          "stage 2 instead of stage 1; tma: every family's serial stage with its tiles loaded through tensor "
                          "descriptors or not; solve: the delta families with (I + A)⁻¹'s diagonal blocks by "
                          "substitution or doubling; pstages: KDA's stage 1 at 1 / 2 / 3 pipeline stages; trans: "
                          "stage 2 on the transposed state or not, at BV 32 / 64; kdasplit: KDA's stage 1 in one launch or "
                          "two (CHUNKWISE_KDA_ONE_REF 1 / 2); tform: GDN / DeltaNet with stage 1 writing T diag(β) "
-                         "instead of W, U (CHUNKWISE_FWD_T_FORM) (with --variants)")
+                         "instead of W, U (CHUNKWISE_FWD_T_FORM); bv128: stage 2 over all 128 value columns per program at 8 "
+                         "warps, and KDA's stage 1 with bf16 A / P operands or capped registers (with --variants)")
     ap.add_argument("--variants", action="store_true", help="also time stage-2 variants (BV 16/32/64 x 4/8 warps x 2/3 stages; GLA also with P from its own kernel, GDN with the decays from stage 1)")
     ap.add_argument("--shapes", default="")
     ap.add_argument("--warm", action="store_true", help="compile everything on tiny inputs, time nothing")
@@ -227,7 +228,9 @@ def main():
                     also stage 1 alone (stage1_ms) as key + "-s1"."""
                     with env_vars(env or {}):
                         try:
-                            var[key] = bench(lambda: run_variant(fam, x, **kw))[0]
+                            var[key], (o_v, _) = bench(lambda: run_variant(fam, x, **kw))
+                            if a.variant_set == "bv128":     # the variant's output against the default's
+                                var[key + "-vs-default"] = rel(o_v, o)
                             if stage1:
                                 var[key + "-s1"] = stage1_ms()
                         except Exception as e:  # noqa: BLE001
@@ -287,11 +290,26 @@ def main():
                         var[f"tform-s1-p{int(sp)}"] = bench(lambda: chunk_prepare(
                             x["q"], x["k"], x["v"], x["g"], x["beta"], x["cu"], x["chunk_indices"], store_p=sp,
                             t_form=True))[0]
+                if a.variant_set == "bv128" and fam in ("gdn", "delta", "kda"):
+                    # stage 2 with one program per value head (each chunk's [C, K] tiles, P and T read once, not
+                    # once per 64 columns): 8 warps (offline sm_90 bf16 TMA: KDA 254 registers, no spills, 213 KB
+                    # of shared memory at 2 stages; GDN 80 B of spills)
+                    for ns in (2, 1):
+                        time_variant(f"bv128-w8-s{ns}", bv=128, num_warps=8, num_stages=ns)
+                    if fam == "kda":
+                        # stage 1: A / P from bf16 operands (CHUNKWISE_KDA_AP_LOWP), capped at 168 registers
+                        # (three programs per SM; offline 296 / 192 B of spills without / with AP_LOWP)
+                        lowp = {"CHUNKWISE_KDA_AP_LOWP": "1"}
+                        cap = {"CHUNKWISE_MAXNREG": "prep_fwd:168"}
+                        time_variant("aplowp", env=lowp, stage1=True)
+                        time_variant("r168", env=cap, stage1=True)
+                        time_variant("aplowp-r168", env={**lowp, **cap}, stage1=True)
+                        time_variant("aplowp-bv128-w8-s2", env=lowp, bv=128, num_warps=8, num_stages=2)
                 if a.variant_set == "pstages" and fam == "kda":
                     # stage 1's software pipeline over its column chunks (CHUNKWISE_PREP_STAGES): the forward and stage 1
                     for n in ("1", "2", "3"):
                         time_variant(f"pstages{n}", env={"CHUNKWISE_PREP_STAGES": n}, stage1=True)
-                if fam == "gla" and a.variant_set not in ("pfree", "tma", "solve", "pstages", "trans", "kdasplit", "tform") and x["q"].shape[0] == 1 and x["cu"] is None:
+                if fam == "gla" and a.variant_set not in ("pfree", "tma", "solve", "pstages", "trans", "kdasplit", "tform", "bv128") and x["q"].shape[0] == 1 and x["cu"] is None:
                     # the segment split's first pass in sub-segments (chunk_fwd(seg_sub=)), 4 segments, at the
                     # second pass's value block (64, 4 warps) or its own
                     for sub, p1 in ((1, (128, 4)), (2, (128, 4)), (4, (128, 4)), (2, (128, 4, 3)), (2, (128, 4, 1)),
