@@ -459,10 +459,27 @@ def chunk_prepare_kernel(
                     x = tl.exp(b_Gr)                                                         # e^{G_i − r}
                     kinv = kf * tl.exp(-b_Gr)                                                # k_j e^{r − G_j}
                     qx = qf * x
-                    if AP_LOWP:     # bf16 operands, rounded to nearest (bf16 inputs: e^{±span_max} in range)
+                    if AP_LOWP == 1:    # bf16 operands, rounded to nearest (bf16 inputs: e^{±span_max} in range)
                         kinv_l = kinv.to(tl.bfloat16)
                         A += tl.dot((kf * b_beta[:, None] * x).to(tl.bfloat16), tl.trans(kinv_l))  # [BT, BKC] @ [BKC, BT]
                         P += tl.dot(qx.to(tl.bfloat16), tl.trans(kinv_l))                      # [BT, BKC] @ [BKC, BT]
+                    elif AP_LOWP == 2:  # fp16 operands (RN, tf32's 11-bit significand) where they fit fp16's range
+                        kbx = kf * b_beta[:, None] * x
+                        big = tl.maximum(tl.max(tl.max(tl.abs(kbx), 1), 0),
+                                         tl.maximum(tl.max(tl.max(tl.abs(kinv), 1), 0), tl.max(tl.max(tl.abs(qx), 1), 0)))
+                        if big < 32768.0:
+                            kinv_h = kinv.to(tl.float16)
+                            A += tl.dot(kbx.to(tl.float16), tl.trans(kinv_h))                  # [BT, BKC] @ [BKC, BT]
+                            P += tl.dot(qx.to(tl.float16), tl.trans(kinv_h))                   # [BT, BKC] @ [BKC, BT]
+                        else:
+                            A += _mm(kbx, tl.trans(kinv), MM_PREC)                            # [BT, BKC] @ [BKC, BT]
+                            P += _mm(qx, tl.trans(kinv), MM_PREC)                             # [BT, BKC] @ [BKC, BT]
+                    elif AP_LOWP == 3:  # A from bf16 operands, P in tf32
+                        A += tl.dot((kf * b_beta[:, None] * x).to(tl.bfloat16), tl.trans(kinv.to(tl.bfloat16)))
+                        P += _mm(qx, tl.trans(kinv), MM_PREC)                                # [BT, BKC] @ [BKC, BT]
+                    elif AP_LOWP == 4:  # P from bf16 operands, A in tf32
+                        A += _mm(kf * b_beta[:, None] * x, tl.trans(kinv), MM_PREC)          # [BT, BKC] @ [BKC, BT]
+                        P += tl.dot(qx.to(tl.bfloat16), tl.trans(kinv.to(tl.bfloat16)))
                     else:
                         A += _mm(kf * b_beta[:, None] * x, tl.trans(kinv), MM_PREC)          # [BT, BKC] @ [BKC, BT]
                         P += _mm(qx, tl.trans(kinv), MM_PREC)                                # [BT, BKC] @ [BKC, BT]
@@ -1226,7 +1243,7 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     wu_lowp, warps, bkc, form = prep_config(gate)
     one_ref = _env_choice("CHUNKWISE_KDA_ONE_REF", KDA_ONE_REF, range(3)) if gate == 2 and form == 0 else 0
     flag = torch.empty(n_chunks * B * HV, dtype=torch.int32, device=dev) if one_ref == 2 else None
-    ap_lowp = gate == 2 and dt == torch.bfloat16 and bool(_env_switch("CHUNKWISE_KDA_AP_LOWP", KDA_AP_LOWP))
+    ap_lowp = _env_choice("CHUNKWISE_KDA_AP_LOWP", KDA_AP_LOWP, range(5)) if gate == 2 and dt == torch.bfloat16 else 0
     for ap_one_ref in ((2, 3) if one_ref == 2 else (one_ref,)) if n_chunks > 0 else ():
         chunk_prepare_kernel[(n_chunks, B * HV)](
             q, k, v, g, beta, w, u, p, qg, kg, glast, gcum, None, t, None, flag, cu_seqlens, chunk_indices, T, NT,
