@@ -297,14 +297,11 @@ def main():
                     for ns in (2, 1):
                         time_variant(f"bv128-w8-s{ns}", bv=128, num_warps=8, num_stages=ns)
                     if fam == "kda":
-                        # stage 1: A / P from bf16 operands (CHUNKWISE_KDA_AP_LOWP), capped at 168 registers
-                        # (three programs per SM; offline 296 / 192 B of spills without / with AP_LOWP)
-                        # (modes: 1 both bf16, 2 both fp16 where they fit its range, 3 A only, 4 P only in bf16; run
-                        # of 5a092d6: mode 1 stage 1 1.372 -> 1.262 ms at B1, the 168 cap slower, 1.615)
-                        for mode in ("1", "2", "3", "4"):
+                        # stage 1: A from bf16 operands or tf32 (CHUNKWISE_KDA_AP_LOWP)
+                        # (run of 3dfaf46, B1 stage 1: tf32 1.374 ms, A and P from bf16 1.261 (error over fla's), A
+                        # alone 1.354 (now the default), P alone 1.332, fp16 where it fits 1.600; NOTES session 18)
+                        for mode in ("0", "1"):
                             time_variant(f"aplowp{mode}", env={"CHUNKWISE_KDA_AP_LOWP": mode}, stage1=True)
-                        time_variant("aplowp2-bv128-w8-s2", env={"CHUNKWISE_KDA_AP_LOWP": "2"}, bv=128, num_warps=8,
-                                     num_stages=2)
                 if a.variant_set == "pstages" and fam == "kda":
                     # stage 1's software pipeline over its column chunks (CHUNKWISE_PREP_STAGES): the forward and stage 1
                     for n in ("1", "2", "3"):

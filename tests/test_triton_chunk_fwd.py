@@ -154,6 +154,40 @@ def test_kda_one_reference_env_checked(monkeypatch):
         chunk_prepare(inp.q, inp.k, inp.v, inp.g, inp.beta)
 
 
+def test_kda_a_operands_env_checked(monkeypatch):
+    """CHUNKWISE_KDA_AP_LOWP takes 0 or 1; anything else is an error that names it."""
+    monkeypatch.setenv("CHUNKWISE_KDA_AP_LOWP", "2")
+    inp = make_inputs("kda", B=1, T=20, H=1, HV=1, K=16, V=16, dtype=torch.float32, seed=3)
+    with pytest.raises(ValueError, match="CHUNKWISE_KDA_AP_LOWP"):
+        chunk_prepare(inp.q, inp.k, inp.v, inp.g, inp.beta, t_form=True)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the bf16 operands apply to bf16 inputs, which need the GPU")
+@pytest.mark.parametrize("gate", ["normal", "strong"])
+@pytest.mark.parametrize("ap_lowp", ["0", "1"])
+def test_kda_a_operands_bf16(ap_lowp, gate, monkeypatch):
+    """KDA's inference stage 1 with its A product from bf16 operands (CHUNKWISE_KDA_AP_LOWP=1, the default for bf16)
+    or tf32 ones: at real size in bf16, the output within fla's error against the float64 recurrence (x 1.05) and
+    the two forms within bf16 rounding of each other; then grouped varlen with a carried-in state."""
+    monkeypatch.setenv("CHUNKWISE_KDA_AP_LOWP", ap_lowp)
+    inp = make_inputs("kda", B=2, T=1000, H=8, HV=8, K=128, V=128, dtype=torch.bfloat16, seed=11, device=DEVICE,
+                      gate=gate)
+    o, ht = _run(inp)
+    e_o = rel_err(o, reference(inp)[0])
+    e_fla = _fla_error(inp)
+    bound = TOL[torch.bfloat16] if e_fla is None else max(e_fla, TOL[torch.float32]) * 1.05
+    print(f"kda AP_LOWP={ap_lowp} {gate}: ours o {e_o:.2e}; fla o {e_fla}")
+    assert e_o <= min(bound, TOL[torch.bfloat16])
+    monkeypatch.setenv("CHUNKWISE_KDA_AP_LOWP", "0" if ap_lowp == "1" else "1")
+    o_other, _ = _run(inp)
+    assert rel_err(o, o_other) <= TOL[torch.bfloat16]
+    monkeypatch.setenv("CHUNKWISE_KDA_AP_LOWP", ap_lowp)
+    inp = make_inputs("kda", lengths=[1, 700, 64, 235], H=2, HV=8, K=128, V=128, dtype=torch.bfloat16, seed=13,
+                      device=DEVICE, gate=gate)
+    o, ht = _run(inp, transpose=True)
+    _check(inp, o, ht, TOL[torch.bfloat16])
+
+
 @pytest.mark.parametrize("prec", ["tf32", "tf32rn", "tf32x3"])
 def test_kda_fp16_product_precisions(prec, monkeypatch):
     """KDA with fp16 inputs, stage 1's fp32 factor products at each precision CHUNKWISE_FP16_MM_PREC offers

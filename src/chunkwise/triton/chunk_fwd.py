@@ -459,27 +459,9 @@ def chunk_prepare_kernel(
                     x = tl.exp(b_Gr)                                                         # e^{G_i − r}
                     kinv = kf * tl.exp(-b_Gr)                                                # k_j e^{r − G_j}
                     qx = qf * x
-                    if AP_LOWP == 1:    # bf16 operands, rounded to nearest (bf16 inputs: e^{±span_max} in range)
-                        kinv_l = kinv.to(tl.bfloat16)
-                        A += tl.dot((kf * b_beta[:, None] * x).to(tl.bfloat16), tl.trans(kinv_l))  # [BT, BKC] @ [BKC, BT]
-                        P += tl.dot(qx.to(tl.bfloat16), tl.trans(kinv_l))                      # [BT, BKC] @ [BKC, BT]
-                    elif AP_LOWP == 2:  # fp16 operands (RN, tf32's 11-bit significand) where they fit fp16's range
-                        kbx = kf * b_beta[:, None] * x
-                        big = tl.maximum(tl.max(tl.max(tl.abs(kbx), 1), 0),
-                                         tl.maximum(tl.max(tl.max(tl.abs(kinv), 1), 0), tl.max(tl.max(tl.abs(qx), 1), 0)))
-                        if big < 32768.0:
-                            kinv_h = kinv.to(tl.float16)
-                            A += tl.dot(kbx.to(tl.float16), tl.trans(kinv_h))                  # [BT, BKC] @ [BKC, BT]
-                            P += tl.dot(qx.to(tl.float16), tl.trans(kinv_h))                   # [BT, BKC] @ [BKC, BT]
-                        else:
-                            A += _mm(kbx, tl.trans(kinv), MM_PREC)                            # [BT, BKC] @ [BKC, BT]
-                            P += _mm(qx, tl.trans(kinv), MM_PREC)                             # [BT, BKC] @ [BKC, BT]
-                    elif AP_LOWP == 3:  # A from bf16 operands, P in tf32
+                    if AP_LOWP:     # A from bf16 operands (rounded to nearest; bf16 inputs: e^{±span_max} in range)
                         A += tl.dot((kf * b_beta[:, None] * x).to(tl.bfloat16), tl.trans(kinv.to(tl.bfloat16)))
                         P += _mm(qx, tl.trans(kinv), MM_PREC)                                # [BT, BKC] @ [BKC, BT]
-                    elif AP_LOWP == 4:  # P from bf16 operands, A in tf32
-                        A += _mm(kf * b_beta[:, None] * x, tl.trans(kinv), MM_PREC)          # [BT, BKC] @ [BKC, BT]
-                        P += tl.dot(qx.to(tl.bfloat16), tl.trans(kinv.to(tl.bfloat16)))
                     else:
                         A += _mm(kf * b_beta[:, None] * x, tl.trans(kinv), MM_PREC)          # [BT, BKC] @ [BKC, BT]
                         P += _mm(qx, tl.trans(kinv), MM_PREC)                                # [BT, BKC] @ [BKC, BT]
@@ -1116,10 +1098,13 @@ PREP_CONFIG = {0: (1, 4, 64, 0), 1: (1, 4, 64, 0), 2: (0, 4, 32, 0)}
 # gates (every chunk flagged: CHUNKWISE_BENCH_GATE_SCALE=4) 5.360 / 6.387. CHUNKWISE_KDA_ONE_REF (0 / 1 / 2)
 # overrides.
 KDA_ONE_REF = 2
-# KDA's one-reference A / P products with bf16 operands (rounded to nearest) instead of tf32 ones (fp32 operands the
-# tensor cores truncate), bf16 inputs only (AP_LOWP): offline sm_90 (4 warps, BKC 32, 3 stages) 3296 -> 3280
-# instructions, 16 -> 0 B of spills. Unmeasured on the GPU: CHUNKWISE_KDA_AP_LOWP=1 turns it on for a timing.
-KDA_AP_LOWP = 0
+# KDA's one-reference A product from bf16 operands (rounded to nearest) instead of tf32 ones (fp32 operands that the
+# tensor cores truncate), bf16 inputs only (AP_LOWP). On the H200 (runs of 5a092d6 / 3dfaf46, B1-T32768-H32 stage 1
+# ms, real-size bf16 output error against float64, fla 3.43e-3): tf32 1.374 / 3.11e-3, A from bf16 1.354 / 3.11e-3;
+# P from bf16 too 1.261 / 3.77e-3 and P alone 1.332 / 3.77e-3 (P's operands carry the error); both from fp16 where
+# they fit its range, else tf32 (both builds in one kernel), 1.600 / 3.03e-3. Under T_FORM only (the inference
+# forward). CHUNKWISE_KDA_AP_LOWP (0 / 1) overrides.
+KDA_AP_LOWP = 1
 
 
 # (I + A)⁻¹'s 16×16 diagonal blocks by doubling (log-depth, _solve_unit_lower's DOUBLING) instead of substitution
@@ -1243,7 +1228,8 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     wu_lowp, warps, bkc, form = prep_config(gate)
     one_ref = _env_choice("CHUNKWISE_KDA_ONE_REF", KDA_ONE_REF, range(3)) if gate == 2 and form == 0 else 0
     flag = torch.empty(n_chunks * B * HV, dtype=torch.int32, device=dev) if one_ref == 2 else None
-    ap_lowp = _env_choice("CHUNKWISE_KDA_AP_LOWP", KDA_AP_LOWP, range(5)) if gate == 2 and dt == torch.bfloat16 else 0
+    # (the inference forward only: the training forward's T, which the backward reuses, keeps tf32 operands)
+    ap_lowp = _env_switch("CHUNKWISE_KDA_AP_LOWP", KDA_AP_LOWP) and gate == 2 and t_form and dt == torch.bfloat16
     for ap_one_ref in ((2, 3) if one_ref == 2 else (one_ref,)) if n_chunks > 0 else ():
         chunk_prepare_kernel[(n_chunks, B * HV)](
             q, k, v, g, beta, w, u, p, qg, kg, glast, gcum, None, t, None, flag, cu_seqlens, chunk_indices, T, NT,
