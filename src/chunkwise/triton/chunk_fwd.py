@@ -146,6 +146,16 @@ def _mm(a, b, MM_PREC: tl.constexpr):
 
 
 @triton.jit
+def _sdot(a, b, PREC: tl.constexpr):
+    """A product of the solve: tl.dot at input precision PREC, or for PREC "bf16" of both operands rounded to bf16
+    (fp32 accumulation)."""
+    if PREC == "bf16":
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    else:
+        return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
 def _solve_unit_lower(A, PREC: tl.constexpr, BTc: tl.constexpr, BCc: tl.constexpr, DOUBLING: tl.constexpr = 0):
     """T = (I + A)⁻¹ for A [BT, BT] fp32 strictly lower triangular (BT = 4 BC). Returns [BT, BT] fp32.
 
@@ -189,19 +199,19 @@ def _solve_unit_lower(A, PREC: tl.constexpr, BTc: tl.constexpr, BCc: tl.constexp
         for lvl in tl.static_range(1, 4):
             m = ((s_rows >> lvl) % 2 == 1) & ((s_cols >> lvl) % 2 == 0) & (s_rows >> (lvl + 1) == s_cols >> (lvl + 1))
             Ls = tl.where(m[None, :, :], Dd, 0.)
-            XL = tl.dot(X, Ls, input_precision=PREC)                                   # [NB, BC, BC] @ [NB, BC, BC]
-            X = X - tl.dot(XL, X, input_precision=PREC)                                # [NB, BC, BC] @ [NB, BC, BC]
+            XL = _sdot(X, Ls, PREC)                                                        # [NB, BC, BC] @ [NB, BC, BC]
+            X = X - _sdot(XL, X, PREC)                                                     # [NB, BC, BC] @ [NB, BC, BC]
     else:
         X = eye_b - Dd
         for _ in range(BCc - 2):
-            X = eye_b - tl.dot(Dd, X, input_precision=PREC)                            # [NB, BC, BC] @ [NB, BC, BC]
+            X = eye_b - _sdot(Dd, X, PREC)                                                 # [NB, BC, BC] @ [NB, BC, BC]
     Dinv = tl.reshape(tl.permute(tl.where(on_diag, tl.expand_dims(X, 1), 0.), (0, 2, 1, 3)), [BTc, BTc])
     L = tl.where(same, 0., A)
-    M = tl.dot(Dinv, L, input_precision=PREC)                                          # [BT, BT] @ [BT, BT]
-    M2 = tl.dot(M, M, input_precision=PREC)                                            # [BT, BT] @ [BT, BT]
+    M = _sdot(Dinv, L, PREC)                                                               # [BT, BT] @ [BT, BT]
+    M2 = _sdot(M, M, PREC)                                                                 # [BT, BT] @ [BT, BT]
     Y = eye - M
-    Y = Y + tl.dot(Y, M2, input_precision=PREC)                                        # [BT, BT] @ [BT, BT]
-    return tl.dot(Y, Dinv, input_precision=PREC)                                       # [BT, BT] @ [BT, BT]
+    Y = Y + _sdot(Y, M2, PREC)                                                             # [BT, BT] @ [BT, BT]
+    return _sdot(Y, Dinv, PREC)                                                            # [BT, BT] @ [BT, BT]
 
 
 @triton.jit
@@ -1107,6 +1117,13 @@ KDA_ONE_REF = 2
 KDA_AP_LOWP = 1
 
 
+# The inference forward's solve (T_FORM) with bf16 operands for bf16 inputs (_sdot's "bf16", fp32 accumulation)
+# instead of tf32 ones: its fp32 operands need tf32's register layouts (offline sm_90, bf16, T_FORM: GDN stage 1
+# 2488 -> 1856 instructions, 211 -> 29 shuffles; DeltaNet 1792 -> 1288 and 162 -> 123 registers; KDA 3304 -> 2760).
+# T diag(β) leaves stage 1 in bf16 either way. Unmeasured on the GPU: CHUNKWISE_SOLVE_BF16=1 turns it on.
+SOLVE_BF16 = 0
+
+
 # (I + A)⁻¹'s 16×16 diagonal blocks by doubling (log-depth, _solve_unit_lower's DOUBLING) instead of substitution
 # (CHUNKWISE_SOLVE_DOUBLING overrides)
 SOLVE_DOUBLING = 1
@@ -1225,6 +1242,8 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
             glast = _alloc((slots, HV), torch.float32, dev)
     t = _alloc((B, T, HV, BT), torch.float32, dev) if save_t else None
     dot_prec, mm_prec, solve_prec = _dot_prec(dt, gate)
+    if _env_switch("CHUNKWISE_SOLVE_BF16", SOLVE_BF16) and t_form and dt == torch.bfloat16:
+        solve_prec = "bf16"
     wu_lowp, warps, bkc, form = prep_config(gate)
     one_ref = _env_choice("CHUNKWISE_KDA_ONE_REF", KDA_ONE_REF, range(3)) if gate == 2 and form == 0 else 0
     flag = torch.empty(n_chunks * B * HV, dtype=torch.int32, device=dev) if one_ref == 2 else None
