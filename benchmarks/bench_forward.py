@@ -307,6 +307,10 @@ def main():
                     # stage 1's (I + A)⁻¹ from bf16 operands or tf32 ones (CHUNKWISE_SOLVE_BF16), forward and stage 1
                     for mode in ("0", "1"):
                         time_variant(f"solvebf16-{mode}", env={"CHUNKWISE_SOLVE_BF16": mode}, stage1=True)
+                    if fam == "kda":    # with it: stage 1 at 2 pipeline stages (offline no spills), stage 2 at BV 128
+                        on = {"CHUNKWISE_SOLVE_BF16": "1"}
+                        time_variant("solvebf16-1-ps2", env={**on, "CHUNKWISE_PREP_STAGES": "2"}, stage1=True)
+                        time_variant("solvebf16-1-bv128", env=on, bv=128, num_warps=8, num_stages=2)
                 if a.variant_set == "pstages" and fam == "kda":
                     # stage 1's software pipeline over its column chunks (CHUNKWISE_PREP_STAGES): the forward and stage 1
                     for n in ("1", "2", "3"):
