@@ -305,12 +305,10 @@ def main():
                             time_variant(f"aplowp{mode}", env={"CHUNKWISE_KDA_AP_LOWP": mode}, stage1=True)
                 if a.variant_set == "solvebf16" and fam in ("gdn", "delta", "kda"):
                     # stage 1's (I + A)⁻¹ from bf16 operands or tf32 ones (CHUNKWISE_SOLVE_BF16), forward and stage 1
-                    for mode in ("0", "1"):
+                    # (modes: 1 every product, 2 the four [64, 64] products only, 3 the diagonal blocks' only; run of
+                    # 2593579 for KDA: 2 pipeline stages of stage 1 slower, BV 128 -2 % at B8 / B4)
+                    for mode in ("0", "1", "2", "3"):
                         time_variant(f"solvebf16-{mode}", env={"CHUNKWISE_SOLVE_BF16": mode}, stage1=True)
-                    if fam == "kda":    # with it: stage 1 at 2 pipeline stages (offline no spills), stage 2 at BV 128
-                        on = {"CHUNKWISE_SOLVE_BF16": "1"}
-                        time_variant("solvebf16-1-ps2", env={**on, "CHUNKWISE_PREP_STAGES": "2"}, stage1=True)
-                        time_variant("solvebf16-1-bv128", env=on, bv=128, num_warps=8, num_stages=2)
                 if a.variant_set == "pstages" and fam == "kda":
                     # stage 1's software pipeline over its column chunks (CHUNKWISE_PREP_STAGES): the forward and stage 1
                     for n in ("1", "2", "3"):
