@@ -178,9 +178,6 @@ def _solve_unit_lower(A, PREC: tl.constexpr, BTc: tl.constexpr, BCc: tl.constexp
     Every product is a dot (tensor cores for bf16/fp16 inputs).
     """
     NB: tl.constexpr = BTc // BCc
-    # "bf16big" / "bf16diag": bf16 operands only for the four [BT, BT] products / only for the diagonal blocks'
-    PD: tl.constexpr = "tf32" if PREC == "bf16big" else ("bf16" if PREC == "bf16diag" else PREC)
-    PB: tl.constexpr = "bf16" if PREC == "bf16big" else ("tf32" if PREC == "bf16diag" else PREC)
     o_t = tl.arange(0, BTc)
     o_b = tl.arange(0, NB)
     o_c = tl.arange(0, BCc)
@@ -202,19 +199,19 @@ def _solve_unit_lower(A, PREC: tl.constexpr, BTc: tl.constexpr, BCc: tl.constexp
         for lvl in tl.static_range(1, 4):
             m = ((s_rows >> lvl) % 2 == 1) & ((s_cols >> lvl) % 2 == 0) & (s_rows >> (lvl + 1) == s_cols >> (lvl + 1))
             Ls = tl.where(m[None, :, :], Dd, 0.)
-            XL = _sdot(X, Ls, PD)                                                        # [NB, BC, BC] @ [NB, BC, BC]
-            X = X - _sdot(XL, X, PD)                                                     # [NB, BC, BC] @ [NB, BC, BC]
+            XL = _sdot(X, Ls, PREC)                                                        # [NB, BC, BC] @ [NB, BC, BC]
+            X = X - _sdot(XL, X, PREC)                                                     # [NB, BC, BC] @ [NB, BC, BC]
     else:
         X = eye_b - Dd
         for _ in range(BCc - 2):
-            X = eye_b - _sdot(Dd, X, PD)                                                 # [NB, BC, BC] @ [NB, BC, BC]
+            X = eye_b - _sdot(Dd, X, PREC)                                                 # [NB, BC, BC] @ [NB, BC, BC]
     Dinv = tl.reshape(tl.permute(tl.where(on_diag, tl.expand_dims(X, 1), 0.), (0, 2, 1, 3)), [BTc, BTc])
     L = tl.where(same, 0., A)
-    M = _sdot(Dinv, L, PB)                                                               # [BT, BT] @ [BT, BT]
-    M2 = _sdot(M, M, PB)                                                                 # [BT, BT] @ [BT, BT]
+    M = _sdot(Dinv, L, PREC)                                                               # [BT, BT] @ [BT, BT]
+    M2 = _sdot(M, M, PREC)                                                                 # [BT, BT] @ [BT, BT]
     Y = eye - M
-    Y = Y + _sdot(Y, M2, PB)                                                             # [BT, BT] @ [BT, BT]
-    return _sdot(Y, Dinv, PB)                                                            # [BT, BT] @ [BT, BT]
+    Y = Y + _sdot(Y, M2, PREC)                                                             # [BT, BT] @ [BT, BT]
+    return _sdot(Y, Dinv, PREC)                                                            # [BT, BT] @ [BT, BT]
 
 
 @triton.jit
@@ -1121,11 +1118,12 @@ KDA_AP_LOWP = 1
 
 
 # The inference forward's solve (T_FORM) with bf16 operands for bf16 inputs (_sdot's "bf16", fp32 accumulation)
-# instead of tf32 ones: its fp32 operands need tf32's register layouts (offline sm_90, bf16, T_FORM: GDN stage 1
+# instead of tf32 ones, whose fp32 operands need tf32's register layouts (offline sm_90, bf16, T_FORM: GDN stage 1
 # 2488 -> 1856 instructions, 211 -> 29 shuffles; DeltaNet 1792 -> 1288 and 162 -> 123 registers; KDA 3304 -> 2760).
-# T diag(β) leaves stage 1 in bf16 either way. Off: with nearly parallel keys its error passed fla's (run of 2593579,
-# NOTES session 18). CHUNKWISE_SOLVE_BF16: 1 every product, 2 the four [BT, BT] products only (the diagonal blocks'
-# inverses in tf32), 3 the diagonal blocks' only.
+# On the H200 (runs of 2593579 / bdce396): stage 1 −25 % (GDN), −37 % (DeltaNet), −6 % (KDA), forward GDN 1.14 ->
+# 1.03 ms at B1, 0.88 -> 0.77 at B4; the output error unchanged with the tests' random keys, but with nearly parallel
+# keys (an ill-conditioned I + A) past fla's: GDN 1.06x, KDA 1.07x, DeltaNet 1.83x (bf16 for only part of the solve
+# too: NOTES session 18). So off; CHUNKWISE_SOLVE_BF16=1 opts in.
 SOLVE_BF16 = 0
 
 
@@ -1247,9 +1245,8 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
             glast = _alloc((slots, HV), torch.float32, dev)
     t = _alloc((B, T, HV, BT), torch.float32, dev) if save_t else None
     dot_prec, mm_prec, solve_prec = _dot_prec(dt, gate)
-    solve16 = _env_choice("CHUNKWISE_SOLVE_BF16", SOLVE_BF16, range(4))
-    if solve16 and t_form and dt == torch.bfloat16:
-        solve_prec = ("bf16", "bf16big", "bf16diag")[solve16 - 1]
+    if _env_switch("CHUNKWISE_SOLVE_BF16", SOLVE_BF16) and t_form and dt == torch.bfloat16:
+        solve_prec = "bf16"
     wu_lowp, warps, bkc, form = prep_config(gate)
     one_ref = _env_choice("CHUNKWISE_KDA_ONE_REF", KDA_ONE_REF, range(3)) if gate == 2 and form == 0 else 0
     flag = torch.empty(n_chunks * B * HV, dtype=torch.int32, device=dev) if one_ref == 2 else None
