@@ -309,6 +309,8 @@ def main():
                     # parallel keys; run of 2593579 for KDA: 2 pipeline stages of stage 1 slower, BV 128 -2 % at B8 / B4)
                     for mode in ("0", "1"):
                         time_variant(f"solvebf16-{mode}", env={"CHUNKWISE_SOLVE_BF16": mode}, stage1=True)
+                    # fp16 operands, the tf32 solve again where T is not finite (CHUNKWISE_SOLVE_FP16)
+                    time_variant("solvefp16-1", env={"CHUNKWISE_SOLVE_FP16": "1"}, stage1=True)
                 if a.variant_set == "pstages" and fam == "kda":
                     # stage 1's software pipeline over its column chunks (CHUNKWISE_PREP_STAGES): the forward and stage 1
                     for n in ("1", "2", "3"):

@@ -147,10 +147,12 @@ def _mm(a, b, MM_PREC: tl.constexpr):
 
 @triton.jit
 def _sdot(a, b, PREC: tl.constexpr):
-    """A product of the solve: tl.dot at input precision PREC, or for PREC "bf16" of both operands rounded to bf16
-    (fp32 accumulation)."""
+    """A product of the solve: tl.dot at input precision PREC, or for PREC "bf16" / "fp16" of both operands rounded
+    to that type (fp32 accumulation; fp16 overflows past 65504 to inf, which its caller checks for)."""
     if PREC == "bf16":
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    elif PREC == "fp16":
+        return tl.dot(a.to(tl.float16), b.to(tl.float16))
     else:
         return tl.dot(a, b, input_precision=PREC)
 
@@ -573,6 +575,11 @@ def chunk_prepare_kernel(
                                    (1, 0)), P.to(p.dtype.element_ty), boundary_check=(0, 1))
 
     Tm = _solve_unit_lower(A, SOLVE_PREC, BTc, BCc, SOLVE_DOUBLING)                      # (I + A)^-1
+    if SOLVE_PREC == "fp16":
+        # fp16 operands (rounded to nearest: tf32's significand) unless an operand left fp16's range, which leaves
+        # an inf or NaN in T: then the chunk's solve again in tf32
+        if not (tl.max(tl.max(tl.abs(Tm), 1), 0) < 65504.0):
+            Tm = _solve_unit_lower(A, "tf32", BTc, BCc, SOLVE_DOUBLING)
     if T_FORM:      # T diag(β) for stage 2, in U's place; no W, U
         tl.store(tl.make_block_ptr(u + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0),
                                    (BTc, BTc), (1, 0)), (Tm * b_beta[None, :]).to(u.dtype.element_ty),
@@ -1125,6 +1132,10 @@ KDA_AP_LOWP = 1
 # keys (an ill-conditioned I + A) past fla's: GDN 1.06x, KDA 1.07x, DeltaNet 1.83x (bf16 for only part of the solve
 # too: NOTES session 18). So off; CHUNKWISE_SOLVE_BF16=1 opts in.
 SOLVE_BF16 = 0
+# The same with fp16 operands (11-bit significand rounded to nearest, at least tf32's accuracy) and the chunk's solve
+# redone in tf32 where T came out non-finite (an operand past fp16's range). Unmeasured on the GPU:
+# CHUNKWISE_SOLVE_FP16=1 turns it on.
+SOLVE_FP16 = 0
 
 
 # (I + A)⁻¹'s 16×16 diagonal blocks by doubling (log-depth, _solve_unit_lower's DOUBLING) instead of substitution
@@ -1247,6 +1258,8 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     dot_prec, mm_prec, solve_prec = _dot_prec(dt, gate)
     if _env_switch("CHUNKWISE_SOLVE_BF16", SOLVE_BF16) and t_form and dt == torch.bfloat16:
         solve_prec = "bf16"
+    elif _env_switch("CHUNKWISE_SOLVE_FP16", SOLVE_FP16) and t_form and dt == torch.bfloat16:
+        solve_prec = "fp16"
     wu_lowp, warps, bkc, form = prep_config(gate)
     one_ref = _env_choice("CHUNKWISE_KDA_ONE_REF", KDA_ONE_REF, range(3)) if gate == 2 and form == 0 else 0
     flag = torch.empty(n_chunks * B * HV, dtype=torch.int32, device=dev) if one_ref == 2 else None
