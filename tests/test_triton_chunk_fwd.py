@@ -188,30 +188,40 @@ def test_kda_a_operands_bf16(ap_lowp, gate, monkeypatch):
     _check(inp, o, ht, TOL[torch.bfloat16])
 
 
-def test_solve_bf16_env_checked(monkeypatch):
-    """CHUNKWISE_SOLVE_BF16 takes 0 or 1; anything else is an error that names it."""
-    monkeypatch.setenv("CHUNKWISE_SOLVE_BF16", "2")
+@pytest.mark.parametrize("switch", ("CHUNKWISE_SOLVE_BF16", "CHUNKWISE_SOLVE_FP16"))
+def test_solve_16bit_env_checked(switch, monkeypatch):
+    """CHUNKWISE_SOLVE_BF16 / CHUNKWISE_SOLVE_FP16 take 0 or 1; anything else is an error that names it."""
+    monkeypatch.setenv(switch, "2")
     inp = make_inputs("delta", B=1, T=20, H=1, HV=1, K=16, V=16, dtype=torch.float32, seed=3)
-    with pytest.raises(ValueError, match="CHUNKWISE_SOLVE_BF16"):
+    with pytest.raises(ValueError, match=switch):
         chunk_prepare(inp.q, inp.k, inp.v, inp.g, inp.beta, t_form=True)
 
 
-@pytest.mark.skipif(not ON_GPU, reason="the bf16 solve applies to bf16 inputs, which need the GPU")
+@pytest.mark.skipif(not ON_GPU, reason="the 16-bit solves apply to bf16 inputs, which need the GPU")
+@pytest.mark.parametrize("switch", ("CHUNKWISE_SOLVE_BF16", "CHUNKWISE_SOLVE_FP16"))
 @pytest.mark.parametrize("fam", ("gdn", "delta", "kda"))
-def test_solve_bf16_opt_in(fam, monkeypatch):
-    """The inference solve from bf16 operands (CHUNKWISE_SOLVE_BF16=1, opt-in): at real size in bf16 with the
-    tests' random keys, the output within fla's error against the float64 recurrence (x 1.05) and within bf16
-    rounding of the tf32 solve's; grouped varlen with a carried-in state against the recurrence."""
-    monkeypatch.setenv("CHUNKWISE_SOLVE_BF16", "1")
+def test_solve_16bit_opt_in(fam, switch, monkeypatch):
+    """The inference solve from bf16 operands (CHUNKWISE_SOLVE_BF16=1) or fp16 ones with a tf32 redo
+    (CHUNKWISE_SOLVE_FP16=1), both opt-in: at real size in bf16 with the tests' random keys, the output within fla's
+    error against the float64 recurrence (x 1.05) and within bf16 rounding of the tf32 solve's; grouped varlen with
+    a carried-in state against the recurrence; for fp16, nearly parallel keys within fla's error too."""
+    if switch == "CHUNKWISE_SOLVE_FP16":
+        inp = make_inputs(fam, B=2, T=1000, H=8, HV=8, K=128, V=128, dtype=torch.bfloat16, seed=101, device=DEVICE)
+        k, beta = _correlated_keys(inp.k.shape, inp.beta.shape, seed=201)
+        inp.k, inp.beta = k.to(inp.k), beta.to(inp.beta)
+        monkeypatch.setenv(switch, "1")
+        e_o, e_fla = rel_err(_run(inp)[0], reference(inp)[0]), _fla_error(inp)
+        assert e_fla is None or e_o <= max(e_fla, TOL[torch.float32]) * 1.05, f"o rel err {e_o:.2e} vs fla {e_fla}"
+    monkeypatch.setenv(switch, "1")
     inp = make_inputs(fam, B=2, T=1000, H=8, HV=8, K=128, V=128, dtype=torch.bfloat16, seed=11, device=DEVICE)
     o, ht = _run(inp)
     e_o = rel_err(o, reference(inp)[0])
     e_fla = _fla_error(inp)
     bound = TOL[torch.bfloat16] if e_fla is None else max(e_fla, TOL[torch.float32]) * 1.05
     assert e_o <= min(bound, TOL[torch.bfloat16]), f"o rel err {e_o:.2e} vs fla {e_fla}"
-    monkeypatch.setenv("CHUNKWISE_SOLVE_BF16", "0")
+    monkeypatch.setenv(switch, "0")
     assert rel_err(o, _run(inp)[0]) <= TOL[torch.bfloat16]
-    monkeypatch.setenv("CHUNKWISE_SOLVE_BF16", "1")
+    monkeypatch.setenv(switch, "1")
     inp = make_inputs(fam, lengths=[1, 700, 64, 235], H=2, HV=8, K=128, V=128, dtype=torch.bfloat16, seed=13,
                       device=DEVICE)
     o, ht = _run(inp, transpose=True)

@@ -1133,8 +1133,10 @@ KDA_AP_LOWP = 1
 # too: NOTES session 18). So off; CHUNKWISE_SOLVE_BF16=1 opts in.
 SOLVE_BF16 = 0
 # The same with fp16 operands (11-bit significand rounded to nearest, at least tf32's accuracy) and the chunk's solve
-# redone in tf32 where T came out non-finite (an operand past fp16's range). Unmeasured on the GPU:
-# CHUNKWISE_SOLVE_FP16=1 turns it on.
+# redone in tf32 where T came out non-finite (an operand past fp16's range). On the H200 (run of 1ac3b68): the error
+# as tf32's with random and nearly parallel keys (GDN 5.091e-3 against 5.100e-3, fla 5.278e-3), forward GDN 0.884 ->
+# 0.839 ms at B4-T8192-H16/HV32 (1.142 -> 1.128 at B1), KDA 2.054 -> 1.985 at B1. Off until the whole GPU forward
+# file has run with it (NOTES session 18); CHUNKWISE_SOLVE_FP16=1 turns it on.
 SOLVE_FP16 = 0
 
 
