@@ -311,6 +311,9 @@ def main():
                         time_variant(f"solvebf16-{mode}", env={"CHUNKWISE_SOLVE_BF16": mode}, stage1=True)
                     # fp16 operands, the tf32 solve again where T is not finite (CHUNKWISE_SOLVE_FP16)
                     time_variant("solvefp16-1", env={"CHUNKWISE_SOLVE_FP16": "1"}, stage1=True)
+                    if fam != "kda":    # the redo as a second launch (CHUNKWISE_SOLVE_FP16_SPLIT)
+                        time_variant("solvefp16-split", env={"CHUNKWISE_SOLVE_FP16": "1", "CHUNKWISE_SOLVE_FP16_SPLIT": "1"},
+                                     stage1=True)
                 if a.variant_set == "pstages" and fam == "kda":
                     # stage 1's software pipeline over its column chunks (CHUNKWISE_PREP_STAGES): the forward and stage 1
                     for n in ("1", "2", "3"):

@@ -20,13 +20,13 @@ GATES = {"gdn": 1, "kda": 2, "delta": 0}
 
 def compile_variant(fam="gdn", wu_lowp=0, num_warps=4, K=128, V=128, BKC=64, form=0, bwd=False, maxnreg=None,
                     mm_prec="tf32", store_p=True, one_ref=0, doubling=1, num_stages=1, tform=0, ap_lowp=0,
-                    solve_prec="tf32"):
+                    solve_prec="tf32", solve_redo=0):
     gate = GATES[fam]
     sig = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "g": "*fp32", "beta": "*bf16", "w": "*bf16", "u": "*bf16",
            "p": "*bf16", "qg": "*bf16", "kg": "*bf16", "glast": "*fp32", "do": "*bf16", "t_out": "*fp32",
            "drl": "*bf16", "flag": "*i32", "T": "i32", "NT": "i32", "H": "i32", "HV": "i32", "scale": "fp32"}
     consts = dict(cu_seqlens=None, chunk_indices=None, K=K, V=V, BTc=BT, BCc=BC, BK=K, BVf=V, BKC=min(BKC, K),
-                  GATE=gate, IS_VARLEN=False, DOT_PREC="tf32", MM_PREC=mm_prec, SOLVE_PREC=solve_prec, g_floor=G_FLOOR,
+                  GATE=gate, IS_VARLEN=False, DOT_PREC="tf32", MM_PREC=mm_prec, SOLVE_PREC=solve_prec, SOLVE_REDO=solve_redo, g_floor=G_FLOOR,
                   span_max=SPAN_MAX, WU_LOWP=wu_lowp,
                   AP_FORM=form if gate == 2 else 0, BWD=bwd, STORE_P=int(store_p or gate == 2),
                   AP_ONE_REF=int(one_ref if gate == 2 else 0), SOLVE_DOUBLING=doubling, T_FORM=tform, AP_LOWP=ap_lowp)
@@ -34,7 +34,7 @@ def compile_variant(fam="gdn", wu_lowp=0, num_warps=4, K=128, V=128, BKC=64, for
     absent += ["p"] if bwd or not consts["STORE_P"] else []
     absent += [] if bwd else ["do", "drl", "t_out"]
     absent += ["w"] if tform and gate != 2 else []     # (T_FORM: T diag(β) in u, K ⊙ e^G in w per channel)
-    absent += [] if one_ref in (2, 3) and gate == 2 else ["flag"]
+    absent += [] if (one_ref in (2, 3) and gate == 2) or solve_redo else ["flag"]
     if gate == 0:
         absent.append("g")
     return compile_sm90(KERNEL, sig, consts, absent, num_warps=num_warps, num_stages=num_stages,

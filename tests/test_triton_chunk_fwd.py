@@ -197,6 +197,33 @@ def test_solve_16bit_env_checked(switch, monkeypatch):
         chunk_prepare(inp.q, inp.k, inp.v, inp.g, inp.beta, t_form=True)
 
 
+@pytest.mark.parametrize("split", ["0", "1"])
+@pytest.mark.parametrize("fam", ("delta", "gdn"))
+def test_fp16_solve_redo(fam, split, monkeypatch):
+    """Stage 1's fp16 solve (CHUNKWISE_SOLVE_FP16's path, forced here for fp32 inputs) with its redo at the inputs'
+    own precision, inside the kernel or as a second launch over the flagged chunks (CHUNKWISE_SOLVE_FP16_SPLIT):
+    with keys scaled until (I + A)⁻¹ leaves fp16's range, T diag(β) is finite and equals the plain solve's in those
+    chunks; with the tests' keys, within fp16's rounding of it."""
+    import chunkwise.triton.chunk_fwd as cf
+    from chunkwise.api import prepare_chunk_indices
+    inp = make_inputs(fam, lengths=[1, 130, 70], H=1, HV=2, K=KS[0], V=VS[0], dtype=torch.float32, seed=5)
+    ci = prepare_chunk_indices(inp.cu_seqlens, 64)
+
+    def stage1(k):
+        return chunk_prepare(inp.q, k, inp.v, inp.g, inp.beta, inp.cu_seqlens, ci, store_p=True, t_form=True)["u"]
+    big = inp.k * 6.0          # (I + A)⁻¹'s entries up to ~1e16-1e23: finite in fp32, past fp16's 65504
+    ref, ref_big = stage1(inp.k), stage1(big)
+    over = ref_big.abs().amax(-1) > 65504.0             # rows of chunks the fp16 solve cannot hold
+    assert torch.isfinite(ref_big).all() and over.any()
+    plain = cf._solve_precs
+    monkeypatch.setattr(cf, "_solve_precs", lambda dtype, gate, t_form: ("fp16", plain(dtype, gate, t_form)[1]))
+    monkeypatch.setenv("CHUNKWISE_SOLVE_FP16_SPLIT", split)
+    got_big = stage1(big)
+    assert torch.isfinite(got_big).all()
+    assert torch.equal(got_big[over], ref_big[over])
+    assert rel_err(stage1(inp.k), ref) < 2e-3
+
+
 @pytest.mark.skipif(not ON_GPU, reason="the 16-bit solves apply to bf16 inputs, which need the GPU")
 @pytest.mark.parametrize("switch", ("CHUNKWISE_SOLVE_BF16", "CHUNKWISE_SOLVE_FP16"))
 @pytest.mark.parametrize("fam", ("gdn", "delta", "kda"))

@@ -389,7 +389,7 @@ def chunk_prepare_kernel(
     g_floor: tl.constexpr, span_max: tl.constexpr, WU_LOWP: tl.constexpr = 0, AP_FORM: tl.constexpr = 0,
     BWD: tl.constexpr = 0, STORE_T: tl.constexpr = 0, STORE_P: tl.constexpr = 1, GC_OUT: tl.constexpr = 0,
     AP_ONE_REF: tl.constexpr = 0, SOLVE_DOUBLING: tl.constexpr = 0, T_FORM: tl.constexpr = 0,
-    AP_LOWP: tl.constexpr = 0,
+    AP_LOWP: tl.constexpr = 0, SOLVE_REDO: tl.constexpr = 0, REDO_PREC: tl.constexpr = "tf32",
 ):
     """One chunk of one value head: see the module docstring (stage 1). Grid (chunks, B·HV).
 
@@ -406,9 +406,12 @@ def chunk_prepare_kernel(
     there.
     T_FORM (forward, not with BWD / STORE_T): write T diag(β) = (I + A)⁻¹ diag(β) [B,T,HV,BT] to u (input dtype)
     instead of W and U (v is not read; per channel no second column loop), and per channel K ⊙ e^G to w: stage 2
-    forms R = T diag(β) (V − (K ⊙ e^G) S) itself."""
+    forms R = T diag(β) (V − (K ⊙ e^G) S) itself.
+    SOLVE_PREC "fp16": where T comes out non-finite, the solve again at REDO_PREC (the input dtype's own). SOLVE_REDO
+    (scalar / no gate): 1 flags those programs instead (the redo's code not built in), 2 redoes the flagged programs
+    whole at SOLVE_PREC (the others return at once)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    if AP_ONE_REF == 3:
+    if AP_ONE_REF == 3 or SOLVE_REDO == 2:
         if tl.load(flag + i_bh * tl.num_programs(0) + i_t) == 0:
             return
     i_b, i_h = i_bh // HV, i_bh % HV
@@ -577,9 +580,12 @@ def chunk_prepare_kernel(
     Tm = _solve_unit_lower(A, SOLVE_PREC, BTc, BCc, SOLVE_DOUBLING)                      # (I + A)^-1
     if SOLVE_PREC == "fp16":
         # fp16 operands (rounded to nearest: tf32's significand) unless an operand left fp16's range, which leaves
-        # an inf or NaN in T: then the chunk's solve again in tf32
-        if not (tl.max(tl.max(tl.abs(Tm), 1), 0) < 65504.0):
-            Tm = _solve_unit_lower(A, "tf32", BTc, BCc, SOLVE_DOUBLING)
+        # an inf or NaN in T: then the chunk's solve again at REDO_PREC, here or (SOLVE_REDO 1) in a second launch
+        bad = not (tl.max(tl.max(tl.abs(Tm), 1), 0) < 65504.0)
+        if SOLVE_REDO == 1:
+            tl.store(flag + i_bh * tl.num_programs(0) + i_t, bad.to(tl.int32))
+        elif bad:
+            Tm = _solve_unit_lower(A, REDO_PREC, BTc, BCc, SOLVE_DOUBLING)
     if T_FORM:      # T diag(β) for stage 2, in U's place; no W, U
         tl.store(tl.make_block_ptr(u + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0),
                                    (BTc, BTc), (1, 0)), (Tm * b_beta[None, :]).to(u.dtype.element_ty),
@@ -1138,6 +1144,11 @@ SOLVE_BF16 = 0
 # 0.839 ms at B4-T8192-H16/HV32 (1.142 -> 1.128 at B1), KDA 2.054 -> 1.985 at B1. Off until the whole GPU forward
 # file has run with it (NOTES session 18); CHUNKWISE_SOLVE_FP16=1 turns it on.
 SOLVE_FP16 = 0
+# Under SOLVE_FP16, GDN / DeltaNet's tf32 redo as a second launch over the programs the first flags (SOLVE_REDO), so
+# that the first is built without it: offline sm_90 (bf16, T_FORM) GDN's stage 1 at its 168-register cap 76 -> 4 B
+# of spills, as the bf16 build. Unmeasured on the GPU: CHUNKWISE_SOLVE_FP16_SPLIT=1 turns it on (with
+# CHUNKWISE_SOLVE_FP16=1).
+SOLVE_FP16_SPLIT = 0
 
 
 # (I + A)⁻¹'s 16×16 diagonal blocks by doubling (log-depth, _solve_unit_lower's DOUBLING) instead of substitution
@@ -1221,6 +1232,17 @@ def prep_stages(gate: int = 0, dtype: torch.dtype = torch.float32, K: int = 0) -
     return _env_choice("CHUNKWISE_PREP_STAGES", default, range(1, 5))
 
 
+def _solve_precs(dtype: torch.dtype, gate: int, t_form: bool) -> tuple[str, str]:
+    """(stage 1's solve precision, the precision of its redo where an fp16 solve's T is not finite): the input dtype's
+    (_dot_prec), or under T_FORM with bf16 inputs "bf16" (CHUNKWISE_SOLVE_BF16) / "fp16" (CHUNKWISE_SOLVE_FP16)."""
+    solve = _dot_prec(dtype, gate)[2]
+    if _env_switch("CHUNKWISE_SOLVE_BF16", SOLVE_BF16) and t_form and dtype == torch.bfloat16:
+        return "bf16", solve
+    if _env_switch("CHUNKWISE_SOLVE_FP16", SOLVE_FP16) and t_form and dtype == torch.bfloat16:
+        return "fp16", solve
+    return solve, solve
+
+
 def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=False, store_p=True, t_form=False):
     """Stage 1 for the delta families.
 
@@ -1258,24 +1280,27 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
             glast = _alloc((slots, HV), torch.float32, dev)
     t = _alloc((B, T, HV, BT), torch.float32, dev) if save_t else None
     dot_prec, mm_prec, solve_prec = _dot_prec(dt, gate)
-    if _env_switch("CHUNKWISE_SOLVE_BF16", SOLVE_BF16) and t_form and dt == torch.bfloat16:
-        solve_prec = "bf16"
-    elif _env_switch("CHUNKWISE_SOLVE_FP16", SOLVE_FP16) and t_form and dt == torch.bfloat16:
-        solve_prec = "fp16"
+    solve_prec, redo_prec = _solve_precs(dt, gate, t_form)
     wu_lowp, warps, bkc, form = prep_config(gate)
     one_ref = _env_choice("CHUNKWISE_KDA_ONE_REF", KDA_ONE_REF, range(3)) if gate == 2 and form == 0 else 0
-    flag = torch.empty(n_chunks * B * HV, dtype=torch.int32, device=dev) if one_ref == 2 else None
+    # the fp16 solve's tf32 redo as a second launch over the flagged programs (scalar / no gate)
+    redo_split = solve_prec == "fp16" and gate != 2 and _env_switch("CHUNKWISE_SOLVE_FP16_SPLIT", SOLVE_FP16_SPLIT)
+    flag = torch.empty(n_chunks * B * HV, dtype=torch.int32, device=dev) if one_ref == 2 or redo_split else None
     # (the inference forward only: the training forward's T, which the backward reuses, keeps tf32 operands)
     ap_lowp = _env_switch("CHUNKWISE_KDA_AP_LOWP", KDA_AP_LOWP) and gate == 2 and t_form and dt == torch.bfloat16
-    for ap_one_ref in ((2, 3) if one_ref == 2 else (one_ref,)) if n_chunks > 0 else ():
+    launches = [(r, solve_prec, 0) for r in ((2, 3) if one_ref == 2 else (one_ref,))]
+    if redo_split:
+        launches = [(0, "fp16", 1), (0, redo_prec, 2)]
+    for ap_one_ref, s_prec, s_redo in launches if n_chunks > 0 else ():
         chunk_prepare_kernel[(n_chunks, B * HV)](
             q, k, v, g, beta, w, u, p, qg, kg, glast, gcum, None, t, None, flag, cu_seqlens, chunk_indices, T, NT,
             H=H, HV=HV, K=K, V=V, scale=1.0, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)), GATE=gate,
-            IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=solve_prec,
+            IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=s_prec,
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(dt, K) and gate != 2,
             AP_FORM=form if gate == 2 else 0, STORE_T=save_t, STORE_P=store_p, GC_OUT=gate == 1,
             AP_ONE_REF=ap_one_ref, SOLVE_DOUBLING=_env_switch("CHUNKWISE_SOLVE_DOUBLING", SOLVE_DOUBLING),
-            T_FORM=t_form, AP_LOWP=ap_lowp, num_warps=warps, num_stages=prep_stages(gate, dt, K),
+            T_FORM=t_form, AP_LOWP=ap_lowp, SOLVE_REDO=s_redo, REDO_PREC=redo_prec, num_warps=warps,
+            num_stages=prep_stages(gate, dt, K),
             **prep_regs(gate, t_form, store_p, dt, K))
     return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, gcum=gcum, t=t)
 
