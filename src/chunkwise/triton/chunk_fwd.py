@@ -136,25 +136,18 @@ def _rn_tf32(x):
 
 @triton.jit
 def _mm(a, b, MM_PREC: tl.constexpr):
-    """tl.dot at a product precision (chunk_fwd's fp32 factor products, every product of chunk_bwd): MM_PREC
-    "tf32" / "tf32x3" / "ieee" as tl.dot takes them, or "tf32rn": tf32 with fp32 operands rounded to nearest
-    first. 16-bit operands go to the tensor cores as they are at any setting."""
+    """tl.dot at a product precision (chunk_fwd's fp32 factor products and solve, every product of chunk_bwd):
+    MM_PREC "tf32" / "tf32x3" / "ieee" as tl.dot takes them, "tf32rn": tf32 with fp32 operands rounded to nearest
+    first, or "bf16" / "fp16": both operands rounded to that type (fp32 accumulation; fp16 overflows past 65504 to
+    inf). 16-bit operands go to the tensor cores as they are at any setting."""
     if MM_PREC == "tf32rn":
         return tl.dot(_rn_tf32(a), _rn_tf32(b), input_precision="tf32")
-    else:
-        return tl.dot(a, b, input_precision=MM_PREC)
-
-
-@triton.jit
-def _sdot(a, b, PREC: tl.constexpr):
-    """A product of the solve: tl.dot at input precision PREC, or for PREC "bf16" / "fp16" of both operands rounded
-    to that type (fp32 accumulation; fp16 overflows past 65504 to inf, which its caller checks for)."""
-    if PREC == "bf16":
+    elif MM_PREC == "bf16":
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-    elif PREC == "fp16":
+    elif MM_PREC == "fp16":
         return tl.dot(a.to(tl.float16), b.to(tl.float16))
     else:
-        return tl.dot(a, b, input_precision=PREC)
+        return tl.dot(a, b, input_precision=MM_PREC)
 
 
 @triton.jit
@@ -201,19 +194,19 @@ def _solve_unit_lower(A, PREC: tl.constexpr, BTc: tl.constexpr, BCc: tl.constexp
         for lvl in tl.static_range(1, 4):
             m = ((s_rows >> lvl) % 2 == 1) & ((s_cols >> lvl) % 2 == 0) & (s_rows >> (lvl + 1) == s_cols >> (lvl + 1))
             Ls = tl.where(m[None, :, :], Dd, 0.)
-            XL = _sdot(X, Ls, PREC)                                                        # [NB, BC, BC] @ [NB, BC, BC]
-            X = X - _sdot(XL, X, PREC)                                                     # [NB, BC, BC] @ [NB, BC, BC]
+            XL = _mm(X, Ls, PREC)                                                          # [NB, BC, BC] @ [NB, BC, BC]
+            X = X - _mm(XL, X, PREC)                                                       # [NB, BC, BC] @ [NB, BC, BC]
     else:
         X = eye_b - Dd
         for _ in range(BCc - 2):
-            X = eye_b - _sdot(Dd, X, PREC)                                                 # [NB, BC, BC] @ [NB, BC, BC]
+            X = eye_b - _mm(Dd, X, PREC)                                                   # [NB, BC, BC] @ [NB, BC, BC]
     Dinv = tl.reshape(tl.permute(tl.where(on_diag, tl.expand_dims(X, 1), 0.), (0, 2, 1, 3)), [BTc, BTc])
     L = tl.where(same, 0., A)
-    M = _sdot(Dinv, L, PREC)                                                               # [BT, BT] @ [BT, BT]
-    M2 = _sdot(M, M, PREC)                                                                 # [BT, BT] @ [BT, BT]
+    M = _mm(Dinv, L, PREC)                                                                 # [BT, BT] @ [BT, BT]
+    M2 = _mm(M, M, PREC)                                                                   # [BT, BT] @ [BT, BT]
     Y = eye - M
-    Y = Y + _sdot(Y, M2, PREC)                                                             # [BT, BT] @ [BT, BT]
-    return _sdot(Y, Dinv, PREC)                                                            # [BT, BT] @ [BT, BT]
+    Y = Y + _mm(Y, M2, PREC)                                                               # [BT, BT] @ [BT, BT]
+    return _mm(Y, Dinv, PREC)                                                              # [BT, BT] @ [BT, BT]
 
 
 @triton.jit
@@ -474,12 +467,10 @@ def chunk_prepare_kernel(
                     x = tl.exp(b_Gr)                                                         # e^{G_i − r}
                     kinv = kf * tl.exp(-b_Gr)                                                # k_j e^{r − G_j}
                     qx = qf * x
-                    if AP_LOWP:     # A from bf16 operands (rounded to nearest; bf16 inputs: e^{±span_max} in range)
-                        A += tl.dot((kf * b_beta[:, None] * x).to(tl.bfloat16), tl.trans(kinv.to(tl.bfloat16)))
-                        P += _mm(qx, tl.trans(kinv), MM_PREC)                                # [BT, BKC] @ [BKC, BT]
-                    else:
-                        A += _mm(kf * b_beta[:, None] * x, tl.trans(kinv), MM_PREC)          # [BT, BKC] @ [BKC, BT]
-                        P += _mm(qx, tl.trans(kinv), MM_PREC)                                # [BT, BKC] @ [BKC, BT]
+                    # AP_LOWP: A from bf16 operands (rounded to nearest; bf16 inputs: e^{±span_max} in range)
+                    A_PREC: tl.constexpr = "bf16" if AP_LOWP else MM_PREC
+                    A += _mm(kf * b_beta[:, None] * x, tl.trans(kinv), A_PREC)              # [BT, BKC] @ [BKC, BT]
+                    P += _mm(qx, tl.trans(kinv), MM_PREC)                                    # [BT, BKC] @ [BKC, BT]
                     b_qg = qx * tl.exp(r)[None, :]
                     b_kg = kinv * tl.exp(G_last - r)[None, :]
                     if T_FORM:
@@ -1130,7 +1121,7 @@ KDA_ONE_REF = 2
 KDA_AP_LOWP = 1
 
 
-# The inference forward's solve (T_FORM) with bf16 operands for bf16 inputs (_sdot's "bf16", fp32 accumulation)
+# The inference forward's solve (T_FORM) with bf16 operands for bf16 inputs (_mm's "bf16", fp32 accumulation)
 # instead of tf32 ones, whose fp32 operands need tf32's register layouts (offline sm_90, bf16, T_FORM: GDN stage 1
 # 2488 -> 1856 instructions, 211 -> 29 shuffles; DeltaNet 1792 -> 1288 and 162 -> 123 registers; KDA 3304 -> 2760).
 # On the H200 (runs of 2593579 / bdce396): stage 1 −25 % (GDN), −37 % (DeltaNet), −6 % (KDA), forward GDN 1.14 ->
@@ -1279,7 +1270,7 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
             gcum = _alloc((slots, HV, BT), torch.float32, dev)
             glast = _alloc((slots, HV), torch.float32, dev)
     t = _alloc((B, T, HV, BT), torch.float32, dev) if save_t else None
-    dot_prec, mm_prec, solve_prec = _dot_prec(dt, gate)
+    dot_prec, mm_prec, _ = _dot_prec(dt, gate)
     solve_prec, redo_prec = _solve_precs(dt, gate, t_form)
     wu_lowp, warps, bkc, form = prep_config(gate)
     one_ref = _env_choice("CHUNKWISE_KDA_ONE_REF", KDA_ONE_REF, range(3)) if gate == 2 and form == 0 else 0
