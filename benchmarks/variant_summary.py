@@ -3,10 +3,13 @@ largest relative difference of a variant's output against the default's (the set
 
 Usage: python benchmarks/variant_summary.py OUT/bench_forward.json
 """
-import json,sys
-d=json.load(open(sys.argv[1]))
-for r in d["results"]:
-    v=r.get("variants",{})
-    s=" ".join(f"{k}={x:.3f}" if isinstance(x,float) else f"{k}={x}" for k,x in v.items() if not k.endswith("vs-default"))
-    e=max([x for k,x in v.items() if k.endswith("vs-default") and isinstance(x,float)] or [0])
-    print(f"{r['shape']:20s} {r['family']:5s} {r['ours_ms']:.3f} s1={r.get('stage1_ms',float('nan')):.3f} fla={r.get('fla_ms',float('nan')):.3f} | {s} | maxdiff {e:.1e}")
+import json
+import sys
+
+for r in json.load(open(sys.argv[1]))["results"]:
+    var = r.get("variants", {})
+    times = " ".join(f"{k}={x:.3f}" if isinstance(x, float) else f"{k}={x}"
+                     for k, x in var.items() if not k.endswith("vs-default"))
+    diff = max([x for k, x in var.items() if k.endswith("vs-default") and isinstance(x, float)] or [0])
+    print(f"{r['shape']:20s} {r['family']:5s} {r['ours_ms']:.3f} s1={r.get('stage1_ms', float('nan')):.3f} "
+          f"fla={r.get('fla_ms', float('nan')):.3f} | {times} | maxdiff {diff:.1e}")

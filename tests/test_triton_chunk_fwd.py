@@ -173,11 +173,8 @@ def test_kda_a_operands_bf16(ap_lowp, gate, monkeypatch):
     inp = make_inputs("kda", B=2, T=1000, H=8, HV=8, K=128, V=128, dtype=torch.bfloat16, seed=11, device=DEVICE,
                       gate=gate)
     o, ht = _run(inp)
-    e_o = rel_err(o, reference(inp)[0])
-    e_fla = _fla_error(inp)
-    bound = TOL[torch.bfloat16] if e_fla is None else max(e_fla, TOL[torch.float32]) * 1.05
+    e_o, e_fla = _assert_within_fla(inp, o)
     print(f"kda AP_LOWP={ap_lowp} {gate}: ours o {e_o:.2e}; fla o {e_fla}")
-    assert e_o <= min(bound, TOL[torch.bfloat16])
     monkeypatch.setenv("CHUNKWISE_KDA_AP_LOWP", "0" if ap_lowp == "1" else "1")
     o_other, _ = _run(inp)
     assert rel_err(o, o_other) <= TOL[torch.bfloat16]
@@ -231,21 +228,11 @@ def test_solve_16bit_opt_in(fam, switch, monkeypatch):
     """The inference solve from bf16 operands (CHUNKWISE_SOLVE_BF16=1) or fp16 ones with a tf32 redo
     (CHUNKWISE_SOLVE_FP16=1), both opt-in: at real size in bf16 with the tests' random keys, the output within fla's
     error against the float64 recurrence (x 1.05) and within bf16 rounding of the tf32 solve's; grouped varlen with
-    a carried-in state against the recurrence; for fp16, nearly parallel keys within fla's error too."""
-    if switch == "CHUNKWISE_SOLVE_FP16":
-        inp = make_inputs(fam, B=2, T=1000, H=8, HV=8, K=128, V=128, dtype=torch.bfloat16, seed=101, device=DEVICE)
-        k, beta = _correlated_keys(inp.k.shape, inp.beta.shape, seed=201)
-        inp.k, inp.beta = k.to(inp.k), beta.to(inp.beta)
-        monkeypatch.setenv(switch, "1")
-        e_o, e_fla = rel_err(_run(inp)[0], reference(inp)[0]), _fla_error(inp)
-        assert e_fla is None or e_o <= max(e_fla, TOL[torch.float32]) * 1.05, f"o rel err {e_o:.2e} vs fla {e_fla}"
+    a carried-in state against the recurrence (fp16 with nearly parallel keys: test_correlated_keys_bf16_vs_fla)."""
     monkeypatch.setenv(switch, "1")
     inp = make_inputs(fam, B=2, T=1000, H=8, HV=8, K=128, V=128, dtype=torch.bfloat16, seed=11, device=DEVICE)
     o, ht = _run(inp)
-    e_o = rel_err(o, reference(inp)[0])
-    e_fla = _fla_error(inp)
-    bound = TOL[torch.bfloat16] if e_fla is None else max(e_fla, TOL[torch.float32]) * 1.05
-    assert e_o <= min(bound, TOL[torch.bfloat16]), f"o rel err {e_o:.2e} vs fla {e_fla}"
+    _assert_within_fla(inp, o)
     monkeypatch.setenv(switch, "0")
     assert rel_err(o, _run(inp)[0]) <= TOL[torch.bfloat16]
     monkeypatch.setenv(switch, "1")
@@ -536,18 +523,33 @@ def _fla_error(inp):
     return rel_err(o, reference(inp)[0])
 
 
+def _assert_within_fla(inp, o):
+    """Our output o within fla's error against the float64 recurrence on the same inputs (x 1.05; the dtype's
+    tolerance at most, or alone where fla is not installed). Returns (ours, fla's)."""
+    dtype = inp.q.dtype
+    e_o, e_fla = rel_err(o, reference(inp)[0]), _fla_error(inp)
+    bound = TOL[dtype] if e_fla is None else max(e_fla, TOL[torch.float32]) * 1.05
+    assert e_o <= min(bound, TOL[dtype]), f"o rel err {e_o:.2e} vs fla {e_fla}"
+    return e_o, e_fla
+
+
+def _correlated_bf16(fam):
+    """Real-size bf16 inputs with nearly parallel keys and β near 1 (_correlated_keys)."""
+    inp = make_inputs(fam, B=2, T=1000, H=8, HV=8, K=128, V=128, dtype=torch.bfloat16, seed=101, device=DEVICE)
+    k, beta = _correlated_keys(inp.k.shape, inp.beta.shape, seed=201)
+    inp.k, inp.beta = k.to(inp.k), beta.to(inp.beta)
+    return inp
+
+
 @pytest.mark.skipif(not ON_GPU, reason="real sizes and bf16 need the GPU (bf16 is wrong under the interpreter)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("fam", FAMS)
 def test_real_size_vs_fla(fam, dtype):
     inp = make_inputs(fam, B=2, T=1000, H=8, HV=8, K=128, V=128, dtype=dtype, seed=11, device=DEVICE)
     o, ht = _run(inp)
-    ref_o, ref_ht = reference(inp)
-    e_o, e_h = rel_err(o, ref_o), rel_err(ht, ref_ht)
-    e_fla = _fla_error(inp)
-    bound = TOL[dtype] if e_fla is None else max(e_fla, TOL[torch.float32]) * 1.05
+    e_o, e_fla = _assert_within_fla(inp, o)
+    e_h = rel_err(ht, reference(inp)[1])
     print(f"{fam} {dtype}: ours o {e_o:.2e} ht {e_h:.2e}; fla o {e_fla}")
-    assert e_o <= min(bound, TOL[dtype]), f"o rel err {e_o:.2e} vs fla {e_fla}"
     assert e_h <= TOL[dtype]
 
 
@@ -582,19 +584,16 @@ def test_correlated_keys_fp32(fam, doubling, monkeypatch):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="real sizes and bf16 need the GPU")
+@pytest.mark.parametrize("solve", ["default", "CHUNKWISE_SOLVE_FP16"])
 @pytest.mark.parametrize("fam", ("delta", "gdn", "kda"))
-def test_correlated_keys_bf16_vs_fla(fam):
+def test_correlated_keys_bf16_vs_fla(fam, solve, monkeypatch):
     """Nearly parallel keys and β near 1 at real size in bf16 (an ill-conditioned I + A, where a less accurate
-    solve shows: session 18's bf16 solve was 1.06-1.83x fla's error here): the output within fla's error against the
-    float64 recurrence (x 1.05)."""
-    inp = make_inputs(fam, B=2, T=1000, H=8, HV=8, K=128, V=128, dtype=torch.bfloat16, seed=101, device=DEVICE)
-    k, beta = _correlated_keys(inp.k.shape, inp.beta.shape, seed=201)
-    inp.k, inp.beta = k.to(inp.k), beta.to(inp.beta)
-    o, _ = _run(inp)
-    e_o = rel_err(o, reference(inp)[0])
-    e_fla = _fla_error(inp)
-    bound = TOL[torch.bfloat16] if e_fla is None else max(e_fla, TOL[torch.float32]) * 1.05
-    assert e_o <= min(bound, TOL[torch.bfloat16]), f"o rel err {e_o:.2e} vs fla {e_fla}"
+    solve shows: session 18's bf16 solve was 1.06-1.83x fla's error here), with the default solve and the opt-in
+    fp16 one: the output within fla's error against the float64 recurrence (x 1.05)."""
+    if solve != "default":
+        monkeypatch.setenv(solve, "1")
+    inp = _correlated_bf16(fam)
+    _assert_within_fla(inp, _run(inp)[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
