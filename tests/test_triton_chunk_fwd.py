@@ -224,11 +224,14 @@ def test_fp16_solve_redo(fam, split, monkeypatch):
 @pytest.mark.skipif(not ON_GPU, reason="the 16-bit solves apply to bf16 inputs, which need the GPU")
 @pytest.mark.parametrize("switch", ("CHUNKWISE_SOLVE_BF16", "CHUNKWISE_SOLVE_FP16"))
 @pytest.mark.parametrize("fam", ("gdn", "delta", "kda"))
-def test_solve_16bit_opt_in(fam, switch, monkeypatch):
-    """The inference solve from bf16 operands (CHUNKWISE_SOLVE_BF16=1) or fp16 ones with a tf32 redo
-    (CHUNKWISE_SOLVE_FP16=1), both opt-in: at real size in bf16 with the tests' random keys, the output within fla's
-    error against the float64 recurrence (x 1.05) and within bf16 rounding of the tf32 solve's; grouped varlen with
-    a carried-in state against the recurrence (fp16 with nearly parallel keys: test_correlated_keys_bf16_vs_fla)."""
+def test_solve_16bit_forms(fam, switch, monkeypatch):
+    """The inference solve from bf16 operands (CHUNKWISE_SOLVE_BF16=1, opt-in) or fp16 ones with a tf32 redo
+    (CHUNKWISE_SOLVE_FP16=1, the default): at real size in bf16 with the tests' random keys, the output within fla's
+    error against the float64 recurrence (x 1.05) and within bf16 rounding of the tf32 solve's (both switches 0);
+    grouped varlen with a carried-in state against the recurrence (nearly parallel keys:
+    test_correlated_keys_bf16_vs_fla)."""
+    other = "CHUNKWISE_SOLVE_FP16" if switch == "CHUNKWISE_SOLVE_BF16" else "CHUNKWISE_SOLVE_BF16"
+    monkeypatch.setenv(other, "0")
     monkeypatch.setenv(switch, "1")
     inp = make_inputs(fam, B=2, T=1000, H=8, HV=8, K=128, V=128, dtype=torch.bfloat16, seed=11, device=DEVICE)
     o, ht = _run(inp)
@@ -584,14 +587,13 @@ def test_correlated_keys_fp32(fam, doubling, monkeypatch):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="real sizes and bf16 need the GPU")
-@pytest.mark.parametrize("solve", ["default", "CHUNKWISE_SOLVE_FP16"])
+@pytest.mark.parametrize("solve", ["fp16", "tf32"])
 @pytest.mark.parametrize("fam", ("delta", "gdn", "kda"))
 def test_correlated_keys_bf16_vs_fla(fam, solve, monkeypatch):
     """Nearly parallel keys and β near 1 at real size in bf16 (an ill-conditioned I + A, where a less accurate
-    solve shows: session 18's bf16 solve was 1.06-1.83x fla's error here), with the default solve and the opt-in
-    fp16 one: the output within fla's error against the float64 recurrence (x 1.05)."""
-    if solve != "default":
-        monkeypatch.setenv(solve, "1")
+    solve shows: session 18's bf16 solve was 1.06-1.83x fla's error here), with the default fp16 solve and the tf32
+    one (CHUNKWISE_SOLVE_FP16=0): the output within fla's error against the float64 recurrence (x 1.05)."""
+    monkeypatch.setenv("CHUNKWISE_SOLVE_FP16", "1" if solve == "fp16" else "0")
     inp = _correlated_bf16(fam)
     _assert_within_fla(inp, _run(inp)[0])
 

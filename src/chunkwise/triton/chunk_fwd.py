@@ -1132,14 +1132,16 @@ SOLVE_BF16 = 0
 # The same with fp16 operands (11-bit significand rounded to nearest, at least tf32's accuracy) and the chunk's solve
 # redone in tf32 where T came out non-finite (an operand past fp16's range). On the H200 (run of 1ac3b68): the error
 # as tf32's with random and nearly parallel keys (GDN 5.091e-3 against 5.100e-3, fla 5.278e-3), forward GDN 0.884 ->
-# 0.839 ms at B4-T8192-H16/HV32 (1.142 -> 1.128 at B1), KDA 2.054 -> 1.985 at B1. Off until the whole GPU forward
-# file has run with it (NOTES session 18); CHUNKWISE_SOLVE_FP16=1 turns it on.
-SOLVE_FP16 = 0
+# 0.839 ms at B4-T8192-H16/HV32 (1.142 -> 1.128 at B1), KDA 2.054 -> 1.985 at B1. The whole GPU forward test file
+# passed with it (run of 0a5dd96: 206 passed, 4 skipped), so on by default; CHUNKWISE_SOLVE_FP16=0 keeps tf32.
+SOLVE_FP16 = 1
 # Under SOLVE_FP16, GDN / DeltaNet's tf32 redo as a second launch over the programs the first flags (SOLVE_REDO), so
 # that the first is built without it: offline sm_90 (bf16, T_FORM) GDN's stage 1 at its 168-register cap 76 -> 4 B
-# of spills, as the bf16 build. Unmeasured on the GPU: CHUNKWISE_SOLVE_FP16_SPLIT=1 turns it on (with
-# CHUNKWISE_SOLVE_FP16=1).
-SOLVE_FP16_SPLIT = 0
+# of spills, as the bf16 build. On the H200 (run of 0a5dd96, forward ms, redo inside / as a second launch): GDN
+# B1-T32768-H32 1.130 / 1.077 (stage 1 0.438 / 0.385), B8-T4096-H32 0.867 / 0.840; DeltaNet 0.906 / 0.907 and
+# 0.683 / 0.678; the same error (forward_errors.py, random and nearly parallel keys). CHUNKWISE_SOLVE_FP16_SPLIT=0
+# keeps the redo inside.
+SOLVE_FP16_SPLIT = 1
 
 
 # (I + A)⁻¹'s 16×16 diagonal blocks by doubling (log-depth, _solve_unit_lower's DOUBLING) instead of substitution
