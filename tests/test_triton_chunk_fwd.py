@@ -384,10 +384,21 @@ def test_transposed_state_loop(fam, form, monkeypatch):
     per-thread addresses with P taken from the other place (formed in the loop for GDN, from stage 1 for
     DeltaNet; simple GLA: its own P kernel)."""
     monkeypatch.setenv("CHUNKWISE_FWD_TMA", "1" if form == "tma" else "0")
-    monkeypatch.setenv("CHUNKWISE_FWD_T_FORM", "0")     # (T_FORM takes the plain loop only)
+    monkeypatch.setenv("CHUNKWISE_FWD_T_FORM", "0")     # (W / U from stage 1; T_FORM: the test below)
     if form != "tma":
         monkeypatch.setenv("CHUNKWISE_FWD_P_IN", "0" if fam == "gdn" else "1")
     inp = make_inputs(fam, lengths=[1, 130, 70], H=1, HV=2, K=KS[0], V=VS[0], dtype=torch.float32, seed=37)
+    _check_switch(inp, "CHUNKWISE_FWD_TRANS", monkeypatch)
+
+
+@pytest.mark.parametrize("fam", ("gdn", "delta", "kda"))
+def test_transposed_state_loop_t_form(fam, monkeypatch):
+    """Stage 2 on the transposed state forming R from stage 1's T diag(β) (CHUNKWISE_FWD_TRANS=1 with
+    CHUNKWISE_FWD_T_FORM=1): equal to the float64 recurrence and to the plain T_FORM loop, output and final state, in
+    both state layouts, over varlen with a length-1 sequence and grouped heads, tiles through tensor descriptors."""
+    monkeypatch.setenv("CHUNKWISE_FWD_TMA", "1")
+    monkeypatch.setenv("CHUNKWISE_FWD_T_FORM", "1")
+    inp = make_inputs(fam, lengths=[1, 130, 70], H=1, HV=2, K=KS[0], V=VS[0], dtype=torch.float32, seed=47)
     _check_switch(inp, "CHUNKWISE_FWD_TRANS", monkeypatch)
 
 

@@ -819,7 +819,7 @@ def _state_output_step_t(i_t, St, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_bas
                          BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                          GATE: tl.constexpr, DELTA: tl.constexpr, P_IN: tl.constexpr, GC_IN: tl.constexpr,
                          DOT_PREC: tl.constexpr, g_floor: tl.constexpr, TMA: tl.constexpr = 0,
-                         TMA_O: tl.constexpr = 0, STORE_HR: tl.constexpr = 0):
+                         TMA_O: tl.constexpr = 0, STORE_HR: tl.constexpr = 0, T_FORM: tl.constexpr = 0):
     """_state_output_step on the transposed state St = Sᵀ [BV, BK] (TRANS): every product takes St or Rᵀ, values
     in registers, as its first operand and a loaded tile as its second, so nothing on the state's chain is staged
     through shared memory, and at BV < 64 the products are warp-level (mma v2) ones the compiler can overlap::
@@ -827,7 +827,8 @@ def _state_output_step_t(i_t, St, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_bas
         Rᵀ = Uᵀ − Sᵀ Wᵀ                                 [BV, C]
         oᵀ = scale · (Sᵀ (Q ⊙ e^G)ᵀ + Rᵀ Pᵀ)             [BV, C]
         Sᵀ = e^{G_last} Sᵀ + Rᵀ (K ⊙ e^{G_last − G})     [BV, K]
-    """
+
+    T_FORM (delta rule): Rᵀ = (Vᵀ − Sᵀ (K ⊙ e^G)ᵀ) (T diag(β))ᵀ, both products with a register first operand."""
     o_k = tl.arange(0, BK)
     o_t = tl.arange(0, BTc)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -835,7 +836,20 @@ def _state_output_step_t(i_t, St, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_bas
     if STORE_HR:
         tl.store(hs + (((slot0 + i_t) * HV + i_h) * K + o_k[None, :]).to(tl.int64) * V + o_v[:, None],
                  St.to(hs.dtype.element_ty), mask=(o_k < K)[None, :] & (o_v < V)[:, None])
-    if DELTA:
+    if DELTA and T_FORM:
+        b_T = _tile(u, (bos * HV + i_h) * BTc, T_seq, BTc, HV * BTc, t0, 0, BTc, BTc, TMA)
+        b_v = _tile(v, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, i_v * BV, BTc, BV, TMA)
+        if GATE == 2:
+            b_kx = _tile(w, (bos * HV + i_h) * K, T_seq, K, HV * K, t0, 0, BTc, BK, TMA)
+        else:
+            b_kx = _tile(k, (bos * H + i_hk) * K, T_seq, K, H * K, t0, 0, BTc, BK, TMA)
+        b_Zt = tl.dot(St.to(b_kx.dtype), tl.trans(b_kx), input_precision=DOT_PREC)      # [BV, BK] @ [BK, BT]
+        if GATE == 1:
+            Gc, b_dl, b_eg, b_ek = _step_gate(g, gcum, b_gl, slot0 + i_t, bos, t0, T_seq, i_h, HV, BTc, GC_IN, g_floor)
+            b_Zt = b_Zt * b_eg[None, :]
+        b_Zt = tl.trans(b_v).to(tl.float32) - b_Zt
+        b_Rt = tl.dot(b_Zt.to(b_T.dtype), tl.trans(b_T), input_precision=DOT_PREC)      # [BV, BT] @ [BT, BT]
+    elif DELTA:
         b_w = _tile(w, (bos * HV + i_h) * K, T_seq, K, HV * K, t0, 0, BTc, BK, TMA)
         b_u = _tile(u, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, i_v * BV, BTc, BV, TMA)
         b_Rt = tl.trans(b_u).to(tl.float32) - tl.dot(St.to(b_w.dtype), tl.trans(b_w),
@@ -851,7 +865,7 @@ def _state_output_step_t(i_t, St, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_bas
     else:
         b_qd = _tile(q, (bos * H + i_hk) * K, T_seq, K, H * K, t0, 0, BTc, BK, TMA)
         b_kd = _tile(k, (bos * H + i_hk) * K, T_seq, K, H * K, t0, 0, BTc, BK, TMA)
-        if GATE == 1:
+        if GATE == 1 and not (DELTA and T_FORM):
             Gc, b_dl, b_eg, b_ek = _step_gate(g, gcum, b_gl, slot0 + i_t, bos, t0, T_seq, i_h, HV, BTc, GC_IN, g_floor)
     if P_IN:
         b_Pt = tl.trans(_tile(p, (bos * HV + i_h) * BTc, T_seq, BTc, HV * BTc, t0, 0, BTc, BTc, TMA))
@@ -887,13 +901,11 @@ def _state_output_chunk(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base,
                         GATE: tl.constexpr, DELTA: tl.constexpr, P_IN: tl.constexpr, GC_IN: tl.constexpr,
                         DOT_PREC: tl.constexpr, g_floor: tl.constexpr, TMA: tl.constexpr, TMA_O: tl.constexpr,
                         STORE_HR: tl.constexpr, TRANS: tl.constexpr, T_FORM: tl.constexpr = 0):
-    """One chunk of stage 2 on S [BK, BV] (_state_output_step) or, TRANS, on Sᵀ [BV, BK] (_state_output_step_t;
-    not with T_FORM)."""
-    tl.static_assert(not (TRANS and T_FORM), "T_FORM takes the plain step")
+    """One chunk of stage 2 on S [BK, BV] (_state_output_step) or, TRANS, on Sᵀ [BV, BK] (_state_output_step_t)."""
     if TRANS:
         S = _state_output_step_t(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, hs, rs, slot0, bos, T_seq,
                                  i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, GC_IN, DOT_PREC,
-                                 g_floor, TMA, TMA_O, STORE_HR)
+                                 g_floor, TMA, TMA_O, STORE_HR, T_FORM)
     else:
         S = _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, hs, rs, slot0, bos, T_seq,
                                i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, GC_IN, DOT_PREC,
@@ -1615,7 +1627,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         return (sn, sh, s3, s2) if transpose_state_layout else (sn, sh, s2, s3)
 
     dot_prec = _dot_prec(q.dtype)[0]
-    trans = not t_form and _env_switch("CHUNKWISE_FWD_TRANS", int(FWD_TRANS[gate] and bv >= 64))
+    trans = _env_switch("CHUNKWISE_FWD_TRANS", int(FWD_TRANS[gate] and bv >= 64 and not t_form))
     tma = _env_switch("CHUNKWISE_FWD_TMA", FWD_TMA)
     tma_o = tma and _env_switch("CHUNKWISE_FWD_TMA_O", int(FWD_TMA_O and nseg == 1))
     if tma and not _INTERPRET:
