@@ -182,8 +182,7 @@ def main():
                          "instead of W, U (CHUNKWISE_FWD_T_FORM); bv128: stage 2 over all 128 value columns per program at 8 "
                          "warps, and KDA's stage 1 with bf16 A / P operands or capped registers; solvebf16: the delta families' "
                          "inference solve from bf16 operands (CHUNKWISE_SOLVE_BF16); tftrans: DeltaNet's and KDA's stage 2 on the "
-                         "transposed state under T_FORM (CHUNKWISE_FWD_TRANS), KDA's A / P from fp16 (CHUNKWISE_KDA_AP_LOWP=2) "
-                         "(with --variants)")
+                         "transposed state under T_FORM (CHUNKWISE_FWD_TRANS) or not (with --variants)")
     ap.add_argument("--variants", action="store_true", help="also time stage-2 variants (BV 16/32/64 x 4/8 warps x 2/3 stages; GLA also with P from its own kernel, GDN with the decays from stage 1)")
     ap.add_argument("--shapes", default="")
     ap.add_argument("--warm", action="store_true", help="compile everything on tiny inputs, time nothing")
@@ -319,18 +318,13 @@ def main():
                 if a.variant_set == "tftrans" and fam in ("delta", "kda"):
                     # stage 2 under T_FORM on the transposed state (Rᵀ = (Vᵀ − Sᵀ (K ⊙ e^G)ᵀ) (T diag(β))ᵀ: nothing on the
                     # state's chain staged through shared memory) or the plain one, at the default BV and 64; KDA also
-                    # at 3 pipeline stages at BV 64 (offline sm_90, bf16, TMA: 222 KB of shared memory transposed, the
-                    # plain one does not fit), and its stage 1 with A and P from fp16 operands (CHUNKWISE_KDA_AP_LOWP=2)
+                    # at 3 pipeline stages at BV 64 (run of 3d1debd, NOTES session 19: the default since)
                     for tr in ("0", "1"):
                         time_variant(f"trans{tr}", env={"CHUNKWISE_FWD_TRANS": tr})
                     time_variant("trans1-bv64", env={"CHUNKWISE_FWD_TRANS": "1"}, bv=64)
                     if fam == "kda":
+                        time_variant("trans1-bv64-ns2", env={"CHUNKWISE_FWD_TRANS": "1"}, bv=64, num_stages=2)
                         time_variant("trans1-bv64-ns3", env={"CHUNKWISE_FWD_TRANS": "1"}, bv=64, num_stages=3)
-                        ap16 = {"CHUNKWISE_KDA_AP_LOWP": "2"}
-                        time_variant("aplowp2", env=ap16, stage1=True)
-                        time_variant("aplowp2-trans1", env={**ap16, "CHUNKWISE_FWD_TRANS": "1"})
-                        time_variant("aplowp2-trans1-bv64-ns3", env={**ap16, "CHUNKWISE_FWD_TRANS": "1"}, bv=64,
-                                     num_stages=3)
                 if a.variant_set == "pstages" and fam == "kda":
                     # stage 1's software pipeline over its column chunks (CHUNKWISE_PREP_STAGES): the forward and stage 1
                     for n in ("1", "2", "3"):

@@ -61,7 +61,6 @@ BT = 64          # chunk length
 BC = 16          # sub-block of the triangular solve and of the per-channel factorisation
 G_FLOOR = -40.0  # per-token gate clamp (see the module docstring)
 SPAN_MAX = 80.0  # a 16-token block whose per-channel gates sum below -SPAN_MAX takes the exact path
-SPAN_FP16 = 9.0  # KDA's one-reference products from fp16 operands: every |G_i − G_last / 2| under this (e^{±9})
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -373,9 +372,8 @@ def chunk_prepare_kernel(
     qg, kg, glast,               # out (GATE == 2): [B,T,HV,K] [B,T,HV,K] input dtype, [slots,HV,K] fp32
     gcum,                        # out (GC_OUT, GATE == 1): [slots,HV,BT] fp32 G by chunk; glast then [slots,HV] G_last
     do, t_out, drl,              # BWD: [B,T,HV,V] in; out [B,T,HV,BT] fp32, [B,T,HV,V] (do's dtype)
-    flag,                        # AP_ONE_REF 2 / 3: [chunks · B·HV] int32, per program: 2 where a column chunk's gate
-                                 # left the one-reference span (written by 2, read by 3); AP_LOWP 2: 1 where it left
-                                 # fp16's (read by AP_RERUN); SOLVE_REDO: 1 where T was not finite
+    flag,                        # AP_ONE_REF 2 / 3: [chunks · B·HV] int32, per program: 1 where a column chunk's gate
+                                 # left the one-reference span (written by 2, read by 3)
     cu_seqlens, chunk_indices,   # varlen: [N+1], [NT_total, 2] (sequence, chunk in sequence)
     T, NT, H, HV, K, V, scale,
     BTc: tl.constexpr, BCc: tl.constexpr, BK: tl.constexpr, BVf: tl.constexpr, BKC: tl.constexpr,
@@ -385,7 +383,6 @@ def chunk_prepare_kernel(
     BWD: tl.constexpr = 0, STORE_T: tl.constexpr = 0, STORE_P: tl.constexpr = 1, GC_OUT: tl.constexpr = 0,
     AP_ONE_REF: tl.constexpr = 0, SOLVE_DOUBLING: tl.constexpr = 0, T_FORM: tl.constexpr = 0,
     AP_LOWP: tl.constexpr = 0, SOLVE_REDO: tl.constexpr = 0, REDO_PREC: tl.constexpr = "tf32",
-    AP_RERUN: tl.constexpr = 0, span16: tl.constexpr = 9.0,
 ):
     """One chunk of one value head: see the module docstring (stage 1). Grid (chunks, B·HV).
 
@@ -405,15 +402,10 @@ def chunk_prepare_kernel(
     forms R = T diag(β) (V − (K ⊙ e^G) S) itself.
     SOLVE_PREC "fp16": where T comes out non-finite, the solve again at REDO_PREC (the input dtype's own). SOLVE_REDO
     (scalar / no gate): 1 flags those programs instead (the redo's code not built in), 2 redoes the flagged programs
-    whole at SOLVE_PREC (the others return at once).
-    AP_LOWP (AP_ONE_REF 2): 1 the one-reference A product from bf16 operands; 2 A and P both from fp16 operands, the
-    program flagged 1 (and stopped after A and P) where a column chunk's |G − G_last / 2| reaches span16 or A / P
-    come out non-finite (keys past fp16's range), flagged at once where its chunk gate already says so; AP_RERUN
-    runs the flagged-1 programs alone (the fp32-operand build, AP_LOWP 1)."""
+    whole at SOLVE_PREC (the others return at once)."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    RUN_ON: tl.constexpr = 2 if AP_ONE_REF == 3 else (1 if SOLVE_REDO == 2 or AP_RERUN else 0)
-    if RUN_ON > 0:
-        if tl.load(flag + i_bh * tl.num_programs(0) + i_t) != RUN_ON:
+    if AP_ONE_REF == 3 or SOLVE_REDO == 2:
+        if tl.load(flag + i_bh * tl.num_programs(0) + i_t) == 0:
             return
     i_b, i_h = i_bh // HV, i_bh % HV
     i_hk = i_h // (HV // H)
@@ -446,18 +438,6 @@ def chunk_prepare_kernel(
             A = tl.zeros([BTc, BTc], dtype=tl.float32)
             P = tl.zeros([BTc, BTc], dtype=tl.float32)
         n_out = tl.zeros([], dtype=tl.int32)     # AP_ONE_REF 2: column chunks whose gate left the one-reference span
-        n_16 = tl.zeros([], dtype=tl.int32)      # AP_LOWP 2: those whose gate left fp16's
-        if AP_ONE_REF == 2 and AP_LOWP == 2:
-            # the chunk gate G_last = Σ g per channel first: with g ≤ 0 every |G_i − G_last / 2| ≤ |G_last| / 2, so a
-            # program past fp16's span is flagged here, before any product (the loop's check covers g > 0)
-            span = tl.zeros([], dtype=tl.float32)
-            for i_kc in range(BK // BKC):
-                b_g = tl.load(tl.make_block_ptr(g_base, (T_seq, K), (HV * K, 1), (t0, i_kc * BKC), (BTc, BKC), (1, 0)),
-                              boundary_check=(0, 1)).to(tl.float32)
-                span = tl.maximum(span, tl.max(tl.abs(tl.sum(tl.where(b_g < g_floor, g_floor, b_g), 0)), 0))
-            if span >= 2 * span16:
-                tl.store(flag + i_bh * tl.num_programs(0) + i_t, tl.where(span >= 2 * span_max, 2, 1))
-                return
         for i_kc in range(BK // BKC):
             kc0 = i_kc * BKC
             kf, qf, b_g = _kqg_tiles(k_base, q_base, g_base, t0, kc0, T_seq, H, HV, K, BTc, BKC)
@@ -479,10 +459,7 @@ def chunk_prepare_kernel(
                 b_Gr = b_G - r[None, :]
                 fast = False
                 if AP_ONE_REF == 2:     # (the products may overflow where the span is left: launch 3 redoes those)
-                    m_Gr = tl.max(tl.max(tl.abs(b_Gr), 1), 0)
-                    n_out += (m_Gr >= span_max).to(tl.int32)
-                    if AP_LOWP == 2:
-                        n_16 += (m_Gr >= span16).to(tl.int32)
+                    n_out += (tl.max(tl.max(tl.abs(b_Gr), 1), 0) >= span_max).to(tl.int32)
                     fast = True
                 elif AP_ONE_REF:
                     fast = tl.max(tl.max(tl.abs(b_Gr), 1), 0) < span_max
@@ -490,12 +467,10 @@ def chunk_prepare_kernel(
                     x = tl.exp(b_Gr)                                                         # e^{G_i − r}
                     kinv = kf * tl.exp(-b_Gr)                                                # k_j e^{r − G_j}
                     qx = qf * x
-                    # AP_LOWP 1: A from bf16 operands (rounded to nearest; bf16 inputs: e^{±span_max} in range);
-                    # 2: A and P from fp16 ones (tf32's significand, rounded to nearest; e^{±span16} in range)
-                    A_PREC: tl.constexpr = "fp16" if AP_LOWP == 2 else ("bf16" if AP_LOWP else MM_PREC)
-                    P_PREC: tl.constexpr = "fp16" if AP_LOWP == 2 else MM_PREC
+                    # AP_LOWP: A from bf16 operands (rounded to nearest; bf16 inputs: e^{±span_max} in range)
+                    A_PREC: tl.constexpr = "bf16" if AP_LOWP else MM_PREC
                     A += _mm(kf * b_beta[:, None] * x, tl.trans(kinv), A_PREC)              # [BT, BKC] @ [BKC, BT]
-                    P += _mm(qx, tl.trans(kinv), P_PREC)                                     # [BT, BKC] @ [BKC, BT]
+                    P += _mm(qx, tl.trans(kinv), MM_PREC)                                    # [BT, BKC] @ [BKC, BT]
                     b_qg = qx * tl.exp(r)[None, :]
                     b_kg = kinv * tl.exp(G_last - r)[None, :]
                     if T_FORM:
@@ -557,12 +532,8 @@ def chunk_prepare_kernel(
                 tl.store(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
                                            (1, 0)), b_kx.to(w.dtype.element_ty), boundary_check=(0, 1))
         if AP_ONE_REF == 2:     # flagged: nothing more to form here
-            fl = tl.where(n_out > 0, 2, 0)
-            if AP_LOWP == 2:    # fp16's span left, or an operand past its range (an inf / NaN in A or P)
-                n_bad = tl.sum(tl.sum(tl.where(tl.abs(A) + tl.abs(P) < float("inf"), 0, 1), 1), 0)
-                fl = tl.where((fl == 0) & ((n_16 > 0) | (n_bad > 0)), 1, fl)
-            tl.store(flag + i_bh * tl.num_programs(0) + i_t, fl)
-            if fl > 0:
+            tl.store(flag + i_bh * tl.num_programs(0) + i_t, tl.minimum(n_out, 1))
+            if n_out > 0:
                 return
         if AP_FORM == 1:
             A = tl.where(strict, _stack_rows(A0, A1, A2, A3), 0.)
@@ -1158,10 +1129,7 @@ KDA_ONE_REF = 2
 # ms, real-size bf16 output error against float64, fla 3.43e-3): tf32 1.374 / 3.11e-3, A from bf16 1.354 / 3.11e-3;
 # P from bf16 too 1.261 / 3.77e-3 and P alone 1.332 / 3.77e-3 (P's operands carry the error); both from fp16 where
 # they fit its range, else tf32 (both builds in one kernel), 1.600 / 3.03e-3. Under T_FORM only (the inference
-# forward). 2: A and P from fp16 operands (tf32's significand, rounded to nearest, both products at the 16-bit rate)
-# where the column chunks' |G − G_last / 2| stays under SPAN_FP16 and A, P come out finite; the programs where not
-# (flagged) run again in the mode-1 build, before the launch of those past SPAN_MAX. CHUNKWISE_KDA_AP_LOWP (0 / 1 / 2)
-# overrides.
+# forward). CHUNKWISE_KDA_AP_LOWP (0 / 1) overrides.
 KDA_AP_LOWP = 1
 
 
@@ -1280,14 +1248,6 @@ def _solve_precs(dtype: torch.dtype, gate: int, t_form: bool) -> tuple[str, str]
     return solve, solve
 
 
-def _ap_lowp(dtype, gate: int, t_form: bool) -> int:
-    """KDA's one-reference A / P operands in the inference stage 1 (chunk_prepare_kernel's AP_LOWP): 0 tf32, 1 A from
-    bf16, 2 A and P from fp16 with its range flagged; bf16 inputs under T_FORM only (the training forward's T is what
-    the backward reuses). CHUNKWISE_KDA_AP_LOWP (0 / 1 / 2) overrides KDA_AP_LOWP."""
-    mode = _env_choice("CHUNKWISE_KDA_AP_LOWP", KDA_AP_LOWP, range(3))
-    return mode if gate == 2 and t_form and dtype == torch.bfloat16 else 0
-
-
 def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=False, store_p=True, t_form=False):
     """Stage 1 for the delta families.
 
@@ -1332,16 +1292,11 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     redo_split = solve_prec == "fp16" and gate != 2 and _env_switch("CHUNKWISE_SOLVE_FP16_SPLIT", SOLVE_FP16_SPLIT)
     flag = torch.empty(n_chunks * B * HV, dtype=torch.int32, device=dev) if one_ref == 2 or redo_split else None
     # (the inference forward only: the training forward's T, which the backward reuses, keeps tf32 operands)
-    ap_lowp = _ap_lowp(dt, gate, t_form)
-    # (KDA_ONE_REF 2: the one-reference build, then the full one on the programs it flagged past SPAN_MAX; with
-    # fp16 A / P the one-reference build first at fp16, then at fp32 operands on those it flagged past SPAN_FP16)
-    launches = [(r, solve_prec, 0, min(ap_lowp, 1), 0) for r in ((2, 3) if one_ref == 2 else (one_ref,))]
-    if one_ref == 2 and ap_lowp == 2:     # (the fallback: A from bf16 for bf16 inputs, as mode 1)
-        fallback = int(dt == torch.bfloat16)
-        launches = [(2, solve_prec, 0, 2, 0), (2, solve_prec, 0, fallback, 1), (3, solve_prec, 0, fallback, 0)]
+    ap_lowp = _env_switch("CHUNKWISE_KDA_AP_LOWP", KDA_AP_LOWP) and gate == 2 and t_form and dt == torch.bfloat16
+    launches = [(r, solve_prec, 0) for r in ((2, 3) if one_ref == 2 else (one_ref,))]
     if redo_split:
-        launches = [(0, "fp16", 1, 0, 0), (0, redo_prec, 2, 0, 0)]
-    for ap_one_ref, s_prec, s_redo, ap_prec, rerun in launches if n_chunks > 0 else ():
+        launches = [(0, "fp16", 1), (0, redo_prec, 2)]
+    for ap_one_ref, s_prec, s_redo in launches if n_chunks > 0 else ():
         chunk_prepare_kernel[(n_chunks, B * HV)](
             q, k, v, g, beta, w, u, p, qg, kg, glast, gcum, None, t, None, flag, cu_seqlens, chunk_indices, T, NT,
             H=H, HV=HV, K=K, V=V, scale=1.0, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)), GATE=gate,
@@ -1349,8 +1304,7 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(dt, K) and gate != 2,
             AP_FORM=form if gate == 2 else 0, STORE_T=save_t, STORE_P=store_p, GC_OUT=gate == 1,
             AP_ONE_REF=ap_one_ref, SOLVE_DOUBLING=_env_switch("CHUNKWISE_SOLVE_DOUBLING", SOLVE_DOUBLING),
-            T_FORM=t_form, AP_LOWP=ap_prec, SOLVE_REDO=s_redo, REDO_PREC=redo_prec, AP_RERUN=rerun,
-            span16=SPAN_FP16, num_warps=warps,
+            T_FORM=t_form, AP_LOWP=ap_lowp, SOLVE_REDO=s_redo, REDO_PREC=redo_prec, num_warps=warps,
             num_stages=prep_stages(gate, dt, K),
             **prep_regs(gate, t_form, store_p, dt, K))
     return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, gcum=gcum, t=t)
@@ -1407,18 +1361,21 @@ def _pick_bv(V: int, K: int, programs: int) -> int:
     return min(bv, _dim(V))
 
 
-def _pick_stages(elt: int, BK: int, bv: int, delta: bool, p_in: bool, busy: bool, t_tile: bool = False) -> int:
+def _pick_stages(elt: int, BK: int, bv: int, delta: bool, p_in: bool, busy: bool, t_tile: bool = False,
+                 trans: bool = False) -> int:
     """Pipeline depth of stage 2: 3 (best measured for bf16, K = V = 128) while the tiles of one chunk,
     times the depth, stay under ~200 KB of the H200's 227 KB shared memory; fp32 or K = 256 get 1-2.
     ``busy`` (at least two programs per SM): the deepest of 2-3 stages at which two programs share an SM,
     where one exists (simple GLA: B8-T4096-H32, BV = 64, 0.96 -> 0.55 ms at 2 stages instead of 3; the delta
     families' three [C, K] tiles per stage leave no such depth). ``t_tile``: a [C, C] tile more (KDA's T_FORM), with
     212 KB for the tiles: at BV 32 its 3 stages compile to 221 KB of shared memory (sm_90, bf16, TMA), and on the H200
-    (B1-T32768-H32) KDA's forward took 2.054 ms at 3 against 2.470 at 2."""
+    (B1-T32768-H32) KDA's forward took 2.054 ms at 3 against 2.470 at 2. ``trans`` (the transposed step, which stages
+    nothing on the state's chain through shared memory) with ``t_tile``: 216 KB, so that KDA's BV 64 takes 3 stages
+    (222 KB compiled; on the H200, run of 3d1debd, B8-T4096-H32 1.905 ms at 2 against 1.744 at 3)."""
     per_stage = elt * (BT * BK * (3 if delta else 2) + (BT * BT if p_in else 0) + (BT * BT if t_tile else 0) + BT * bv)
     if busy and 2 * 2 * per_stage <= 200 * 1024:
         return min(3, (100 * 1024) // per_stage)
-    return max(1, min(3, ((212 if t_tile else 200) * 1024) // per_stage))
+    return max(1, min(3, ((216 if t_tile and trans else 212 if t_tile else 200) * 1024) // per_stage))
 
 
 # 16-bit inputs with K above this run the chunk forward and backward in fp32 (inputs upcast, outputs and gradients
@@ -1474,7 +1431,11 @@ FWD_TMA_O = 1
 # gate, loaded along the transposed tiles' columns, becomes 48 single-element cp.async per thread), simple GLA
 # 0.469 / 0.526 at B8. At BV = 32 (B1, 128 programs) the products are mma.sync ones and the state is still staged
 # (the warps split the columns): DeltaNet 1.157 / 1.288, GDN 1.380 / 1.490, KDA 3.110 / 3.170.
-# CHUNKWISE_FWD_TRANS (0 / 1) overrides, at any BV.
+# Under T_FORM (R = T diag(β) (V − (K ⊙ e^G) S), both products with register first operands) on the H200 (run of
+# 3d1debd, bf16, forward ms, plain / transposed at BV 64): DeltaNet B8-T4096-H32 0.681 / 0.633, B4-T8192-H16/HV32
+# 0.665 / 0.608, varlen16 0.723 / 0.667; KDA B8 1.985 / 1.907, B4 1.995 / 1.885, and at 3 pipeline stages, which
+# the transposed step leaves room for (_pick_stages), 1.744 and 1.708. At B1 (BV 32) KDA 1.972 / 1.981, DeltaNet
+# 0.913 / 1.079. CHUNKWISE_FWD_TRANS (0 / 1) overrides, at any BV.
 FWD_TRANS = {0: 1, 1: 0, 2: 1}
 
 # The delta rule (not a forward saved for the backward), per gate kind: stage 1 writes T diag(β) [C, C] per chunk
@@ -1482,8 +1443,8 @@ FWD_TRANS = {0: 1, 1: 0, 2: 1}
 # per token and head fewer written; per channel K ⊙ e^G in W's place, formed in the first column loop, so that the
 # second one, W's, is gone), and stage 2 forms R = T diag(β) (V − e^G ⊙ K S): one [C, C] @ [C, BV] product more on
 # its serial path, K S in place of W S.
-# Not with the transposed stage 2. On the H200 (run of 38d0bad, bf16, forward ms, W / U against T_FORM; stage 1
-# alone): GDN B1-T32768-H32 1.354 / 1.195 (0.732 / 0.508), B8-T4096-H32 1.143 / 0.971, B4-T8192-H16/HV32 1.098 /
+# With the transposed stage 2 since session 19 (FWD_TRANS). On the H200 (run of 38d0bad, bf16, forward ms, W / U
+# against T_FORM; stage 1 alone): GDN B1-T32768-H32 1.354 / 1.195 (0.732 / 0.508), B8-T4096-H32 1.143 / 0.971, B4-T8192-H16/HV32 1.098 /
 # 0.928, varlen16-T32768-H32 1.247 / 1.056; DeltaNet 1.155 / 0.975 (0.518 / 0.289), 0.921 / 0.759, 0.888 / 0.731,
 # 0.985 / 0.797; KDA (run of 8a265be; stage 1 2.232 -> 1.372 ms at B1) 2.837 / 2.054 (3 pipeline stages at BV 32;
 # 2.470 at 2), 2.630 / 2.066, 2.607 / 2.048, 2.709 / 2.146, and with steep gates (about −3 per token, every chunk
@@ -1675,13 +1636,14 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         return (sn, sh, s3, s2) if transpose_state_layout else (sn, sh, s2, s3)
 
     dot_prec = _dot_prec(q.dtype)[0]
-    trans = _env_switch("CHUNKWISE_FWD_TRANS", int(FWD_TRANS[gate] and bv >= 64 and not t_form))
+    trans = _env_switch("CHUNKWISE_FWD_TRANS", int(FWD_TRANS[gate] and bv >= 64))
     tma = _env_switch("CHUNKWISE_FWD_TMA", FWD_TMA)
     tma_o = tma and _env_switch("CHUNKWISE_FWD_TMA_O", int(FWD_TMA_O and nseg == 1))
     if tma and not _INTERPRET:
         _ensure_allocator()
     if num_stages is None:
-        num_stages = _pick_stages(q.element_size(), _dim(K), bv, delta, p_in, busy, t_form and gate == 2)
+        num_stages = _pick_stages(q.element_size(), _dim(K), bv, delta, p_in, busy, t_form and gate == 2,
+                                  trans and nseg == 1)
     grid = (cdiv(V, bv), N * nseg * HV)
     sloc = gam = None
     sub = (seg_sub or 1) if nseg > 1 else 1
