@@ -79,7 +79,7 @@ def install_sm90():
 
 def warm_benchmarks(only: str = ""):
     """The --warm passes of the benchmark scripts, on CPU tensors, fla hidden (``only``: those whose
-    script name and arguments contain it)."""
+    script name and arguments contain it, or, for a part that starts with "=", equal the rest)."""
     import importlib
     os.environ["CHUNKWISE_BENCH_DEVICE"] = "cpu"
     sys.modules["fla"] = None                      # import fla -> ImportError: the scripts skip it
@@ -106,7 +106,8 @@ def warm_benchmarks(only: str = ""):
                          ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "states"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "dqk"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "kdasplit"])):
-        if not any(o in " ".join([script] + argv) for o in only.split("|")):
+        cmd = " ".join([script] + argv)
+        if not any(cmd == o[1:] if o.startswith("=") else o in cmd for o in only.split("|")):
             continue
         t = time.time()
         sys.argv = [script] + argv
@@ -161,7 +162,7 @@ def main():
     ap.add_argument("--bench", action="store_true", help="also the benchmarks' and sweeps' warm-up launches")
     ap.add_argument("--no-tests", action="store_true", help="no tests (with --bench: the benchmarks only)")
     ap.add_argument("--bench-only", default="", help="with --bench: only the warm-ups whose command contains this "
-                                                        "(or one of several separated by |)")
+                                                        "(or one of several separated by |; "=cmd": exactly cmd, e.g. "=bench_forward --warm")")
     ap.add_argument("--merge", action="append", default=[],
                     help="a new_cache.tgz a device run returned (gpu_session.sh): its entries (fla's autotuning "
                          "results and kernels compiled there) join the cache before it is packed (with --no-tests: "
