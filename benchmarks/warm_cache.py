@@ -162,7 +162,7 @@ def main():
     ap.add_argument("--bench", action="store_true", help="also the benchmarks' and sweeps' warm-up launches")
     ap.add_argument("--no-tests", action="store_true", help="no tests (with --bench: the benchmarks only)")
     ap.add_argument("--bench-only", default="", help="with --bench: only the warm-ups whose command contains this "
-                                                        "(or one of several separated by |; "=cmd": exactly cmd, e.g. "=bench_forward --warm")")
+                                                        "(or one of several separated by |; '=cmd': exactly cmd, e.g. '=bench_forward --warm')")
     ap.add_argument("--merge", action="append", default=[],
                     help="a new_cache.tgz a device run returned (gpu_session.sh): its entries (fla's autotuning "
                          "results and kernels compiled there) join the cache before it is packed (with --no-tests: "
