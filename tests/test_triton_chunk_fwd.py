@@ -195,7 +195,7 @@ def test_solve_16bit_env_checked(switch, monkeypatch):
 
 
 @pytest.mark.parametrize("split", ["0", "1"])
-@pytest.mark.parametrize("fam", ("delta", "gdn"))
+@pytest.mark.parametrize("fam", ("delta", "gdn", "kda"))
 def test_fp16_solve_redo(fam, split, monkeypatch):
     """Stage 1's fp16 solve (CHUNKWISE_SOLVE_FP16's path, forced here for fp32 inputs) with its redo at the inputs'
     own precision, inside the kernel or as a second launch over the flagged chunks (CHUNKWISE_SOLVE_FP16_SPLIT):
