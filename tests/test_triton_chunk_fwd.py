@@ -198,7 +198,8 @@ def test_solve_16bit_env_checked(switch, monkeypatch):
 @pytest.mark.parametrize("fam", ("delta", "gdn", "kda"))
 def test_fp16_solve_redo(fam, split, monkeypatch):
     """Stage 1's fp16 solve (CHUNKWISE_SOLVE_FP16's path, forced here for fp32 inputs) with its redo at the inputs'
-    own precision, inside the kernel or as a second launch over the flagged chunks (CHUNKWISE_SOLVE_FP16_SPLIT):
+    own precision, inside the kernel or as a second launch over the flagged chunks (CHUNKWISE_SOLVE_FP16_SPLIT; KDA
+    keeps it inside either way):
     with keys scaled until (I + A)⁻¹ leaves fp16's range, T diag(β) is finite and equals the plain solve's in those
     chunks; with the tests' keys, within fp16's rounding of it."""
     import chunkwise.triton.chunk_fwd as cf

@@ -1151,9 +1151,10 @@ SOLVE_FP16 = 1
 # that the first is built without it: offline sm_90 (bf16, T_FORM) GDN's stage 1 at its 168-register cap 76 -> 4 B
 # of spills, as the bf16 build. On the H200 (run of 0a5dd96, forward ms, redo inside / as a second launch): GDN
 # B1-T32768-H32 1.130 / 1.077 (stage 1 0.438 / 0.385), B8-T4096-H32 0.867 / 0.840; DeltaNet 0.906 / 0.907 and
-# 0.683 / 0.678; the same error (forward_errors.py, random and nearly parallel keys). KDA: its one-reference launch
-# flags a non-finite T as it flags a gate past SPAN_MAX, and the full build's launch redoes both (offline sm_90, bf16:
-# 3880 -> 2920 instructions, 20 -> 16 B of spills). CHUNKWISE_SOLVE_FP16_SPLIT=0 keeps the redo inside.
+# 0.683 / 0.678; the same error (forward_errors.py, random and nearly parallel keys). KDA keeps the redo inside: its
+# one-reference launch flagging a non-finite T for the full build's launch (offline sm_90, bf16: 3880 -> 2920
+# instructions) ran B1-T32768-H32 at 2.014 ms against 1.989 (stage 1 1.330 / 1.304; run of b6b420f).
+# CHUNKWISE_SOLVE_FP16_SPLIT=0 keeps the redo inside for all.
 SOLVE_FP16_SPLIT = 1
 
 
@@ -1289,16 +1290,14 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     solve_prec, redo_prec = _solve_precs(dt, gate, t_form)
     wu_lowp, warps, bkc, form = prep_config(gate)
     one_ref = _env_choice("CHUNKWISE_KDA_ONE_REF", KDA_ONE_REF, range(3)) if gate == 2 and form == 0 else 0
-    # the fp16 solve's tf32 redo as a second launch over the flagged programs (per channel: with the one-reference
-    # launch, whose flags the full build's launch redoes)
-    redo_split = solve_prec == "fp16" and (gate != 2 or one_ref == 2) and \
-        _env_switch("CHUNKWISE_SOLVE_FP16_SPLIT", SOLVE_FP16_SPLIT)
+    # the fp16 solve's tf32 redo as a second launch over the flagged programs (scalar / no gate)
+    redo_split = solve_prec == "fp16" and gate != 2 and _env_switch("CHUNKWISE_SOLVE_FP16_SPLIT", SOLVE_FP16_SPLIT)
     flag = torch.empty(n_chunks * B * HV, dtype=torch.int32, device=dev) if one_ref == 2 or redo_split else None
     # (the inference forward only: the training forward's T, which the backward reuses, keeps tf32 operands)
     ap_lowp = _env_switch("CHUNKWISE_KDA_AP_LOWP", KDA_AP_LOWP) and gate == 2 and t_form and dt == torch.bfloat16
     launches = [(r, solve_prec, 0) for r in ((2, 3) if one_ref == 2 else (one_ref,))]
     if redo_split:
-        launches = [(2, "fp16", 1), (3, redo_prec, 0)] if gate == 2 else [(0, "fp16", 1), (0, redo_prec, 2)]
+        launches = [(0, "fp16", 1), (0, redo_prec, 2)]
     for ap_one_ref, s_prec, s_redo in launches if n_chunks > 0 else ():
         chunk_prepare_kernel[(n_chunks, B * HV)](
             q, k, v, g, beta, w, u, p, qg, kg, glast, gcum, None, t, None, flag, cu_seqlens, chunk_indices, T, NT,
