@@ -172,7 +172,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--variant-set", default="all", choices=("all", "seg", "pfree", "tma", "solve", "pstages", "trans", "kdasplit",
-                                                            "tform", "bv128", "solvebf16", "tftrans"),
+                                                            "tform", "bv128", "solvebf16", "tftrans", "aplowp"),
                     help="seg: only simple GLA's segment variants; pfree: only GDN / DeltaNet with P formed in "
                          "stage 2 instead of stage 1; tma: every family's serial stage with its tiles loaded through tensor "
                          "descriptors or not; solve: the delta families with (I + A)⁻¹'s diagonal blocks by "
@@ -182,7 +182,8 @@ def main():
                          "instead of W, U (CHUNKWISE_FWD_T_FORM); bv128: stage 2 over all 128 value columns per program at 8 "
                          "warps, and KDA's stage 1 with bf16 A / P operands or capped registers; solvebf16: the delta families' "
                          "inference solve from bf16 operands (CHUNKWISE_SOLVE_BF16); tftrans: DeltaNet's and KDA's stage 2 on the "
-                         "transposed state under T_FORM (CHUNKWISE_FWD_TRANS) or not (with --variants)")
+                         "transposed state under T_FORM (CHUNKWISE_FWD_TRANS) or not; aplowp: KDA's stage 1 with A from bf16 or A and "
+                         "P from fp16 (CHUNKWISE_KDA_AP_LOWP 1 / 2; run it also under CHUNKWISE_BENCH_GATE_SCALE=1) (with --variants)")
     ap.add_argument("--variants", action="store_true", help="also time stage-2 variants (BV 16/32/64 x 4/8 warps x 2/3 stages; GLA also with P from its own kernel, GDN with the decays from stage 1)")
     ap.add_argument("--shapes", default="")
     ap.add_argument("--warm", action="store_true", help="compile everything on tiny inputs, time nothing")
@@ -231,7 +232,7 @@ def main():
                     with env_vars(env or {}):
                         try:
                             var[key], (o_v, _) = bench(lambda: run_variant(fam, x, **kw))
-                            if a.variant_set in ("bv128", "solvebf16", "tftrans"):     # the output against the default's
+                            if a.variant_set in ("bv128", "solvebf16", "tftrans", "aplowp"):     # the output against the default's
                                 var[key + "-vs-default"] = rel(o_v, o)
                             if stage1:
                                 var[key + "-s1"] = stage1_ms()
@@ -325,11 +326,16 @@ def main():
                     if fam == "kda":
                         time_variant("trans1-bv64-ns2", env={"CHUNKWISE_FWD_TRANS": "1"}, bv=64, num_stages=2)
                         time_variant("trans1-bv64-ns3", env={"CHUNKWISE_FWD_TRANS": "1"}, bv=64, num_stages=3)
+                if a.variant_set == "aplowp" and fam == "kda":
+                    # stage 1's one-reference A / P: A from bf16 (the default) or A and P from fp16 with the programs
+                    # past SPAN_FP16 flagged to the full build's launch (CHUNKWISE_KDA_AP_LOWP)
+                    for mode in ("1", "2"):
+                        time_variant(f"aplowp{mode}", env={"CHUNKWISE_KDA_AP_LOWP": mode}, stage1=True)
                 if a.variant_set == "pstages" and fam == "kda":
                     # stage 1's software pipeline over its column chunks (CHUNKWISE_PREP_STAGES): the forward and stage 1
                     for n in ("1", "2", "3"):
                         time_variant(f"pstages{n}", env={"CHUNKWISE_PREP_STAGES": n}, stage1=True)
-                if fam == "gla" and a.variant_set not in ("pfree", "tma", "solve", "pstages", "trans", "kdasplit", "tform", "bv128", "solvebf16", "tftrans") and x["q"].shape[0] == 1 and x["cu"] is None:
+                if fam == "gla" and a.variant_set not in ("pfree", "tma", "solve", "pstages", "trans", "kdasplit", "tform", "bv128", "solvebf16", "tftrans", "aplowp") and x["q"].shape[0] == 1 and x["cu"] is None:
                     # the segment split's first pass in sub-segments (chunk_fwd(seg_sub=)), 4 segments, at the
                     # second pass's value block (64, 4 warps) or its own
                     for sub, p1 in ((1, (128, 4)), (2, (128, 4)), (4, (128, 4)), (2, (128, 4, 3)), (2, (128, 4, 1)),

@@ -13,7 +13,7 @@ import re
 
 from sass_util import assemble, compile_sm90
 
-from chunkwise.triton.chunk_fwd import BC, BT, G_FLOOR, SPAN_MAX, chunk_prepare_kernel as KERNEL
+from chunkwise.triton.chunk_fwd import BC, BT, G_FLOOR, SPAN_FP16, SPAN_MAX, chunk_prepare_kernel as KERNEL
 
 GATES = {"gdn": 1, "kda": 2, "delta": 0}
 
@@ -29,7 +29,8 @@ def compile_variant(fam="gdn", wu_lowp=0, num_warps=4, K=128, V=128, BKC=64, for
                   GATE=gate, IS_VARLEN=False, DOT_PREC="tf32", MM_PREC=mm_prec, SOLVE_PREC=solve_prec, SOLVE_REDO=solve_redo, g_floor=G_FLOOR,
                   span_max=SPAN_MAX, WU_LOWP=wu_lowp,
                   AP_FORM=form if gate == 2 else 0, BWD=bwd, STORE_P=int(store_p or gate == 2),
-                  AP_ONE_REF=int(one_ref if gate == 2 else 0), SOLVE_DOUBLING=doubling, T_FORM=tform, AP_LOWP=ap_lowp)
+                  AP_ONE_REF=int(one_ref if gate == 2 else 0), SOLVE_DOUBLING=doubling, T_FORM=tform, AP_LOWP=ap_lowp,
+                  span16=SPAN_FP16)
     absent = [] if gate == 2 else ["qg", "kg", "glast"]
     absent += ["p"] if bwd or not consts["STORE_P"] else []
     absent += [] if bwd else ["do", "drl", "t_out"]

@@ -93,6 +93,7 @@ def warm_benchmarks(only: str = ""):
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "bv128", "--families", "gdn,delta,kda"]),
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "solvebf16", "--families", "gdn,delta,kda"]),
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "tftrans", "--families", "delta,kda"]),
+                         ("bench_forward", ["--warm", "--variants", "--variant-set", "aplowp", "--families", "kda"]),
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "solve", "--families", "gdn,kda,delta"]),
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "pstages", "--families", "kda"]),
                          ("sweep_bwd", ["--warm", "--warps", "4,8"]),

@@ -155,11 +155,61 @@ def test_kda_one_reference_env_checked(monkeypatch):
 
 
 def test_kda_a_operands_env_checked(monkeypatch):
-    """CHUNKWISE_KDA_AP_LOWP takes 0 or 1; anything else is an error that names it."""
-    monkeypatch.setenv("CHUNKWISE_KDA_AP_LOWP", "2")
+    """CHUNKWISE_KDA_AP_LOWP takes 0, 1 or 2; anything else is an error that names it."""
+    monkeypatch.setenv("CHUNKWISE_KDA_AP_LOWP", "3")
     inp = make_inputs("kda", B=1, T=20, H=1, HV=1, K=16, V=16, dtype=torch.float32, seed=3)
     with pytest.raises(ValueError, match="CHUNKWISE_KDA_AP_LOWP"):
         chunk_prepare(inp.q, inp.k, inp.v, inp.g, inp.beta, t_form=True)
+
+
+def _chunk_rows_past(g, cu, span, marked=()):
+    """[T, HV] bool: the tokens (one varlen batch) whose 64-token chunk has a channel with |Σ g| ≥ 2·span over the
+    chunk (g clamped at G_FLOOR, as stage 1 does) or holds a token in ``marked``."""
+    from chunkwise.triton.chunk_fwd import G_FLOOR
+    g = g[0].clamp_min(G_FLOOR).double()                     # [T, HV, K]
+    out = torch.zeros(g.shape[:2], dtype=torch.bool)
+    for n in range(cu.numel() - 1):
+        for c0 in range(int(cu[n]), int(cu[n + 1]), 64):
+            c1 = min(c0 + 64, int(cu[n + 1]))
+            out[c0:c1] = (g[c0:c1].sum(0).abs().amax(-1) >= 2 * span)[None, :] | any(c0 <= t < c1 for t in marked)
+    return out
+
+
+@pytest.mark.parametrize("case", ["fit", "normal", "strong", "big-queries"])
+def test_kda_fp16_ap(case, monkeypatch):
+    """KDA's inference stage 1 with its one-reference A and P from fp16 operands (CHUNKWISE_KDA_AP_LOWP=2's path,
+    forced here for fp32 inputs): chunks whose gate keeps every |G − G_last / 2| under SPAN_FP16 take them (P within
+    fp16 rounding of the fp32-operand build's, not equal to it); chunks past it ("normal" gates: some, "strong": past
+    SPAN_MAX too) or whose operands leave fp16's range (one query channel x 1e7 over tokens 100-139) are flagged and
+    redone by the full build's launch at fp32 operands (mode 0 for fp32 inputs; bf16 ones take mode 1's, whose bf16
+    product the interpreter cannot run), equal to mode 0 there; everything finite; the forward against the float64
+    recurrence. Fails without the flags (past the span: fp16 underflow / overflow; big queries: inf in P)."""
+    import chunkwise.triton.chunk_fwd as cf
+    from chunkwise.api import prepare_chunk_indices
+    inp = make_inputs("kda", lengths=[1, 130, 70], H=1, HV=2, K=KS[1], V=VS[0], dtype=torch.float32,
+                      gate="strong" if case == "strong" else "normal", seed=17)
+    if case in ("fit", "big-queries"):
+        inp.g.mul_(0.25)                                     # chunk gates about -4: inside fp16's span
+    if case == "big-queries":
+        inp.q[:, 100:140, :, 0] *= 1e7                     # past 65504 at any gate
+    ci = prepare_chunk_indices(inp.cu_seqlens, 64)
+    past = _chunk_rows_past(inp.g, inp.cu_seqlens, cf.SPAN_FP16, range(100, 140) if case == "big-queries" else ())
+
+    def stage1(mode):
+        monkeypatch.setattr(cf, "_ap_lowp", lambda dtype, gate, t_form: mode if t_form else 0)
+        return chunk_prepare(inp.q, inp.k, inp.v, inp.g, inp.beta, inp.cu_seqlens, ci, t_form=True)
+    ref, got = stage1(0), stage1(2)
+    assert {"fit": not past.any(), "normal": past.any() and not past.all(), "strong": past.any(),
+            "big-queries": past.any() and not past.all()}[case]
+    for name in ("p", "u", "w", "qg", "kg"):
+        assert torch.isfinite(got[name]).all(), name
+        assert torch.equal(got[name][0][past], ref[name][0][past]), name
+    if not past.all():
+        assert not torch.equal(got["p"][0][~past], ref["p"][0][~past])
+        assert rel_err(got["p"][0][~past], ref["p"][0][~past]) < 2e-3
+    if case != "big-queries":
+        o, ht = _run(inp)
+        _check(inp, o, ht, TOL[torch.float16])
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the bf16 operands apply to bf16 inputs, which need the GPU")

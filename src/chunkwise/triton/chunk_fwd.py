@@ -61,6 +61,7 @@ BT = 64          # chunk length
 BC = 16          # sub-block of the triangular solve and of the per-channel factorisation
 G_FLOOR = -40.0  # per-token gate clamp (see the module docstring)
 SPAN_MAX = 80.0  # a 16-token block whose per-channel gates sum below -SPAN_MAX takes the exact path
+SPAN_FP16 = 9.0  # KDA's one-reference products from fp16 operands (AP_LOWP 2): every |G_i − G_last / 2| under this
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -383,6 +384,7 @@ def chunk_prepare_kernel(
     BWD: tl.constexpr = 0, STORE_T: tl.constexpr = 0, STORE_P: tl.constexpr = 1, GC_OUT: tl.constexpr = 0,
     AP_ONE_REF: tl.constexpr = 0, SOLVE_DOUBLING: tl.constexpr = 0, T_FORM: tl.constexpr = 0,
     AP_LOWP: tl.constexpr = 0, SOLVE_REDO: tl.constexpr = 0, REDO_PREC: tl.constexpr = "tf32",
+    span16: tl.constexpr = SPAN_FP16,
 ):
     """One chunk of one value head: see the module docstring (stage 1). Grid (chunks, B·HV).
 
@@ -402,7 +404,9 @@ def chunk_prepare_kernel(
     forms R = T diag(β) (V − (K ⊙ e^G) S) itself.
     SOLVE_PREC "fp16": where T comes out non-finite, the solve again at REDO_PREC (the input dtype's own). SOLVE_REDO
     (scalar / no gate): 1 flags those programs instead (the redo's code not built in), 2 redoes the flagged programs
-    whole at SOLVE_PREC (the others return at once)."""
+    whole at SOLVE_PREC (the others return at once).
+    AP_LOWP (the one-reference products): 1 A from bf16 operands; 2 (AP_ONE_REF 2) A and P from fp16 ones, the program
+    flagged (for launch 3) where a column chunk's |G − G_last / 2| reaches span16 or A / P come out non-finite."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     if AP_ONE_REF == 3 or SOLVE_REDO == 2:
         if tl.load(flag + i_bh * tl.num_programs(0) + i_t) == 0:
@@ -458,8 +462,9 @@ def chunk_prepare_kernel(
                 r = 0.5 * G_last
                 b_Gr = b_G - r[None, :]
                 fast = False
+                m_Gr = tl.max(tl.max(tl.abs(b_Gr), 1), 0)
                 if AP_ONE_REF == 2:     # (the products may overflow where the span is left: launch 3 redoes those)
-                    n_out += (tl.max(tl.max(tl.abs(b_Gr), 1), 0) >= span_max).to(tl.int32)
+                    n_out += (m_Gr >= span_max).to(tl.int32)
                     fast = True
                 elif AP_ONE_REF:
                     fast = tl.max(tl.max(tl.abs(b_Gr), 1), 0) < span_max
@@ -467,10 +472,17 @@ def chunk_prepare_kernel(
                     x = tl.exp(b_Gr)                                                         # e^{G_i − r}
                     kinv = kf * tl.exp(-b_Gr)                                                # k_j e^{r − G_j}
                     qx = qf * x
-                    # AP_LOWP: A from bf16 operands (rounded to nearest; bf16 inputs: e^{±span_max} in range)
+                    # AP_LOWP: A from bf16 operands (rounded to nearest; bf16 inputs: e^{±span_max} in range); 2: A and
+                    # P from fp16 ones where this column chunk's span is under span16 (e^{±span16} in fp16's range)
                     A_PREC: tl.constexpr = "bf16" if AP_LOWP else MM_PREC
-                    A += _mm(kf * b_beta[:, None] * x, tl.trans(kinv), A_PREC)              # [BT, BKC] @ [BKC, BT]
-                    P += _mm(qx, tl.trans(kinv), MM_PREC)                                    # [BT, BKC] @ [BKC, BT]
+                    bkx = kf * b_beta[:, None] * x
+                    if AP_LOWP == 2 and AP_ONE_REF == 2:
+                        n_out += (m_Gr >= span16).to(tl.int32)
+                        A += _mm(bkx, tl.trans(kinv), "fp16")                                # [BT, BKC] @ [BKC, BT]
+                        P += _mm(qx, tl.trans(kinv), "fp16")                                 # [BT, BKC] @ [BKC, BT]
+                    else:
+                        A += _mm(bkx, tl.trans(kinv), A_PREC)                                # [BT, BKC] @ [BKC, BT]
+                        P += _mm(qx, tl.trans(kinv), MM_PREC)                                # [BT, BKC] @ [BKC, BT]
                     b_qg = qx * tl.exp(r)[None, :]
                     b_kg = kinv * tl.exp(G_last - r)[None, :]
                     if T_FORM:
@@ -532,6 +544,8 @@ def chunk_prepare_kernel(
                 tl.store(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
                                            (1, 0)), b_kx.to(w.dtype.element_ty), boundary_check=(0, 1))
         if AP_ONE_REF == 2:     # flagged: nothing more to form here
+            if AP_LOWP == 2:    # an fp16 operand past its range (keys or queries too large): an inf / NaN in A or P
+                n_out += tl.sum(tl.sum(tl.where(tl.abs(A) + tl.abs(P) < float("inf"), 0, 1), 1), 0)
             tl.store(flag + i_bh * tl.num_programs(0) + i_t, tl.minimum(n_out, 1))
             if n_out > 0:
                 return
@@ -1129,7 +1143,14 @@ KDA_ONE_REF = 2
 # ms, real-size bf16 output error against float64, fla 3.43e-3): tf32 1.374 / 3.11e-3, A from bf16 1.354 / 3.11e-3;
 # P from bf16 too 1.261 / 3.77e-3 and P alone 1.332 / 3.77e-3 (P's operands carry the error); both from fp16 where
 # they fit its range, else tf32 (both builds in one kernel), 1.600 / 3.03e-3. Under T_FORM only (the inference
-# forward). CHUNKWISE_KDA_AP_LOWP (0 / 1) overrides.
+# forward). 2 (opt-in, unmeasured): A and P both from fp16 operands (tf32's significand, rounded to nearest, at the
+# 16-bit rate) in the one-reference launch, which flags for the full build's launch (at mode 1) every program with a
+# column chunk past SPAN_FP16 or a non-finite A / P (keys or queries past fp16's range). Offline sm_90 (bf16, fp16
+# solve): 255 registers, 20 -> 0 B of spills, 3880 -> 4016 instructions, the column loop still pipelined (24
+# cp.async). Expected near session 18's bf16 A / P (stage 1 −7 %); with gates past SPAN_FP16 (trained KDA gates reach
+# −1 per token on fast channels) a flagged program's column loop is wasted. (Session 19's first form checked Σ g
+# before the loop, four unpipelined loads: stage 1 1.294 -> 1.560 ms; a choice of precision inside the loop stops the
+# loop's pipelining: offline no cp.async at all.) CHUNKWISE_KDA_AP_LOWP (0 / 1 / 2) overrides.
 KDA_AP_LOWP = 1
 
 
@@ -1250,6 +1271,14 @@ def _solve_precs(dtype: torch.dtype, gate: int, t_form: bool) -> tuple[str, str]
     return solve, solve
 
 
+def _ap_lowp(dtype, gate: int, t_form: bool) -> int:
+    """KDA's one-reference A / P operands in the inference stage 1 (chunk_prepare_kernel's AP_LOWP): 0 tf32, 1 A from
+    bf16, 2 A and P from fp16 with the range flagged; bf16 inputs under T_FORM only (the training forward's T is what
+    the backward reuses). CHUNKWISE_KDA_AP_LOWP (0 / 1 / 2) overrides KDA_AP_LOWP."""
+    mode = _env_choice("CHUNKWISE_KDA_AP_LOWP", KDA_AP_LOWP, range(3))
+    return mode if gate == 2 and t_form and dtype == torch.bfloat16 else 0
+
+
 def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=False, store_p=True, t_form=False):
     """Stage 1 for the delta families.
 
@@ -1294,7 +1323,7 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     redo_split = solve_prec == "fp16" and gate != 2 and _env_switch("CHUNKWISE_SOLVE_FP16_SPLIT", SOLVE_FP16_SPLIT)
     flag = torch.empty(n_chunks * B * HV, dtype=torch.int32, device=dev) if one_ref == 2 or redo_split else None
     # (the inference forward only: the training forward's T, which the backward reuses, keeps tf32 operands)
-    ap_lowp = _env_switch("CHUNKWISE_KDA_AP_LOWP", KDA_AP_LOWP) and gate == 2 and t_form and dt == torch.bfloat16
+    ap_lowp = _ap_lowp(dt, gate, t_form)
     launches = [(r, solve_prec, 0) for r in ((2, 3) if one_ref == 2 else (one_ref,))]
     if redo_split:
         launches = [(0, "fp16", 1), (0, redo_prec, 2)]
@@ -1306,7 +1335,8 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(dt, K) and gate != 2,
             AP_FORM=form if gate == 2 else 0, STORE_T=save_t, STORE_P=store_p, GC_OUT=gate == 1,
             AP_ONE_REF=ap_one_ref, SOLVE_DOUBLING=_env_switch("CHUNKWISE_SOLVE_DOUBLING", SOLVE_DOUBLING),
-            T_FORM=t_form, AP_LOWP=ap_lowp, SOLVE_REDO=s_redo, REDO_PREC=redo_prec, num_warps=warps,
+            T_FORM=t_form, AP_LOWP=ap_lowp if ap_one_ref == 2 else min(ap_lowp, int(dt == torch.bfloat16)),
+            SOLVE_REDO=s_redo, REDO_PREC=redo_prec, span16=SPAN_FP16, num_warps=warps,
             num_stages=prep_stages(gate, dt, K),
             **prep_regs(gate, t_form, store_p, dt, K))
     return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, gcum=gcum, t=t)
