@@ -335,7 +335,7 @@ def main():
                     # stage 1's software pipeline over its column chunks (CHUNKWISE_PREP_STAGES): the forward and stage 1
                     for n in ("1", "2", "3"):
                         time_variant(f"pstages{n}", env={"CHUNKWISE_PREP_STAGES": n}, stage1=True)
-                if fam == "gla" and a.variant_set not in ("pfree", "tma", "solve", "pstages", "trans", "kdasplit", "tform", "bv128", "solvebf16", "tftrans", "aplowp") and x["q"].shape[0] == 1 and x["cu"] is None:
+                if fam == "gla" and a.variant_set in ("all", "seg") and x["q"].shape[0] == 1 and x["cu"] is None:
                     # the segment split's first pass in sub-segments (chunk_fwd(seg_sub=)), 4 segments, at the
                     # second pass's value block (64, 4 warps) or its own
                     for sub, p1 in ((1, (128, 4)), (2, (128, 4)), (4, (128, 4)), (2, (128, 4, 3)), (2, (128, 4, 1)),

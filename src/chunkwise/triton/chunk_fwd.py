@@ -467,7 +467,7 @@ def chunk_prepare_kernel(
                     n_out += (m_Gr >= span_max).to(tl.int32)
                     fast = True
                 elif AP_ONE_REF:
-                    fast = tl.max(tl.max(tl.abs(b_Gr), 1), 0) < span_max
+                    fast = m_Gr < span_max
                 if fast:
                     x = tl.exp(b_Gr)                                                         # e^{G_i − r}
                     kinv = kf * tl.exp(-b_Gr)                                                # k_j e^{r − G_j}
@@ -1477,8 +1477,8 @@ FWD_TRANS = {0: 1, 1: 0, 2: 1}
 # its serial path, K S in place of W S.
 # With the transposed stage 2 since session 19 (FWD_TRANS). On the H200 (run of 38d0bad, bf16, forward ms, W / U
 # against T_FORM; stage 1 alone): GDN B1-T32768-H32 1.354 / 1.195 (0.732 / 0.508), B8-T4096-H32 1.143 / 0.971,
-# B4-T8192-H16/HV32 1.098 / 0.928, varlen16-T32768-H32 1.247 / 1.056; DeltaNet 1.155 / 0.975 (0.518 / 0.289), 0.921 / 0.759, 0.888 / 0.731,
-# 0.985 / 0.797; KDA (run of 8a265be; stage 1 2.232 -> 1.372 ms at B1) 2.837 / 2.054 (3 pipeline stages at BV 32;
+# B4-T8192-H16/HV32 1.098 / 0.928, varlen16-T32768-H32 1.247 / 1.056; DeltaNet 1.155 / 0.975 (0.518 / 0.289),
+# 0.921 / 0.759, 0.888 / 0.731, 0.985 / 0.797; KDA (run of 8a265be; stage 1 2.232 -> 1.372 ms at B1) 2.837 / 2.054 (3 pipeline stages at BV 32;
 # 2.470 at 2), 2.630 / 2.066, 2.607 / 2.048, 2.709 / 2.146, and with steep gates (about −3 per token, every chunk
 # flagged) 7.035 / 6.436. CHUNKWISE_FWD_T_FORM (0 / 1) overrides
 FWD_T_FORM = {0: 1, 1: 1, 2: 1}
