@@ -172,7 +172,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--variant-set", default="all", choices=("all", "seg", "pfree", "tma", "solve", "pstages", "trans", "kdasplit",
-                                                            "tform", "bv128", "solvebf16", "tftrans", "aplowp"),
+                                                            "tform", "bv128", "solvebf16", "tftrans", "aplowp", "stages"),
                     help="seg: only simple GLA's segment variants; pfree: only GDN / DeltaNet with P formed in "
                          "stage 2 instead of stage 1; tma: every family's serial stage with its tiles loaded through tensor "
                          "descriptors or not; solve: the delta families with (I + A)⁻¹'s diagonal blocks by "
@@ -183,7 +183,7 @@ def main():
                          "warps, and KDA's stage 1 with bf16 A / P operands or capped registers; solvebf16: the delta families' "
                          "inference solve from bf16 operands (CHUNKWISE_SOLVE_BF16); tftrans: DeltaNet's and KDA's stage 2 on the "
                          "transposed state under T_FORM (CHUNKWISE_FWD_TRANS) or not; aplowp: KDA's stage 1 with A from bf16 or A and "
-                         "P from fp16 (CHUNKWISE_KDA_AP_LOWP 1 / 2; run it also under CHUNKWISE_BENCH_GATE_SCALE=1) (with --variants)")
+                         "P from fp16 (CHUNKWISE_KDA_AP_LOWP 1 / 2; run it also under CHUNKWISE_BENCH_GATE_SCALE=1); stages: stage 2 at BV 32 / 64 and 1 / 2 / 3 pipeline stages (GDN also transposed) (with --variants)")
     ap.add_argument("--variants", action="store_true", help="also time stage-2 variants (BV 16/32/64 x 4/8 warps x 2/3 stages; GLA also with P from its own kernel, GDN with the decays from stage 1)")
     ap.add_argument("--shapes", default="")
     ap.add_argument("--warm", action="store_true", help="compile everything on tiny inputs, time nothing")
@@ -331,6 +331,16 @@ def main():
                     # past SPAN_FP16 flagged to the full build's launch (CHUNKWISE_KDA_AP_LOWP)
                     for mode in ("1", "2"):
                         time_variant(f"aplowp{mode}", env={"CHUNKWISE_KDA_AP_LOWP": mode}, stage1=True)
+                if a.variant_set == "stages":
+                    # stage 2's pipeline depth at BV 32 / 64: one stage fits two or three programs per SM (their loads
+                    # wait on memory, but the other programs' steps fill the wait), which at 256 programs (B4-T8192-
+                    # H16/HV32) is one wave instead of two; and the transposed step (CHUNKWISE_FWD_TRANS) for GDN
+                    for bv in (32, 64):
+                        for ns in (1, 2, 3):
+                            time_variant(f"bv{bv}-ns{ns}", bv=bv, num_stages=ns, **own)
+                    if fam == "gdn":
+                        for ns in (1, 2, 3):
+                            time_variant(f"trans1-bv64-ns{ns}", env={"CHUNKWISE_FWD_TRANS": "1"}, bv=64, num_stages=ns)
                 if a.variant_set == "pstages" and fam == "kda":
                     # stage 1's software pipeline over its column chunks (CHUNKWISE_PREP_STAGES): the forward and stage 1
                     for n in ("1", "2", "3"):

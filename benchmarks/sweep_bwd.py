@@ -15,7 +15,7 @@ W / U recompute, 3: also the key side, 4: the key side but its pairwise products
     python benchmarks/sweep_bwd.py --out $OUT
     python benchmarks/sweep_bwd.py --fams kda --variants "p32:CHUNKWISE_BWD_PAIR_SPLIT=32;old:CHUNKWISE_BWD_PAIR_SPLIT=0"
 
---variants "name:VAR=value,VAR=value;..." (or "ahead", "states", "pair", "regs", "save", "lowp", "oneref": the named sets below): time only these environment settings (on top of the defaults),
+--variants "name:VAR=value,VAR=value;..." (or "tform", "ahead", "states", "pair", "regs", "save", "lowp", "oneref": the named sets below): time only these environment settings (on top of the defaults),
 each with its per-kernel profile and its gradients' difference from the first variant's.
 """
 from __future__ import annotations
@@ -102,7 +102,9 @@ STATES_VARIANTS = "recompute:CHUNKWISE_SAVE_STATES=0;states:CHUNKWISE_SAVE_STATE
 DQK_VARIANTS = "dqk:;kdaold:CHUNKWISE_BWD_DQK_KDA=0;w8:CHUNKWISE_BWD_WARPS=bwd_dqk:8"
 # KDA's stage 1 (kept for the backward) in one launch or two (CHUNKWISE_KDA_ONE_REF 1 / 2, chunk_fwd.KDA_ONE_REF)
 KDASPLIT_VARIANTS = "oneref1:CHUNKWISE_KDA_ONE_REF=1;oneref2:CHUNKWISE_KDA_ONE_REF=2"
-NAMED = {"kdasplit": KDASPLIT_VARIANTS, "dqk": DQK_VARIANTS, "ahead": AHEAD_VARIANTS, "states": STATES_VARIANTS, "pair": PAIR_VARIANTS, "gates": GATES_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
+# the training forward under T_FORM, keeping T alone (the backward forms W, U: _wu_kernel), or keeping W and U
+TFORM_VARIANTS = "wu:CHUNKWISE_SAVE_T_FORM=0;tform:CHUNKWISE_SAVE_T_FORM=1"
+NAMED = {"tform": TFORM_VARIANTS, "kdasplit": KDASPLIT_VARIANTS, "dqk": DQK_VARIANTS, "ahead": AHEAD_VARIANTS, "states": STATES_VARIANTS, "pair": PAIR_VARIANTS, "gates": GATES_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
          "oneref": ONEREF_VARIANTS}
 
 

@@ -94,6 +94,8 @@ def warm_benchmarks(only: str = ""):
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "solvebf16", "--families", "gdn,delta,kda"]),
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "tftrans", "--families", "delta,kda"]),
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "aplowp", "--families", "kda"]),
+                         ("bench_forward", ["--warm", "--variants", "--variant-set", "stages", "--families", "gdn",
+                                            "--shapes", "B4-T8192-H16/HV32,B8-T4096-H32,varlen16-T32768-H32"]),
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "solve", "--families", "gdn,kda,delta"]),
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "pstages", "--families", "kda"]),
                          ("sweep_bwd", ["--warm", "--warps", "4,8"]),
@@ -105,6 +107,7 @@ def warm_benchmarks(only: str = ""):
                          ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "lowp"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "ahead"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "states"]),
+                         ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "tform"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "dqk"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "kdasplit"])):
         cmd = " ".join([script] + argv)

@@ -518,6 +518,40 @@ def test_grads_saved_stage1(fam, dtype, monkeypatch):
     assert set(saved) == set(again)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("fam", ("gdn", "kda", "delta"))
+def test_grads_saved_t_form(fam, dtype, monkeypatch):
+    """The training forward under T_FORM (CHUNKWISE_SAVE_T_FORM=1, KDA's default): stage 1 keeps P and T alone (the
+    op's w, u come back empty), stage 2 forms R from T diag(β), and the backward forms W and U from T beside dR_local
+    (_wu_kernel with the delta rule): the forward's output and final state equal the inference forward's, every
+    gradient equals the reference's (varlen with a length-1 sequence, grouped heads, a carried-in state, the final
+    state read by the loss) and the W / U-keeping forward's (=0)."""
+    import chunkwise.triton.chunk_bwd as cb
+    from chunkwise.triton.chunk_fwd import chunk_fwd
+    inp = make_inputs(fam, lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, seed=19)
+    if dtype == torch.float16 and fam in ("gdn", "delta"):
+        pytest.skip("GDN / DeltaNet with fp16 inputs save no stage 1 (test_saved_stage1_rule)")
+    monkeypatch.setenv("CHUNKWISE_SAVE_STAGE1", "1")
+    monkeypatch.setenv("CHUNKWISE_SAVE_T_FORM", "1")
+    x = [t if t is None or n in ("g", "h0") else t.to(DEVICE, dtype) for n, t in
+         zip(("q", "k", "v", "g", "beta", "h0"), (inp.q, inp.k, inp.v, inp.g, inp.beta, inp.h0))]
+    x = [t if t is None else t.to(DEVICE) for t in x]
+    cu = None if inp.cu_seqlens is None else inp.cu_seqlens.to(DEVICE)
+    saved = {}
+    o, ht = chunk_fwd(*x[:5], 0.25, x[5], True, cu, saved_out=saved)
+    assert set(saved) == {"p", "t"} and saved["t"].dtype == torch.float32
+    o_inf, ht_inf = chunk_fwd(*x[:5], 0.25, x[5], True, cu)
+    assert torch.equal(o, o_inf) and torch.equal(ht, ht_inf)
+    wu = _count_launches(monkeypatch, "_wu_kernel")
+    with_t = _grads(inp, "triton", dtype)
+    _compare(inp, TOL[dtype], dtype=dtype, ours=with_t)
+    assert len(wu) == 1
+    monkeypatch.setenv("CHUNKWISE_SAVE_T_FORM", "0")
+    with_wu = _grads(inp, "triton", dtype)
+    for n in with_wu:
+        assert rel_err(with_t[n], with_wu[n]) <= TOL[dtype] / 4, n
+
+
 @pytest.mark.parametrize("kd_in", ["1", "0"])
 @pytest.mark.parametrize("save", ["1", "0"])
 def test_kda_state_passes_from_scaled_keys(save, kd_in, monkeypatch):

@@ -287,12 +287,13 @@ def _save_stage1_wanted(mode, backend, beta, *tensors) -> bool:
 def _stage1_shapes(q, v, g, beta, cu_seqlens):
     """(w, u, p, t, h, r) shapes and dtypes the saving forward returns (empty [0] tensors where it saves nothing;
     h, r only with chunk_fwd.saves_states)."""
-    from .triton.chunk_fwd import BT, chunk_slots, saves_stage1, saves_states, state_dtype
+    from .triton.chunk_fwd import BT, chunk_slots, save_t_form, saves_stage1, saves_states, state_dtype
     B, T, HV, K, V = q.shape[0], q.shape[1], v.shape[2], q.shape[3], v.shape[3]
     if not saves_stage1(q, v, g, beta):
         return [(_EMPTY_SHAPE, q.dtype)] * 6
-    stage = [((B, T, HV, K), q.dtype), ((B, T, HV, V), q.dtype), ((B, T, HV, BT), q.dtype),
-             ((B, T, HV, BT), torch.float32)]
+    gate = 0 if g is None else (1 if g.dim() == 3 else 2)
+    wu = [(_EMPTY_SHAPE, q.dtype)] * 2 if save_t_form(gate) else [((B, T, HV, K), q.dtype), ((B, T, HV, V), q.dtype)]
+    stage = wu + [((B, T, HV, BT), q.dtype), ((B, T, HV, BT), torch.float32)]
     if not saves_states():
         return stage + [(_EMPTY_SHAPE, q.dtype)] * 2
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -309,8 +310,9 @@ def chunk_fwd_saved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Option
     """chunk_fwd (triton, delta families) that also returns stage 1 for the backward:
     (o, final state or empty, w [B,T,HV,K], u [B,T,HV,V], p [B,T,HV,64] in q's dtype, t [B,T,HV,64] fp32,
     h [slots,HV,K,V], r [B,T,HV,V]), w .. r empty [0] tensors where the head dims are padded, 16-bit K > 128 runs
-    in fp32, or GDN / DeltaNet take fp16 inputs (see triton.chunk_fwd.saves_stage1); h (each chunk's entering
-    state) and r (R = U − W S) empty too unless CHUNKWISE_SAVE_STATES=1 (triton.chunk_fwd.saves_states)."""
+    in fp32, or GDN / DeltaNet take fp16 inputs (see triton.chunk_fwd.saves_stage1); w, u empty too where the
+    forward runs under T_FORM (triton.chunk_fwd.save_t_form: the backward forms them from t); h (each chunk's
+    entering state) and r (R = U − W S) empty unless CHUNKWISE_SAVE_STATES=1 (triton.chunk_fwd.saves_states)."""
     from .triton.chunk_fwd import chunk_fwd as triton_chunk_fwd
     saved: dict = {}
     o, ht = triton_chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
@@ -337,9 +339,9 @@ def chunk_bwd_saved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Option
                     transpose_state_layout: bool, chunk_size: int, backend: str, w: torch.Tensor, u: torch.Tensor,
                     p: torch.Tensor, t: torch.Tensor, h: torch.Tensor, r: torch.Tensor, do: torch.Tensor,
                     dht: Optional[torch.Tensor], needs_grad: Sequence[bool]) -> _GradTuple:
-    """Gradients of chunk_fwd_saved from its stage 1 (w, u, p, t; recomputed where they are empty) and the
-    per-chunk states and R (h, r; recomputed where they are empty)."""
-    saved = dict(w=w, u=u, p=p, t=t) if w.numel() else None
+    """Gradients of chunk_fwd_saved from its stage 1 (p, t and w, u; all recomputed where they are empty, w and u
+    alone formed from t) and the per-chunk states and R (h, r; recomputed where they are empty)."""
+    saved = dict(w=w if w.numel() else None, u=u if u.numel() else None, p=p, t=t) if t.numel() else None
     if saved is not None and h.numel():
         saved.update(h=h, r=r)
     return _backward_impl("chunk", q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_indices,

@@ -1939,20 +1939,32 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         Amat = buf(B, T, HV, C) if delta and (scratch or da_scr) else None
         Pmat = buf(B, T, HV, C) if scratch else None
     Tmat = W = U = R = None
+    wu_from_t = False
     if saved is not None:
         # the forward's stage 1 (T, W, U in the dtypes the recompute would give; P in the input dtype, as the
-        # 16-bit W / U recompute takes it): only dR_local = scale Pᵀ dO is left to form
-        Tmat, W, U = saved["t"].contiguous(), saved["w"].contiguous(), saved["u"].contiguous()
+        # 16-bit W / U recompute takes it): only dR_local = scale Pᵀ dO is left to form, and W, U where a forward
+        # under T_FORM kept T alone (chunk_fwd.save_t_form)
+        Tmat = saved["t"].contiguous()
+        wu_from_t = saved.get("w") is None
+        if wu_from_t:
+            W, U = buf(B, T, HV, K, dtype=sdt), buf(B, T, HV, V, dtype=sdt)
+        else:
+            W, U = saved["w"].contiguous(), saved["u"].contiguous()
     elif delta:
         Tmat = buf(B, T, HV, C)
         W, U = buf(B, T, HV, K, dtype=sdt), buf(B, T, HV, V, dtype=sdt)
     # with stage 1 saved (scalar / no gate), the reverse state pass forms dR_local = scale Pᵀ dO per chunk itself
-    p_in_dh = saved is not None and gate != 2 and _env_switch("CHUNKWISE_BWD_P_IN_DH", BWD_P_IN_DH)
+    p_in_dh = saved is not None and gate != 2 and not wu_from_t and _env_switch("CHUNKWISE_BWD_P_IN_DH", BWD_P_IN_DH)
     dRl = saved["p"].contiguous() if p_in_dh else buf(B, T, HV, V, dtype=sdt)
     # fp16 takes the three kernels: on the H200 (run of e1f8201) the fused pass with fp16 products at 4 warps gave
     # gradient errors of 1.1 (GDN) and inf (DeltaNet) at K = 16 while bf16 passed at real size
     if saved is not None:
-        if not p_in_dh:
+        if wu_from_t:   # W, U from T at the saved stage 1's precisions (fp32 operands), with dR_local
+            _wu_kernel[grid_c](k, v, beta, G, Tmat, saved["p"].contiguous(), do, W, U, dRl, scale=scale, H=H, HV=HV,
+                               K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate, DELTA=True, IS_VARLEN=varlen, PREC=prec,
+                               LOWP=False, num_warps=_warps("wu", gate, wide8), **_regs("wu", gate, wide8),
+                               num_stages=ns, **common)
+        elif not p_in_dh:
             _wu_kernel[grid_c](k, v, beta, G, None, saved["p"].contiguous(), do, None, None, dRl, scale=scale, H=H,
                                HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate, DELTA=False, IS_VARLEN=varlen, PREC=prec,
                                LOWP=lowp_wu, num_warps=_warps("wu", gate, wide8), **_regs("wu", gate, wide8),

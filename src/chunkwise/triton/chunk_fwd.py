@@ -399,9 +399,9 @@ def chunk_prepare_kernel(
     fewer registers, no spills), flagging the programs where a column chunk's gate did not allow them (which then
     stop after A and P); 3 as 1, for the flagged programs alone (the others return at once), writing everything
     there.
-    T_FORM (forward, not with BWD / STORE_T): write T diag(β) = (I + A)⁻¹ diag(β) [B,T,HV,BT] to u (input dtype)
-    instead of W and U (v is not read; per channel no second column loop), and per channel K ⊙ e^G to w: stage 2
-    forms R = T diag(β) (V − (K ⊙ e^G) S) itself.
+    T_FORM (forward, not with BWD): write T diag(β) = (I + A)⁻¹ diag(β) [B,T,HV,BT] to u (input dtype) instead of
+    W and U (v is not read; per channel no second column loop), and per channel K ⊙ e^G to w: stage 2 forms
+    R = T diag(β) (V − (K ⊙ e^G) S) itself; with STORE_T (the training forward), T to t_out as well.
     SOLVE_PREC "fp16": where T comes out non-finite, the solve again at REDO_PREC (the input dtype's own). SOLVE_REDO
     (scalar / no gate): 1 flags those programs instead (the redo's code not built in), 2 redoes the flagged programs
     whole at SOLVE_PREC (the others return at once).
@@ -591,10 +591,13 @@ def chunk_prepare_kernel(
             tl.store(flag + i_bh * tl.num_programs(0) + i_t, bad.to(tl.int32))
         elif bad:
             Tm = _solve_unit_lower(A, REDO_PREC, BTc, BCc, SOLVE_DOUBLING)
-    if T_FORM:      # T diag(β) for stage 2, in U's place; no W, U
+    if T_FORM:      # T diag(β) for stage 2, in U's place; no W, U (the training forward: T for the backward too)
         tl.store(tl.make_block_ptr(u + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0),
                                    (BTc, BTc), (1, 0)), (Tm * b_beta[None, :]).to(u.dtype.element_ty),
                  boundary_check=(0, 1))
+        if STORE_T:
+            tl.store(tl.make_block_ptr(t_out + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0),
+                                       (BTc, BTc), (1, 0)), Tm, boundary_check=(0, 1))
     else:
         if BWD or STORE_T:
             tl.store(tl.make_block_ptr(t_out + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0),
@@ -1289,13 +1292,13 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     chunk i of sequence n is n·NT + i, or n + start_token // 64 with cu_seqlens), for scalar g gcum [slots, HV, 64]
     fp32 (the chunk-local cumulative gate G, one row per chunk slot) and glast [slots, HV] fp32 (G_last per chunk); with ``save_t`` also
     t = (I + A)⁻¹ [B,T,HV,64] fp32 (for a backward that reuses stage 1). ``store_p=False`` (scalar / no
-    gate): p is None, for a stage 2 that forms P itself. ``t_form`` (not with ``save_t``): u is (I + A)⁻¹ diag(β)
-    [B,T,HV,64] and w (per-channel g) K ⊙ e^G [B,T,HV,K] or None, in q's dtype, for stage 2's T_FORM.
+    gate): p is None, for a stage 2 that forms P itself. ``t_form``: u is (I + A)⁻¹ diag(β) [B,T,HV,64] and w
+    (per-channel g) K ⊙ e^G [B,T,HV,K] or None, in q's dtype, for stage 2's T_FORM (with ``save_t`` at the training
+    forward's precisions, t as well).
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     gate = _gate_kind(g)
-    assert not (t_form and save_t), "t_form: not with save_t"
     NT = cdiv(T, BT)
     dev, dt = q.device, q.dtype
     w = None if t_form and gate != 2 else _alloc((B, T, HV, K), dt, dev)
@@ -1316,14 +1319,14 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
             glast = _alloc((slots, HV), torch.float32, dev)
     t = _alloc((B, T, HV, BT), torch.float32, dev) if save_t else None
     dot_prec, mm_prec, _ = _dot_prec(dt, gate)
-    solve_prec, redo_prec = _solve_precs(dt, gate, t_form)
+    # (the inference forward's precisions: a training forward's T, which the backward reuses, keeps tf32 operands)
+    solve_prec, redo_prec = _solve_precs(dt, gate, t_form and not save_t)
     wu_lowp, warps, bkc, form = prep_config(gate)
     one_ref = _env_choice("CHUNKWISE_KDA_ONE_REF", KDA_ONE_REF, range(3)) if gate == 2 and form == 0 else 0
     # the fp16 solve's tf32 redo as a second launch over the flagged programs (scalar / no gate)
     redo_split = solve_prec == "fp16" and gate != 2 and _env_switch("CHUNKWISE_SOLVE_FP16_SPLIT", SOLVE_FP16_SPLIT)
     flag = torch.empty(n_chunks * B * HV, dtype=torch.int32, device=dev) if one_ref == 2 or redo_split else None
-    # (the inference forward only: the training forward's T, which the backward reuses, keeps tf32 operands)
-    ap_lowp = _ap_lowp(dt, gate, t_form)
+    ap_lowp = _ap_lowp(dt, gate, t_form and not save_t)
     launches = [(r, solve_prec, 0) for r in ((2, 3) if one_ref == 2 else (one_ref,))]
     if redo_split:
         launches = [(0, "fp16", 1), (0, redo_prec, 2)]
@@ -1520,10 +1523,26 @@ def _env_switch(name: str, default: int) -> bool:
 def delta_stage1_form(gate: int, save: bool = False) -> tuple[bool, bool]:
     """How chunk_fwd launches the delta families' stage 1 by default, for a gate kind (``save``: kept for the
     backward): (P stored by stage 1 (DELTA_P_IN; always per channel or saved), T diag(β) instead of W, U
-    (FWD_T_FORM; never saved)), with CHUNKWISE_FWD_P_IN / CHUNKWISE_FWD_T_FORM applied."""
+    (FWD_T_FORM; saved: SAVE_T_FORM)), with CHUNKWISE_FWD_P_IN / CHUNKWISE_FWD_T_FORM applied."""
     store_p = save or _env_switch("CHUNKWISE_FWD_P_IN", DELTA_P_IN.get(gate, 1)) or gate == 2
-    t_form = not save and _env_switch("CHUNKWISE_FWD_T_FORM", FWD_T_FORM[gate])
+    t_form = save_t_form(gate) if save else _env_switch("CHUNKWISE_FWD_T_FORM", FWD_T_FORM[gate])
     return store_p, t_form
+
+
+# The training forward (stage 1 kept for the backward) under T_FORM too, per gate kind: stage 1 also writes T (fp32)
+# for the backward but neither W nor U, stage 2 forms R from T diag(β) as the inference forward does, and the
+# backward forms W = T diag(β e^G) K and U = T diag(β) V in the launch that already forms dR_local (_wu_kernel):
+# KDA's stage 1 then has one column loop instead of two (its W loop re-reads k and g), for a backward launch that
+# reads k, v, G and writes W, U. The products keep the training forward's precisions (the tf32 solve; A, P, W
+# from fp32 operands), and the forward saves O(T·HV·2·64) instead of O(T·HV·(K + V + 2·64)).
+# Not with CHUNKWISE_SAVE_STATES (its stage 2 stores R = U − W S). CHUNKWISE_SAVE_T_FORM (0 / 1) overrides.
+SAVE_T_FORM = {0: 0, 1: 0, 2: 1}
+
+
+def save_t_form(gate: int) -> bool:
+    """Whether the training forward of a gate kind runs stage 1 / stage 2 under T_FORM (SAVE_T_FORM): the saved
+    stage 1 is then P and T only, and the backward forms W and U."""
+    return bool(_env_switch("CHUNKWISE_SAVE_T_FORM", SAVE_T_FORM[gate])) and not saves_states()
 
 
 def saves_stage1(q, v, g, beta) -> bool:
@@ -1643,8 +1662,10 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
                            t_form=t_form) \
         if delta else dict(w=None, u=None, p=None, qg=None, kg=None, glast=None, gcum=None)
     hs = rs = None
-    if save:
-        saved_out.update(w=stage1["w"], u=stage1["u"], p=stage1["p"], t=stage1["t"])
+    if save:    # under T_FORM stage 1's w, u are stage 2's operands (K ⊙ e^G, T diag(β)): the backward forms W, U
+        saved_out.update(p=stage1["p"], t=stage1["t"])
+        if not t_form:
+            saved_out.update(w=stage1["w"], u=stage1["u"])
         if saves_states():      # the per-chunk states and R too: the backward skips its forward state pass
             sdt = state_dtype(q.dtype)
             hs = _alloc((chunk_slots(N, T, cu_seqlens is not None), HV, K, V), sdt, q.device)
