@@ -60,38 +60,39 @@ KERNELS = {
                    dict(T="i32"), dict(BC=cb.SUB, span_max=cb.SPAN_MAX)),
     "bwd_pair": ("_bwd_pair_kernel",          # per channel: the pairwise gradients by column blocks (the default)
                  dict(q="in", k="in", beta="in", G="fp32", Pmat="fp32", Amat="fp32", dq="g", dk="g", dbp="fp32",
-                      dG="fp32", dq_o="in", dk_o="in"),
+                      dG="fp32", dq_o="in", dk_o="in", flag="i32"),
                  dict(T="i32", s_dbp="i32"), dict(BC=cb.SUB, span_max=cb.SPAN_MAX, OFFDIAG=True, DIAG=True, BKP=cb.BWD_PAIR_SPLIT,
                                                  ONE_REF=0)),
     **{f"bwd_pair_ref{n}": ("_bwd_pair_kernel",   # one reference per chunk where the gate allows (BWD_ONE_REF), n channels
                             dict(q="in", k="in", beta="in", G="fp32", Pmat="fp32", Amat="fp32", dq="g", dk="g",
-                                 dbp="fp32", dG="fp32", dq_o="in", dk_o="in"),
+                                 dbp="fp32", dG="fp32", dq_o="in", dk_o="in", flag="i32"),
                             dict(T="i32", s_dbp="i32"),
                             dict(BC=cb.SUB, span_max=cb.SPAN_MAX, OFFDIAG=True, DIAG=True, BKP=n, ONE_REF=1, KLOOP=0))
         for n in (32, 64)},
     "bwd_pair_kloop": ("_bwd_pair_kernel",   # the same, one program per chunk over the 32-channel blocks (BWD_PAIR_KLOOP)
                        dict(q="in", k="in", beta="in", G="fp32", Pmat="fp32", Amat="fp32", dq="g", dk="g",
-                            dbp="fp32", dG="fp32", dq_o="in", dk_o="in"),
+                            dbp="fp32", dG="fp32", dq_o="in", dk_o="in", flag="i32"),
                        dict(T="i32", s_dbp="i32"),
-                       dict(BC=cb.SUB, span_max=cb.SPAN_MAX, OFFDIAG=True, DIAG=True, BKP=32, ONE_REF=1, KLOOP=1)),
+                       dict(BC=cb.SUB, span_max=cb.SPAN_MAX, OFFDIAG=True, DIAG=True, BKP=32, ONE_REF=1, KLOOP=1, FITB=32, FLAG=cb.BWD_PAIR_FLAG)),
     "bwd_pair_rest": ("_bwd_pair_kernel",   # the block form where one reference does not fit (BWD_ONE_REF's 2nd launch)
                       dict(q="in", k="in", beta="in", G="fp32", Pmat="fp32", Amat="fp32", dq="g", dk="g", dbp="fp32",
-                           dG="fp32", dq_o="in", dk_o="in"),
+                           dG="fp32", dq_o="in", dk_o="in", flag="i32"),
                       dict(T="i32", s_dbp="i32"),
-                      dict(BC=cb.SUB, span_max=cb.SPAN_MAX, OFFDIAG=True, DIAG=True, BKP=cb.BWD_PAIR_SPLIT, ONE_REF=2)),
+                      dict(BC=cb.SUB, span_max=cb.SPAN_MAX, OFFDIAG=True, DIAG=True, BKP=cb.BWD_PAIR_SPLIT, ONE_REF=2,
+                                                  FITB=cb.BWD_PAIR_SPLIT, FLAG=cb.BWD_PAIR_FLAG)),
     "bwd_diag_rest": ("_bwd_pair_kernel",   # the diagonal blocks of the channel blocks one reference does not fit (ONE_REF 3)
                       dict(q="in", k="in", beta="in", G="fp32", Pmat="fp32", Amat="fp32", dq="g", dk="g", dbp="fp32",
-                           dG="fp32", dq_o="in", dk_o="in"),
+                           dG="fp32", dq_o="in", dk_o="in", flag="i32"),
                       dict(T="i32", s_dbp="i32"),
                       dict(BC=cb.SUB, span_max=cb.SPAN_MAX, OFFDIAG=False, DIAG=True, BKP=128, ONE_REF=3,
-                           FITB=cb.BWD_PAIR_SPLIT)),
+                           FITB=cb.BWD_PAIR_SPLIT, FLAG=cb.BWD_PAIR_FLAG)),
     "bwd_diag": ("_bwd_pair_kernel",          # the diagonal blocks alone, all channels (CHUNKWISE_BWD_PAIR_DIAG=0)
                  dict(q="in", k="in", beta="in", G="fp32", Pmat="fp32", Amat="fp32", dq="g", dk="g", dbp="fp32",
-                      dG="fp32", dq_o="in", dk_o="in"),
+                      dG="fp32", dq_o="in", dk_o="in", flag="i32"),
                  dict(T="i32", s_dbp="i32"), dict(BC=cb.SUB, span_max=cb.SPAN_MAX, OFFDIAG=False, DIAG=True, BKP=128, ONE_REF=0)),
     **{f"bwd_offdiag{n}": ("_bwd_pair_kernel",     # the off-diagonal part alone, n channels (BWD_PAIR_DIAG=0)
                            dict(q="in", k="in", beta="in", G="fp32", Pmat="fp32", Amat="fp32", dq="g", dk="g",
-                                dbp="fp32", dG="fp32", dq_o="in", dk_o="in"),
+                                dbp="fp32", dG="fp32", dq_o="in", dk_o="in", flag="i32"),
                            dict(T="i32", s_dbp="i32"),
                            dict(BC=cb.SUB, span_max=cb.SPAN_MAX, OFFDIAG=True, DIAG=False, BKP=n, ONE_REF=0))
         for n in (16, 32)},
@@ -124,7 +125,7 @@ def compile_kernel(name, fam="gdn", num_warps=8, K=128, V=128, num_stages=3, low
         if absent:
             consts[arg] = None
         else:
-            sig[arg] = "*" + {"in": dtype, "s": dtype, "g": gdt, "fp32": "fp32"}[kind]
+            sig[arg] = "*" + {"in": dtype, "s": dtype, "g": gdt, "fp32": "fp32", "i32": "i32"}[kind]
     sig.update(scalars)
     params = dict(H=32, HV=32, K=K, V=V, BK=K, BV=32, C=cb.CHUNK, GATE=gate, DELTA=delta, IS_VARLEN=False,
                   PREC="tf32" if dtype != "fp32" else "tf32x3",

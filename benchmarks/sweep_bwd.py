@@ -103,7 +103,10 @@ DQK_VARIANTS = "dqk:;kdaold:CHUNKWISE_BWD_DQK_KDA=0;w8:CHUNKWISE_BWD_WARPS=bwd_d
 # KDA's stage 1 (kept for the backward) in one launch or two (CHUNKWISE_KDA_ONE_REF 1 / 2, chunk_fwd.KDA_ONE_REF)
 KDASPLIT_VARIANTS = "oneref1:CHUNKWISE_KDA_ONE_REF=1;oneref2:CHUNKWISE_KDA_ONE_REF=2"
 # the training forward under T_FORM, keeping T alone (the backward forms W, U: _wu_kernel), or keeping W and U
-TFORM_VARIANTS = "wu:CHUNKWISE_SAVE_T_FORM=0;tform:CHUNKWISE_SAVE_T_FORM=1"
+TFORM_VARIANTS = ("wu:CHUNKWISE_SAVE_T_FORM=0;tform:CHUNKWISE_SAVE_T_FORM=1;"
+                  "tform_w8:CHUNKWISE_SAVE_T_FORM=1,CHUNKWISE_BWD_WARPS=wu:8;"
+                  "tform_lowp:CHUNKWISE_SAVE_T_FORM=1,CHUNKWISE_SAVE_WU_LOWP=1;"
+                  "tform_lowp_w8:CHUNKWISE_SAVE_T_FORM=1,CHUNKWISE_SAVE_WU_LOWP=1,CHUNKWISE_BWD_WARPS=wu:8")
 NAMED = {"tform": TFORM_VARIANTS, "kdasplit": KDASPLIT_VARIANTS, "dqk": DQK_VARIANTS, "ahead": AHEAD_VARIANTS, "states": STATES_VARIANTS, "pair": PAIR_VARIANTS, "gates": GATES_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
          "oneref": ONEREF_VARIANTS}
 

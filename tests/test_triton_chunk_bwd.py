@@ -129,6 +129,23 @@ def test_grads_kda_steep_blocks(dtype):
     _compare(inp, TOL[dtype], dtype=dtype)
 
 
+@pytest.mark.parametrize("flag", ["1", "0"])
+def test_kda_pair_flags(flag, monkeypatch):
+    """KDA's pairwise gradients over two 32-channel blocks, the first with steep channels (g = -6 per token for 40
+    tokens: one reference does not fit that block's chunks) and the second normal: with the one-reference launch's
+    flags steering the two launches after it (CHUNKWISE_BWD_PAIR_FLAG=1) or those launches testing the gate again
+    (0), every gradient equals the reference's, and the two ways agree."""
+    monkeypatch.setenv("CHUNKWISE_BWD_PAIR_FLAG", flag)
+    inp = make_inputs("kda", lengths=[100, 30], H=1, HV=2, K=64, V=16, seed=21)
+    inp.g[:, 10:50, :, 3:7] = -6.0
+    ours = _grads(inp, "triton", torch.float32)
+    _compare(inp, TOL[torch.float32], ours=ours)
+    monkeypatch.setenv("CHUNKWISE_BWD_PAIR_FLAG", "0" if flag == "1" else "1")
+    other = _grads(inp, "triton", torch.float32)
+    for n in ours:
+        assert rel_err(other[n], ours[n]) <= 1e-6, n
+
+
 @pytest.mark.parametrize("fam", ("gdn", "gla"))
 def test_grads_fp16(fam):
     """16-bit inputs: the recomputed intermediates are stored in fp16, gradients returned in fp16."""

@@ -1543,12 +1543,12 @@ def _pair_grads_blocks(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, t
 
 
 @triton.jit
-def _bwd_pair_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, cu_seqlens, chunk_indices, T, s_dbp,
+def _bwd_pair_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, flag, cu_seqlens, chunk_indices, T, s_dbp,
                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BKP: tl.constexpr, C: tl.constexpr,
                      BC: tl.constexpr, DELTA: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
                      span_max: tl.constexpr, OFFDIAG: tl.constexpr, LOWP: tl.constexpr = 0,
                      DIAG: tl.constexpr = True, ONE_REF: tl.constexpr = 0, KLOOP: tl.constexpr = 0,
-                     FITB: tl.constexpr = 16):
+                     FITB: tl.constexpr = 16, FLAG: tl.constexpr = 0):
     """Per-channel gates, after _bwd_grad_kernel: the gradients through the pairwise products P = tril(⟨q_i,
     Γ_ij k_j⟩) and A = strict_tril(⟨βk_i, Γ_ij k_j⟩) (dP, dA in Pmat, Amat), added to dq, dk (fp32), the
     finished sums stored to dq_o, dk_o (dq, dk themselves, or the gradients in their own dtype), and to dG, which
@@ -1569,8 +1569,17 @@ def _bwd_pair_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, cu_
 
     dβ's share of this column block goes to dbp[i_kb] (fp32 [NKB, B·T·HV], summed by the launcher: no
     atomics, so the result does not depend on the order of the programs). LOWP: the off-diagonal products
-    take 16-bit operands (the key side's BWD_LOWP level 3)."""
+    take 16-bit operands (the key side's BWD_LOWP level 3). FLAG: the ONE_REF 1 launch writes, per chunk, value head
+    and channel block, whether the block did not fit (flag, int32 [chunks, B·HV, cdiv(K, FITB)]; FITB = the first
+    launch's BKP in all three); the ONE_REF 2 / 3 launches read it instead of testing the gate's span again, so that
+    their programs return at once where every block fit."""
     i_t, i_bh, i_kb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NKF: tl.constexpr = (K + FITB - 1) // FITB        # the flags' channel blocks (the ONE_REF 1 launch's, FITB wide)
+    if FLAG:
+        p_flag = flag + (i_t.to(tl.int64) * tl.num_programs(1) + i_bh) * NKF
+        if ONE_REF == 2:
+            if tl.load(p_flag + i_kb) == 0:
+                return
     i_b, i_h = i_bh // HV, i_bh % HV
     i_hk = i_h // (HV // H)
     t0, L, _ = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
@@ -1597,22 +1606,32 @@ def _bwd_pair_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, cu_
             o_k2 = i_kb2 * BKP + tl.arange(0, BKP)
             m_k2 = o_k2 < K
             b_d = _ref_offsets(G, t0, L, i_h, o_k2, m_k2, HV, K, C)                             # [C, BKP]
-            if _ref_span(b_d) < span_max:
+            fits = _ref_span(b_d) < span_max
+            if FLAG:
+                tl.store(p_flag + i_kb2, (fits == 0).to(tl.int32))
+            if fits:
                 b_db = _pair_grads_one_ref(q, k, dq, dk, dG, dq_o, dk_o, b_dP, tl.trans(b_dP), b_dA, tl.trans(b_dA),
                                            b_beta, b_d, rows, m_t, o_k2, m_k2, i_h, i_hk, H, HV, K, DELTA, PREC)
                 if DELTA:
                     tl.store(dbp + i_kb2.to(tl.int64) * s_dbp + rows * HV + i_h, b_db, mask=m_t)
     elif ONE_REF == 2:
-        # the block form where one reference does not fit (the same test as above)
-        if _ref_span(_ref_offsets(G, t0, L, i_h, o_k, m_k, HV, K, C)) >= span_max:
+        # the block form where one reference does not fit (the same test as above; FLAG: only those programs are here)
+        if FLAG or _ref_span(_ref_offsets(G, t0, L, i_h, o_k, m_k, HV, K, C)) >= span_max:
             _pair_grads_blocks(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, t0, L, i_h, i_hk, i_kb, o_k,
                                m_k, b_last, s_dbp, H, HV, K, BKP, C, BC, DELTA, PREC, span_max, OFFDIAG, LOWP, DIAG)
     else:
         # ONE_REF 3: the diagonal blocks' launch over every channel, but for the channels of the FITB-channel blocks
-        # that fit one reference (the same test as above, block by block), which the first launch finished
-        b_a = tl.max(tl.abs(_ref_offsets(G, t0, L, i_h, o_k, m_k, HV, K, C)), axis=0)                # [BKP]
-        b_blk = tl.max(tl.reshape(b_a, [BKP // FITB, FITB]), axis=1)                         # [BKP / FITB]
-        b_fit = tl.reshape(tl.broadcast_to(b_blk[:, None], [BKP // FITB, FITB]), [BKP]) < span_max
+        # that fit one reference (the same test as above, block by block), which the first launch finished (FLAG:
+        # the first launch's flags say whether any block of this chunk is left before the test reads the gate)
+        missed = True
+        if FLAG:
+            o_f = tl.arange(0, BKP // FITB)
+            missed = tl.sum(tl.load(p_flag + o_f, mask=o_f < NKF, other=0), axis=0) > 0
+        b_fit = tl.full([BKP], 1, tl.int1)
+        if missed:
+            b_a = tl.max(tl.abs(_ref_offsets(G, t0, L, i_h, o_k, m_k, HV, K, C)), axis=0)            # [BKP]
+            b_blk = tl.max(tl.reshape(b_a, [BKP // FITB, FITB]), axis=1)                     # [BKP / FITB]
+            b_fit = tl.reshape(tl.broadcast_to(b_blk[:, None], [BKP // FITB, FITB]), [BKP]) < span_max
         if tl.max(tl.where(b_fit, 0, 1), axis=0) > 0:
             _pair_grads_blocks(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, t0, L, i_h, i_hk, i_kb, o_k,
                                m_k & (b_fit == 0), b_last, s_dbp, H, HV, K, BKP, C, BC, DELTA, PREC, span_max, OFFDIAG,
@@ -1755,6 +1774,11 @@ BWD_FUSED_PREP = 1
 # 448 B spilled, 72 / 80 / 96 KB. On the H200 (sweep of a3986d3) 9.45 ms at 4 warps; KDA fwd+bwd 31.72 -> 26.49 ms.
 # CHUNKWISE_BWD_PAIR_SPLIT=0: one program over all channels.
 BWD_PAIR_SPLIT = 32
+# W and U formed by the backward from a forward under T_FORM's T (chunk_fwd.SAVE_T_FORM): from 16-bit operands where
+# the recompute takes them (1: BWD_LOWP level 2 and up, as the backward's recompute without a saved stage 1 and as fla
+# forms them), or from fp32 ones in tf32 (0), as the forward's stage 1 forms them when it keeps them.
+# CHUNKWISE_SAVE_WU_LOWP (0 / 1) overrides.
+SAVE_WU_LOWP = 0
 # KDA's pairwise gradients with one reference per chunk where its gate allows: 1, in a launch of their own
 # (_bwd_pair_kernel ONE_REF 1); 2, in the key side's second pass (_bwd_grad_kernel ONE_REF); then the pair kernel's
 # block form for the others; 0, the block form everywhere. CHUNKWISE_BWD_ONE_REF (0 / 1 / 2) overrides. On the
@@ -1767,6 +1791,11 @@ BWD_ONE_REF = 1
 # one-reference launch 3.11 against 3.19 ms, fwd+bwd 13.52 against 13.58, identical gradients; at 8 warps
 # 4.90 / 3.86 ms
 BWD_PAIR_KLOOP = 1
+# ONE_REF 1: the one-reference launch flags the chunk / channel blocks it left to the block form, and the two launches
+# after it read the flags instead of the gate (1), so that their programs return at once where every block fit; or
+# they test the gate's span again (0). On the H200 (ncu of 2cb4873, KDA B1-T32768-H32 bf16, every block fitting)
+# those two launches took 0.285 and 0.171 ms to find nothing to do. CHUNKWISE_BWD_PAIR_FLAG (0 / 1) overrides.
+BWD_PAIR_FLAG = 1
 BWD_PAIR_DIAG = 0     # 0: the diagonal blocks in a second launch over all channels (bwd_diag warps), the split
 # launch only the off-diagonal part. On the H200 (sweep of 1695bb2, KDA B1-T32768-H32 bf16) the pair kernels
 # 9.53 -> 8.10 ms, fwd+bwd 26.74 -> 25.31 ms (offline sm_90, 32 channels: the off-diagonal part alone 73
@@ -1959,10 +1988,10 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     # fp16 takes the three kernels: on the H200 (run of e1f8201) the fused pass with fp16 products at 4 warps gave
     # gradient errors of 1.1 (GDN) and inf (DeltaNet) at K = 16 while bf16 passed at real size
     if saved is not None:
-        if wu_from_t:   # W, U from T at the saved stage 1's precisions (fp32 operands), with dR_local
+        if wu_from_t:   # W, U from T (SAVE_WU_LOWP: the operands' precision), with dR_local
             _wu_kernel[grid_c](k, v, beta, G, Tmat, saved["p"].contiguous(), do, W, U, dRl, scale=scale, H=H, HV=HV,
                                K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate, DELTA=True, IS_VARLEN=varlen, PREC=prec,
-                               LOWP=False, num_warps=_warps("wu", gate, wide8), **_regs("wu", gate, wide8),
+                               LOWP=lowp_wu and _env_switch("CHUNKWISE_SAVE_WU_LOWP", SAVE_WU_LOWP), num_warps=_warps("wu", gate, wide8), **_regs("wu", gate, wide8),
                                num_stages=ns, **common)
         elif not p_in_dh:
             _wu_kernel[grid_c](k, v, beta, G, None, saved["p"].contiguous(), do, None, None, dRl, scale=scale, H=H,
@@ -2101,14 +2130,18 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
             dq_o, dk_o = buf(*dq.shape, dtype=q.dtype), buf(*dk.shape, dtype=k.dtype)
         pair = dict(s_dbp=B * T * HV, H=H, HV=HV, K=K, C=C, BC=BC, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
                     span_max=SPAN_MAX, LOWP=lowp_key is True, num_stages=ns, **common)
+        # the one-reference launch's flags (BWD_PAIR_FLAG): which chunk / channel blocks the block form has left
+        flag = torch.empty(NT * B * HV * nkb, dtype=torch.int32, device=dev) \
+            if one_ref == 1 and _env_switch("CHUNKWISE_BWD_PAIR_FLAG", BWD_PAIR_FLAG) else None
+        pair.update(flag=flag, FLAG=flag is not None)
         if one_ref == 1:    # the one-reference programs, then the block form where a chunk's gate spans too far
             kloop = _env_switch("CHUNKWISE_BWD_PAIR_KLOOP", BWD_PAIR_KLOOP)
             _bwd_pair_kernel[(NT, B * HV, 1 if kloop else nkb)](q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o,
-                                                BKP=bkp, OFFDIAG=True, DIAG=True, ONE_REF=1, KLOOP=kloop,
+                                                BKP=bkp, OFFDIAG=True, DIAG=True, ONE_REF=1, KLOOP=kloop, FITB=bkp,
                                                 num_warps=_warps("bwd_pair_ref", gate, wide8),
                                                 **_regs("bwd_pair_ref", gate, wide8), **pair)
         _bwd_pair_kernel[(NT, B * HV, nkb)](q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, BKP=bkp, OFFDIAG=True,
-                                            DIAG=not split_diag, ONE_REF=2 if one_ref else 0,
+                                            DIAG=not split_diag, ONE_REF=2 if one_ref else 0, FITB=bkp,
                                             num_warps=_warps("bwd_pair", gate, wide8), **_regs("bwd_pair", gate, wide8), **pair)
         if split_diag:
             _bwd_pair_kernel[(NT, B * HV, 1)](q, k, beta, G, Pmat, Amat, dq, dk, None if dbp is None else dbp[nkb:], dG,
