@@ -24,6 +24,8 @@ ap.add_argument("--H", type=int, default=32)
 ap.add_argument("--K", type=int, default=128)
 ap.add_argument("--bv", type=int, default=None)
 ap.add_argument("--ns", type=int, default=None)
+ap.add_argument("--ref", default="fp32", choices=("fp32", "torch"),
+                help="the reference: the triton forward on fp32 inputs at its own picks, or the torch backend in float64")
 a = ap.parse_args()
 dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
 torch.manual_seed(0)
@@ -41,7 +43,14 @@ tag = f"{a.fam} {a.dtype} B{B}-T{T}-H{H}-K{K} bv {a.bv} ns {a.ns}"
 print(tag, "...", flush=True)
 o, _ = chunk_fwd(q, k, v, g, beta, K ** -0.5, None, True, None, bv=a.bv, num_stages=a.ns)
 torch.cuda.synchronize()
-print(tag, "ran; the fp32 reference (at fp32's own picks) ...", flush=True)
-o_ref, _ = chunk_fwd(q.float(), k.float(), v.float(), g, beta.float(), K ** -0.5, None, True, None)
+print(tag, f"ran; the {a.ref} reference ...", flush=True)
+if a.ref == "torch":
+    import chunkwise
+    op = {"gdn": chunkwise.chunk_gated_delta_rule, "kda": chunkwise.chunk_kda, "delta": chunkwise.chunk_delta_rule}[a.fam]
+    args = [q.double(), k.double(), v.double()] + ([] if g is None else [g.double()]) + [beta.double()]
+    o_ref, _ = op(*args, scale=K ** -0.5, output_final_state=True, backend="torch")
+    o_ref = o_ref.float()
+else:
+    o_ref, _ = chunk_fwd(q.float(), k.float(), v.float(), g, beta.float(), K ** -0.5, None, True, None)
 torch.cuda.synchronize()
-print(tag, "ok, rel err against the fp32 default", ((o.float() - o_ref).norm() / o_ref.norm()).item(), flush=True)
+print(tag, f"ok, rel err against the {a.ref} reference", ((o.float() - o_ref).norm() / o_ref.norm()).item(), flush=True)
