@@ -292,7 +292,7 @@ def _stage1_shapes(q, v, g, beta, cu_seqlens):
     if not saves_stage1(q, v, g, beta):
         return [(_EMPTY_SHAPE, q.dtype)] * 6
     gate = 0 if g is None else (1 if g.dim() == 3 else 2)
-    wu = [(_EMPTY_SHAPE, q.dtype)] * 2 if save_t_form(gate) else [((B, T, HV, K), q.dtype), ((B, T, HV, V), q.dtype)]
+    wu = [(_EMPTY_SHAPE, q.dtype)] * 2 if save_t_form(gate, q.dtype) else [((B, T, HV, K), q.dtype), ((B, T, HV, V), q.dtype)]
     stage = wu + [((B, T, HV, BT), q.dtype), ((B, T, HV, BT), torch.float32)]
     if not saves_states():
         return stage + [(_EMPTY_SHAPE, q.dtype)] * 2

@@ -1520,29 +1520,35 @@ def _env_switch(name: str, default: int) -> bool:
     return _env_choice(name, default) == 1
 
 
-def delta_stage1_form(gate: int, save: bool = False) -> tuple[bool, bool]:
+def delta_stage1_form(gate: int, save: bool = False, dtype: torch.dtype | None = None) -> tuple[bool, bool]:
     """How chunk_fwd launches the delta families' stage 1 by default, for a gate kind (``save``: kept for the
-    backward): (P stored by stage 1 (DELTA_P_IN; always per channel or saved), T diag(β) instead of W, U
-    (FWD_T_FORM; saved: SAVE_T_FORM)), with CHUNKWISE_FWD_P_IN / CHUNKWISE_FWD_T_FORM applied."""
+    backward, with inputs of ``dtype``): (P stored by stage 1 (DELTA_P_IN; always per channel or saved), T diag(β)
+    instead of W, U (FWD_T_FORM; saved: SAVE_T_FORM)), with CHUNKWISE_FWD_P_IN / CHUNKWISE_FWD_T_FORM applied."""
     store_p = save or _env_switch("CHUNKWISE_FWD_P_IN", DELTA_P_IN.get(gate, 1)) or gate == 2
-    t_form = save_t_form(gate) if save else _env_switch("CHUNKWISE_FWD_T_FORM", FWD_T_FORM[gate])
+    t_form = save_t_form(gate, dtype) if save else _env_switch("CHUNKWISE_FWD_T_FORM", FWD_T_FORM[gate])
     return store_p, t_form
 
 
 # The training forward (stage 1 kept for the backward) under T_FORM too, per gate kind: stage 1 also writes T (fp32)
 # for the backward but neither W nor U, stage 2 forms R from T diag(β) as the inference forward does, and the
-# backward forms W = T diag(β e^G) K and U = T diag(β) V in the launch that already forms dR_local (_wu_kernel):
-# KDA's stage 1 then has one column loop instead of two (its W loop re-reads k and g), for a backward launch that
-# reads k, v, G and writes W, U. The products keep the training forward's precisions (the tf32 solve; A, P, W
-# from fp32 operands), and the forward saves O(T·HV·2·64) instead of O(T·HV·(K + V + 2·64)).
-# Not with CHUNKWISE_SAVE_STATES (its stage 2 stores R = U − W S). CHUNKWISE_SAVE_T_FORM (0 / 1) overrides.
+# backward forms W = T diag(β e^G) K and U = T diag(β) V in the launch that already forms dR_local (_wu_kernel,
+# chunk_bwd.SAVE_WU_LOWP): KDA's stage 1 then has one column loop instead of two (its W loop re-reads k and g), for a
+# backward launch that reads k, v, G and writes W, U. The products keep the training forward's precisions (the tf32
+# solve; A, P from fp32 operands), and the forward saves O(T·HV·2·64) instead of O(T·HV·(K + V + 2·64)): KDA's peak
+# at B1-T32768-H32 bf16 6944 -> 6432 MB. On the H200 (runs of 2cb4873 / 2eb2b43, B1-T32768-H32 bf16, fwd+bwd ms, W / U
+# kept -> T_FORM with W / U from fp32 / 16-bit operands): KDA 12.07 -> 12.01 / 11.58 (stage 1 2.31 -> 1.43, the W / U
+# launch 0.20 -> 1.10 / 0.67, stage 2 0.61 -> 0.69), DeltaNet 5.22 -> 5.56 / 5.21, GDN 6.48 -> 6.82 / 6.43: on for
+# KDA only. Not with fp16 inputs: on the H200 KDA's fp16 gradients through it came out inf at small tiles (K = 16,
+# V = 32; test_grads_saved_stage1) where the interpreter's are right, the sm_90 pattern of NOTES session 8. Not with
+# CHUNKWISE_SAVE_STATES (its stage 2 stores R = U − W S). CHUNKWISE_SAVE_T_FORM (0 / 1) overrides (fp16 still excluded).
 SAVE_T_FORM = {0: 0, 1: 0, 2: 1}
 
 
-def save_t_form(gate: int) -> bool:
-    """Whether the training forward of a gate kind runs stage 1 / stage 2 under T_FORM (SAVE_T_FORM): the saved
-    stage 1 is then P and T only, and the backward forms W and U."""
-    return bool(_env_switch("CHUNKWISE_SAVE_T_FORM", SAVE_T_FORM[gate])) and not saves_states()
+def save_t_form(gate: int, dtype: torch.dtype | None = None) -> bool:
+    """Whether the training forward of a gate kind on inputs of ``dtype`` runs stage 1 / stage 2 under T_FORM
+    (SAVE_T_FORM): the saved stage 1 is then P and T only, and the backward forms W and U."""
+    return bool(_env_switch("CHUNKWISE_SAVE_T_FORM", SAVE_T_FORM[gate])) and dtype != torch.float16 and \
+        not saves_states()
 
 
 def saves_stage1(q, v, g, beta) -> bool:
@@ -1657,7 +1663,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         chunk_indices = prepare_chunk_indices(cu_seqlens, BT)
 
     # the delta rule: stage 1 writes T diag(β) (and per channel K ⊙ e^G) and stage 2 forms R from it (T_FORM)
-    t_form = delta and delta_stage1_form(gate, save)[1]
+    t_form = delta and delta_stage1_form(gate, save, q.dtype)[1]
     stage1 = chunk_prepare(q, k, v, g, beta, cu_seqlens, chunk_indices, save_t=save, store_p=p_in or save,
                            t_form=t_form) \
         if delta else dict(w=None, u=None, p=None, qg=None, kg=None, glast=None, gcum=None)
