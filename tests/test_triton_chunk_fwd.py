@@ -515,6 +515,17 @@ def test_transposed_state_loop_saves_states(fam, monkeypatch):
         assert rel_err(b[written], a[written]) <= TOL[torch.float32] / 4
 
 
+@pytest.mark.skipif(not ON_GPU, reason="the refusal is for sm_90 builds; the interpreter runs them right")
+def test_one_stage_16bit_narrow_block_refused():
+    """Stage 2 at one pipeline stage with a 32-wide value block and 16-bit inputs (never picked by default) raised
+    illegal memory accesses or gave a wrong output on the H200 (NOTES.md session 20): asked for explicitly, it is
+    refused with a message naming num_stages."""
+    from chunkwise.triton.chunk_fwd import chunk_fwd
+    inp = make_inputs("gdn", B=1, T=128, H=2, HV=2, K=64, V=64, dtype=torch.bfloat16, seed=3, device=DEVICE)
+    with pytest.raises(ValueError, match="num_stages=1"):
+        chunk_fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, 0.125, None, False, None, bv=32, num_stages=1)
+
+
 def test_tma_allocator_kept():
     """The forward sets Triton's scratch allocator (for its tensor descriptors) only where none is set: a
     caller's own allocator is kept."""

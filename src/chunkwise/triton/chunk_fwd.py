@@ -1703,6 +1703,13 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     if num_stages is None:
         num_stages = _pick_stages(q.element_size(), _dim(K), bv, delta, p_in, busy, t_form and gate == 2,
                                   trans and nseg == 1)
+    if num_stages == 1 and bv <= 32 and q.element_size() == 2 and not _INTERPRET:
+        # (never picked: 16-bit inputs take 2-3 stages) on the H200 with triton 3.6 this build raised illegal memory
+        # accesses (GDN, DeltaNet; B8-T4096-H32 and B1-T2048-H32) or gave a wrong output (KDA, 1.15 relative to the
+        # float64 reference), while BV 64 at one stage and fp32 inputs at one stage were right (benchmarks/ns1_check.py,
+        # NOTES.md session 20)
+        raise ValueError(f"chunk_fwd: num_stages=1 with a {bv}-wide value block and {q.dtype} inputs is miscompiled on "
+                         f"sm_90 (triton 3.6); use num_stages >= 2 or bv >= 64")
     grid = (cdiv(V, bv), N * nseg * HV)
     sloc = gam = None
     sub = (seg_sub or 1) if nseg > 1 else 1
