@@ -14,7 +14,8 @@ Two kernels, each with its launcher:
 
    It writes w [B,T,HV,K], u [B,T,HV,V] (input dtype), P [B,T,HV,C] (input dtype) and, for KDA's
    per-channel gate only, q ⊙ e^G and k ⊙ e^{G_last − G} [B,T,HV,K] (input dtype) plus
-   e^{G_last} [slots, HV, K] fp32. Outside autograd (``T_FORM``, the default) it writes T diag(β)
+   e^{G_last} [slots, HV, K] fp32. Outside autograd (``T_FORM``, the default; under autograd for KDA too,
+   ``SAVE_T_FORM``, with T kept for the backward) it writes T diag(β)
    [B,T,HV,C] in u's place instead of W and U (and, per channel, K ⊙ e^G in w's), and stage 2 forms
    R = U − W S = T diag(β) (V − e^G ⊙ K S) itself: stage 1 reads no v and skips W's and U's products.
 
