@@ -1991,15 +1991,14 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     # fp16 takes the three kernels: on the H200 (run of e1f8201) the fused pass with fp16 products at 4 warps gave
     # gradient errors of 1.1 (GDN) and inf (DeltaNet) at K = 16 while bf16 passed at real size
     if saved is not None:
-        if wu_from_t:   # W, U from T (SAVE_WU_LOWP: the operands' precision), with dR_local
-            _wu_kernel[grid_c](k, v, beta, G, Tmat, saved["p"].contiguous(), do, W, U, dRl, scale=scale, H=H, HV=HV,
-                               K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate, DELTA=True, IS_VARLEN=varlen, PREC=prec,
-                               LOWP=lowp_wu and _env_switch("CHUNKWISE_SAVE_WU_LOWP", SAVE_WU_LOWP), num_warps=_warps("wu", gate, wide8), **_regs("wu", gate, wide8),
-                               num_stages=ns, **common)
-        elif not p_in_dh:
-            _wu_kernel[grid_c](k, v, beta, G, None, saved["p"].contiguous(), do, None, None, dRl, scale=scale, H=H,
-                               HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate, DELTA=False, IS_VARLEN=varlen, PREC=prec,
-                               LOWP=lowp_wu, num_warps=_warps("wu", gate, wide8), **_regs("wu", gate, wide8),
+        if wu_from_t or not p_in_dh:
+            # dR_local = scale Pᵀ dO from the saved P, and W, U from T where the forward kept T alone (SAVE_WU_LOWP: their
+            # operands' precision)
+            wu_lowp = lowp_wu and (not wu_from_t or _env_switch("CHUNKWISE_SAVE_WU_LOWP", SAVE_WU_LOWP))
+            _wu_kernel[grid_c](k, v, beta, G, Tmat if wu_from_t else None, saved["p"].contiguous(), do,
+                               W if wu_from_t else None, U if wu_from_t else None, dRl, scale=scale, H=H, HV=HV, K=K,
+                               V=V, BK=BK, BV=BV, C=C, GATE=gate, DELTA=wu_from_t, IS_VARLEN=varlen, PREC=prec,
+                               LOWP=wu_lowp, num_warps=_warps("wu", gate, wide8), **_regs("wu", gate, wide8),
                                num_stages=ns, **common)
     elif fused_prep:
         # one pass per chunk (the forward's stage-1 kernel): T, W, U, dR_local; A and P stay in registers,
