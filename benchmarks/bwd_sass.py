@@ -102,7 +102,8 @@ KERNELS = {
 }
 
 
-def compile_kernel(name, fam="gdn", num_warps=8, K=128, V=128, num_stages=3, lowp=0, dtype="bf16", **overrides):
+def compile_kernel(name, fam="gdn", num_warps=8, K=128, V=128, num_stages=3, lowp=0, dtype="bf16", maxnreg=None,
+                   **overrides):
     """The sm_90 build of backward kernel ``name`` at the launch's defaults for ``fam`` (``overrides``: constexprs
     set otherwise, e.g. DGAM=0)."""
     kname, ptrs, scalars, extra = KERNELS[name]
@@ -142,7 +143,8 @@ def compile_kernel(name, fam="gdn", num_warps=8, K=128, V=128, num_stages=3, low
     sig = {n: sig[n] for n in kernel.arg_names if n in sig}
     attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items() if t.startswith("*")}
     return triton.compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+                          options=dict(num_warps=num_warps, num_stages=num_stages,
+                                       **({} if maxnreg is None else dict(maxnreg=maxnreg))))
 
 
 def ptxas(compiled):

@@ -15,7 +15,7 @@ W / U recompute, 3: also the key side, 4: the key side but its pairwise products
     python benchmarks/sweep_bwd.py --out $OUT
     python benchmarks/sweep_bwd.py --fams kda --variants "p32:CHUNKWISE_BWD_PAIR_SPLIT=32;old:CHUNKWISE_BWD_PAIR_SPLIT=0"
 
---variants "name:VAR=value,VAR=value;..." (or "tform", "ahead", "states", "pair", "regs", "save", "lowp", "oneref": the named sets below): time only these environment settings (on top of the defaults),
+--variants "name:VAR=value,VAR=value;..." (or "pairregs", "tform", "ahead", "states", "pair", "regs", "save", "lowp", "oneref": the named sets below): time only these environment settings (on top of the defaults),
 each with its per-kernel profile and its gradients' difference from the first variant's.
 """
 from __future__ import annotations
@@ -82,6 +82,14 @@ LOWP_VARIANTS = "lowp2:;lowp4:CHUNKWISE_BWD_LOWP=4"
 # launch: one program per 32-channel block (the default) or per chunk over the blocks (KLOOP), at 4 / 8 warps.
 ONEREF_VARIANTS = ("pair:;pair_w8:CHUNKWISE_BWD_WARPS=bwd_pair_ref:8;kloop:CHUNKWISE_BWD_PAIR_KLOOP=1;"
                    "kloop_w8:CHUNKWISE_BWD_PAIR_KLOOP=1,CHUNKWISE_BWD_WARPS=bwd_pair_ref:8")
+# the one-reference pair launch (KLOOP, the default) at 16 / 32 channels per block and capped registers: offline sm_90
+# (bf16, 4 warps, 2eb2b43): 32 channels 255 registers / 32 B of spills / 80 KB of shared memory (2 programs per SM, as
+# ncu saw), at 168 204 B of spills; 16 channels 202 / 0 / 72 KB, at 168 96 B of spills (3 programs per SM), at 128 84 B
+# (shared memory still limits it to 3)
+PAIRREGS_VARIANTS = ("p32:;p16:CHUNKWISE_BWD_PAIR_SPLIT=16;"
+                     "p16r168:CHUNKWISE_BWD_PAIR_SPLIT=16,CHUNKWISE_MAXNREG=bwd_pair_ref:168;"
+                     "p16r128:CHUNKWISE_BWD_PAIR_SPLIT=16,CHUNKWISE_MAXNREG=bwd_pair_ref:128;"
+                     "p32r168:CHUNKWISE_MAXNREG=bwd_pair_ref:168")
 # KDA with its one-reference products on (the defaults) and off: with CHUNKWISE_BENCH_GATE_SCALE=4 (gates of ~-3 per
 # token, past the one-reference range in nearly every column chunk) what the fallback costs
 GATES_VARIANTS = "on:;off:CHUNKWISE_KDA_ONE_REF=0,CHUNKWISE_BWD_ONE_REF=0"
@@ -107,7 +115,7 @@ TFORM_VARIANTS = ("wu:CHUNKWISE_SAVE_T_FORM=0;tform:CHUNKWISE_SAVE_T_FORM=1;"
                   "tform_w8:CHUNKWISE_SAVE_T_FORM=1,CHUNKWISE_BWD_WARPS=wu:8;"
                   "tform_lowp:CHUNKWISE_SAVE_T_FORM=1,CHUNKWISE_SAVE_WU_LOWP=1;"
                   "tform_lowp_w8:CHUNKWISE_SAVE_T_FORM=1,CHUNKWISE_SAVE_WU_LOWP=1,CHUNKWISE_BWD_WARPS=wu:8")
-NAMED = {"tform": TFORM_VARIANTS, "kdasplit": KDASPLIT_VARIANTS, "dqk": DQK_VARIANTS, "ahead": AHEAD_VARIANTS, "states": STATES_VARIANTS, "pair": PAIR_VARIANTS, "gates": GATES_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
+NAMED = {"pairregs": PAIRREGS_VARIANTS, "tform": TFORM_VARIANTS, "kdasplit": KDASPLIT_VARIANTS, "dqk": DQK_VARIANTS, "ahead": AHEAD_VARIANTS, "states": STATES_VARIANTS, "pair": PAIR_VARIANTS, "gates": GATES_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
          "oneref": ONEREF_VARIANTS}
 
 

@@ -109,6 +109,7 @@ def warm_benchmarks(only: str = ""):
                          ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "ahead"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "states"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "tform"]),
+                         ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "pairregs"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "dqk"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "kdasplit"])):
         cmd = " ".join([script] + argv)
