@@ -1991,7 +1991,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     # fp16 takes the three kernels: on the H200 (run of e1f8201) the fused pass with fp16 products at 4 warps gave
     # gradient errors of 1.1 (GDN) and inf (DeltaNet) at K = 16 while bf16 passed at real size
     if saved is not None:
-        if wu_from_t or not p_in_dh:
+        if not p_in_dh:     # (never with wu_from_t)
             # dR_local = scale Pᵀ dO from the saved P, and W, U from T where the forward kept T alone (SAVE_WU_LOWP: their
             # operands' precision)
             wu_lowp = lowp_wu and (not wu_from_t or _env_switch("CHUNKWISE_SAVE_WU_LOWP", SAVE_WU_LOWP))
