@@ -9,6 +9,7 @@
 #   bwd:   backward warps sweep, fwd+bwd benchmark vs fla (~6 min)
 #   train: fwd+bwd benchmark vs fla alone (FAMS=delta,kda,gdn; FLA_FAMS=delta times fla for those only)
 #   verify: the real-size bf16 tests (fwd, bwd, Hopper pin, >2^31 offsets), again with CHUNKWISE_BWD_LOWP=$VERIFY_LOWP (4)
+#   kdaverify: KDA's real-size gradient tests alone (bf16, fp16), then bf16 with CHUNKWISE_SAVE_WU_LOWP=1 (~2 x 280 s)
 #   diag:  backward test failures, each test x launch setting in its own process (benchmarks/diag_bwd.py)
 #   pair:  KDA's pairwise-gradient kernel variants (sweep_bwd.py PAIR_VARIANTS: channels per program, warps, diagonal launch)
 #   ncu:   Nsight Compute reports of the largest kernels (NCU_TARGETS; NCU_EXTRA more ncu arguments; summary by benchmarks/ncu_summary.py)
@@ -17,6 +18,8 @@
 #   regs:  registers per thread capped (CHUNKWISE_MAXNREG) in the chunk-parallel kernels, fwd+bwd per kernel
 #   ahead: the reverse state pass's dR_local in the step / a step ahead / in the step unfused (CHUNKWISE_BWD_DH_AHEAD 0 / 1 / 2)
 #   kdasplit: KDA fwd+bwd with its stage 1 in one launch or two (CHUNKWISE_KDA_ONE_REF 1 / 2)
+#   tform: fwd+bwd with the training forward under T_FORM or keeping W / U (CHUNKWISE_SAVE_T_FORM), 16-bit W / U, 8 warps
+#   pairregs: KDA's one-reference pair launch at 16 / 32 channels and capped registers (REG_FAMS=kda)
 #   dqk:   scalar / no gate: the value and key sides as _bwd_dqk_kernel + _bwd_wy_kernel (warps, column block) against the two older kernels
 #   states: fwd+bwd with the forward keeping the per-chunk states and R (CHUNKWISE_SAVE_STATES=1) against recomputing them
 #   oneref: KDA's one-reference products off / forward / both / with scaled keys / pair at 64 channels (sweep_bwd.py ONEREF_VARIANTS)
@@ -113,6 +116,16 @@ if has verify; then    # the real-size bf16 GPU tests alone (no small fp32 ones)
     -o addopts="" --tb=line -rP tests/test_triton_chunk_bwd.py -k "real_size or hopper"
   grep -h "rel err" "$OUT/verify_lowp.log" | sort | head -20
 fi
+if has kdaverify; then   # KDA's real-size gradients against fla and float64 at the defaults, then bf16 with 16-bit W / U
+  # (CHUNKWISE_SAVE_WU_LOWP=1, chunk_bwd.SAVE_WU_LOWP); alone, -v: behind other tests fla's backward autotuning ran out
+  # the step twice in session 20
+  TAILN=8 step ${KV_T:-280} kdaverify python3 -m pytest -v -n 2 -p no:cacheprovider -o addopts="" --tb=short -rP \
+    tests/test_triton_chunk_bwd.py -k "kda and real_size"
+  grep -h "rel err" "$OUT/kdaverify.log" | sort -u
+  CHUNKWISE_SAVE_WU_LOWP=1 TAILN=8 step ${KV_T:-280} kdaverify_lowp python3 -m pytest -v -p no:cacheprovider -o addopts="" \
+    --tb=short -rP tests/test_triton_chunk_bwd.py -k "kda and real_size and bf16"
+  grep -h "rel err" "$OUT/kdaverify_lowp.log" | sort -u
+fi
 if has train; then     # fwd+bwd against fla alone (FAMS, default delta,kda,gdn)
   TAILN=12 step ${TRAIN_T:-200} bench_train python3 benchmarks/bench_train.py --families ${FAMS:-delta,kda,gdn} \
     --shapes B1-T32768-H32 --profile --fla-families "${FLA_FAMS:-}" --out "$OUT"
@@ -125,7 +138,7 @@ if has pair; then       # KDA's pairwise-gradient kernel: channels per program x
 fi
 # regs: registers per thread capped in the chunk-parallel kernels; save: the forward keeps stage 1 for the backward
 # (CHUNKWISE_SAVE_STAGE1=1); sweep_bwd.py's named variant sets, each against the defaults (REG_FAMS, REGS_T)
-for set in regs save lowp oneref ahead states dqk kdasplit; do
+for set in regs save lowp oneref ahead states dqk kdasplit tform pairregs; do
   has $set && TAILN=40 step ${REGS_T:-200} sweep_$set python3 benchmarks/sweep_bwd.py --fams "${REG_FAMS:-kda,delta,gdn}" \
     --out "$OUT/$set" --variants $set
 done
