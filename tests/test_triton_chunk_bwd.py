@@ -550,17 +550,15 @@ def test_grads_saved_t_form(fam, dtype, monkeypatch):
         pytest.skip("GDN / DeltaNet with fp16 inputs save no stage 1 (test_saved_stage1_rule)")
     monkeypatch.setenv("CHUNKWISE_SAVE_STAGE1", "1")
     monkeypatch.setenv("CHUNKWISE_SAVE_T_FORM", "1")
-    x = [t if t is None or n in ("g", "h0") else t.to(DEVICE, dtype) for n, t in
-         zip(("q", "k", "v", "g", "beta", "h0"), (inp.q, inp.k, inp.v, inp.g, inp.beta, inp.h0))]
-    x = [t if t is None else t.to(DEVICE) for t in x]
-    cu = None if inp.cu_seqlens is None else inp.cu_seqlens.to(DEVICE)
+    x = make_inputs(fam, lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, dtype=dtype, seed=19)     # inp in dtype, on the device
+    args = (x.q, x.k, x.v, x.g, x.beta, 0.25, x.h0, True, x.cu_seqlens)
     saved = {}
-    o, ht = chunk_fwd(*x[:5], 0.25, x[5], True, cu, saved_out=saved)
+    o, ht = chunk_fwd(*args, saved_out=saved)
     if dtype == torch.float16:      # fp16 keeps W and U (chunk_fwd.save_t_form: inf gradients on the H200)
         assert set(saved) == {"w", "u", "p", "t"}
         return
     assert set(saved) == {"p", "t"} and saved["t"].dtype == torch.float32
-    o_inf, ht_inf = chunk_fwd(*x[:5], 0.25, x[5], True, cu)
+    o_inf, ht_inf = chunk_fwd(*args)
     assert torch.equal(o, o_inf) and torch.equal(ht, ht_inf)
     wu = _count_launches(monkeypatch, "_wu_kernel")
     with_t = _grads(inp, "triton", dtype)

@@ -287,12 +287,12 @@ def _save_stage1_wanted(mode, backend, beta, *tensors) -> bool:
 def _stage1_shapes(q, v, g, beta, cu_seqlens):
     """(w, u, p, t, h, r) shapes and dtypes the saving forward returns (empty [0] tensors where it saves nothing;
     h, r only with chunk_fwd.saves_states)."""
-    from .triton.chunk_fwd import BT, chunk_slots, save_t_form, saves_stage1, saves_states, state_dtype
+    from .triton.chunk_fwd import BT, _gate_kind, chunk_slots, save_t_form, saves_stage1, saves_states, state_dtype
     B, T, HV, K, V = q.shape[0], q.shape[1], v.shape[2], q.shape[3], v.shape[3]
     if not saves_stage1(q, v, g, beta):
         return [(_EMPTY_SHAPE, q.dtype)] * 6
-    gate = 0 if g is None else (1 if g.dim() == 3 else 2)
-    wu = [(_EMPTY_SHAPE, q.dtype)] * 2 if save_t_form(gate, q.dtype) else [((B, T, HV, K), q.dtype), ((B, T, HV, V), q.dtype)]
+    wu = [(_EMPTY_SHAPE, q.dtype)] * 2 if save_t_form(_gate_kind(g), q.dtype) else \
+        [((B, T, HV, K), q.dtype), ((B, T, HV, V), q.dtype)]
     stage = wu + [((B, T, HV, BT), q.dtype), ((B, T, HV, BT), torch.float32)]
     if not saves_states():
         return stage + [(_EMPTY_SHAPE, q.dtype)] * 2
