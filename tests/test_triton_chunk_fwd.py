@@ -638,6 +638,22 @@ def test_real_size_grouped_varlen_bf16(fam):
     _check(inp, o, ht, TOL[torch.bfloat16])
 
 
+@pytest.mark.skipif(not ON_GPU, reason="real sizes and bf16 need the GPU")
+@pytest.mark.parametrize("fam", FAMS)
+def test_busy_shape_bf16_vs_fla(fam):
+    """A grid of 256 programs at BV 64 (B4-T512-H32, K = V = 128, bf16), the build busy shapes take (the delta
+    families' stage 2 on the transposed state, GDN's at 2 pipeline stages, KDA's at 3; simple GLA plain): output
+    within fla's error against the float64 recurrence, final state within the dtype's tolerance."""
+    from chunkwise.triton.chunk_fwd import _pick_bv
+    assert _pick_bv(128, 128, 4 * 32) == 64
+    inp = make_inputs(fam, B=4, T=512, H=32, HV=32, K=128, V=128, dtype=torch.bfloat16, seed=19, device=DEVICE)
+    o, ht = _run(inp)
+    e_o, e_fla = _assert_within_fla(inp, o)
+    e_h = rel_err(ht, reference(inp)[1])
+    print(f"{fam} busy bf16: ours o {e_o:.2e} ht {e_h:.2e}; fla o {e_fla}")
+    assert e_h <= TOL[torch.bfloat16]
+
+
 def _correlated_keys(k_shape, beta_shape, seed=17):
     """Nearly parallel unit keys (one direction plus 0.2 noise) and β in [0.9, 0.99), float64 on the CPU."""
     gen = torch.Generator().manual_seed(seed)

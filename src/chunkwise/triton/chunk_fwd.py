@@ -1460,7 +1460,7 @@ FWD_TMA = 1
 FWD_TMA_O = 1
 
 # the serial stage on the transposed state Sᵀ [BV, K] (_state_output_step_t; not simple GLA's segment split), per
-# gate kind, at BV >= 64 only: the products take the state and R from registers as their first operand (wgmma with
+# gate kind of the delta rule (simple GLA: FWD_TRANS_GLA), at BV >= 64 only: the products take the state and R from registers as their first operand (wgmma with
 # A in registers) instead of staging them through shared memory as the second. On the H200 (run of e227cb1, bf16,
 # forward ms, plain / transposed at BV 64): DeltaNet B8-T4096-H32 0.951 / 0.918, B4-T8192-H16/HV32 0.919 / 0.881,
 # varlen16 1.013 / 0.978; KDA 2.926 / 2.893, 2.891 / 2.855, 3.021 / 2.987; but GDN 1.153 / 1.289 (its per-token
@@ -1471,8 +1471,16 @@ FWD_TMA_O = 1
 # 3d1debd, bf16, forward ms, plain / transposed at BV 64): DeltaNet B8-T4096-H32 0.681 / 0.633, B4-T8192-H16/HV32
 # 0.665 / 0.608, varlen16 0.723 / 0.667; KDA B8 1.985 / 1.907, B4 1.995 / 1.885, and at 3 pipeline stages, which
 # the transposed step leaves room for (_pick_stages), 1.744 and 1.708. At B1 (BV 32) KDA 1.972 / 1.981, DeltaNet
-# 0.913 / 1.079. CHUNKWISE_FWD_TRANS (0 / 1) overrides, at any BV.
-FWD_TRANS = {0: 1, 1: 0, 2: 1}
+# 0.913 / 1.079. GDN under T_FORM and with its gate chunk-major (7b9fb2e), at 2 pipeline stages (TRANS_STAGES) on
+# the H200 (runs of c26cd23, session 21, bf16, forward ms, plain at 3 stages / transposed at 3 / at 2; fla in the same
+# process): B8-T4096-H32 0.849 / 0.827 / 0.794 (fla 1.699), B4-T8192-H16/HV32 0.812 / 0.779 / 0.714 (fla 1.650),
+# varlen16-T32768-H32 0.921 / 0.881 / 0.837 (fla 2.071); B1 stays at BV 32 (plain 1.082; transposed BV 64 1.191).
+# CHUNKWISE_FWD_TRANS (0 / 1) overrides, at any BV.
+FWD_TRANS = {0: 1, 1: 1, 2: 1}
+# the transposed step's pipeline depth per gate kind where it is less than _pick_stages's (GDN: 2, measured above;
+# DeltaNet at B8-T4096-H32 0.629 at 2 against 0.645 at 3, within the run's noise, left at 3)
+TRANS_STAGES = {1: 2}
+FWD_TRANS_GLA = 0      # simple GLA: 0.469 plain against 0.526 transposed at B8-T4096-H32 (run of e227cb1, above)
 
 # The delta rule (not a forward saved for the backward), per gate kind: stage 1 writes T diag(β) [C, C] per chunk
 # instead of W = T diag(β e^G) K and U = T diag(β) V (T_FORM; no v read, two [C, C] @ [C, 128] products and 512 B
@@ -1696,7 +1704,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         return (sn, sh, s3, s2) if transpose_state_layout else (sn, sh, s2, s3)
 
     dot_prec = _dot_prec(q.dtype)[0]
-    trans = _env_switch("CHUNKWISE_FWD_TRANS", int(FWD_TRANS[gate] and bv >= 64))
+    trans = _env_switch("CHUNKWISE_FWD_TRANS", int((FWD_TRANS[gate] if delta else FWD_TRANS_GLA) and bv >= 64))
     tma = _env_switch("CHUNKWISE_FWD_TMA", FWD_TMA)
     tma_o = tma and _env_switch("CHUNKWISE_FWD_TMA_O", int(FWD_TMA_O and nseg == 1))
     if tma and not _INTERPRET:
@@ -1704,6 +1712,8 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     if num_stages is None:
         num_stages = _pick_stages(q.element_size(), _dim(K), bv, delta, p_in, busy, t_form and gate == 2,
                                   trans and nseg == 1)
+        if trans and nseg == 1 and delta:
+            num_stages = min(num_stages, TRANS_STAGES.get(gate, num_stages))
     if num_stages == 1 and bv <= 32 and q.element_size() == 2 and not _INTERPRET:
         # (never picked: 16-bit inputs take 2-3 stages) on the H200 with triton 3.6 this build raised illegal memory
         # accesses (GDN, DeltaNet; B8-T4096-H32 and B1-T2048-H32) or gave a wrong output (KDA, 1.15 relative to the
