@@ -716,3 +716,45 @@ def test_reverse_pass_forms_dr_local(fam, p_in_dh, monkeypatch):
     other = _grads(inp, "triton", torch.float32)
     for n in ours:
         assert rel_err(ours[n], other[n]) <= TOL[torch.float32] / 4, n
+
+
+@pytest.mark.parametrize("mag", [1e-6, 1.0, 1e6])
+def test_wu_fp16_scaled_tiles(mag):
+    """_wu_kernel at LOWP 2 (KDA's default where the training forward kept T alone: W = T diag(β e^G) K,
+    U = T diag(β) V and dR_local = scale Pᵀ dO from fp16 operands, each tile scaled by a power of two): within
+    fp16's rounding of the float64 products whatever the magnitude of v and dO (1e-6: unscaled fp16 would flush
+    them to subnormals; 1e6: it would overflow to inf), over two chunks, the second partial."""
+    from chunkwise.triton.chunk_bwd import _wu_kernel
+    B, T, HV, K, V, C = 1, 100, 2, 32, 32, 64
+    gen = torch.Generator().manual_seed(5)
+    rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)          # noqa: E731
+    k = torch.nn.functional.normalize(rnd(B, T, 1, K), dim=-1)
+    v, do = mag * rnd(B, T, HV, V), mag * rnd(B, T, HV, V)
+    beta = torch.rand(B, T, HV, generator=gen, dtype=torch.float64)
+    g = -0.3 * torch.rand(B, T, HV, K, generator=gen, dtype=torch.float64)
+    tri = torch.ones(C, C, dtype=torch.float64).tril()
+    G = torch.empty_like(g)
+    Tm, Pm = rnd(B, T, HV, C), rnd(B, T, HV, C)
+    W, U, dR = torch.empty(B, T, HV, K, dtype=torch.float64), torch.empty(B, T, HV, V, dtype=torch.float64), \
+        torch.empty(B, T, HV, V, dtype=torch.float64)
+    for t0 in range(0, T, C):                       # chunk-local cumulative gates; T and P lower triangular per chunk
+        L = min(C, T - t0)
+        sl = slice(t0, t0 + L)
+        G[:, sl] = g[:, sl].cumsum(1)
+        m = tri[:L, :C][None, :, None, :]
+        Tm[:, sl] = Tm[:, sl] * m
+        Pm[:, sl] = Pm[:, sl] * m
+        Tc, Pc = Tm[:, sl, :, :L], Pm[:, sl, :, :L]                                    # [B, L, HV, L]
+        x = beta[:, sl, :, None] * G[:, sl].exp() * k[:, sl].expand(-1, -1, HV, -1)
+        W[:, sl] = torch.einsum("bihj,bjhk->bihk", Tc, x)
+        U[:, sl] = torch.einsum("bihj,bjhv->bihv", Tc, beta[:, sl, :, None] * v[:, sl])
+        dR[:, sl] = 0.25 * torch.einsum("bjhi,bjhv->bihv", Pc, do[:, sl])
+    dev = DEVICE
+    f32 = lambda x: x.to(dev, torch.float32).contiguous()                            # noqa: E731
+    outs = [torch.full((B, T, HV, n), float("nan"), device=dev) for n in (K, V, V)]
+    _wu_kernel[(2, B * HV)](f32(k), f32(v), f32(beta), f32(G), f32(Tm), f32(Pm), f32(do), *outs, None, None, T, 0.25,
+                            H=1, HV=HV, K=K, V=V, BK=K, BV=V, C=C, GATE=2, DELTA=True, IS_VARLEN=False,
+                            PREC="ieee", LOWP=2)
+    for name, ours, ref in zip(("W", "U", "dR_local"), outs, (W, U, dR)):
+        e = rel_err(ours, ref)
+        assert e <= 1e-3, f"{name}: {e:.2e} at magnitude {mag}"

@@ -436,9 +436,11 @@ def _wu_kernel(k, v, beta, G, Tmat, Pmat, do, W, U, dRl, cu_seqlens, chunk_indic
                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
                IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr = 0):
-    """W: [B, T, HV, K], U, dRl: [B, T, HV, V] (16-bit storage for 16-bit inputs). LOWP: the products'
+    """W: [B, T, HV, K], U, dRl: [B, T, HV, V] (16-bit storage for 16-bit inputs). LOWP: 1, the products'
     operands (T, P, β e^G K, β V, dO) in the 16-bit input dtype, fp32 accumulation: W and U as the
-    forward's stage 1 forms them with its bf16 W/U products."""
+    forward's stage 1 forms them with its bf16 W/U products; 2, in fp16, each tile scaled by a power of two
+    first (_fp16_scaled: no overflow, no subnormals at its top 14 binades, 11 significant bits rounded to
+    nearest where tf32 keeps 11 truncated); 0, fp32 operands at PREC."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
     i_hk = i_h // (HV // H)
@@ -450,10 +452,14 @@ def _wu_kernel(k, v, beta, G, Tmat, Pmat, do, W, U, dRl, cu_seqlens, chunk_indic
     rows = (t0 + o_t).to(tl.int64)
     m_cc = m_t[:, None] & m_t[None, :] & (o_t[:, None] >= o_t[None, :])
     p_cc = (rows[:, None] * HV + i_h) * C + o_t[None, :]
-    op_dt = k.dtype.element_ty if LOWP else tl.float32                             # the products' operands
+    op_dt = k.dtype.element_ty if LOWP == 1 else tl.float32                        # the products' operands
     b_P = tl.load(Pmat + p_cc, mask=m_cc, other=0.).to(op_dt)
+    if LOWP == 2:
+        b_P, s_P = _fp16_scaled(b_P)
     if DELTA:
         b_T = tl.load(Tmat + p_cc, mask=m_cc, other=0.).to(op_dt)
+        if LOWP == 2:
+            b_T, s_T = _fp16_scaled(b_T)
         b_beta = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.).to(tl.float32)
         m_tk = m_t[:, None] & m_k[None, :]
         b_x = tl.load(k + (rows[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
@@ -462,17 +468,42 @@ def _wu_kernel(k, v, beta, G, Tmat, Pmat, do, W, U, dRl, cu_seqlens, chunk_indic
             b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, GATE == 2)
             b_eG, _ = _gate_factors(b_G, b_last, GATE)
             b_x = b_x * b_eG
-        b_w = _mm(b_T, b_x.to(op_dt), PREC)                                            # [C, C] @ [C, BK]
+        if LOWP == 2:
+            b_x, s_x = _fp16_scaled(b_x)
+            b_w = tl.dot(b_T, b_x) * (s_T * s_x)                                        # [C, C] @ [C, BK]
+        else:
+            b_w = _mm(b_T, b_x.to(op_dt), PREC)                                        # [C, C] @ [C, BK]
         tl.store(W + (rows[:, None] * HV + i_h) * K + o_k[None, :], b_w, mask=m_tk)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         p_tv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
         b_do = tl.load(do + p_tv, mask=m_tv, other=0.).to(op_dt)
-        tl.store(dRl + p_tv, scale * _mm(tl.trans(b_P), b_do, PREC), mask=m_tv)  # [C, C] @ [C, BV]
+        if LOWP == 2:
+            b_do, s_do = _fp16_scaled(b_do)
+            b_dr = tl.dot(tl.trans(b_P), b_do) * (scale * s_P * s_do)                   # [C, C] @ [C, BV]
+        else:
+            b_dr = scale * _mm(tl.trans(b_P), b_do, PREC)                               # [C, C] @ [C, BV]
+        tl.store(dRl + p_tv, b_dr, mask=m_tv)
         if DELTA:
             b_y = tl.load(v + p_tv, mask=m_tv, other=0.).to(tl.float32) * b_beta[:, None]
-            tl.store(U + p_tv, _mm(b_T, b_y.to(op_dt), PREC), mask=m_tv)                      # [C, C] @ [C, BV]
+            if LOWP == 2:
+                b_y, s_y = _fp16_scaled(b_y)
+                b_u = tl.dot(b_T, b_y) * (s_T * s_y)                                    # [C, C] @ [C, BV]
+            else:
+                b_u = _mm(b_T, b_y.to(op_dt), PREC)                                    # [C, C] @ [C, BV]
+            tl.store(U + p_tv, b_u, mask=m_tv)
+
+
+@triton.jit
+def _fp16_scaled(x):
+    """(x / s in fp16, s) for a 2-D fp32 tile, s = 2^⌈log2 max|x|⌉ (1 for an all-zero tile): the tile's largest
+    entries keep fp16's 11 significant bits (rounded to nearest) and nothing overflows, whatever the tile's own
+    scale (dO and v of any magnitude; fp16 as it is would lose a tile of 1e-6 to subnormals and one of 1e5 to
+    inf). The product of two such tiles times both s is the fp32-accumulated product of the tiles."""
+    b_m = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    b_e = tl.where(b_m > 0, tl.ceil(tl.log2(b_m)), 0.)
+    return (x * tl.exp2(-b_e)).to(tl.float16), tl.exp2(b_e)
 
 
 @triton.jit
@@ -1780,8 +1811,11 @@ BWD_PAIR_SPLIT = 32
 # keeps them. On the H200 (run of 2eb2b43, KDA B1-T32768-H32 bf16) the launch took 1.103 ms at 0 and 0.674 at 1
 # (0.202 without W, U), fwd+bwd 12.01 / 11.58 against 12.07 keeping W, U; the gradients moved by 7e-5 at 0 and 3.7e-3
 # at 1 (relative, against keeping W, U). 0 until the real-size gradient test against fla has run at 1 (it did not
-# finish in that session's device time). CHUNKWISE_SAVE_WU_LOWP (0 / 1) overrides.
-SAVE_WU_LOWP = 0
+# finish in that session's device time). Session 21 (run of c26cd23): at 1 the real-size bf16 gradients against the
+# float64 reference were over fla's on q, k, g by 2-8 % (dg 3.30e-3 against fla's 3.05e-3), at 0 under them. 2: fp16
+# operands, each tile scaled by a power of two (_fp16_scaled): 16-bit products at a rounding no coarser than tf32's.
+# CHUNKWISE_SAVE_WU_LOWP (0 / 1 / 2) overrides.
+SAVE_WU_LOWP = 2
 # KDA's pairwise gradients with one reference per chunk where its gate allows: 1, in a launch of their own
 # (_bwd_pair_kernel ONE_REF 1); 2, in the key side's second pass (_bwd_grad_kernel ONE_REF); then the pair kernel's
 # block form for the others; 0, the block form everywhere. CHUNKWISE_BWD_ONE_REF (0 / 1 / 2) overrides. On the
@@ -1994,7 +2028,8 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         if not p_in_dh:     # (never with wu_from_t)
             # dR_local = scale Pᵀ dO from the saved P, and W, U from T where the forward kept T alone (SAVE_WU_LOWP: their
             # operands' precision)
-            wu_lowp = lowp_wu and (not wu_from_t or _env_switch("CHUNKWISE_SAVE_WU_LOWP", SAVE_WU_LOWP))
+            wu_lowp = 0 if not lowp_wu else _env_choice("CHUNKWISE_SAVE_WU_LOWP", SAVE_WU_LOWP, range(3)) \
+                if wu_from_t else 1
             _wu_kernel[grid_c](k, v, beta, G, Tmat if wu_from_t else None, saved["p"].contiguous(), do,
                                W if wu_from_t else None, U if wu_from_t else None, dRl, scale=scale, H=H, HV=HV, K=K,
                                V=V, BK=BK, BV=BV, C=C, GATE=gate, DELTA=wu_from_t, IS_VARLEN=varlen, PREC=prec,
