@@ -96,6 +96,7 @@ KERNELS = {
                            dict(T="i32", s_dbp="i32"),
                            dict(BC=cb.SUB, span_max=cb.SPAN_MAX, OFFDIAG=True, DIAG=False, BKP=n, ONE_REF=0))
         for n in (16, 32)},
+    "gate_scaled": ("_gate_scaled_kernel", dict(q="in", k="in", G="fp32", qd="in", kd="in"), dict(T="i32"), {}),
     "wu": ("_wu_kernel",
            dict(k="in", v="in", beta="in", G="fp32", Tmat="fp32", Pmat="fp32", do="in", W="s", U="s", dRl="s"),
            dict(T="i32", scale="fp32"), {}),

@@ -34,6 +34,19 @@ class DeltaRuleLayer(nn.Module):
         self.recurrent_max_len = recurrent_max_len
         self.chunk_size = chunk_size
 
+    def _init_heads(self, hidden_size: int, num_k_heads: int, num_v_heads: int | None, head_k_dim: int,
+                    head_v_dim: int | None, k_heads_arg: str) -> None:
+        """hidden_size, num_v_heads (default num_k_heads; a multiple of it, else a ValueError naming ``k_heads_arg``),
+        head_k_dim, head_v_dim (default head_k_dim), key_dim = H·K, value_dim = HV·V."""
+        num_v_heads = num_v_heads or num_k_heads
+        head_v_dim = head_v_dim or head_k_dim
+        if num_v_heads % num_k_heads:
+            raise ValueError(f"num_v_heads={num_v_heads} must be a multiple of {k_heads_arg}={num_k_heads}")
+        self.hidden_size = hidden_size
+        self.num_v_heads = num_v_heads
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+
     def _form(self, T: int) -> str:
         if self.mode != "auto":
             return self.mode

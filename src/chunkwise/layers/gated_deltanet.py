@@ -37,15 +37,10 @@ class GatedDeltaNet(DeltaRuleLayer):
                  head_v_dim: int | None = None, conv_size: int = 4, norm_eps: float = 1e-6, layer_idx: int = 0,
                  mode: str = "auto", backend: str = "auto", recurrent_max_len: int = 64, chunk_size: int = 32):
         super().__init__()
-        num_v_heads = num_v_heads or num_k_heads
-        head_v_dim = head_v_dim or head_k_dim
-        if num_v_heads % num_k_heads:
-            raise ValueError(f"num_v_heads={num_v_heads} must be a multiple of num_k_heads={num_k_heads}")
+        self._init_heads(hidden_size, num_k_heads, num_v_heads, head_k_dim, head_v_dim, "num_k_heads")
         self._init_dispatch(layer_idx, mode, backend, recurrent_max_len, chunk_size)
-        self.hidden_size = hidden_size
-        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
-        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
-        self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.num_k_heads = num_k_heads
+        num_v_heads, head_v_dim = self.num_v_heads, self.head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
 
         self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)

@@ -36,15 +36,10 @@ class KimiDeltaAttention(DeltaRuleLayer):
                  head_v_dim: int | None = None, conv_size: int = 4, norm_eps: float = 1e-5, layer_idx: int = 0,
                  mode: str = "auto", backend: str = "auto", recurrent_max_len: int = 64, chunk_size: int = 32):
         super().__init__()
-        num_v_heads = num_v_heads or num_heads
-        head_v_dim = head_v_dim or head_dim
-        if num_v_heads % num_heads:
-            raise ValueError(f"num_v_heads={num_v_heads} must be a multiple of num_heads={num_heads}")
+        self._init_heads(hidden_size, num_heads, num_v_heads, head_dim, head_v_dim, "num_heads")
         self._init_dispatch(layer_idx, mode, backend, recurrent_max_len, chunk_size)
-        self.hidden_size = hidden_size
-        self.num_heads, self.num_v_heads = num_heads, num_v_heads
-        self.head_k_dim, self.head_v_dim = head_dim, head_v_dim
-        self.key_dim, self.value_dim = num_heads * head_dim, num_v_heads * head_v_dim
+        self.num_heads = num_heads
+        num_v_heads, head_v_dim = self.num_v_heads, self.head_v_dim
 
         self.q_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
         self.k_proj = nn.Linear(hidden_size, self.key_dim, bias=False)

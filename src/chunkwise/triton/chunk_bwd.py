@@ -107,6 +107,17 @@ def _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C: tl.constexpr, IS_VA
 
 
 @triton.jit
+def _chunk_program(cu_seqlens, chunk_indices, T, H: tl.constexpr, HV: tl.constexpr, C: tl.constexpr,
+                   IS_VARLEN: tl.constexpr):
+    """Where a chunk-parallel program of grid (chunks, B·HV) works: (value head i_h, the key head i_hk its group
+    reads, the chunk's first token row t0, valid length L, chunk slot i_g) (_chunk_bounds)."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // HV, i_bh % HV
+    t0, L, i_g = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
+    return i_h, i_h // (HV // H), t0, L, i_g
+
+
+@triton.jit
 def _seq_bounds(i_n, cu_seqlens, T, C: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Sequence i_n -> (first token row, last+1, slot of its first chunk, number of chunks).
 
@@ -208,10 +219,7 @@ def _intra_kernel(q, k, beta, G, Amat, Pmat, cu_seqlens, chunk_indices, T,
 
     Per channel only the blocks off the BC×BC diagonal are written here (_intra_diag_kernel
     writes the diagonal blocks)."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // HV, i_bh % HV
-    i_hk = i_h // (HV // H)
-    t0, L, _ = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
+    i_h, i_hk, t0, L, _ = _chunk_program(cu_seqlens, chunk_indices, T, H, HV, C, IS_VARLEN)
     o_t = tl.arange(0, C)
     o_k = tl.arange(0, BK)
     m_t = o_t < L
@@ -305,10 +313,7 @@ def _intra_diag_kernel(q, k, beta, G, Amat, Pmat, cu_seqlens, chunk_indices, T,
                        span_max: tl.constexpr):
     """Per-channel gates: the BC×BC diagonal blocks of A and P. A block whose gates span less than span_max
     takes two products of factored operands (_diag_factors); otherwise each column j exactly (rare)."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // HV, i_bh % HV
-    i_hk = i_h // (HV // H)
-    t0, L, _ = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
+    i_h, i_hk, t0, L, _ = _chunk_program(cu_seqlens, chunk_indices, T, H, HV, C, IS_VARLEN)
     o_i = tl.arange(0, BC)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
@@ -441,10 +446,7 @@ def _wu_kernel(k, v, beta, G, Tmat, Pmat, do, W, U, dRl, cu_seqlens, chunk_indic
     forward's stage 1 forms them with its bf16 W/U products; 2, in fp16, each tile scaled by a power of two
     first (_fp16_scaled: no overflow, no subnormals at its top 14 binades, 11 significant bits rounded to
     nearest where tf32 keeps 11 truncated); 0, fp32 operands at PREC."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // HV, i_bh % HV
-    i_hk = i_h // (HV // H)
-    t0, L, _ = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
+    i_h, i_hk, t0, L, _ = _chunk_program(cu_seqlens, chunk_indices, T, H, HV, C, IS_VARLEN)
     o_t = tl.arange(0, C)
     o_k = tl.arange(0, BK)
     m_t = o_t < L
@@ -512,10 +514,7 @@ def _gate_scaled_kernel(q, k, G, qd, kd, cu_seqlens, chunk_indices, T, H: tl.con
     """Per-channel gate (KD_IN): qd = q ⊙ e^G, kd = k ⊙ e^{G_last − G} [B, T, HV, K] in the input dtype, what the
     serial state passes take as their products' 16-bit operands, formed once here instead of on their serial
     path (a [C, K] fp32 gate tile and two exponentials per element per chunk there)."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // HV, i_bh % HV
-    i_hk = i_h // (HV // H)
-    t0, L, _ = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
+    i_h, i_hk, t0, L, _ = _chunk_program(cu_seqlens, chunk_indices, T, H, HV, C, IS_VARLEN)
     o_t = tl.arange(0, C)
     o_k = tl.arange(0, BK)
     rows = (t0 + o_t).to(tl.int64)
@@ -533,6 +532,19 @@ def _gate_scaled_kernel(q, k, G, qd, kd, cu_seqlens, chunk_indices, T, H: tl.con
 # ------------------------------------------------------------------------------------------------
 # stage 4: forward state pass (recomputes S entering each chunk and R = U − W S)
 # ------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _step_tiles(bos, eos, i_c, o_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, C: tl.constexpr):
+    """A serial pass's chunk i_c of the sequence [bos, eos): (o_t [C], o_k [BK], their masks m_t, m_k, the value
+    columns' m_v, the state tile's m_kv [BK, BV], first token row t0, valid length L, token rows [C] as int64)."""
+    o_t = tl.arange(0, C)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    m_v = o_v < V
+    t0 = bos + i_c * C
+    L = tl.minimum(eos - t0, C)
+    return o_t, o_k, o_t < L, m_k, m_v, m_k[:, None] & m_v[None, :], t0, L, (t0 + o_t).to(tl.int64)
+
 
 @triton.jit
 def _step_ahead(X, G, i_c, bos, eos, i_h, o_v, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -570,15 +582,7 @@ def _fwd_h_step(k, v, G, W, U, h, R, b_S, i_c, bos, eos, boh, i_h, i_hk, o_v, H:
     LOWP: the products' operands in the 16-bit input dtype (S and R cast, fp32 accumulation), as the
     forward's serial stage does; else fp32 operands in PREC. KD_IN (per-channel gate, LOWP): k is
     _gate_scaled_kernel's kd [B, T, HV, K], already k ⊙ e^{G_last − G}."""
-    o_t = tl.arange(0, C)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    m_v = o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    t0 = bos + i_c * C
-    L = tl.minimum(eos - t0, C)
-    m_t = o_t < L
-    rows = (t0 + o_t).to(tl.int64)
+    o_t, o_k, m_t, m_k, m_v, m_kv, t0, L, rows = _step_tiles(bos, eos, i_c, o_v, K, V, BK, C)
     tl.store(h + (((boh + i_c) * HV + i_h) * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :], b_S, mask=m_kv)
     m_tk = m_t[:, None] & m_k[None, :]
     m_tv = m_t[:, None] & m_v[None, :]
@@ -664,15 +668,7 @@ def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, h, dgam, b_dS, b_dRl, b_lastp, i_c
     stage 1) and dR_local = scale Pᵀ dO is formed here, off the step's dependence on dS'. DGAM (scalar gate): the
     step's dS is chunk i_c − 1's dS'; the state entering that chunk is loaded first and Σ_v S ⊙ dS' over this
     program's value columns stored at the end (_dgam_rows), when the load has had the step to arrive."""
-    o_t = tl.arange(0, C)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    m_v = o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    t0 = bos + i_c * C
-    L = tl.minimum(eos - t0, C)
-    m_t = o_t < L
-    rows = (t0 + o_t).to(tl.int64)
+    o_t, o_k, m_t, m_k, m_v, m_kv, t0, L, rows = _step_tiles(bos, eos, i_c, o_v, K, V, BK, C)
     if DGAM:    # the state entering chunk i_c − 1, for the end of the step
         b_Sp = _state_ahead(h, i_c - 1, boh, i_h, o_v, HV, K, V, BK, BV)
     tl.store(dh + (((boh + i_c) * HV + i_h) * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :], b_dS, mask=m_kv)
@@ -832,10 +828,7 @@ def _bwd_dv_kernel(q, k, v, beta, G, Tmat, h, R, dR, do, Pmat, Amat, dq, dv, dbe
         dq = scale (dO Sᵀ) ⊙ e^G  (+ (dP ⊙ Γ) K for scalar / no gates: dq final, and the row sums
         of q ⊙ dq -> dG as the start of dG; per channel dq stays partial, finished by the key side)
     Pmat, Amat: [B, T, HV, C] fp32 (their forward contents are no longer needed); dv in v's dtype."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // HV, i_bh % HV
-    i_hk = i_h // (HV // H)
-    t0, L, i_g = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
+    i_h, i_hk, t0, L, i_g = _chunk_program(cu_seqlens, chunk_indices, T, H, HV, C, IS_VARLEN)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     p_h = (i_g * HV + i_h).to(tl.int64) * K * V
@@ -986,10 +979,7 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
     The V loop runs once per column block: R and dR are read K / BKH times. LOWP: 1, the products of T, dW,
     X, dT, dA and dP take 16-bit operands (the input dtype; fp32 accumulation), as fla's do; 2, only those of
     pass 1 and dA (T, dW, X, dT), pass 2's pairwise products (dP, dA with q, k) in fp32 operands."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // HV, i_bh % HV
-    i_hk = i_h // (HV // H)
-    t0, L, i_g = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
+    i_h, i_hk, t0, L, i_g = _chunk_program(cu_seqlens, chunk_indices, T, H, HV, C, IS_VARLEN)
     o_t, m_t, rows, m_cc, p_cc, p_ccT = _chunk_rows(t0, L, i_h, HV, C)
     i_ge_j = o_t[:, None] >= o_t[None, :]
     p_h = (i_g * HV + i_h).to(tl.int64) * K * V
@@ -1296,10 +1286,7 @@ def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, Ascr, dv, dk, db
     HV]); no pairwise products and no dAᵀ: dA (no gate factor) goes to Ascr (Amat) and dP = scale tril(dO Rᵀ) to
     Pmat, fp32, for the pair kernel, which finishes dq, dk, dG, dβ. (Ascr and Pmat may be dTp's first two blocks:
     each program reads its rows of dTp before it writes them.)"""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // HV, i_bh % HV
-    i_hk = i_h // (HV // H)
-    t0, L, i_g = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
+    i_h, i_hk, t0, L, i_g = _chunk_program(cu_seqlens, chunk_indices, T, H, HV, C, IS_VARLEN)
     o_t, m_t, rows, m_cc, p_cc, p_ccT = _chunk_rows(t0, L, i_h, HV, C)
     OPD: tl.constexpr = k.dtype.element_ty if LOWP else tl.float32
     OPD2: tl.constexpr = k.dtype.element_ty if LOWP == 1 else tl.float32
