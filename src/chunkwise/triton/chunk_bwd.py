@@ -534,6 +534,26 @@ def _gate_scaled_kernel(q, k, G, qd, kd, cu_seqlens, chunk_indices, T, H: tl.con
 # ------------------------------------------------------------------------------------------------
 
 @triton.jit
+def _seq_program(cu_seqlens, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                 BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, IS_VARLEN: tl.constexpr, TRANSPOSE: tl.constexpr):
+    """Where a serial state pass's program of grid (cdiv(V, BV), N·HV) works: (value head i_h, its key head i_hk,
+    the sequence's bounds bos, eos, first chunk slot boh and chunk count (_seq_bounds), the state tile's o_k [BK],
+    o_v [BV], masks m_k, m_v, m_kv, and its offsets p0 [BK, BV] in an [N, HV, K, V] state (TRANSPOSE: [N, HV, V, K]))."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // HV, i_nh % HV
+    bos, eos, boh, NTs = _seq_bounds(i_n, cu_seqlens, T, C, IS_VARLEN)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    if TRANSPOSE:
+        p0 = (i_nh * V + o_v[None, :]).to(tl.int64) * K + o_k[:, None]
+    else:
+        p0 = (i_nh * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :]
+    return i_h, i_h // (HV // H), bos, eos, boh, NTs, o_k, o_v, m_k, m_v, m_k[:, None] & m_v[None, :], p0
+
+
+@triton.jit
 def _step_tiles(bos, eos, i_c, o_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, C: tl.constexpr):
     """A serial pass's chunk i_c of the sequence [bos, eos): (o_t [C], o_k [BK], their masks m_t, m_k, the value
     columns' m_v, the state tile's m_kv [BK, BV], first token row t0, valid length L, token rows [C] as int64)."""
@@ -623,21 +643,10 @@ def _fwd_h_kernel(k, v, G, W, U, h0, h, R, cu_seqlens, T,
                   LOOP_WHILE: tl.constexpr, LOWP: tl.constexpr = 0, KD_IN: tl.constexpr = 0):
     """h: [NC, HV, K, V] fp32, the state entering each chunk; R: [B, T, HV, V] fp32 (delta only).
     h0: [N, HV, K, V] ([N, HV, V, K] if TRANSPOSE)."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // HV, i_nh % HV
-    i_hk = i_h // (HV // H)
-    bos, eos, boh, NTs = _seq_bounds(i_n, cu_seqlens, T, C, IS_VARLEN)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < K
-    m_v = o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
+    i_h, i_hk, bos, eos, boh, NTs, o_k, o_v, m_k, m_v, m_kv, p0 = _seq_program(cu_seqlens, T, H, HV, K, V, BK, BV, C,
+                                                                              IS_VARLEN, TRANSPOSE)
     b_S = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_H0:
-        if TRANSPOSE:
-            p0 = (i_nh * V + o_v[None, :]).to(tl.int64) * K + o_k[:, None]
-        else:
-            p0 = (i_nh * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :]
         b_S += tl.load(h0 + p0, mask=m_kv, other=0.).to(tl.float32)
     if LOOP_WHILE:  # the interpreter cannot take a loaded bound in range()
         i_c = 0
@@ -758,19 +767,8 @@ def _bwd_dh_kernel(q, k, G, W, dRl, do, dht, dh, dR, dh0, h, dgam, cu_seqlens, T
     the step with K dS' scaled by ``unit`` (1.0, a runtime value) so that the compiler cannot fold dR_local into the
     product as its accumulator, which leaves the load to the software pipeline.
     dh: [NC, HV, K, V] fp32; dR: [B, T, HV, V] fp32; dht, dh0 in the state layout (dh0 fp32)."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // HV, i_nh % HV
-    i_hk = i_h // (HV // H)
-    bos, eos, boh, NTs = _seq_bounds(i_n, cu_seqlens, T, C, IS_VARLEN)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < K
-    m_v = o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    if TRANSPOSE:
-        p0 = (i_nh * V + o_v[None, :]).to(tl.int64) * K + o_k[:, None]
-    else:
-        p0 = (i_nh * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :]
+    i_h, i_hk, bos, eos, boh, NTs, o_k, o_v, m_k, m_v, m_kv, p0 = _seq_program(cu_seqlens, T, H, HV, K, V, BK, BV, C,
+                                                                              IS_VARLEN, TRANSPOSE)
     b_dS = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_DHT:
         b_dS += tl.load(dht + p0, mask=m_kv, other=0.).to(tl.float32)
