@@ -718,12 +718,13 @@ def test_reverse_pass_forms_dr_local(fam, p_in_dh, monkeypatch):
         assert rel_err(ours[n], other[n]) <= TOL[torch.float32] / 4, n
 
 
-@pytest.mark.parametrize("mag", [1e-6, 1.0, 1e6])
+@pytest.mark.parametrize("mag", [1e-39, 1e-6, 1.0, 1e6])
 def test_wu_fp16_scaled_tiles(mag):
     """_wu_kernel at LOWP 2 (KDA's default where the training forward kept T alone: W = T diag(β e^G) K,
     U = T diag(β) V and dR_local = scale Pᵀ dO from fp16 operands, each tile scaled by a power of two): within
     fp16's rounding of the float64 products whatever the magnitude of v and dO (1e-6: unscaled fp16 would flush
-    them to subnormals; 1e6: it would overflow to inf), over two chunks, the second partial."""
+    them to subnormals; 1e6: it would overflow to inf; 1e-39: fp32 subnormals, whose log2 the GPU flushes to
+    −inf), over two chunks, the second partial."""
     from chunkwise.triton.chunk_bwd import _wu_kernel
     B, T, HV, K, V, C = 1, 100, 2, 32, 32, 64
     gen = torch.Generator().manual_seed(5)

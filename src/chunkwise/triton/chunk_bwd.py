@@ -499,12 +499,14 @@ def _wu_kernel(k, v, beta, G, Tmat, Pmat, do, W, U, dRl, cu_seqlens, chunk_indic
 
 @triton.jit
 def _fp16_scaled(x):
-    """(x / s in fp16, s) for a 2-D fp32 tile, s = 2^⌈log2 max|x|⌉ (1 for an all-zero tile): the tile's largest
-    entries keep fp16's 11 significant bits (rounded to nearest) and nothing overflows, whatever the tile's own
-    scale (dO and v of any magnitude; fp16 as it is would lose a tile of 1e-6 to subnormals and one of 1e5 to
-    inf). The product of two such tiles times both s is the fp32-accumulated product of the tiles."""
+    """(x / s in fp16, s) for a 2-D fp32 tile, s = 2^⌈log2 max|x|⌉: the tile's largest entries keep fp16's 11
+    significant bits (rounded to nearest) and nothing overflows, whatever the tile's own scale (dO and v of any
+    magnitude; fp16 as it is would lose a tile of 1e-6 to subnormals and one of 1e5 to inf). The product of two such
+    tiles times both s is the fp32-accumulated product of the tiles. The exponent stays within ±126 and log2 never
+    sees an fp32 subnormal (the GPU's log2 flushes those to −inf): an all-zero or all-subnormal tile gets s = 2^−122,
+    so that its entries scale up into fp16's range instead of to inf."""
     b_m = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-    b_e = tl.where(b_m > 0, tl.ceil(tl.log2(b_m)), 0.)
+    b_e = tl.minimum(tl.ceil(tl.log2(tl.maximum(b_m, 1e-37))), 126.)
     return (x * tl.exp2(-b_e)).to(tl.float16), tl.exp2(b_e)
 
 
