@@ -455,13 +455,9 @@ def _wu_kernel(k, v, beta, G, Tmat, Pmat, do, W, U, dRl, cu_seqlens, chunk_indic
     m_cc = m_t[:, None] & m_t[None, :] & (o_t[:, None] >= o_t[None, :])
     p_cc = (rows[:, None] * HV + i_h) * C + o_t[None, :]
     op_dt = k.dtype.element_ty if LOWP == 1 else tl.float32                        # the products' operands
-    b_P = tl.load(Pmat + p_cc, mask=m_cc, other=0.).to(op_dt)
-    if LOWP == 2:
-        b_P, s_P = _fp16_scaled(b_P)
+    b_P, s_P = _wu_left(tl.load(Pmat + p_cc, mask=m_cc, other=0.).to(op_dt), LOWP)
     if DELTA:
-        b_T = tl.load(Tmat + p_cc, mask=m_cc, other=0.).to(op_dt)
-        if LOWP == 2:
-            b_T, s_T = _fp16_scaled(b_T)
+        b_T, s_T = _wu_left(tl.load(Tmat + p_cc, mask=m_cc, other=0.).to(op_dt), LOWP)
         b_beta = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.).to(tl.float32)
         m_tk = m_t[:, None] & m_k[None, :]
         b_x = tl.load(k + (rows[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
@@ -470,31 +466,40 @@ def _wu_kernel(k, v, beta, G, Tmat, Pmat, do, W, U, dRl, cu_seqlens, chunk_indic
             b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, GATE == 2)
             b_eG, _ = _gate_factors(b_G, b_last, GATE)
             b_x = b_x * b_eG
-        if LOWP == 2:
-            b_x, s_x = _fp16_scaled(b_x)
-            b_w = tl.dot(b_T, b_x) * (s_T * s_x)                                        # [C, C] @ [C, BK]
-        else:
-            b_w = _mm(b_T, b_x.to(op_dt), PREC)                                        # [C, C] @ [C, BK]
+        b_w = _wu_mm(b_T, s_T, b_x, op_dt, PREC, LOWP)                                  # [C, C] @ [C, BK]
         tl.store(W + (rows[:, None] * HV + i_h) * K + o_k[None, :], b_w, mask=m_tk)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         p_tv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
         b_do = tl.load(do + p_tv, mask=m_tv, other=0.).to(op_dt)
-        if LOWP == 2:
-            b_do, s_do = _fp16_scaled(b_do)
-            b_dr = tl.dot(tl.trans(b_P), b_do) * (scale * s_P * s_do)                   # [C, C] @ [C, BV]
-        else:
-            b_dr = scale * _mm(tl.trans(b_P), b_do, PREC)                               # [C, C] @ [C, BV]
+        b_dr = _wu_mm(tl.trans(b_P), s_P * scale, b_do, op_dt, PREC, LOWP)              # [C, C] @ [C, BV]
         tl.store(dRl + p_tv, b_dr, mask=m_tv)
         if DELTA:
             b_y = tl.load(v + p_tv, mask=m_tv, other=0.).to(tl.float32) * b_beta[:, None]
-            if LOWP == 2:
-                b_y, s_y = _fp16_scaled(b_y)
-                b_u = tl.dot(b_T, b_y) * (s_T * s_y)                                    # [C, C] @ [C, BV]
-            else:
-                b_u = _mm(b_T, b_y.to(op_dt), PREC)                                    # [C, C] @ [C, BV]
-            tl.store(U + p_tv, b_u, mask=m_tv)
+            tl.store(U + p_tv, _wu_mm(b_T, s_T, b_y, op_dt, PREC, LOWP), mask=m_tv)       # [C, C] @ [C, BV]
+
+
+@triton.jit
+def _wu_left(a, LOWP: tl.constexpr):
+    """_wu_kernel's left operand (T or P, loaded once per program) and the factor its products take: (a as
+    _fp16_scaled makes it, its scale) at LOWP 2, else (a, 1)."""
+    s = 1.0
+    if LOWP == 2:
+        a, s = _fp16_scaled(a)
+    return a, s
+
+
+@triton.jit
+def _wu_mm(a, s_a, b, op_dt: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr):
+    """s_a · (a @ b) for _wu_kernel's products, a from _wu_left: at LOWP 2 b is _fp16_scaled here and its scale
+    applied with s_a (fp16 operands, fp32 accumulation); else b in op_dt at PREC."""
+    if LOWP == 2:
+        b, s_b = _fp16_scaled(b)
+        c = tl.dot(a, b) * (s_a * s_b)
+    else:
+        c = s_a * _mm(a, b.to(op_dt), PREC)
+    return c
 
 
 @triton.jit
