@@ -1480,9 +1480,8 @@ FWD_TRANS = {0: 1, 1: 1, 2: 1}
 # the transposed step's pipeline depth per gate kind where it is less than _pick_stages's (GDN: 2, measured above;
 # KDA keeps 3 for its T tile: 1.744 ms at 3 against 1.905 at 2, B8). DeltaNet was faster at 2 too (H200, bf16,
 # forward ms at 3 / 2 stages, runs of c26cd23 and f22371b: B8-T4096-H32 0.645 / 0.629, B4-T8192-H16/HV32 0.607 /
-# 0.583, varlen16-T32768-H32 0.669 / 0.661) but that build has not run the GPU tests (test_busy_shape_bf16_vs_fla
-# [delta] with TRANS_STAGES[0] = 2): left at 3 until it has
-TRANS_STAGES = {1: 2}
+# 0.583, varlen16-T32768-H32 0.669 / 0.661): 2 for it as well
+TRANS_STAGES = {0: 2, 1: 2}
 FWD_TRANS_GLA = 0      # simple GLA: 0.469 plain against 0.526 transposed at B8-T4096-H32 (run of e227cb1, above)
 
 # The delta rule (not a forward saved for the backward), per gate kind: stage 1 writes T diag(β) [C, C] per chunk
