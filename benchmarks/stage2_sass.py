@@ -23,7 +23,8 @@ BF16 = ("q", "k", "v", "w", "u", "p", "qg", "kg", "o")
 FP32 = ("g", "glast", "gcum", "h0", "ht", "sloc", "gam")
 
 
-def compile_variant(fam="gdn", bv=32, K=128, V=128, num_warps=4, num_stages=None, tma=0, trans=0, tform=0, p_in=None):
+def compile_variant(fam="gdn", bv=32, K=128, V=128, num_warps=4, num_stages=None, tma=0, trans=0, tform=0, p_in=None,
+                    wait=0):
     gate = GATES[fam]
     p_in = (gate == 2 or DELTA_P_IN[gate]) if p_in is None else p_in
     if num_stages is None:
@@ -34,8 +35,10 @@ def compile_variant(fam="gdn", bv=32, K=128, V=128, num_warps=4, num_stages=None
     consts = dict(cu_seqlens=None, K=K, V=V, BTc=BT, BK=K, BV=bv, GATE=gate, DELTA=True, P_IN=int(p_in),
                   USE_H0=False, STORE_HT=False, IS_VARLEN=False, DOT_PREC="tf32", g_floor=G_FLOOR, LOOP_WHILE=False,
                   SEG=0, NSEG=1, SUB=1, GC_IN=int(gate == 1), TMA=int(tma > 0), TMA_O=int(tma > 1), TRANS=trans,
-                  T_FORM=tform)
-    absent = ["h0", "ht", "sloc", "gam"] + ((["w"] if gate != 2 else []) if tform else ["v"])
+                  T_FORM=tform, WAIT=num_stages + 1 if wait else 0, FENCE=int(bool(wait and tma)))
+    if wait:
+        sig["ready"] = "*i32"
+    absent = ["h0", "ht", "sloc", "gam"] + ([] if wait else ["ready"]) + ((["w"] if gate != 2 else []) if tform else ["v"])
     absent += ([] if p_in else ["p"]) + ([] if gate == 2 else ["qg", "kg"] + ([] if gate == 1 else ["glast"]))
     absent += [] if gate == 1 else ["gcum"]
     absent += ["g"] if gate != 1 else []
@@ -60,12 +63,13 @@ def main():
     ap.add_argument("--trans", type=int, default=0, help="1: the transposed state (TRANS, _state_output_step_t)")
     ap.add_argument("--tform", type=int, default=0, help="1: R from stage 1's T diag(β) (T_FORM)")
     ap.add_argument("--stages", type=int, default=None, help="pipeline depth (default: _pick_stages)")
+    ap.add_argument("--wait", type=int, default=0, help="1: beside stage 1, each step waiting for its chunk (WAIT)")
     args = ap.parse_args()
     print(f"{'fam':5s} {'stg':>3s} {'regs':>4s} {'spill':>5s} {'smem':>6s} {'instrs':>6s} {'mma':>4s} "
           f"{'waits':>5s} {'bar':>4s} {'lds':>4s} {'sts':>4s} {'ldg':>4s}")
     for fam in args.fams.split(","):
         c, stages = compile_variant(fam, args.bv, num_warps=args.warps, num_stages=args.stages, tma=args.tma,
-                                   trans=args.trans, tform=args.tform)
+                                   trans=args.trans, tform=args.tform, wait=args.wait)
         s = summary(c)
         print(f"{fam:5s} {stages:3d} {s['regs']:4d} {s['spill']:5d} {s['smem']:6d} {s['instrs']:6d} "
               f"{s['mma']:4d} {s['waits']:5d} {s['bar']:4d} {s['lds']:4d} {s['sts']:4d} {s['ldg']:4d}", flush=True)

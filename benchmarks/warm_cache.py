@@ -98,6 +98,8 @@ def warm_benchmarks(only: str = ""):
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "stages", "--families", "gdn,delta"]),
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "solve", "--families", "gdn,kda,delta"]),
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "pstages", "--families", "kda"]),
+                         ("bench_forward", ["--warm", "--variants", "--variant-set", "overlap", "--families", "gdn,delta,kda",
+                                            "--shapes", "B1-T32768-H32"]),
                          ("sweep_bwd", ["--warm", "--warps", "4,8"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "pair"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "oneref"]),

@@ -804,3 +804,78 @@ def test_second_gpu_while_first_is_current(fam):
         o, ht = _run(inp)
     assert o.device == torch.device("cuda", 1)
     _check(inp, o, ht, TOL[torch.float32])
+
+
+def _ready_slots(inp, ci):
+    """The chunk slots stage 1's programs own (chunk_prepare's ready): n·NT + i, or n + start_token // 64 varlen."""
+    if inp.cu_seqlens is None:
+        B, T = inp.q.shape[:2]
+        return list(range(B * -(-T // 64)))
+    cu = inp.cu_seqlens.tolist()
+    return sorted({int(n) + (cu[int(n)] + int(c) * 64) // 64 for n, c in ci.tolist()})
+
+
+@pytest.mark.parametrize("case", ["kda-strong", "gdn-fp16-redo", "delta-fp16-redo", "gdn-batch"])
+def test_stage1_publishes_every_chunk(case, monkeypatch):
+    """chunk_prepare(ready=...) (stage 1 beside stage 2, chunk_fwd's overlap): the grid chunk-major and every
+    program sets ready[slot, head] once its outputs are stored, also the programs a first launch flags to a second
+    (KDA's one-reference launch with strong gates; the fp16 solve's redo launch, forced, with keys that leave fp16's
+    range): every chunk's slot is 1 for every value head, the varlen gaps' slots 0, and the outputs equal the
+    launch without it."""
+    import chunkwise.triton.chunk_fwd as cf
+    from chunkwise.api import prepare_chunk_indices
+    fam = case.split("-")[0]
+    if case == "gdn-batch":
+        inp = make_inputs(fam, B=2, T=130, H=1, HV=2, K=KS[0], V=VS[0], dtype=torch.float32, seed=3)
+        ci = None
+    else:
+        inp = make_inputs(fam, lengths=[1, 130, 70], H=1, HV=2, K=KS[1] if fam == "kda" else KS[0], V=VS[0],
+                          dtype=torch.float32, gate="strong" if fam == "kda" else "normal", seed=13)
+        ci = prepare_chunk_indices(inp.cu_seqlens, 64)
+    k = inp.k
+    if case.endswith("redo"):
+        k = inp.k * 6.0          # (as test_fp16_solve_redo: T past fp16's range in some chunks)
+        plain = cf._solve_precs
+        monkeypatch.setattr(cf, "_solve_precs", lambda dtype, gate, t_form: ("fp16", plain(dtype, gate, t_form)[1]))
+        monkeypatch.setenv("CHUNKWISE_SOLVE_FP16_SPLIT", "1")
+    N = inp.q.shape[0] if inp.cu_seqlens is None else inp.cu_seqlens.numel() - 1
+    ready = torch.zeros(cf.chunk_slots(N, inp.q.shape[1], inp.cu_seqlens is not None), 2, dtype=torch.int32,
+                        device=inp.q.device)
+    got = chunk_prepare(inp.q, k, inp.v, inp.g, inp.beta, inp.cu_seqlens, ci, store_p=True, t_form=True,
+                        ready=ready)
+    want = chunk_prepare(inp.q, k, inp.v, inp.g, inp.beta, inp.cu_seqlens, ci, store_p=True, t_form=True)
+    expect = torch.zeros_like(ready)
+    expect[_ready_slots(inp, ci)] = 1
+    assert torch.equal(ready, expect)
+    for name, x in want.items():
+        if x is not None:
+            assert torch.equal(torch.nan_to_num(got[name]), torch.nan_to_num(x)), name
+
+
+@pytest.mark.parametrize("case", ["varlen_h0_transpose", "grouped_batch"])
+@pytest.mark.parametrize("fam", ("gdn", "delta", "kda"))
+def test_stage2_beside_stage1(fam, case):
+    """chunk_fwd(overlap=True): stage 2 launched beside stage 1 (on the GPU its own stream, each step waiting for
+    its chunk's ready flag, stage 1's grid chunk-major) gives the sequential launches' output and final state bit
+    for bit, and the float64 recurrence's. On the GPU at B1-T4096-H32 bf16 (128 programs of stage 2 at BV 32 beside
+    stage 1's 2048) and in 4 sequences at H16 (128 programs at BV 64)."""
+    from chunkwise.triton.chunk_fwd import _num_sms, _pick_bv, chunk_fwd
+    varlen = case.startswith("varlen")
+    kw = dict(lengths=[1000, 64, 1, 3031] if varlen else None, B=1, H=16 if varlen else 32, HV=16 if varlen else 32,
+              K=128, V=128, dtype=torch.bfloat16) if ON_GPU else \
+        dict(lengths=[1, 130, 70] if case.startswith("varlen") else None, B=2, T=T_LONG, H=1, HV=2, K=KS[0],
+             V=VS[0], dtype=torch.float32)
+    if ON_GPU and kw["lengths"] is None:
+        kw["T"] = 4096
+    inp = make_inputs(fam, seed=23, device=DEVICE, **kw)
+    transpose = case.endswith("transpose")
+    h0 = inp.h0.transpose(-1, -2).contiguous() if transpose else inp.h0
+    K = inp.q.shape[-1]
+    outs = [chunk_fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, K ** -0.5, h0, True, inp.cu_seqlens,
+                      transpose_state_layout=transpose, overlap=ov) for ov in (False, True)]
+    N, HV, V = inp.q.shape[0] if inp.cu_seqlens is None else inp.cu_seqlens.numel() - 1, *inp.v.shape[2:]
+    programs = -(-V // _pick_bv(V, K, N * HV)) * N * HV
+    assert programs < _num_sms(inp.q.device)        # (the overlap applies: fewer stage-2 programs than SMs)
+    assert torch.equal(outs[1][0], outs[0][0]) and torch.equal(outs[1][1], outs[0][1])
+    ht = outs[1][1].transpose(-1, -2) if transpose else outs[1][1]
+    _check(inp, outs[1][0], ht, TOL[inp.q.dtype])

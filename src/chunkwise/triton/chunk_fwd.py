@@ -49,6 +49,7 @@ The backward may import ``chunk_prepare`` (recompute w, u, P) and the kernels th
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -231,6 +232,41 @@ def _chunk_span(i_t, i_b, cu_seqlens, chunk_indices, T, NT, BTc: tl.constexpr, I
 
 
 @triton.jit
+def _signal_ready(ready, slot, i_h, HV):
+    """Stage 1 beside stage 2 (SIGNAL): publish this program's chunk. Every thread's stores first (the barrier),
+    then one release write of 1 to ready[slot, head], which stage 2's acquire reads (_wait_ready)."""
+    tl.debug_barrier()
+    tl.atomic_xchg(ready + slot * HV + i_h, 1, sem="release", scope="gpu")
+
+
+# stage 2's spin on a chunk's ready flag (_wait_ready) as one PTX loop of acquire loads, so that the chunk loop it sits
+# in stays Triton's innermost loop (with a Triton while loop nested in it, the loop was not software-pipelined: offline
+# sm_90 its tile loads became plain LDG and its shared memory fell from 168 KB to 53 KB); with FENCE a proxy fence
+# after it, for the tensor-descriptor (async proxy) loads that follow
+_SPIN_PTX = ("{\n.reg .pred %spin_p;\nSPIN_${:uid}:\nld.acquire.gpu.global.b32 $0, [$1];\nsetp.eq.s32 %spin_p, $0, 0;\n"
+             "@%spin_p bra SPIN_${:uid};\n}")
+_SPIN = tl.constexpr(_SPIN_PTX)
+_SPIN_FENCE = tl.constexpr(_SPIN_PTX + "\nfence.proxy.async.global;")
+
+
+@triton.jit
+def _wait_ready(ready, slot, i_h, HV, FENCE: tl.constexpr, SPIN_ASM: tl.constexpr):
+    """Stage 2 beside stage 1 (WAIT): spin until stage 1 has published chunk ``slot`` of head i_h (acquire: the
+    loads after it see stage 1's stores). SPIN_ASM: the loop in PTX (_SPIN; compiled), else a Triton loop of
+    atomic reads (the interpreter). FENCE: the loads that follow go through tensor descriptors (the async proxy)."""
+    flag = ready + slot * HV + i_h
+    if SPIN_ASM:
+        if FENCE:
+            tl.inline_asm_elementwise(_SPIN_FENCE, "=r,l", [flag], dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            tl.inline_asm_elementwise(_SPIN, "=r,l", [flag], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        r = tl.atomic_add(flag, 0, sem="acquire", scope="gpu")
+        while r == 0:
+            r = tl.atomic_add(flag, 0, sem="acquire", scope="gpu")
+
+
+@triton.jit
 def _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc: tl.constexpr, g_floor: tl.constexpr):
     """G [BT] fp32: the chunk-local cumulative scalar gate of value head i_h, each token's gate clamped
     at g_floor (rows past the sequence end add 0)."""
@@ -376,6 +412,7 @@ def chunk_prepare_kernel(
     do, t_out, drl,              # BWD: [B,T,HV,V] in; out [B,T,HV,BT] fp32, [B,T,HV,V] (do's dtype)
     flag,                        # AP_ONE_REF 2 / 3: [chunks · B·HV] int32, per program: 1 where a column chunk's gate
                                  # left the one-reference span (written by 2, read by 3)
+    ready,                       # SIGNAL: [slots, HV] int32, set to 1 once the chunk's outputs are stored (stage 2's WAIT)
     cu_seqlens, chunk_indices,   # varlen: [N+1], [NT_total, 2] (sequence, chunk in sequence)
     T, NT, H, HV, K, V, scale,
     BTc: tl.constexpr, BCc: tl.constexpr, BK: tl.constexpr, BVf: tl.constexpr, BKC: tl.constexpr,
@@ -385,9 +422,9 @@ def chunk_prepare_kernel(
     BWD: tl.constexpr = 0, STORE_T: tl.constexpr = 0, STORE_P: tl.constexpr = 1, GC_OUT: tl.constexpr = 0,
     AP_ONE_REF: tl.constexpr = 0, SOLVE_DOUBLING: tl.constexpr = 0, T_FORM: tl.constexpr = 0,
     AP_LOWP: tl.constexpr = 0, SOLVE_REDO: tl.constexpr = 0, REDO_PREC: tl.constexpr = "tf32",
-    span16: tl.constexpr = SPAN_FP16,
+    span16: tl.constexpr = SPAN_FP16, SIGNAL: tl.constexpr = 0,
 ):
-    """One chunk of one value head: see the module docstring (stage 1). Grid (chunks, B·HV).
+    """One chunk of one value head: see the module docstring (stage 1). Grid (chunks, B·HV); SIGNAL: (B·HV, chunks).
 
     BWD (the backward's recompute, scalar / no gate): instead of P, write T = (I + A)⁻¹ (fp32) and
     dR_local = scale Pᵀ dO, next to W and U; A and P never reach memory.
@@ -407,10 +444,18 @@ def chunk_prepare_kernel(
     (scalar / no gate): 1 flags those programs instead (the redo's code not built in), 2 redoes the flagged programs
     whole at SOLVE_PREC (the others return at once).
     AP_LOWP (the one-reference products): 1 A from bf16 operands; 2 (AP_ONE_REF 2) A and P from fp16 ones, the program
-    flagged (for launch 3) where a column chunk's |G − G_last / 2| reaches span16 or A / P come out non-finite."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    flagged (for launch 3) where a column chunk's |G − G_last / 2| reaches span16 or A / P come out non-finite.
+    SIGNAL (stage 2 running beside this launch, chunk_fwd's overlap): the grid chunk-major, so that every head's
+    first chunks are done first, and each program, once its outputs are stored, sets ready[slot, head] (a program
+    flagged to a second launch leaves that to it)."""
+    if SIGNAL:
+        i_bh, i_t = tl.program_id(0), tl.program_id(1)
+        n_t = tl.num_programs(1)
+    else:
+        i_t, i_bh = tl.program_id(0), tl.program_id(1)
+        n_t = tl.num_programs(0)
     if AP_ONE_REF == 3 or SOLVE_REDO == 2:
-        if tl.load(flag + i_bh * tl.num_programs(0) + i_t) == 0:
+        if tl.load(flag + i_bh * n_t + i_t) == 0:
             return
     i_b, i_h = i_bh // HV, i_bh % HV
     i_hk = i_h // (HV // H)
@@ -547,7 +592,7 @@ def chunk_prepare_kernel(
         if AP_ONE_REF == 2:     # flagged: nothing more to form here
             if AP_LOWP == 2:    # an fp16 operand past its range (keys or queries too large): an inf / NaN in A or P
                 n_out += tl.sum(tl.sum(tl.where(tl.abs(A) + tl.abs(P) < float("inf"), 0, 1), 1), 0)
-            tl.store(flag + i_bh * tl.num_programs(0) + i_t, tl.minimum(n_out, 1))
+            tl.store(flag + i_bh * n_t + i_t, tl.minimum(n_out, 1))
             if n_out > 0:
                 return
         if AP_FORM == 1:
@@ -589,7 +634,7 @@ def chunk_prepare_kernel(
         # an inf or NaN in T: then the chunk's solve again at REDO_PREC, here or (SOLVE_REDO 1) in a second launch
         bad = tl.sum(tl.sum(tl.where(tl.abs(Tm) < 65504.0, 0, 1), 1), 0) > 0        # (a NaN counts)
         if SOLVE_REDO == 1:
-            tl.store(flag + i_bh * tl.num_programs(0) + i_t, bad.to(tl.int32))
+            tl.store(flag + i_bh * n_t + i_t, bad.to(tl.int32))
         elif bad:
             Tm = _solve_unit_lower(A, REDO_PREC, BTc, BCc, SOLVE_DOUBLING)
     if T_FORM:      # T diag(β) for stage 2, in U's place; no W, U (the training forward: T for the backward too)
@@ -637,6 +682,12 @@ def chunk_prepare_kernel(
         b_u = _mm(Tm, Xv.to(Tm.dtype), MM_PREC).to(u.dtype.element_ty)                      # [BT, BT] @ [BT, BV]
         tl.store(tl.make_block_ptr(u + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf), (1, 0)),
                  b_u, boundary_check=(0, 1))
+    if SIGNAL:
+        if SOLVE_REDO == 1:     # a flagged program is published by the redo's launch
+            if bad == 0:
+                _signal_ready(ready, slot, i_h, HV)
+        else:
+            _signal_ready(ready, slot, i_h, HV)
 
 
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
@@ -951,6 +1002,7 @@ def chunk_state_output_kernel(
     o, h0, ht,                   # out [B,T,HV,V]; [N,HV,·,·] any float; out [N,HV,·,·] fp32
     sloc, gam,                   # SEG > 0: [N·NSEG, HV, K, V] fp32 segment-local end states, [N·NSEG, HV] fp32 decays
     hs, rs,                      # STORE_HR: out [slots, HV, K, V], [B, T, HV, V] (the backward's h and R)
+    ready,                       # WAIT: [slots, HV] int32, 1 once stage 1 (running beside, SIGNAL) stored the chunk
     cu_seqlens, scale, T, NT, seg_len,
     s_h0n, s_h0h, s_h0k, s_h0v,  # strides of h0 (its layout)
     s_htn, s_hth, s_htk, s_htv,  # strides of ht
@@ -961,7 +1013,7 @@ def chunk_state_output_kernel(
     DOT_PREC: tl.constexpr, g_floor: tl.constexpr, LOOP_WHILE: tl.constexpr,
     SEG: tl.constexpr = 0, NSEG: tl.constexpr = 1, SUB: tl.constexpr = 1, GC_IN: tl.constexpr = 0,
     TMA: tl.constexpr = 0, TMA_O: tl.constexpr = 0, STORE_HR: tl.constexpr = 0, TRANS: tl.constexpr = 0,
-    T_FORM: tl.constexpr = 0,
+    T_FORM: tl.constexpr = 0, WAIT: tl.constexpr = 0, FENCE: tl.constexpr = 0,
 ):
     """Stage 2 (module docstring). Grid (cdiv(V, BV), N·HV); S [BK, BV] fp32 stays in registers (TRANS, SEG = 0:
     Sᵀ [BV, BK], the products' first operand; _state_output_step_t).
@@ -982,6 +1034,11 @@ def chunk_state_output_kernel(
 
     T_FORM (delta rule): u is T diag(β) [B,T,HV,BT] from stage 1, w (per-channel gate only) K ⊙ e^G, and
     R = T diag(β) (V − (K ⊙ e^G) S)                      [C, C] @ [C, BV]
+
+    WAIT (> 0, not with SEG; stage 1 launched just before, running beside this launch): chunk i's stage-1 tiles are
+    read only after ready[slot of i, head] is set (_wait_ready), WAIT chunks ahead of the step, so that the loads
+    the software pipeline issues for later steps (num_stages − 1 ahead) only read published chunks. FENCE: the
+    tiles come through tensor descriptors (TMA).
     """
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
@@ -1043,6 +1100,10 @@ def chunk_state_output_kernel(
                     i_seg = (i_n * NSEG * SUB + i_p).to(tl.int64)
                     S = S * tl.load(gam + i_seg * HV + i_h) + \
                         tl.load(sloc + ((i_seg * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.)
+        if WAIT:        # the first WAIT chunks (the loop waits for chunk i + WAIT at step i)
+            for i_w in tl.static_range(WAIT):
+                if c0 + i_w < c1:
+                    _wait_ready(ready, slot0 + c0 + i_w, i_h, HV, FENCE, not LOOP_WHILE)
         b_gl = _chunk_decay(glast, slot0, c0, c1, i_h, HV, K, BK, GATE, GC_IN)
         if TMA:         # the tiles the loop loads, as tensor descriptors of this sequence and head (made once)
             q = _tma_view(q, (bos * H + i_hk) * K, T_seq, K, H * K, BTc, BK, GATE != 2)
@@ -1060,6 +1121,8 @@ def chunk_state_output_kernel(
         if LOOP_WHILE:      # the triton 3.6 interpreter cannot take a tensor bound in range()
             i_t = c0
             while i_t < c1:
+                if WAIT:
+                    _wait_ready(ready, slot0 + tl.minimum(i_t + WAIT, c1 - 1), i_h, HV, FENCE, not LOOP_WHILE)
                 b_gl_next = _chunk_decay(glast, slot0, i_t + 1, c1, i_h, HV, K, BK, GATE, GC_IN)
                 S = _state_output_chunk(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, hs, rs, slot0, bos,
                                         T_seq, i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, GC_IN,
@@ -1068,6 +1131,8 @@ def chunk_state_output_kernel(
                 i_t += 1
         else:               # compiled: a for loop, so that the loads of later chunks are pipelined
             for i_t in range(c0, c1):
+                if WAIT:
+                    _wait_ready(ready, slot0 + tl.minimum(i_t + WAIT, c1 - 1), i_h, HV, FENCE, not LOOP_WHILE)
                 b_gl_next = _chunk_decay(glast, slot0, i_t + 1, c1, i_h, HV, K, BK, GATE, GC_IN)
                 S = _state_output_chunk(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, hs, rs, slot0, bos,
                                         T_seq, i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, GC_IN,
@@ -1283,7 +1348,8 @@ def _ap_lowp(dtype, gate: int, t_form: bool) -> int:
     return mode if gate == 2 and t_form and dtype == torch.bfloat16 else 0
 
 
-def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=False, store_p=True, t_form=False):
+def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=False, store_p=True, t_form=False,
+                  ready=None):
     """Stage 1 for the delta families.
 
     Args: q, k [B,T,H,K]; v [B,T,HV,V]; g None | [B,T,HV] fp32 | [B,T,HV,K] fp32 (raw log-decays);
@@ -1295,7 +1361,8 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     t = (I + A)⁻¹ [B,T,HV,64] fp32 (for a backward that reuses stage 1). ``store_p=False`` (scalar / no
     gate): p is None, for a stage 2 that forms P itself. ``t_form``: u is (I + A)⁻¹ diag(β) [B,T,HV,64] and w
     (per-channel g) K ⊙ e^G [B,T,HV,K] or None, in q's dtype, for stage 2's T_FORM (with ``save_t`` at the training
-    forward's precisions, t as well).
+    forward's precisions, t as well). ``ready`` ([slots, HV] int32, zeroed): the chunk-major grid, each program
+    setting its entry once its outputs are stored, for a stage 2 launched beside it (chunk_fwd's overlap).
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -1331,16 +1398,17 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     launches = [(r, solve_prec, 0) for r in ((2, 3) if one_ref == 2 else (one_ref,))]
     if redo_split:
         launches = [(0, "fp16", 1), (0, redo_prec, 2)]
+    grid = (n_chunks, B * HV) if ready is None else (B * HV, n_chunks)
     for ap_one_ref, s_prec, s_redo in launches if n_chunks > 0 else ():
-        chunk_prepare_kernel[(n_chunks, B * HV)](
-            q, k, v, g, beta, w, u, p, qg, kg, glast, gcum, None, t, None, flag, cu_seqlens, chunk_indices, T, NT,
+        chunk_prepare_kernel[grid](
+            q, k, v, g, beta, w, u, p, qg, kg, glast, gcum, None, t, None, flag, ready, cu_seqlens, chunk_indices, T, NT,
             H=H, HV=HV, K=K, V=V, scale=1.0, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)), GATE=gate,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=s_prec,
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(dt, K) and gate != 2,
             AP_FORM=form if gate == 2 else 0, STORE_T=save_t, STORE_P=store_p, GC_OUT=gate == 1,
             AP_ONE_REF=ap_one_ref, SOLVE_DOUBLING=_env_switch("CHUNKWISE_SOLVE_DOUBLING", SOLVE_DOUBLING),
             T_FORM=t_form, AP_LOWP=ap_lowp if ap_one_ref == 2 else min(ap_lowp, int(dt == torch.bfloat16)),
-            SOLVE_REDO=s_redo, REDO_PREC=redo_prec, span16=SPAN_FP16, num_warps=warps,
+            SOLVE_REDO=s_redo, REDO_PREC=redo_prec, span16=SPAN_FP16, SIGNAL=ready is not None, num_warps=warps,
             num_stages=prep_stages(gate, dt, K),
             **prep_regs(gate, t_form, store_p, dt, K))
     return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, gcum=gcum, t=t)
@@ -1362,7 +1430,8 @@ def chunk_prepare_bwd(q, k, v, g, beta, do, scale, w, u, t_out, drl, cu_seqlens=
     bkc = prep_config(gate)[2]
     if n_chunks > 0:
         chunk_prepare_kernel[(n_chunks, B * HV)](
-            q, k, v, g, beta, w, u, None, None, None, None, None, do, t_out, drl, None, cu_seqlens, chunk_indices, T, NT,
+            q, k, v, g, beta, w, u, None, None, None, None, None, do, t_out, drl, None, None, cu_seqlens, chunk_indices,
+            T, NT,
             H=H, HV=HV, K=K, V=V, scale=scale, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)),
             GATE=gate, IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=solve_prec,
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(q.dtype, K), BWD=True,
@@ -1592,10 +1661,42 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
+# Stage 2 beside stage 1 (the delta rule, where stage 2's grid leaves SMs idle: B1-T32768-H32 runs 64-128 serial
+# programs, each latency-bound at one per SM, while stage 1 is throughput-bound): stage 1 runs its grid chunk-major
+# and publishes each chunk (ready[slot, head], release), stage 2 runs on a high-priority stream that waits for the
+# inputs but not for stage 1, and each step waits for its chunk (acquire). Stage 1 never waits, and is launched
+# first; stage 2's programs, spinning, hold fewer SMs than the GPU has, so stage 1 always has one to run on (and
+# with launches serialised, CUDA_LAUNCH_BLOCKING=1 or the interpreter, stage 1 has finished when stage 2 starts).
+# CHUNKWISE_FWD_OVERLAP (0 / 1) overrides.
+FWD_OVERLAP = 0
+
+
+def _overlap(requested, programs: int, n_sm: int, n_chunks: int, device: torch.device) -> bool:
+    """Whether stage 2 (``programs`` of them) runs beside stage 1 (see FWD_OVERLAP)."""
+    if requested is None:
+        requested = _env_switch("CHUNKWISE_FWD_OVERLAP", FWD_OVERLAP)
+    # (the chunk-major grid puts the chunks on grid axis 1, at most 65535; the spinning programs must leave an SM free)
+    # (benchmarks/warm_cache.py compiles the GPU's kernels from CPU tensors: CHUNKWISE_WARM_SM90)
+    return bool(requested) and 0 < n_chunks <= 65535 and programs < n_sm and (
+        device.type == "cuda" or _INTERPRET or os.environ.get("CHUNKWISE_WARM_SM90") == "1")
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device):
+    """A high-priority stream per device for stage 2 beside stage 1: its programs are placed as soon as stage 1's
+    first programs leave room, ahead of stage 1's later ones."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SIDE_STREAMS:
+        _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx, priority=-1)
+    return _SIDE_STREAMS[idx]
+
+
 @on_tensor_device
 def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, *,
               chunk_indices=None, transpose_state_layout=False, p_in=None, bv=None, num_stages=None, num_warps=4,
-              segments=None, seg_phase1=None, seg_sub=None, saved_out=None):
+              segments=None, seg_phase1=None, seg_sub=None, saved_out=None, overlap=None):
     """The chunk forward of all four families (canonical inputs: see chunkwise.triton).
 
     Returns (o [B,T,HV,V] in q's dtype, final state fp32 [N,HV,K,V] ([N,HV,V,K] transposed) or None).
@@ -1608,6 +1709,8 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     one wave; with ``segments`` given: stage 2's BV and warps, no sub-segments).
     ``saved_out``: a dict that, for the delta families at head dims the kernels take as they are, receives
     stage 1's w, u, p and t = (I + A)⁻¹ (fp32) for a backward that reuses them (chunk_bwd's ``saved``).
+    ``overlap`` (delta rule): stage 2 launched beside stage 1 rather than after it, each chunk's step waiting
+    for that chunk's stage-1 program (default: FWD_OVERLAP where _overlap allows it; True / False force it).
     Head dims the kernels do not take as they are run zero-padded (triton/align.py).
     """
     if q.dtype != torch.float32 and q.shape[-1] > WIDE_16BIT_K:
@@ -1615,7 +1718,8 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         o, ht = chunk_fwd(q.float(), k.float(), v.float(), g, None if beta is None else beta.float(), scale,
                           initial_state, output_final_state, cu_seqlens, chunk_indices=chunk_indices,
                           transpose_state_layout=transpose_state_layout, p_in=p_in, bv=bv, num_stages=num_stages,
-                          num_warps=num_warps, segments=segments, seg_phase1=seg_phase1, seg_sub=seg_sub)
+                          num_warps=num_warps, segments=segments, seg_phase1=seg_phase1, seg_sub=seg_sub,
+                          overlap=overlap)
         return o.to(q.dtype), ht
     save = saved_out is not None and saves_stage1(q, v, g, beta)      # (on the unpadded inputs)
     K0, V0 = q.shape[-1], v.shape[-1]
@@ -1673,31 +1777,40 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         from ..api import prepare_chunk_indices
         chunk_indices = prepare_chunk_indices(cu_seqlens, BT)
 
-    # the delta rule: stage 1 writes T diag(β) (and per channel K ⊙ e^G) and stage 2 forms R from it (T_FORM)
-    t_form = delta and delta_stage1_form(gate, save, q.dtype)[1]
-    stage1 = chunk_prepare(q, k, v, g, beta, cu_seqlens, chunk_indices, save_t=save, store_p=p_in or save,
-                           t_form=t_form) \
-        if delta else dict(w=None, u=None, p=None, qg=None, kg=None, glast=None, gcum=None)
-    hs = rs = None
-    if save:    # under T_FORM stage 1's w, u are stage 2's operands (K ⊙ e^G, T diag(β)): the backward forms W, U
-        saved_out.update(p=stage1["p"], t=stage1["t"])
-        if not t_form:
-            saved_out.update(w=stage1["w"], u=stage1["u"])
-        if saves_states():      # the per-chunk states and R too: the backward skips its forward state pass
-            sdt = state_dtype(q.dtype)
-            hs = _alloc((chunk_slots(N, T, cu_seqlens is not None), HV, K, V), sdt, q.device)
-            rs = _alloc((B, T, HV, V), sdt, q.device)
-            saved_out.update(h=hs, r=rs)
-    if p_in and not delta:                # simple GLA with P formed once per chunk
-        stage1["p"] = chunk_p(q, k, g, HV, cu_seqlens, chunk_indices)
-    if not p_in:
-        stage1["p"] = None
-
+    # stage 2's outputs first: with the overlap, everything it writes exists before stage 1 is launched
     o = _alloc((B, T, HV, V), q.dtype, q.device)
     ht = None
     if output_final_state:
         shape = (N, HV, V, K) if transpose_state_layout else (N, HV, K, V)
         ht = _alloc(shape, torch.float32, q.device)
+    hs = rs = None
+    if save and saves_states():      # the per-chunk states and R too: the backward skips its forward state pass
+        sdt = state_dtype(q.dtype)
+        hs = _alloc((chunk_slots(N, T, cu_seqlens is not None), HV, K, V), sdt, q.device)
+        rs = _alloc((B, T, HV, V), sdt, q.device)
+        saved_out.update(h=hs, r=rs)
+
+    # the delta rule: stage 1 writes T diag(β) (and per channel K ⊙ e^G) and stage 2 forms R from it (T_FORM)
+    t_form = delta and delta_stage1_form(gate, save, q.dtype)[1]
+    n_chunks = (chunk_indices.shape[0] if cu_seqlens is not None else NT) if delta else 0
+    overlap = delta and nseg == 1 and _overlap(overlap, cdiv(V, bv) * N * HV, n_sm, n_chunks, q.device)
+    ready = side = None
+    if overlap:         # stage 2 beside stage 1, on a stream of its own that does not wait for it (_overlap)
+        ready = torch.zeros((chunk_slots(N, T, cu_seqlens is not None), HV), dtype=torch.int32, device=q.device)
+        if q.device.type == "cuda":
+            side = _side_stream(q.device)
+            side.wait_stream(torch.cuda.current_stream(q.device))
+    stage1 = chunk_prepare(q, k, v, g, beta, cu_seqlens, chunk_indices, save_t=save, store_p=p_in or save,
+                           t_form=t_form, ready=ready) \
+        if delta else dict(w=None, u=None, p=None, qg=None, kg=None, glast=None, gcum=None)
+    if save:    # under T_FORM stage 1's w, u are stage 2's operands (K ⊙ e^G, T diag(β)): the backward forms W, U
+        saved_out.update(p=stage1["p"], t=stage1["t"])
+        if not t_form:
+            saved_out.update(w=stage1["w"], u=stage1["u"])
+    if p_in and not delta:                # simple GLA with P formed once per chunk
+        stage1["p"] = chunk_p(q, k, g, HV, cu_seqlens, chunk_indices)
+    if not p_in:
+        stage1["p"] = None
 
     def strides(x):
         if x is None:
@@ -1740,16 +1853,20 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
                 # second pass reads at its own BV): a wider block reads each k tile once for more of V
                 bv_m, warps_m = min(seg_phase1[0], _dim(V)), seg_phase1[1]
                 stages_m = seg_phase1[2] if len(seg_phase1) > 2 else num_stages
-        chunk_state_output_kernel[(cdiv(V, bv_m), rows_m)](
-            q, k, v, stage1["w"], stage1["u"], stage1["p"], g, stage1["qg"], stage1["kg"], stage1["glast"],
-            stage1["gcum"], o, initial_state, ht, sloc, gam, hs, rs, cu_seqlens, scale, T, NT, len_m,
-            *strides(initial_state), *strides(ht),
-            H=H, HV=HV, K=K, V=V, BTc=BT, BK=_dim(K), BV=bv_m, GATE=gate, DELTA=delta, P_IN=p_in,
-            USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=cu_seqlens is not None,
-            DOT_PREC=dot_prec, g_floor=G_FLOOR, LOOP_WHILE=_INTERPRET, SEG=seg_mode, NSEG=nseg_m,
-            SUB=sub if seg_mode == 2 else 1, GC_IN=delta and gate == 1, TMA=tma,
-            TMA_O=tma_o, STORE_HR=hs is not None, TRANS=int(trans and seg_mode == 0), T_FORM=t_form,
-            num_warps=warps_m, num_stages=stages_m, **reg_cap("fwd_o"))
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            chunk_state_output_kernel[(cdiv(V, bv_m), rows_m)](
+                q, k, v, stage1["w"], stage1["u"], stage1["p"], g, stage1["qg"], stage1["kg"], stage1["glast"],
+                stage1["gcum"], o, initial_state, ht, sloc, gam, hs, rs, ready, cu_seqlens, scale, T, NT, len_m,
+                *strides(initial_state), *strides(ht),
+                H=H, HV=HV, K=K, V=V, BTc=BT, BK=_dim(K), BV=bv_m, GATE=gate, DELTA=delta, P_IN=p_in,
+                USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=cu_seqlens is not None,
+                DOT_PREC=dot_prec, g_floor=G_FLOOR, LOOP_WHILE=_INTERPRET, SEG=seg_mode, NSEG=nseg_m,
+                SUB=sub if seg_mode == 2 else 1, GC_IN=delta and gate == 1, TMA=tma,
+                TMA_O=tma_o, STORE_HR=hs is not None, TRANS=int(trans and seg_mode == 0), T_FORM=t_form,
+                WAIT=stages_m + 1 if overlap else 0, FENCE=bool(overlap and tma and not _INTERPRET),
+                num_warps=warps_m, num_stages=stages_m, **reg_cap("fwd_o"))
+    if side is not None:
+        torch.cuda.current_stream(q.device).wait_stream(side)
     if padded:
         o, ht = o[..., :V0].contiguous(), cut_state(ht, K0, V0, transpose_state_layout)
     return o, ht
