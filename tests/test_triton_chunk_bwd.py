@@ -554,10 +554,11 @@ def test_grads_saved_t_form(fam, dtype, monkeypatch):
     args = (x.q, x.k, x.v, x.g, x.beta, 0.25, x.h0, True, x.cu_seqlens)
     saved = {}
     o, ht = chunk_fwd(*args, saved_out=saved)
+    scaled = {"qg", "kg"} if fam == "kda" else set()    # (KDA: q ⊙ e^G, k ⊙ e^{G_last − G} from stage 1)
     if dtype == torch.float16:      # fp16 keeps W and U (chunk_fwd.save_t_form: inf gradients on the H200)
-        assert set(saved) == {"w", "u", "p", "t"}
+        assert set(saved) == {"w", "u", "p", "t"} | scaled
         return
-    assert set(saved) == {"p", "t"} and saved["t"].dtype == torch.float32
+    assert set(saved) == {"p", "t"} | scaled and saved["t"].dtype == torch.float32
     o_inf, ht_inf = chunk_fwd(*args)
     assert torch.equal(o, o_inf) and torch.equal(ht, ht_inf)
     wu = _count_launches(monkeypatch, "_wu_kernel")
@@ -576,11 +577,14 @@ def test_kda_state_passes_from_scaled_keys(save, kd_in, monkeypatch):
     """KDA's backward with the serial state passes taking q ⊙ e^G and k ⊙ e^{G_last − G} from the chunk-parallel
     _gate_scaled_kernel (CHUNKWISE_BWD_KD_IN=1, the default; fp16: the passes' 16-bit operands) or forming them
     per chunk (0): every gradient equals the reference's (varlen with a length-1 sequence, grouped heads, the
-    final state read by the loss), with stage 1 saved and recomputed."""
+    final state read by the loss), with stage 1 saved and recomputed. With stage 1 saved the forward hands its own
+    q ⊙ e^G and k ⊙ e^{G_last − G} over (saved qg, kg) and _gate_scaled_kernel does not run."""
     monkeypatch.setenv("CHUNKWISE_BWD_KD_IN", kd_in)
     monkeypatch.setenv("CHUNKWISE_SAVE_STAGE1", save)
+    launches = _count_launches(monkeypatch, "_gate_scaled_kernel")
     inp = make_inputs("kda", lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, seed=14)
     _compare(inp, TOL[torch.float16], dtype=torch.float16)
+    assert len(launches) == (1 if kd_in == "1" and save == "0" else 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

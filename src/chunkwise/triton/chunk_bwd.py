@@ -1763,6 +1763,14 @@ BWD_LOWP = 2
 BWD_LOWP_BF16_128 = 4
 
 
+def gate_scaled_in(g, q) -> bool:
+    """Whether chunk_bwd's serial state passes take q ⊙ e^G and k ⊙ e^{G_last − G} [B, T, HV, K] (KD_IN: per-channel
+    gate, 16-bit product operands), which a forward that saves stage 1 can hand over (its stage 1 forms both for
+    its own serial stage: saved ``qg``, ``kg``) instead of _gate_scaled_kernel forming them again."""
+    return g is not None and g.dim() == 4 and bwd_lowp_level(q.dtype, max(16, next_pow2(q.shape[-1]))) >= 1 and \
+        _env_switch("CHUNKWISE_BWD_KD_IN", BWD_KD_IN)
+
+
 def bwd_lowp_level(dtype: torch.dtype, BK: int) -> int:
     """The 16-bit product level (above) of inputs of this dtype at key tile BK: 0 for fp32 inputs,
     CHUNKWISE_BWD_LOWP if set and correct on the GPU for this dtype and tile, else 4 for bf16 at BK = 128 and
@@ -2060,7 +2068,10 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     # chunk-parallel kernel (CHUNKWISE_BWD_KD_IN, off until timed on the GPU)
     kd_in = gate == 2 and lowp and _env_switch("CHUNKWISE_BWD_KD_IN", BWD_KD_IN)
     q_s, k_s = q, k
-    if kd_in:
+    if kd_in and saved is not None and saved.get("qg") is not None:
+        # the forward's stage 1 formed both (q e^G, k e^{G_last − G} for its serial stage) and kept them
+        q_s, k_s = saved["qg"].contiguous(), saved["kg"].contiguous()
+    elif kd_in:
         q_s, k_s = buf(B, T, HV, K, dtype=q.dtype), buf(B, T, HV, K, dtype=q.dtype)
         _gate_scaled_kernel[grid_c](q, k, G, q_s, k_s, H=H, HV=HV, K=K, BK=BK, C=C, IS_VARLEN=varlen, **common)
     if not states_saved:

@@ -1708,7 +1708,8 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     that pass in this many sub-segments per segment (default, tuned: BV = 128 at 4 warps, sub-segments to fill
     one wave; with ``segments`` given: stage 2's BV and warps, no sub-segments).
     ``saved_out``: a dict that, for the delta families at head dims the kernels take as they are, receives
-    stage 1's w, u, p and t = (I + A)⁻¹ (fp32) for a backward that reuses them (chunk_bwd's ``saved``).
+    stage 1's w, u, p and t = (I + A)⁻¹ (fp32) for a backward that reuses them (chunk_bwd's ``saved``), and for
+    a per-channel gate qg = q ⊙ e^G, kg = k ⊙ e^{G_last − G} (q's dtype).
     ``overlap`` (delta rule): stage 2 launched beside stage 1 rather than after it, each chunk's step waiting
     for that chunk's stage-1 program (default: FWD_OVERLAP where _overlap allows it; True / False force it).
     Head dims the kernels do not take as they are run zero-padded (triton/align.py).
@@ -1805,6 +1806,8 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         if delta else dict(w=None, u=None, p=None, qg=None, kg=None, glast=None, gcum=None)
     if save:    # under T_FORM stage 1's w, u are stage 2's operands (K ⊙ e^G, T diag(β)): the backward forms W, U
         saved_out.update(p=stage1["p"], t=stage1["t"])
+        if gate == 2:       # q ⊙ e^G, k ⊙ e^{G_last − G}: what the backward's state passes take (chunk_bwd.gate_scaled_in)
+            saved_out.update(qg=stage1["qg"], kg=stage1["kg"])
         if not t_form:
             saved_out.update(w=stage1["w"], u=stage1["u"])
     if p_in and not delta:                # simple GLA with P formed once per chunk
