@@ -59,9 +59,6 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # ac0ebbf, KDA B1-T32768-H32 bf16 fwd+bwd) 1 took the reverse pass 2.24 -> 1.33 ms and the forward pass 1.51 ->
 # 0.88, fwd+bwd 15.77 -> 14.63 ms (the chunk-parallel kernel included), the same gradients
 BWD_KD_IN = 1
-# with the forward's T kept (T form), the chunk-local gate cumsum inside _wu_kernel (G_OUT), its first reader, rather
-# than a launch of its own (KDA: one pass over g and G, 0.5 GB at B1-T32768-H32, less); CHUNKWISE_BWD_G_IN_WU overrides
-BWD_G_IN_WU = 1
 # The reverse state pass's dR_local tile (and KDA's G_last): per gate kind (none / scalar / per channel), loaded in the
 # step (0), a step ahead (1), or in the step with the K dS' product kept apart from it (2); CHUNKWISE_BWD_DH_AHEAD
 # overrides. Triton pipelines a product's operands, not its accumulator: without a gate the compiler folded dR_local
@@ -143,29 +140,6 @@ def _seq_bounds(i_n, cu_seqlens, T, C: tl.constexpr, IS_VARLEN: tl.constexpr):
 # ------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _chunk_gate_cumsum(g, G, t0, L, i_h, floor, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                       C: tl.constexpr, PER_CHANNEL: tl.constexpr):
-    """G_i = Σ_{j ≤ i in chunk} max(g_j, −floor) of one chunk and head, stored to G (g, G: [B, T, HV] or
-    [B, T, HV, K] fp32) and returned as _load_gate returns it: (G [C, BK] or [C] with rows past L = G_last (the
-    zero padding adds nothing), G_last [BK] or scalar)."""
-    o_t = tl.arange(0, C)
-    m_t = o_t < L
-    if PER_CHANNEL:
-        o_k = tl.arange(0, BK)
-        m = m_t[:, None] & (o_k < K)[None, :]
-        p = ((t0 + o_t).to(tl.int64)[:, None] * HV + i_h) * K + o_k[None, :]
-        b_G = tl.cumsum(tl.maximum(tl.load(g + p, mask=m, other=0.).to(tl.float32), -floor), axis=0)
-        tl.store(G + p, b_G, mask=m)
-        b_last = tl.sum(tl.where((o_t == C - 1)[:, None], b_G, 0.), axis=0)
-    else:
-        p = (t0 + o_t).to(tl.int64) * HV + i_h
-        b_G = tl.cumsum(tl.maximum(tl.load(g + p, mask=m_t, other=0.).to(tl.float32), -floor), axis=0)
-        tl.store(G + p, b_G, mask=m_t)
-        b_last = tl.sum(tl.where(o_t == C - 1, b_G, 0.), axis=0)
-    return b_G, b_last
-
-
-@triton.jit
 def _gate_cumsum_kernel(g, G, cu_seqlens, chunk_indices, T, floor,
                         HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
                         PER_CHANNEL: tl.constexpr, IS_VARLEN: tl.constexpr):
@@ -173,7 +147,18 @@ def _gate_cumsum_kernel(g, G, cu_seqlens, chunk_indices, T, floor,
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
     t0, L, _ = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
-    _chunk_gate_cumsum(g, G, t0, L, i_h, floor, HV, K, BK, C, PER_CHANNEL)
+    o_t = tl.arange(0, C)
+    m_t = o_t < L
+    if PER_CHANNEL:
+        o_k = tl.arange(0, BK)
+        m = m_t[:, None] & (o_k < K)[None, :]
+        p = ((t0 + o_t).to(tl.int64)[:, None] * HV + i_h) * K + o_k[None, :]
+        b_g = tl.maximum(tl.load(g + p, mask=m, other=0.).to(tl.float32), -floor)
+        tl.store(G + p, tl.cumsum(b_g, axis=0), mask=m)
+    else:
+        p = (t0 + o_t).to(tl.int64) * HV + i_h
+        b_g = tl.maximum(tl.load(g + p, mask=m_t, other=0.).to(tl.float32), -floor)
+        tl.store(G + p, tl.cumsum(b_g, axis=0), mask=m_t)
 
 
 @triton.jit
@@ -455,15 +440,12 @@ def _gate_factors(b_G, b_last, GATE: tl.constexpr):
 def _wu_kernel(k, v, beta, G, Tmat, Pmat, do, W, U, dRl, cu_seqlens, chunk_indices, T, scale,
                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
-               IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr = 0, g=None, floor=0.0,
-               G_OUT: tl.constexpr = 0):
+               IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr = 0):
     """W: [B, T, HV, K], U, dRl: [B, T, HV, V] (16-bit storage for 16-bit inputs). LOWP: 1, the products'
     operands (T, P, β e^G K, β V, dO) in the 16-bit input dtype, fp32 accumulation: W and U as the
     forward's stage 1 forms them with its bf16 W/U products; 2, in fp16, each tile scaled by a power of two
     first (_fp16_scaled: no overflow, no subnormals at its top 14 binades, 11 significant bits rounded to
-    nearest where tf32 keeps 11 truncated); 0, fp32 operands at PREC.
-    G_OUT (DELTA, a gate): the chunk's cumulative gate formed here from the raw g and written to G for the later
-    launches (_chunk_gate_cumsum), instead of _gate_cumsum_kernel's launch before this one."""
+    nearest where tf32 keeps 11 truncated); 0, fp32 operands at PREC."""
     i_h, i_hk, t0, L, _ = _chunk_program(cu_seqlens, chunk_indices, T, H, HV, C, IS_VARLEN)
     o_t = tl.arange(0, C)
     o_k = tl.arange(0, BK)
@@ -481,10 +463,7 @@ def _wu_kernel(k, v, beta, G, Tmat, Pmat, do, W, U, dRl, cu_seqlens, chunk_indic
         b_x = tl.load(k + (rows[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
         b_x = b_x * b_beta[:, None]
         if GATE > 0:
-            if G_OUT:
-                b_G, b_last = _chunk_gate_cumsum(g, G, t0, L, i_h, floor, HV, K, BK, C, GATE == 2)
-            else:
-                b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, GATE == 2)
+            b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, GATE == 2)
             b_eG, _ = _gate_factors(b_G, b_last, GATE)
             b_x = b_x * b_eG
         b_w = _wu_mm(b_T, s_T, b_x, op_dt, PREC, LOWP)                                  # [C, C] @ [C, BK]
@@ -2004,12 +1983,8 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     grid_s = (cdiv(V, BV), N * HV)
 
     G = None
-    # the forward kept T alone (wu_from_t below): _wu_kernel, the first launch that reads G, forms it (G_OUT)
-    g_in_wu = bool(gate) and saved is not None and saved.get("w") is None and \
-        _env_switch("CHUNKWISE_BWD_G_IN_WU", BWD_G_IN_WU)
     if gate:
         G = buf(*g.shape)
-    if gate and not g_in_wu:
         _gate_cumsum_kernel[grid_c](g, G, floor=GATE_FLOOR, HV=HV, K=K, BK=BK, C=C, PER_CHANNEL=gate == 2,
                                     IS_VARLEN=varlen, num_warps=_warps("gate_cumsum", gate, wide8), **_regs("gate_cumsum", gate, wide8), num_stages=ns, **common)
     # scalar / no gate: the dqk path (BWD_DQK) needs no Amat / Pmat scratch but where the recompute takes the three
@@ -2058,7 +2033,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
             _wu_kernel[grid_c](k, v, beta, G, Tmat if wu_from_t else None, saved["p"].contiguous(), do,
                                W if wu_from_t else None, U if wu_from_t else None, dRl, scale=scale, H=H, HV=HV, K=K,
                                V=V, BK=BK, BV=BV, C=C, GATE=gate, DELTA=wu_from_t, IS_VARLEN=varlen, PREC=prec,
-                               LOWP=wu_lowp, g=g if g_in_wu else None, floor=GATE_FLOOR, G_OUT=g_in_wu, num_warps=_warps("wu", gate, wide8), **_regs("wu", gate, wide8),
+                               LOWP=wu_lowp, num_warps=_warps("wu", gate, wide8), **_regs("wu", gate, wide8),
                                num_stages=ns, **common)
     elif fused_prep:
         # one pass per chunk (the forward's stage-1 kernel): T, W, U, dR_local; A and P stay in registers,
