@@ -289,7 +289,8 @@ def _stage1_shapes(q, v, g, beta, cu_seqlens):
     """(w, u, p, t, h, r, qg, kg) shapes and dtypes the saving forward returns (empty [0] tensors where it saves
     nothing; h, r only with chunk_fwd.saves_states; qg, kg only where chunk_bwd.gate_scaled_in)."""
     from .triton.chunk_bwd import gate_scaled_in
-    from .triton.chunk_fwd import BT, _gate_kind, chunk_slots, save_t_form, saves_stage1, saves_states, state_dtype
+    from .triton.chunk_fwd import (BT, _gate_kind, chunk_slots, save_t_form, saves_gate_scaled, saves_stage1,
+                                   saves_states, state_dtype)
     B, T, HV, K, V = q.shape[0], q.shape[1], v.shape[2], q.shape[3], v.shape[3]
     empty = (_EMPTY_SHAPE, q.dtype)
     if not saves_stage1(q, v, g, beta):
@@ -302,7 +303,7 @@ def _stage1_shapes(q, v, g, beta, cu_seqlens):
         N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
         sdt = state_dtype(q.dtype)
         stage += [((chunk_slots(N, T, cu_seqlens is not None), HV, K, V), sdt), ((B, T, HV, V), sdt)]
-    return stage + ([((B, T, HV, K), q.dtype)] * 2 if gate_scaled_in(g, q) else [empty] * 2)
+    return stage + ([((B, T, HV, K), q.dtype)] * 2 if gate_scaled_in(g, q) and saves_gate_scaled() else [empty] * 2)
 
 
 @torch.library.custom_op("chunkwise::chunk_fwd_saved", mutates_args=())
@@ -318,16 +319,16 @@ def chunk_fwd_saved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Option
     forward runs under T_FORM (triton.chunk_fwd.save_t_form: the backward forms them from t); h (each chunk's
     entering state) and r (R = U − W S) empty unless CHUNKWISE_SAVE_STATES=1 (triton.chunk_fwd.saves_states);
     qg = q ⊙ e^G, kg = k ⊙ e^{G_last − G} [B,T,HV,K] in q's dtype (KDA, what its backward's state passes take:
-    triton.chunk_bwd.gate_scaled_in), else empty."""
+    triton.chunk_bwd.gate_scaled_in; not with CHUNKWISE_SAVE_GATE_SCALED=0), else empty."""
     from .triton.chunk_bwd import gate_scaled_in
-    from .triton.chunk_fwd import chunk_fwd as triton_chunk_fwd
+    from .triton.chunk_fwd import chunk_fwd as triton_chunk_fwd, saves_gate_scaled
     saved: dict = {}
     o, ht = triton_chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                              chunk_indices=_triton_chunk_indices(cu_seqlens, chunk_indices),
                              transpose_state_layout=transpose_state_layout, saved_out=saved)
     if not output_final_state or ht is None:
         ht = _empty(q, _compute_dtype(q, initial_state))
-    if not gate_scaled_in(g, q):
+    if not (gate_scaled_in(g, q) and saves_gate_scaled()):
         saved.pop("qg", None), saved.pop("kg", None)
     stage = [saved[n] if n in saved else q.new_empty(_EMPTY_SHAPE) for n in ("w", "u", "p", "t", "h", "r", "qg", "kg")]
     return (_not_an_alias(o, q, k, v), _not_an_alias(ht, initial_state), *stage)

@@ -1652,6 +1652,17 @@ def saves_stage1(q, v, g, beta) -> bool:
 SAVE_STATES = 0
 
 
+# KDA under autograd: the forward's q ⊙ e^G and k ⊙ e^{G_last − G} (stage 1 forms them for stage 2) kept for the
+# backward's state passes (chunk_bwd.gate_scaled_in), instead of its _gate_scaled_kernel forming them again;
+# CHUNKWISE_SAVE_GATE_SCALED=0 does not keep them
+SAVE_GATE_SCALED = 1
+
+
+def saves_gate_scaled() -> bool:
+    """Whether a forward that saves stage 1 also keeps KDA's qg, kg for the backward (SAVE_GATE_SCALED)."""
+    return _env_switch("CHUNKWISE_SAVE_GATE_SCALED", SAVE_GATE_SCALED)
+
+
 def saves_states() -> bool:
     """Whether a forward that saves stage 1 also saves the per-chunk states and R (SAVE_STATES)."""
     return _env_switch("CHUNKWISE_SAVE_STATES", SAVE_STATES)
@@ -1667,17 +1678,32 @@ def _num_sms(device: torch.device) -> int:
 # inputs but not for stage 1, and each step waits for its chunk (acquire). Stage 1 never waits, and is launched
 # first; stage 2's programs, spinning, hold fewer SMs than the GPU has, so stage 1 always has one to run on (and
 # with launches serialised, CUDA_LAUNCH_BLOCKING=1 or the interpreter, stage 1 has finished when stage 2 starts).
-# CHUNKWISE_FWD_OVERLAP (0 / 1) overrides.
-FWD_OVERLAP = 0
+# Where a stage-2 program fills its SM's shared memory, stage 1 runs only on the SMs stage 2 leaves: KDA at its tuned
+# BV 32, 3 stages (128 programs of 217 KB) took 42.7 ms instead of 1.98 (stage 1 on 4 SMs). So per gate kind
+# (16-bit inputs, tuned launches): 0 off; 1 at the tuned value block and depth; 2 at BV 64 and 2 pipeline stages
+# where that grid takes at most half the SMs. H200, B1-T32768-H32 bf16, forward ms, one after the other / beside
+# (run of ffc9820, NOTES.md session 22): GDN 1.076 / 0.981 at its tuned BV 32, 3 stages (1.198 / 1.139 at BV 64,
+# 3 stages); KDA 1.975 / 1.723 at BV 64, 2 stages (the transposed step; a stage-1 program fits beside each of the
+# 64 stage-2 programs); DeltaNet 0.906 / 0.985 (slower beside at every block and depth tried: off).
+# CHUNKWISE_FWD_OVERLAP (0 / 1 / 2, every family) overrides.
+FWD_OVERLAP = {0: 0, 1: 1, 2: 2}
 
 
-def _overlap(requested, programs: int, n_sm: int, n_chunks: int, device: torch.device) -> bool:
-    """Whether stage 2 (``programs`` of them) runs beside stage 1 (see FWD_OVERLAP)."""
-    if requested is None:
-        requested = _env_switch("CHUNKWISE_FWD_OVERLAP", FWD_OVERLAP)
-    # (the chunk-major grid puts the chunks on grid axis 1, at most 65535; the spinning programs must leave an SM free)
+def _overlap_mode(requested, gate: int, dtype: torch.dtype, tuned: bool) -> int:
+    """Stage 2 beside stage 1 (FWD_OVERLAP's modes): ``requested`` True / False (chunk_fwd(overlap=)) at the launch's
+    own value block and depth, else CHUNKWISE_FWD_OVERLAP, else FWD_OVERLAP for 16-bit inputs and tuned launches."""
+    if requested is not None:
+        return int(bool(requested))
+    if os.environ.get("CHUNKWISE_FWD_OVERLAP") is not None:
+        return _env_choice("CHUNKWISE_FWD_OVERLAP", 0, range(3))
+    return FWD_OVERLAP[gate] if tuned and dtype in (torch.bfloat16, torch.float16) else 0
+
+
+def _overlap(programs: int, n_sm: int, n_chunks: int, device: torch.device) -> bool:
+    """Whether stage 2's ``programs`` can run beside stage 1: fewer than the SMs (the spinning programs must leave
+    stage 1 an SM), at most 65535 chunks (stage 1's chunk-major grid puts them on grid axis 1)."""
     # (benchmarks/warm_cache.py compiles the GPU's kernels from CPU tensors: CHUNKWISE_WARM_SM90)
-    return bool(requested) and 0 < n_chunks <= 65535 and programs < n_sm and (
+    return 0 < n_chunks <= 65535 and programs < n_sm and (
         device.type == "cuda" or _INTERPRET or os.environ.get("CHUNKWISE_WARM_SM90") == "1")
 
 
@@ -1711,7 +1737,8 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     stage 1's w, u, p and t = (I + A)⁻¹ (fp32) for a backward that reuses them (chunk_bwd's ``saved``), and for
     a per-channel gate qg = q ⊙ e^G, kg = k ⊙ e^{G_last − G} (q's dtype).
     ``overlap`` (delta rule): stage 2 launched beside stage 1 rather than after it, each chunk's step waiting
-    for that chunk's stage-1 program (default: FWD_OVERLAP where _overlap allows it; True / False force it).
+    for that chunk's stage-1 program (default: FWD_OVERLAP's mode per family where _overlap allows it; True /
+    False: on / off at the launch's value block and depth).
     Head dims the kernels do not take as they are run zero-padded (triton/align.py).
     """
     if q.dtype != torch.float32 and q.shape[-1] > WIDE_16BIT_K:
@@ -1742,8 +1769,15 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     tuned = p_in is None and bv is None and num_stages is None
     bv_arg = bv
     bv = bv or _pick_bv(V, K, N * HV)
-    # fewer than two programs per SM: each is alone with its serial loop (latency-bound)
     n_sm = _num_sms(q.device)
+    ov_mode = _overlap_mode(overlap, gate, q.dtype, tuned) if delta else 0
+    if ov_mode == 2:    # stage 2 beside stage 1 at BV 64, 2 stages, where that grid takes at most half the SMs
+        if cdiv(V, min(64, _dim(V))) * N * HV <= n_sm // 2:
+            bv = bv_arg or min(64, _dim(V))
+            num_stages = num_stages or 2
+        else:
+            ov_mode = 0
+    # fewer than two programs per SM: each is alone with its serial loop (latency-bound)
     busy = cdiv(V, bv) * N * HV >= 2 * n_sm
     nseg = 1
     bv_seg = min(64 if K <= 128 else 32, _dim(V))
@@ -1794,7 +1828,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     # the delta rule: stage 1 writes T diag(β) (and per channel K ⊙ e^G) and stage 2 forms R from it (T_FORM)
     t_form = delta and delta_stage1_form(gate, save, q.dtype)[1]
     n_chunks = (chunk_indices.shape[0] if cu_seqlens is not None else NT) if delta else 0
-    overlap = delta and nseg == 1 and _overlap(overlap, cdiv(V, bv) * N * HV, n_sm, n_chunks, q.device)
+    overlap = ov_mode > 0 and nseg == 1 and _overlap(cdiv(V, bv) * N * HV, n_sm, n_chunks, q.device)
     ready = side = None
     if overlap:         # stage 2 beside stage 1, on a stream of its own that does not wait for it (_overlap)
         ready = torch.zeros((chunk_slots(N, T, cu_seqlens is not None), HV), dtype=torch.int32, device=q.device)
