@@ -879,3 +879,37 @@ def test_stage2_beside_stage1(fam, case):
     assert torch.equal(outs[1][0], outs[0][0]) and torch.equal(outs[1][1], outs[0][1])
     ht = outs[1][1].transpose(-1, -2) if transpose else outs[1][1]
     _check(inp, outs[1][0], ht, TOL[inp.q.dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("fam", ("gdn", "delta", "kda"))
+def test_stage2_beside_stage1_defaults(fam, dtype, monkeypatch):
+    """The default per family (chunk_fwd.FWD_OVERLAP, measured on the H200): with 16-bit inputs GDN's stage 2 beside
+    stage 1 at its tuned launch, KDA's at 2 pipeline stages (BV 64 where V allows), DeltaNet's after it; fp32 inputs
+    after it; CHUNKWISE_FWD_OVERLAP forces a mode and names itself when it is not 0 / 1 / 2. Checked on the serial
+    stage's launch (its WAIT), the output against the float64 recurrence."""
+    import chunkwise.triton.chunk_fwd as cf
+    launches = []
+    orig = cf.chunk_state_output_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launches.append(dict(kw))
+                return orig[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(cf, "chunk_state_output_kernel", Spy())
+    inp = make_inputs(fam, B=1, T=T_LONG, H=1, HV=2, K=KS[0], V=VS[0], dtype=dtype, seed=29)
+    o, ht = _run(inp)
+    _check(inp, o, ht, TOL[dtype])
+    beside = dtype == torch.float16 and fam != "delta"
+    assert (launches[-1]["WAIT"] > 0) == beside
+    if beside and fam == "kda":
+        assert launches[-1]["num_stages"] == 2 and launches[-1]["BV"] == min(64, cf._dim(VS[0]))
+    monkeypatch.setenv("CHUNKWISE_FWD_OVERLAP", "1")
+    _run(inp)
+    assert launches[-1]["WAIT"] > 0
+    monkeypatch.setenv("CHUNKWISE_FWD_OVERLAP", "3")
+    with pytest.raises(ValueError, match="CHUNKWISE_FWD_OVERLAP"):
+        _run(inp)
