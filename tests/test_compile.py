@@ -82,22 +82,24 @@ def test_opcheck_triton(form):
 
 
 @pytest.mark.skipif(not (ON_GPU or INTERPRET), reason="the triton backend needs a GPU or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("fam,dtype", [("gdn", torch.float32), ("kda", torch.float16)])
+@pytest.mark.parametrize("fam,dtype,scaled", [("gdn", torch.float32, "1"), ("kda", torch.float16, "0"),
+                                              ("kda", torch.float16, "1")])
 @pytest.mark.parametrize("states", ["0", "1"])
 @pytest.mark.parametrize("K", [16, 18])
-def test_opcheck_triton_saved_stage1(K, states, fam, dtype, monkeypatch):
+def test_opcheck_triton_saved_stage1(K, states, fam, dtype, scaled, monkeypatch):
     """The ops that save stage 1 (the default under autograd: the forward returns it for the backward; K = 18 is
     padded, so it returns empty tensors there), with CHUNKWISE_SAVE_STATES=1 the per-chunk states and R, and for
-    KDA with 16-bit inputs q ⊙ e^G and k ⊙ e^{G_last − G}: schema, fake tensors (the same shapes as the real op),
-    autograd registration; its backward's schema and fake tensors."""
+    KDA with 16-bit inputs and CHUNKWISE_SAVE_GATE_SCALED=1 q ⊙ e^G and k ⊙ e^{G_last − G}: schema, fake tensors
+    (the same shapes as the real op), autograd registration; its backward's schema and fake tensors."""
     monkeypatch.setenv("CHUNKWISE_SAVE_STATES", states)
+    monkeypatch.setenv("CHUNKWISE_SAVE_GATE_SCALED", scaled)
     inp = make_inputs(fam, B=1, T=20, H=1, HV=2, K=K, V=16, dtype=dtype, requires_grad=True)
     args = _op_args(inp, 0.25, True, False, backend="triton")
     torch.library.opcheck(_custom_ops.chunk_fwd_saved, args,
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
     stage1 = _custom_ops.chunk_fwd_saved(*(a.detach() if isinstance(a, torch.Tensor) else a for a in args))[2:]
     assert [x.numel() > 0 for x in stage1] == \
-        [K == 16] * 4 + [K == 16 and states == "1"] * 2 + [K == 16 and fam == "kda"] * 2
+        [K == 16] * 4 + [K == 16 and states == "1"] * 2 + [K == 16 and fam == "kda" and scaled == "1"] * 2
     do, dht = torch.randn_like(inp.v), torch.randn_like(inp.h0)
     torch.library.opcheck(_custom_ops.chunk_bwd_saved,
                           (inp.q.detach(), inp.k.detach(), inp.v.detach(), inp.g.detach(), inp.beta.detach(), 0.25,

@@ -571,20 +571,23 @@ def test_grads_saved_t_form(fam, dtype, monkeypatch):
         assert rel_err(with_t[n], with_wu[n]) <= TOL[dtype] / 4, n
 
 
+@pytest.mark.parametrize("kept", ["0", "1"])
 @pytest.mark.parametrize("kd_in", ["1", "0"])
 @pytest.mark.parametrize("save", ["1", "0"])
-def test_kda_state_passes_from_scaled_keys(save, kd_in, monkeypatch):
+def test_kda_state_passes_from_scaled_keys(save, kd_in, kept, monkeypatch):
     """KDA's backward with the serial state passes taking q ⊙ e^G and k ⊙ e^{G_last − G} from the chunk-parallel
     _gate_scaled_kernel (CHUNKWISE_BWD_KD_IN=1, the default; fp16: the passes' 16-bit operands) or forming them
     per chunk (0): every gradient equals the reference's (varlen with a length-1 sequence, grouped heads, the
-    final state read by the loss), with stage 1 saved and recomputed. With stage 1 saved the forward hands its own
-    q ⊙ e^G and k ⊙ e^{G_last − G} over (saved qg, kg) and _gate_scaled_kernel does not run."""
+    final state read by the loss), with stage 1 saved and recomputed. With stage 1 saved and
+    CHUNKWISE_SAVE_GATE_SCALED=1 the forward hands its own q ⊙ e^G and k ⊙ e^{G_last − G} over (saved qg, kg) and
+    _gate_scaled_kernel does not run."""
+    monkeypatch.setenv("CHUNKWISE_SAVE_GATE_SCALED", kept)
     monkeypatch.setenv("CHUNKWISE_BWD_KD_IN", kd_in)
     monkeypatch.setenv("CHUNKWISE_SAVE_STAGE1", save)
     launches = _count_launches(monkeypatch, "_gate_scaled_kernel")
     inp = make_inputs("kda", lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, seed=14)
     _compare(inp, TOL[torch.float16], dtype=torch.float16)
-    assert len(launches) == (1 if kd_in == "1" and save == "0" else 0)
+    assert len(launches) == (1 if kd_in == "1" and (save == "0" or kept == "0") else 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -1653,9 +1653,10 @@ SAVE_STATES = 0
 
 
 # KDA under autograd: the forward's q ⊙ e^G and k ⊙ e^{G_last − G} (stage 1 forms them for stage 2) kept for the
-# backward's state passes (chunk_bwd.gate_scaled_in), instead of its _gate_scaled_kernel forming them again;
-# CHUNKWISE_SAVE_GATE_SCALED=0 does not keep them
-SAVE_GATE_SCALED = 1
+# backward's state passes (chunk_bwd.gate_scaled_in), instead of its _gate_scaled_kernel forming them again. On the
+# H200 (B1-T32768-H32 bf16, run of ff1b510) fwd+bwd 11.43 -> 11.23 ms but the step's peak memory 6432 -> 7456 MB
+# (fla's 7196): off; CHUNKWISE_SAVE_GATE_SCALED=1 keeps them
+SAVE_GATE_SCALED = 0
 
 
 def saves_gate_scaled() -> bool:
