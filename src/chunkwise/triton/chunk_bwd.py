@@ -2065,8 +2065,8 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
             R = buf(B, T, HV, V, dtype=sdt)
     seq = dict(cu_seqlens=cu_seqlens, T=T)
     # per-channel gate with 16-bit operands: the state passes take q ⊙ e^G and k ⊙ e^{G_last − G} formed once by a
-    # chunk-parallel kernel (CHUNKWISE_BWD_KD_IN, off until timed on the GPU)
-    kd_in = gate == 2 and lowp and _env_switch("CHUNKWISE_BWD_KD_IN", BWD_KD_IN)
+    # chunk-parallel kernel or kept by the forward (gate_scaled_in, the rule the saving forward also asks)
+    kd_in = gate_scaled_in(g, q)
     q_s, k_s = q, k
     if kd_in and saved is not None and saved.get("qg") is not None:
         # the forward's stage 1 formed both (q e^G, k e^{G_last − G} for its serial stage) and kept them
