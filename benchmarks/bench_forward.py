@@ -173,7 +173,7 @@ def main():
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--variant-set", default="all", choices=("all", "seg", "pfree", "tma", "solve", "pstages", "trans", "kdasplit",
                                                             "tform", "bv128", "solvebf16", "tftrans", "aplowp", "stages",
-                                                            "overlap"),
+                                                            "overlap", "prepwarps"),
                     help="seg: only simple GLA's segment variants; pfree: only GDN / DeltaNet with P formed in "
                          "stage 2 instead of stage 1; tma: every family's serial stage with its tiles loaded through tensor "
                          "descriptors or not; solve: the delta families with (I + A)⁻¹'s diagonal blocks by "
@@ -184,7 +184,7 @@ def main():
                          "warps, and KDA's stage 1 with bf16 A / P operands or capped registers; solvebf16: the delta families' "
                          "inference solve from bf16 operands (CHUNKWISE_SOLVE_BF16); tftrans: DeltaNet's and KDA's stage 2 on the "
                          "transposed state under T_FORM (CHUNKWISE_FWD_TRANS) or not; aplowp: KDA's stage 1 with A from bf16 or A and "
-                         "P from fp16 (CHUNKWISE_KDA_AP_LOWP 1 / 2; run it also under CHUNKWISE_BENCH_GATE_SCALE=1); stages: stage 2 at BV 32 / 64 and 1 / 2 / 3 pipeline stages (GDN also transposed); overlap: the delta families' stage 2 beside stage 1 (chunk_fwd(overlap=)) or after it, at BV 32 / 64 and 2 / 3 pipeline stages (with --variants)")
+                         "P from fp16 (CHUNKWISE_KDA_AP_LOWP 1 / 2; run it also under CHUNKWISE_BENCH_GATE_SCALE=1); stages: stage 2 at BV 32 / 64 and 1 / 2 / 3 pipeline stages (GDN also transposed); overlap: the delta families' stage 2 beside stage 1 (chunk_fwd(overlap=)) or after it, at BV 32 / 64 and 2 / 3 pipeline stages; prepwarps: GDN's / DeltaNet's stage 1 at 4 or 8 warps (register caps), beside stage 2 or after it, stage 2's output through TMA or not (with --variants)")
     ap.add_argument("--variants", action="store_true", help="also time stage-2 variants (BV 16/32/64 x 4/8 warps x 2/3 stages; GLA also with P from its own kernel, GDN with the decays from stage 1)")
     ap.add_argument("--shapes", default="")
     ap.add_argument("--warm", action="store_true", help="compile everything on tiny inputs, time nothing")
@@ -233,7 +233,7 @@ def main():
                     with env_vars(env or {}):
                         try:
                             var[key], (o_v, _) = bench(lambda: run_variant(fam, x, **kw))
-                            if a.variant_set in ("bv128", "solvebf16", "tftrans", "aplowp", "overlap"):     # the output against the default's
+                            if a.variant_set in ("bv128", "solvebf16", "tftrans", "aplowp", "overlap", "prepwarps"):     # the output against the default's
                                 var[key + "-vs-default"] = rel(o_v, o)
                             if stage1:
                                 var[key + "-s1"] = stage1_ms()
@@ -350,6 +350,18 @@ def main():
                         time_variant(f"ovl{int(ov)}", overlap=ov)
                         for bv, ns in ((32, 2), (64, 2), (64, 3)):
                             time_variant(f"ovl{int(ov)}-bv{bv}-ns{ns}", overlap=ov, bv=bv, num_stages=ns)
+                if a.variant_set == "prepwarps" and fam in ("gdn", "delta"):
+                    # beside stage 2 (one 168 KB stage-2 program per SM at BV 32, 3 stages) a 32 KB stage-1 program
+                    # fits once per SM by shared memory: at 8 warps that one program has twice the warps (offline
+                    # sm_90, GDN bf16: 162 registers at its 168 cap, 128 with no spills at a 128 cap); stage 2's output
+                    # without TMA frees 4 KB. Stage 1 alone too (after: the other shapes' launch)
+                    w8 = {"CHUNKWISE_PREP_WARPS": "8"}
+                    for key, env in (("w4", {}), ("w8", w8), ("w8-r128", {**w8, "CHUNKWISE_MAXNREG": "prep_fwd:128"}),
+                                     ("w8-r144", {**w8, "CHUNKWISE_MAXNREG": "prep_fwd:144"}),
+                                     ("w4-tmao0", {"CHUNKWISE_FWD_TMA_O": "0"}),
+                                     ("w8-r128-tmao0", {**w8, "CHUNKWISE_MAXNREG": "prep_fwd:128", "CHUNKWISE_FWD_TMA_O": "0"})):
+                        for ov in ("1", "0"):
+                            time_variant(f"{key}-ovl{ov}", env={**env, "CHUNKWISE_FWD_OVERLAP": ov}, stage1=ov == "0")
                 if a.variant_set == "pstages" and fam == "kda":
                     # stage 1's software pipeline over its column chunks (CHUNKWISE_PREP_STAGES): the forward and stage 1
                     for n in ("1", "2", "3"):

@@ -100,6 +100,8 @@ def warm_benchmarks(only: str = ""):
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "pstages", "--families", "kda"]),
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "overlap", "--families", "gdn,delta,kda",
                                             "--shapes", "B1-T32768-H32"]),
+                         ("bench_forward", ["--warm", "--variants", "--variant-set", "prepwarps", "--families", "gdn,delta",
+                                            "--shapes", "B1-T32768-H32"]),
                          ("sweep_bwd", ["--warm", "--warps", "4,8"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "pair"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "oneref"]),
