@@ -25,9 +25,10 @@ def _poison(monkeypatch):
     monkeypatch.setenv("CHUNKWISE_POISON", "1")
 
 
-def _grads(inp, backend, dtype, transpose=False, final=True, seed=1, **op_kwargs):
+def _grads(inp, backend, dtype, transpose=False, final=True, seed=1, unread_final=False, **op_kwargs):
     """Run the family's op on leaf copies of inp's tensors (cast to dtype, on the backend's device),
-    loss = Σ o·dO + Σ h_T·dh_T; return (dict name -> gradient in float64 on the CPU, extra leaves' grads)."""
+    loss = Σ o·dO + Σ h_T·dh_T (``final``; ``unread_final``: the final state asked for but not in the loss);
+    return (dict name -> gradient in float64 on the CPU, extra leaves' grads)."""
     dev = DEVICE if backend == "triton" else "cpu"
     leaves = {}
     for n in NAMES:
@@ -41,7 +42,7 @@ def _grads(inp, backend, dtype, transpose=False, final=True, seed=1, **op_kwargs
     h0_in = None if h0 is None else (h0.transpose(-1, -2) if transpose else h0)
     args = [leaves["q"], leaves["k"], leaves["v"]] + [leaves[n] for n in ("g", "beta") if n in leaves]
     cu = None if inp.cu_seqlens is None else inp.cu_seqlens.to(dev)
-    o, ht = CHUNK_OPS[inp.fam](*args, initial_state=h0_in, output_final_state=final, cu_seqlens=cu,
+    o, ht = CHUNK_OPS[inp.fam](*args, initial_state=h0_in, output_final_state=final or unread_final, cu_seqlens=cu,
                                transpose_state_layout=transpose, backend=backend, **extra, **op_kwargs)
     gen = torch.Generator().manual_seed(seed)
     do = torch.randn(o.shape, generator=gen, dtype=torch.float64)
@@ -110,6 +111,24 @@ def test_grads_no_state(fam):
     """No initial state (no dh0), no final state in the loss (dht None), T < C."""
     inp = make_inputs(fam, B=1, T=40, H=2, HV=2, h0=False, seed=2, **KS)
     _compare(inp, TOL[torch.float32], final=False)
+
+
+@pytest.mark.parametrize("fam", FAMS)
+def test_unread_outputs_reach_the_backward_as_none(fam, monkeypatch):
+    """A final state the loss does not read (output_final_state=True, loss on o alone), and the saving forward's
+    stage-1 outputs, come to the backward as None, not as zero tensors autograd would fill first (the chunk op sets
+    materialize_grads off): chunk_bwd gets dht None, and the gradients equal the reference's without a final state."""
+    import chunkwise.triton.chunk_bwd as cb
+    real, seen = cb.chunk_bwd, []
+
+    def spy(*a, **kw):
+        seen.append(a[8])       # dht
+        return real(*a, **kw)
+    monkeypatch.setattr(cb, "chunk_bwd", spy)
+    inp = make_inputs(fam, lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, seed=19)
+    ours = _grads(inp, "triton", torch.float32, final=False, unread_final=True)
+    _compare(inp, TOL[torch.float32], ours=ours, final=False)
+    assert len(seen) == 1 and seen[0] is None
 
 
 @pytest.mark.parametrize("fam", GATED)
@@ -584,10 +603,20 @@ def test_kda_state_passes_from_scaled_keys(save, kd_in, kept, monkeypatch):
     monkeypatch.setenv("CHUNKWISE_SAVE_GATE_SCALED", kept)
     monkeypatch.setenv("CHUNKWISE_BWD_KD_IN", kd_in)
     monkeypatch.setenv("CHUNKWISE_SAVE_STAGE1", save)
+    monkeypatch.setenv("CHUNKWISE_BWD_KD_WU", "0")
     launches = _count_launches(monkeypatch, "_gate_scaled_kernel")
     inp = make_inputs("kda", lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, seed=14)
-    _compare(inp, TOL[torch.float16], dtype=torch.float16)
+    alone = _grads(inp, "triton", torch.float16)
+    _compare(inp, TOL[torch.float16], dtype=torch.float16, ours=alone)
     assert len(launches) == (1 if kd_in == "1" and (save == "0" or kept == "0") else 0)
+    # the two scaled tensors formed by the W / U launch instead (CHUNKWISE_BWD_KD_WU=1, the default), where it runs
+    # with the keys and gate (the recompute; a saved stage 1 keeps W / U for fp16, so the kernel of its own runs)
+    monkeypatch.setenv("CHUNKWISE_BWD_KD_WU", "1")
+    n0 = len(launches)
+    fused = _grads(inp, "triton", torch.float16)
+    assert len(launches) - n0 == (1 if kd_in == "1" and save == "1" and kept == "0" else 0)
+    for n in alone:     # the same products of the same tiles: bit-equal
+        assert torch.equal(alone[n], fused[n]), n
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
