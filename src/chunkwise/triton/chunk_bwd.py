@@ -59,10 +59,6 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # ac0ebbf, KDA B1-T32768-H32 bf16 fwd+bwd) 1 took the reverse pass 2.24 -> 1.33 ms and the forward pass 1.51 ->
 # 0.88, fwd+bwd 15.77 -> 14.63 ms (the chunk-parallel kernel included), the same gradients
 BWD_KD_IN = 1
-# ... and q ⊙ e^G, k ⊙ e^{G_last − G} formed by the W / U launch (_wu_kernel's KD_OUT: it loads k and the gate tile
-# anyway) instead of _gate_scaled_kernel's launch (0.39 ms at B1-T32768-H32 bf16 on the H200, session 21's profile).
-# Unmeasured on the GPU: CHUNKWISE_BWD_KD_WU (0 / 1) overrides
-BWD_KD_WU = 1
 # The reverse state pass's dR_local tile (and KDA's G_last): per gate kind (none / scalar / per channel), loaded in the
 # step (0), a step ahead (1), or in the step with the K dS' product kept apart from it (2); CHUNKWISE_BWD_DH_AHEAD
 # overrides. Triton pipelines a product's operands, not its accumulator: without a gate the compiler folded dR_local
@@ -444,15 +440,12 @@ def _gate_factors(b_G, b_last, GATE: tl.constexpr):
 def _wu_kernel(k, v, beta, G, Tmat, Pmat, do, W, U, dRl, cu_seqlens, chunk_indices, T, scale,
                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
-               IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr = 0,
-               q=None, qd=None, kd=None, KD_OUT: tl.constexpr = 0):
+               IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr = 0):
     """W: [B, T, HV, K], U, dRl: [B, T, HV, V] (16-bit storage for 16-bit inputs). LOWP: 1, the products'
     operands (T, P, β e^G K, β V, dO) in the 16-bit input dtype, fp32 accumulation: W and U as the
     forward's stage 1 forms them with its bf16 W/U products; 2, in fp16, each tile scaled by a power of two
     first (_fp16_scaled: no overflow, no subnormals at its top 14 binades, 11 significant bits rounded to
-    nearest where tf32 keeps 11 truncated); 0, fp32 operands at PREC.
-    KD_OUT (per-channel gate with DELTA): also qd = q ⊙ e^G, kd = k ⊙ e^{G_last − G} [B, T, HV, K] in qd's dtype
-    (what _gate_scaled_kernel forms, from the k and gate tiles this program loads anyway)."""
+    nearest where tf32 keeps 11 truncated); 0, fp32 operands at PREC."""
     i_h, i_hk, t0, L, _ = _chunk_program(cu_seqlens, chunk_indices, T, H, HV, C, IS_VARLEN)
     o_t = tl.arange(0, C)
     o_k = tl.arange(0, BK)
@@ -467,17 +460,11 @@ def _wu_kernel(k, v, beta, G, Tmat, Pmat, do, W, U, dRl, cu_seqlens, chunk_indic
         b_T, s_T = _wu_left(tl.load(Tmat + p_cc, mask=m_cc, other=0.).to(op_dt), LOWP)
         b_beta = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.).to(tl.float32)
         m_tk = m_t[:, None] & m_k[None, :]
-        p_in = (rows[:, None] * H + i_hk) * K + o_k[None, :]
-        b_k = tl.load(k + p_in, mask=m_tk, other=0.).to(tl.float32)
-        b_x = b_k * b_beta[:, None]
+        b_x = tl.load(k + (rows[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+        b_x = b_x * b_beta[:, None]
         if GATE > 0:
             b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, GATE == 2)
-            b_eG, b_ekend = _gate_factors(b_G, b_last, GATE)
-            if KD_OUT:
-                p_out = (rows[:, None] * HV + i_h) * K + o_k[None, :]
-                tl.store(kd + p_out, (b_k * b_ekend).to(kd.dtype.element_ty), mask=m_tk)
-                b_q = tl.load(q + p_in, mask=m_tk, other=0.).to(tl.float32)
-                tl.store(qd + p_out, (b_q * b_eG).to(qd.dtype.element_ty), mask=m_tk)
+            b_eG, _ = _gate_factors(b_G, b_last, GATE)
             b_x = b_x * b_eG
         b_w = _wu_mm(b_T, s_T, b_x, op_dt, PREC, LOWP)                                  # [C, C] @ [C, BK]
         tl.store(W + (rows[:, None] * HV + i_h) * K + o_k[None, :], b_w, mask=m_tk)
@@ -2032,17 +2019,6 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     elif delta:
         Tmat = buf(B, T, HV, C)
         W, U = buf(B, T, HV, K, dtype=sdt), buf(B, T, HV, V, dtype=sdt)
-    # per-channel gate with 16-bit operands: the state passes take q ⊙ e^G and k ⊙ e^{G_last − G} (gate_scaled_in, the
-    # rule the saving forward also asks), kept by the forward, formed by the W / U launch that loads k and the gate
-    # anyway (BWD_KD_WU), or by a chunk-parallel kernel of their own
-    kd_in = gate_scaled_in(g, q)
-    kd_kept = kd_in and saved is not None and saved.get("qg") is not None
-    q_s, k_s = (saved["qg"].contiguous(), saved["kg"].contiguous()) if kd_kept else (q, k)
-    if kd_in and not kd_kept:
-        q_s, k_s = buf(B, T, HV, K, dtype=q.dtype), buf(B, T, HV, K, dtype=q.dtype)
-    kd_wu = kd_in and not kd_kept and (wu_from_t if saved is not None else delta) and \
-        _env_switch("CHUNKWISE_BWD_KD_WU", BWD_KD_WU)
-    kd_args = dict(q=q, qd=q_s, kd=k_s, KD_OUT=True) if kd_wu else {}
     # with stage 1 saved (scalar / no gate), the reverse state pass forms dR_local = scale Pᵀ dO per chunk itself
     p_in_dh = saved is not None and gate != 2 and not wu_from_t and _env_switch("CHUNKWISE_BWD_P_IN_DH", BWD_P_IN_DH)
     dRl = saved["p"].contiguous() if p_in_dh else buf(B, T, HV, V, dtype=sdt)
@@ -2058,7 +2034,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                                W if wu_from_t else None, U if wu_from_t else None, dRl, scale=scale, H=H, HV=HV, K=K,
                                V=V, BK=BK, BV=BV, C=C, GATE=gate, DELTA=wu_from_t, IS_VARLEN=varlen, PREC=prec,
                                LOWP=wu_lowp, num_warps=_warps("wu", gate, wide8), **_regs("wu", gate, wide8),
-                               num_stages=ns, **kd_args, **common)
+                               num_stages=ns, **common)
     elif fused_prep:
         # one pass per chunk (the forward's stage-1 kernel): T, W, U, dR_local; A and P stay in registers,
         # Amat and Pmat are only the scratch the value and key sides write dT_v / dA / dP into
@@ -2076,7 +2052,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
             _solve_kernel[grid_c](Amat, Tmat, HV=HV, C=C, BC=BC, IS_VARLEN=varlen, PREC=prec, num_warps=_warps("solve", gate, wide8), **_regs("solve", gate, wide8), num_stages=ns, **common)
         _wu_kernel[grid_c](k, v, beta, G, Tmat, Pmat, do, W, U, dRl, scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
                            C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_wu, num_warps=_warps("wu", gate, wide8), **_regs("wu", gate, wide8),
-                           num_stages=ns, **kd_args, **common)
+                           num_stages=ns, **common)
 
     NC = chunk_slots(N, T, varlen)
     # the forward's stage 2 may have kept every chunk's entering state and R (chunk_fwd.saves_states)
@@ -2088,7 +2064,15 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         if delta:
             R = buf(B, T, HV, V, dtype=sdt)
     seq = dict(cu_seqlens=cu_seqlens, T=T)
-    if kd_in and not kd_kept and not kd_wu:
+    # per-channel gate with 16-bit operands: the state passes take q ⊙ e^G and k ⊙ e^{G_last − G} formed once by a
+    # chunk-parallel kernel or kept by the forward (gate_scaled_in, the rule the saving forward also asks)
+    kd_in = gate_scaled_in(g, q)
+    q_s, k_s = q, k
+    if kd_in and saved is not None and saved.get("qg") is not None:
+        # the forward's stage 1 formed both (q e^G, k e^{G_last − G} for its serial stage) and kept them
+        q_s, k_s = saved["qg"].contiguous(), saved["kg"].contiguous()
+    elif kd_in:
+        q_s, k_s = buf(B, T, HV, K, dtype=q.dtype), buf(B, T, HV, K, dtype=q.dtype)
         _gate_scaled_kernel[grid_c](q, k, G, q_s, k_s, H=H, HV=HV, K=K, BK=BK, C=C, IS_VARLEN=varlen, **common)
     if not states_saved:
         _fwd_h_kernel[grid_s](k_s, v, G, W, U, h0, h, R, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate,
