@@ -173,7 +173,7 @@ def main():
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--variant-set", default="all", choices=("all", "seg", "pfree", "tma", "solve", "pstages", "trans", "kdasplit",
                                                             "tform", "bv128", "solvebf16", "tftrans", "aplowp", "stages",
-                                                            "overlap", "prepwarps", "ksplit"),
+                                                            "overlap", "prepwarps"),
                     help="seg: only simple GLA's segment variants; pfree: only GDN / DeltaNet with P formed in "
                          "stage 2 instead of stage 1; tma: every family's serial stage with its tiles loaded through tensor "
                          "descriptors or not; solve: the delta families with (I + A)⁻¹'s diagonal blocks by "
@@ -184,7 +184,7 @@ def main():
                          "warps, and KDA's stage 1 with bf16 A / P operands or capped registers; solvebf16: the delta families' "
                          "inference solve from bf16 operands (CHUNKWISE_SOLVE_BF16); tftrans: DeltaNet's and KDA's stage 2 on the "
                          "transposed state under T_FORM (CHUNKWISE_FWD_TRANS) or not; aplowp: KDA's stage 1 with A from bf16 or A and "
-                         "P from fp16 (CHUNKWISE_KDA_AP_LOWP 1 / 2; run it also under CHUNKWISE_BENCH_GATE_SCALE=1); stages: stage 2 at BV 32 / 64 and 1 / 2 / 3 pipeline stages (GDN also transposed); overlap: the delta families' stage 2 beside stage 1 (chunk_fwd(overlap=)) or after it, at BV 32 / 64 and 2 / 3 pipeline stages; prepwarps: GDN's / DeltaNet's stage 1 at 4 or 8 warps (register caps), beside stage 2 or after it, stage 2's output through TMA or not; ksplit: GDN's / DeltaNet's stage 1 over key-column halves (CHUNKWISE_PREP_KSPLIT) or not, beside stage 2 or after, stage 2's output through TMA or not (with --variants)")
+                         "P from fp16 (CHUNKWISE_KDA_AP_LOWP 1 / 2; run it also under CHUNKWISE_BENCH_GATE_SCALE=1); stages: stage 2 at BV 32 / 64 and 1 / 2 / 3 pipeline stages (GDN also transposed); overlap: the delta families' stage 2 beside stage 1 (chunk_fwd(overlap=)) or after it, at BV 32 / 64 and 2 / 3 pipeline stages; prepwarps: GDN's / DeltaNet's stage 1 at 4 or 8 warps (register caps), beside stage 2 or after it, stage 2's output through TMA or not (with --variants)")
     ap.add_argument("--variants", action="store_true", help="also time stage-2 variants (BV 16/32/64 x 4/8 warps x 2/3 stages; GLA also with P from its own kernel, GDN with the decays from stage 1)")
     ap.add_argument("--shapes", default="")
     ap.add_argument("--warm", action="store_true", help="compile everything on tiny inputs, time nothing")
@@ -233,7 +233,7 @@ def main():
                     with env_vars(env or {}):
                         try:
                             var[key], (o_v, _) = bench(lambda: run_variant(fam, x, **kw))
-                            if a.variant_set in ("bv128", "solvebf16", "tftrans", "aplowp", "overlap", "prepwarps", "ksplit"):     # the output against the default's
+                            if a.variant_set in ("bv128", "solvebf16", "tftrans", "aplowp", "overlap", "prepwarps"):     # the output against the default's
                                 var[key + "-vs-default"] = rel(o_v, o)
                             if stage1:
                                 var[key + "-s1"] = stage1_ms()
@@ -362,15 +362,6 @@ def main():
                                      ("w8-r128-tmao0", {**w8, "CHUNKWISE_MAXNREG": "prep_fwd:128", "CHUNKWISE_FWD_TMA_O": "0"})):
                         for ov in ("1", "0"):
                             time_variant(f"{key}-ovl{ov}", env={**env, "CHUNKWISE_FWD_OVERLAP": ov}, stage1=ov == "0")
-                if a.variant_set == "ksplit" and fam in ("gdn", "delta"):
-                    # stage 1 over the key columns' halves: 16 KB of shared memory instead of 32 (offline sm_90, bf16),
-                    # so that two stage-1 programs fit beside each 168 KB stage-2 program (one did); stage 1 alone too
-                    for ks in ("0", "1"):
-                        for tmao in ("1", "0"):
-                            for ov in ("1", "0"):
-                                time_variant(f"ks{ks}-tmao{tmao}-ovl{ov}", stage1=ov == "0" and tmao == "1",
-                                             env={"CHUNKWISE_PREP_KSPLIT": ks, "CHUNKWISE_FWD_TMA_O": tmao,
-                                                  "CHUNKWISE_FWD_OVERLAP": ov})
                 if a.variant_set == "pstages" and fam == "kda":
                     # stage 1's software pipeline over its column chunks (CHUNKWISE_PREP_STAGES): the forward and stage 1
                     for n in ("1", "2", "3"):

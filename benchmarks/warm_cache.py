@@ -102,7 +102,6 @@ def warm_benchmarks(only: str = ""):
                                             "--shapes", "B1-T32768-H32"]),
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "prepwarps", "--families", "gdn,delta",
                                             "--shapes", "B1-T32768-H32"]),
-                         ("bench_forward", ["--warm", "--variants", "--variant-set", "ksplit", "--families", "gdn,delta"]),
                          ("sweep_bwd", ["--warm", "--warps", "4,8"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "pair"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "oneref"]),

@@ -486,31 +486,6 @@ def test_t_form_stage2(fam, form, monkeypatch):
     _check(inp, o, ht, TOL[torch.float16])
 
 
-@pytest.mark.parametrize("fam", ("gdn", "delta"))
-def test_stage1_key_halves(fam, monkeypatch):
-    """Stage 1 under T_FORM forming K Kᵀ and Q Kᵀ over the key columns' two halves, one half of q and k in shared
-    memory at a time (CHUNKWISE_PREP_KSPLIT=1): equal to the float64 recurrence and to the one-product form, output
-    and final state, both state layouts, over varlen with a length-1 sequence and grouped heads; stage 1's outputs
-    (T diag(β), P, the gate sums) equal to the one-product form's within fp32 rounding; then fp16 and a head dim the
-    kernels pad (K = 100) against the recurrence."""
-    inp = make_inputs(fam, lengths=[1, 130, 70], H=1, HV=2, K=64, V=32, dtype=torch.float32, seed=45)
-    _check_switch(inp, "CHUNKWISE_PREP_KSPLIT", monkeypatch)
-    from chunkwise.api import prepare_chunk_indices
-    ci = prepare_chunk_indices(inp.cu_seqlens, 64)
-    outs = []
-    for split in ("0", "1"):
-        monkeypatch.setenv("CHUNKWISE_PREP_KSPLIT", split)
-        outs.append(chunk_prepare(inp.q, inp.k, inp.v, inp.g, inp.beta, inp.cu_seqlens, ci, store_p=True,
-                                  t_form=True))
-    for name in ("u", "p", "gcum", "glast"):
-        if outs[0][name] is not None:
-            assert rel_err(outs[1][name], outs[0][name]) < 1e-5, name
-    for kw in (dict(B=1, T=T_LONG, K=64, dtype=torch.float16), dict(B=1, T=130, K=100, dtype=torch.float32)):
-        inp = make_inputs(fam, H=1, HV=2, V=32, seed=46, **kw)
-        o, ht = _run(inp)
-        _check(inp, o, ht, TOL[kw["dtype"]])
-
-
 def test_t_form_env_checked(monkeypatch):
     """CHUNKWISE_FWD_T_FORM takes 0 or 1; anything else is an error that names it."""
     inp = make_inputs("delta", B=1, T=64, H=1, HV=1, K=16, V=16, dtype=torch.float32, seed=3)

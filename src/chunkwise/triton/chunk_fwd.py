@@ -422,7 +422,7 @@ def chunk_prepare_kernel(
     BWD: tl.constexpr = 0, STORE_T: tl.constexpr = 0, STORE_P: tl.constexpr = 1, GC_OUT: tl.constexpr = 0,
     AP_ONE_REF: tl.constexpr = 0, SOLVE_DOUBLING: tl.constexpr = 0, T_FORM: tl.constexpr = 0,
     AP_LOWP: tl.constexpr = 0, SOLVE_REDO: tl.constexpr = 0, REDO_PREC: tl.constexpr = "tf32",
-    span16: tl.constexpr = SPAN_FP16, SIGNAL: tl.constexpr = 0, KSPLIT: tl.constexpr = 0,
+    span16: tl.constexpr = SPAN_FP16, SIGNAL: tl.constexpr = 0,
 ):
     """One chunk of one value head: see the module docstring (stage 1). Grid (chunks, B·HV); SIGNAL: (B·HV, chunks).
 
@@ -601,28 +601,14 @@ def chunk_prepare_kernel(
         elif AP_ONE_REF:    # the one-reference products also filled the upper triangle (there up to e^{2 span_max})
             A = tl.where(strict, A, 0.)
             P = tl.where(incl, P, 0.)
-    elif KSPLIT:
-        # (T_FORM, no W: k is not needed after the products) the two products over key-column halves, so that only
-        # one half of q and k is in shared memory at a time
-        KK = tl.zeros([BTc, BTc], dtype=tl.float32)
-        QK = tl.zeros([BTc, BTc], dtype=tl.float32)
-        for i_kc in tl.static_range(2):
-            b_k = tl.load(tl.make_block_ptr(k_base, (T_seq, K), (H * K, 1), (t0, i_kc * (BK // 2)), (BTc, BK // 2),
-                                            (1, 0)), boundary_check=(0, 1))
-            KK = tl.dot(b_k, tl.trans(b_k), KK, input_precision=DOT_PREC)              # [BT, BK/2] @ [BK/2, BT]
-            if STORE_P:
-                b_q = tl.load(tl.make_block_ptr(q_base, (T_seq, K), (H * K, 1), (t0, i_kc * (BK // 2)),
-                                                (BTc, BK // 2), (1, 0)), boundary_check=(0, 1))
-                QK = tl.dot(b_q, tl.trans(b_k), QK, input_precision=DOT_PREC)          # [BT, BK/2] @ [BK/2, BT]
-    if GATE != 2:
-        if not KSPLIT:
-            b_k = tl.load(tl.make_block_ptr(k_base, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
+    else:
+        b_k = tl.load(tl.make_block_ptr(k_base, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
+                      boundary_check=(0, 1))
+        KK = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PREC)                       # [BT, BK] @ [BK, BT]
+        if BWD or STORE_P:
+            b_q = tl.load(tl.make_block_ptr(q_base, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
                           boundary_check=(0, 1))
-            KK = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PREC)                   # [BT, BK] @ [BK, BT]
-            if BWD or STORE_P:
-                b_q = tl.load(tl.make_block_ptr(q_base, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
-                              boundary_check=(0, 1))
-                QK = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)               # [BT, BK] @ [BK, BT]
+            QK = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)                   # [BT, BK] @ [BK, BT]
         if GATE == 1:
             Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor)                  # [BT]
             if GC_OUT:
@@ -1316,9 +1302,6 @@ def prep_config(gate: int) -> tuple[int, int, int, int]:
 # K <= 128 (the case measured), 1 elsewhere (the other families' stage 1 has no loop for it to pipeline).
 PREP_STAGES = 1
 PREP_STAGES_KDA_BF16 = 3
-# Stage 1 under T_FORM (GDN / DeltaNet): K Kᵀ and Q Kᵀ over the two key-column halves, one half of q and k in shared
-# memory at a time (KSPLIT). CHUNKWISE_PREP_KSPLIT (0 / 1) overrides
-PREP_KSPLIT = 0
 
 
 # Registers per thread of stage 1 under T_FORM with P stored, per gate kind (Triton's maxnreg): GDN's build takes 186
@@ -1416,7 +1399,6 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     if redo_split:
         launches = [(0, "fp16", 1), (0, redo_prec, 2)]
     grid = (n_chunks, B * HV) if ready is None else (B * HV, n_chunks)
-    ksplit = t_form and gate != 2 and _dim(K) >= 32 and _env_switch("CHUNKWISE_PREP_KSPLIT", PREP_KSPLIT)
     for ap_one_ref, s_prec, s_redo in launches if n_chunks > 0 else ():
         chunk_prepare_kernel[grid](
             q, k, v, g, beta, w, u, p, qg, kg, glast, gcum, None, t, None, flag, ready, cu_seqlens, chunk_indices, T, NT,
@@ -1427,7 +1409,7 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
             AP_ONE_REF=ap_one_ref, SOLVE_DOUBLING=_env_switch("CHUNKWISE_SOLVE_DOUBLING", SOLVE_DOUBLING),
             T_FORM=t_form, AP_LOWP=ap_lowp if ap_one_ref == 2 else min(ap_lowp, int(dt == torch.bfloat16)),
             SOLVE_REDO=s_redo, REDO_PREC=redo_prec, span16=SPAN_FP16, SIGNAL=ready is not None, num_warps=warps,
-            KSPLIT=ksplit, num_stages=prep_stages(gate, dt, K),
+            num_stages=prep_stages(gate, dt, K),
             **prep_regs(gate, t_form, store_p, dt, K))
     return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, gcum=gcum, t=t)
 
