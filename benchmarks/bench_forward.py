@@ -245,6 +245,11 @@ def main():
                     time_variant("p-stage1", p_in=True)
                     time_variant("p-stage2", p_in=False)
                     time_variant("p-stage2-ns2", p_in=False, num_stages=2)
+                    # beside stage 1 (chunk_fwd(overlap=True)): P's product moved off the throughput-bound stage 1 onto
+                    # the latency-bound serial loop, where it is off the state's chain
+                    for ns in (2, 3):
+                        time_variant(f"p-stage2-ns{ns}-ovl1", p_in=False, num_stages=ns, overlap=True)
+                        time_variant(f"p-stage1-ns{ns}-ovl1", p_in=True, num_stages=ns, overlap=True)
                 if a.variant_set == "tma":
                     # the serial stage's tiles through tensor descriptors (CHUNKWISE_FWD_TMA) or not
                     for key, val in (("no-tma", "0"), ("tma", "1"), ("tma-o", "1")):

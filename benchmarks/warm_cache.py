@@ -87,6 +87,8 @@ def warm_benchmarks(only: str = ""):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     for script, argv in (("bench_forward", ["--warm"]), ("bench_forward", ["--warm", "--variants"]), ("sweep_stage1", ["--warm"]),
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "pfree"]),
+                         ("bench_forward", ["--warm", "--variants", "--variant-set", "pfree", "--families", "gdn",
+                                            "--shapes", "B1-T32768-H32"]),
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "tma"]),
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "trans"]),
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "kdasplit", "--families", "kda"]),
