@@ -59,10 +59,6 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # ac0ebbf, KDA B1-T32768-H32 bf16 fwd+bwd) 1 took the reverse pass 2.24 -> 1.33 ms and the forward pass 1.51 ->
 # 0.88, fwd+bwd 15.77 -> 14.63 ms (the chunk-parallel kernel included), the same gradients
 BWD_KD_IN = 1
-# ... formed by the gate's cumsum launch, which holds G in registers (_gate_cumsum_kernel's KD_OUT), instead of a launch
-# of their own that reads G back (0.27 + 0.39 ms at B1-T32768-H32 bf16 on the H200; in the W / U launch instead it took
-# that launch 0.84 -> 1.67 ms, session 23). CHUNKWISE_BWD_KD_CUMSUM (0 / 1) overrides
-BWD_KD_CUMSUM = 1
 # The reverse state pass's dR_local tile (and KDA's G_last): per gate kind (none / scalar / per channel), loaded in the
 # step (0), a step ahead (1), or in the step with the K dS' product kept apart from it (2); CHUNKWISE_BWD_DH_AHEAD
 # overrides. Triton pipelines a product's operands, not its accumulator: without a gate the compiler folded dR_local
@@ -146,11 +142,8 @@ def _seq_bounds(i_n, cu_seqlens, T, C: tl.constexpr, IS_VARLEN: tl.constexpr):
 @triton.jit
 def _gate_cumsum_kernel(g, G, cu_seqlens, chunk_indices, T, floor,
                         HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
-                        PER_CHANNEL: tl.constexpr, IS_VARLEN: tl.constexpr,
-                        q=None, k=None, qd=None, kd=None, H: tl.constexpr = 1, KD_OUT: tl.constexpr = 0):
-    """G_i = Σ_{j ≤ i in chunk} max(g_j, −floor).  g, G: [B, T, HV] or [B, T, HV, K] fp32.
-    KD_OUT (per channel): also qd = q ⊙ e^G, kd = k ⊙ e^{G_last − G} [B, T, HV, K] in qd's dtype, from the G this
-    program holds (what _gate_scaled_kernel forms from G read back; rows past L hold G_last, as there)."""
+                        PER_CHANNEL: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """G_i = Σ_{j ≤ i in chunk} max(g_j, −floor).  g, G: [B, T, HV] or [B, T, HV, K] fp32."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
     t0, L, _ = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
@@ -159,18 +152,9 @@ def _gate_cumsum_kernel(g, G, cu_seqlens, chunk_indices, T, floor,
     if PER_CHANNEL:
         o_k = tl.arange(0, BK)
         m = m_t[:, None] & (o_k < K)[None, :]
-        rows = (t0 + o_t).to(tl.int64)
-        p = (rows[:, None] * HV + i_h) * K + o_k[None, :]
+        p = ((t0 + o_t).to(tl.int64)[:, None] * HV + i_h) * K + o_k[None, :]
         b_g = tl.maximum(tl.load(g + p, mask=m, other=0.).to(tl.float32), -floor)
-        b_G = tl.cumsum(b_g, axis=0)
-        tl.store(G + p, b_G, mask=m)
-        if KD_OUT:      # (rows past L add 0: the last row is G_last)
-            b_last = tl.sum(tl.where((o_t == C - 1)[:, None], b_G, 0.), axis=0)
-            p_in = (rows[:, None] * H + i_h // (HV // H)) * K + o_k[None, :]
-            b_k = tl.load(k + p_in, mask=m, other=0.).to(tl.float32)
-            tl.store(kd + p, (b_k * tl.exp(b_last[None, :] - b_G)).to(kd.dtype.element_ty), mask=m)
-            b_q = tl.load(q + p_in, mask=m, other=0.).to(tl.float32)
-            tl.store(qd + p, (b_q * tl.exp(b_G)).to(qd.dtype.element_ty), mask=m)
+        tl.store(G + p, tl.cumsum(b_g, axis=0), mask=m)
     else:
         p = (t0 + o_t).to(tl.int64) * HV + i_h
         b_g = tl.maximum(tl.load(g + p, mask=m_t, other=0.).to(tl.float32), -floor)
@@ -1712,9 +1696,7 @@ def _num_stages(dtype: torch.dtype, BK: int, state_pass: bool = False) -> int:
 BWD_WARPS = {"gate_cumsum": 4, "intra": 4, "intra_diag": 4, "solve": 4, "wu": 4, "fwd_h": 4, "bwd_dh": 4,
              "bwd_dv": 4, "bwd_grad": 4, "bwd_diag": 4, "bwd_pair": 4, "bwd_pair_ref": 4, "prep": 4,
              "bwd_dqk": 4, "bwd_wy": 4}     # prep: the fused recompute (BWD_FUSED_PREP)
-# KDA (per-channel gate); gate_cumsum: with q ⊙ e^G, k ⊙ e^{G_last − G} formed there (BWD_KD_CUMSUM) offline sm_90 (bf16)
-# 255 registers and 4 B of spills at 4 warps, 111 and none at 8
-BWD_WARPS_PER_CHANNEL = {"fwd_h": 8, "bwd_dh": 8, "bwd_grad": 8, "gate_cumsum": 8}
+BWD_WARPS_PER_CHANNEL = {"fwd_h": 8, "bwd_dh": 8, "bwd_grad": 8}     # KDA (per-channel gate)
 # (KDA's bwd_dqk stays at 4 warps: offline sm_90 bf16 255 registers and 240 B of spills against 208 and none at 8, but
 # on the H200 2.41 ms against 2.90 at 8, run of c470c78)
 BWD_KSPLIT = 64
@@ -2000,21 +1982,11 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     grid_c = (NT, B * HV)
     grid_s = (cdiv(V, BV), N * HV)
 
-    # per-channel gate with 16-bit operands: the state passes take q ⊙ e^G and k ⊙ e^{G_last − G} (gate_scaled_in, the
-    # rule the saving forward also asks), kept by the forward, formed by the gate's cumsum launch (BWD_KD_CUMSUM) or by a
-    # chunk-parallel kernel of their own
-    kd_in = gate_scaled_in(g, q)
-    kd_kept = kd_in and saved is not None and saved.get("qg") is not None
-    q_s, k_s = (saved["qg"].contiguous(), saved["kg"].contiguous()) if kd_kept else (q, k)
-    kd_cs = kd_in and not kd_kept and _env_switch("CHUNKWISE_BWD_KD_CUMSUM", BWD_KD_CUMSUM)
-    if kd_cs:
-        q_s, k_s = buf(B, T, HV, K, dtype=q.dtype), buf(B, T, HV, K, dtype=q.dtype)
     G = None
     if gate:
         G = buf(*g.shape)
         _gate_cumsum_kernel[grid_c](g, G, floor=GATE_FLOOR, HV=HV, K=K, BK=BK, C=C, PER_CHANNEL=gate == 2,
-                                    IS_VARLEN=varlen, num_warps=_warps("gate_cumsum", gate, wide8), **_regs("gate_cumsum", gate, wide8), num_stages=ns,
-                                    **(dict(q=q, k=k, qd=q_s, kd=k_s, H=H, KD_OUT=True) if kd_cs else {}), **common)
+                                    IS_VARLEN=varlen, num_warps=_warps("gate_cumsum", gate, wide8), **_regs("gate_cumsum", gate, wide8), num_stages=ns, **common)
     # scalar / no gate: the dqk path (BWD_DQK) needs no Amat / Pmat scratch but where the recompute takes the three
     # chunk kernels (no saved stage 1, no fused pass) or the WY pass reads dAᵀ back through Amat (BWD_WY_DA_SCR)
     # per-channel gate (KDA): the same two kernels without the pairwise products, then the pair kernel (BWD_DQK_KDA;
@@ -2092,7 +2064,14 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         if delta:
             R = buf(B, T, HV, V, dtype=sdt)
     seq = dict(cu_seqlens=cu_seqlens, T=T)
-    if kd_in and not kd_kept and not kd_cs:
+    # per-channel gate with 16-bit operands: the state passes take q ⊙ e^G and k ⊙ e^{G_last − G} formed once by a
+    # chunk-parallel kernel or kept by the forward (gate_scaled_in, the rule the saving forward also asks)
+    kd_in = gate_scaled_in(g, q)
+    q_s, k_s = q, k
+    if kd_in and saved is not None and saved.get("qg") is not None:
+        # the forward's stage 1 formed both (q e^G, k e^{G_last − G} for its serial stage) and kept them
+        q_s, k_s = saved["qg"].contiguous(), saved["kg"].contiguous()
+    elif kd_in:
         q_s, k_s = buf(B, T, HV, K, dtype=q.dtype), buf(B, T, HV, K, dtype=q.dtype)
         _gate_scaled_kernel[grid_c](q, k, G, q_s, k_s, H=H, HV=HV, K=K, BK=BK, C=C, IS_VARLEN=varlen, **common)
     if not states_saved:
