@@ -1771,6 +1771,22 @@ def gate_scaled_in(g, q) -> bool:
         _env_switch("CHUNKWISE_BWD_KD_IN", BWD_KD_IN)
 
 
+# fp16 inputs with a per-channel gate (KDA) at key tiles under 128 run the backward in fp32 on the GPU (as 16-bit inputs
+# with K > 128 do): on the H200 (triton 3.6) their fp16 build gave inf dk / dg / dβ at K = 16 (V = 32, varlen, grouped
+# heads; stage 1 saved or recomputed, the scaled keys on or off: runs of 2eb2b43 and 252c515, NOTES.md sessions 20 and
+# 23), where the interpreter is right and fp32 at K = 16 passed on the H200; real-size fp16 (K = 128) passes against
+# fla. The sm_90 small-tile miscompile family of session 8. CHUNKWISE_BWD_FP16_NARROW_FP32=0 keeps fp16 (diagnosis).
+FP16_NARROW_FP32 = 1
+
+
+def _narrow_fp16_in_fp32(q, g) -> bool:
+    """Whether chunk_bwd runs these fp16 inputs in fp32 (FP16_NARROW_FP32): per-channel gate, key tile under 128, a
+    CUDA tensor outside the interpreter (or benchmarks/warm_cache.py compiling the GPU's kernels: CHUNKWISE_WARM_SM90)."""
+    on_gpu = q.is_cuda or os.environ.get("CHUNKWISE_WARM_SM90") == "1"
+    return q.dtype == torch.float16 and g is not None and g.dim() == 4 and max(16, next_pow2(q.shape[-1])) < 128 \
+        and on_gpu and not _INTERPRET and _env_switch("CHUNKWISE_BWD_FP16_NARROW_FP32", FP16_NARROW_FP32)
+
+
 def bwd_lowp_level(dtype: torch.dtype, BK: int) -> int:
     """The 16-bit product level (above) of inputs of this dtype at key tile BK: 0 for fp32 inputs,
     CHUNKWISE_BWD_LOWP if set and correct on the GPU for this dtype and tile, else 4 for bf16 at BK = 128 and
@@ -1894,8 +1910,9 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     = scale Pᵀ dO is formed here); ignored where the head dims are padded or 16-bit K > 128 runs in fp32. Head dims
     the kernels do not take as they are run zero-padded (triton/align.py).
     """
-    if q.dtype != torch.float32 and WIDE_16BIT_K < q.shape[-1] <= MAX_K:
-        # 16-bit inputs with K > 128 run in fp32 (chunk_fwd.WIDE_16BIT_K); gradients in the inputs' dtypes
+    if q.dtype != torch.float32 and (WIDE_16BIT_K < q.shape[-1] <= MAX_K or _narrow_fp16_in_fp32(q, g)):
+        # 16-bit inputs with K > 128 (chunk_fwd.WIDE_16BIT_K), or fp16 KDA at narrow keys on the GPU
+        # (FP16_NARROW_FP32), run in fp32; gradients in the inputs' dtypes
         dq, dk, dv, dg, dbeta, dh0 = chunk_bwd(
             q.float(), k.float(), v.float(), g, None if beta is None else beta.float(), scale, initial_state,
             do.float(), dht, cu_seqlens, chunk_indices=chunk_indices, transpose_state_layout=transpose_state_layout)
