@@ -464,26 +464,27 @@ def test_grads_fp16_small_tiles(fam, save, K, monkeypatch):
     _compare(inp, TOL[torch.float16], dtype=torch.float16)
 
 
-def test_fp16_narrow_kda_route(monkeypatch):
-    """The rule that sends fp16 KDA at key tiles under 128 to the fp32 backward on the GPU (FP16_NARROW_FP32): fp16,
-    per-channel gate, K < 65 (tile under 128), a CUDA tensor outside the interpreter, the switch on; nothing else."""
+def test_fp16_kda_route(monkeypatch):
+    """The rule that sends fp16 KDA to the fp32 backward on the GPU (FP16_KDA_FP32): fp16, per-channel gate, a CUDA
+    tensor outside the interpreter, the switch on; nothing else (bf16, scalar gates, no gate, CPU tensors)."""
     import chunkwise.triton.chunk_bwd as cb
 
     class Cuda:     # a stand-in with the attributes the rule reads
         def __init__(self, dtype, K, cuda=True):
             self.dtype, self.shape, self.is_cuda = dtype, (1, 8, 1, K), cuda
     g4, g3 = torch.zeros(1, 8, 1, 16), torch.zeros(1, 8, 1)
+    monkeypatch.delenv("CHUNKWISE_WARM_SM90", raising=False)
     monkeypatch.setattr(cb, "_INTERPRET", False)
-    assert cb._narrow_fp16_in_fp32(Cuda(torch.float16, 16), g4)
-    assert cb._narrow_fp16_in_fp32(Cuda(torch.float16, 64), g4)
-    for q, g in ((Cuda(torch.float16, 100), g4), (Cuda(torch.float16, 128), g4), (Cuda(torch.bfloat16, 16), g4),
-                 (Cuda(torch.float16, 16), g3), (Cuda(torch.float16, 16), None), (Cuda(torch.float16, 16, False), g4)):
-        assert not cb._narrow_fp16_in_fp32(q, g)
-    monkeypatch.setenv("CHUNKWISE_BWD_FP16_NARROW_FP32", "0")
-    assert not cb._narrow_fp16_in_fp32(Cuda(torch.float16, 16), g4)
+    for K in (16, 64, 100, 128):
+        assert cb.fp16_kda_in_fp32(Cuda(torch.float16, K), g4)
+    for q, g in ((Cuda(torch.bfloat16, 16), g4), (Cuda(torch.float16, 16), g3), (Cuda(torch.float16, 16), None),
+                 (Cuda(torch.float16, 16, False), g4)):
+        assert not cb.fp16_kda_in_fp32(q, g)
+    monkeypatch.setenv("CHUNKWISE_BWD_FP16_KDA_FP32", "0")
+    assert not cb.fp16_kda_in_fp32(Cuda(torch.float16, 16), g4)
     monkeypatch.setattr(cb, "_INTERPRET", True)
-    monkeypatch.delenv("CHUNKWISE_BWD_FP16_NARROW_FP32")
-    assert not cb._narrow_fp16_in_fp32(Cuda(torch.float16, 16), g4)
+    monkeypatch.delenv("CHUNKWISE_BWD_FP16_KDA_FP32")
+    assert not cb.fp16_kda_in_fp32(Cuda(torch.float16, 16), g4)
 
 
 @pytest.mark.parametrize("prec", ["tf32", "other"])
@@ -496,9 +497,7 @@ def test_grads_fp16_product_precisions(fam, prec, monkeypatch):
     if prec == "other":
         prec = "tf32rn" if fam == "kda" else "tf32x3"
     monkeypatch.setenv("CHUNKWISE_BWD_PREC16", prec)
-    # (KDA on the GPU at K = 128: narrower fp16 KDA runs its backward in fp32 there, chunk_bwd.FP16_NARROW_FP32)
-    K = 128 if ON_GPU and fam == "kda" else 16
-    inp = make_inputs(fam, lengths=[1, 70, 30], H=1, HV=2, K=K, V=32, seed=8)
+    inp = make_inputs(fam, lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, seed=8)
     _compare(inp, TOL[torch.float16], dtype=torch.float16)
     monkeypatch.setenv("CHUNKWISE_BWD_PREC16", "fp8")
     with pytest.raises(ValueError, match="CHUNKWISE_BWD_PREC16"):
@@ -641,10 +640,11 @@ def test_kda_state_passes_from_scaled_keys(save, kd_in, kept, monkeypatch):
     monkeypatch.setenv("CHUNKWISE_BWD_KD_IN", kd_in)
     monkeypatch.setenv("CHUNKWISE_SAVE_STAGE1", save)
     launches = _count_launches(monkeypatch, "_gate_scaled_kernel")
-    # (on the GPU at K = 128: fp16 KDA at narrower keys runs its backward in fp32 there, chunk_bwd.FP16_NARROW_FP32)
-    inp = make_inputs("kda", lengths=[1, 70, 30], H=1, HV=2, K=128 if ON_GPU else 16, V=32, seed=14)
+    inp = make_inputs("kda", lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, seed=14)
     _compare(inp, TOL[torch.float16], dtype=torch.float16)
-    assert len(launches) == (1 if kd_in == "1" and (save == "0" or kept == "0") else 0)
+    # (on the GPU fp16 KDA's backward runs in fp32, chunk_bwd.FP16_KDA_FP32, which takes no scaled keys)
+    fp16_path = not ON_GPU
+    assert len(launches) == (1 if fp16_path and kd_in == "1" and (save == "0" or kept == "0") else 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
