@@ -98,8 +98,10 @@ def test_opcheck_triton_saved_stage1(K, states, fam, dtype, scaled, monkeypatch)
     torch.library.opcheck(_custom_ops.chunk_fwd_saved, args,
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
     stage1 = _custom_ops.chunk_fwd_saved(*(a.detach() if isinstance(a, torch.Tensor) else a for a in args))[2:]
+    # (fp16 KDA on the GPU saves nothing: its backward runs in fp32 there, chunk_fwd.FP16_KDA_FP32)
+    saves = K == 16 and not (fam == "kda" and dtype == torch.float16 and inp.q.is_cuda)
     assert [x.numel() > 0 for x in stage1] == \
-        [K == 16] * 4 + [K == 16 and states == "1"] * 2 + [K == 16 and fam == "kda" and scaled == "1"] * 2
+        [saves] * 4 + [saves and states == "1"] * 2 + [saves and fam == "kda" and scaled == "1"] * 2
     do, dht = torch.randn_like(inp.v), torch.randn_like(inp.h0)
     torch.library.opcheck(_custom_ops.chunk_bwd_saved,
                           (inp.q.detach(), inp.k.detach(), inp.v.detach(), inp.g.detach(), inp.beta.detach(), 0.25,

@@ -426,11 +426,13 @@ def test_16_bit_levels_on_the_gpu(monkeypatch):
 @pytest.mark.parametrize("fam", FAMS)
 def test_saved_stage1_rule(fam, dtype):
     """Which inputs the forward keeps stage 1 for: the delta families, except GDN / DeltaNet with fp16 inputs
-    (their saved stage 1 gave inf gradients on the H200 at small tiles; their backward recomputes it)."""
+    (their saved stage 1 gave inf gradients on the H200 at small tiles; their backward recomputes it) and KDA with
+    fp16 inputs on the GPU (its backward runs in fp32 there: chunk_fwd.FP16_KDA_FP32)."""
     from chunkwise.triton.chunk_fwd import saves_stage1
     inp = make_inputs(fam, B=1, T=8, H=1, HV=1, K=16, V=16, seed=0)
     q, v = inp.q.to(dtype), inp.v.to(dtype)
-    want = fam != "gla" and not (dtype == torch.float16 and fam in ("gdn", "delta"))
+    want = fam != "gla" and not (dtype == torch.float16 and fam in ("gdn", "delta")) and \
+        not (dtype == torch.float16 and fam == "kda" and q.is_cuda)
     assert saves_stage1(q, v, inp.g, inp.beta) == want
 
 
@@ -467,24 +469,24 @@ def test_grads_fp16_small_tiles(fam, save, K, monkeypatch):
 def test_fp16_kda_route(monkeypatch):
     """The rule that sends fp16 KDA to the fp32 backward on the GPU (FP16_KDA_FP32): fp16, per-channel gate, a CUDA
     tensor outside the interpreter, the switch on; nothing else (bf16, scalar gates, no gate, CPU tensors)."""
-    import chunkwise.triton.chunk_bwd as cb
+    import chunkwise.triton.chunk_fwd as cf
 
     class Cuda:     # a stand-in with the attributes the rule reads
         def __init__(self, dtype, K, cuda=True):
             self.dtype, self.shape, self.is_cuda = dtype, (1, 8, 1, K), cuda
     g4, g3 = torch.zeros(1, 8, 1, 16), torch.zeros(1, 8, 1)
     monkeypatch.delenv("CHUNKWISE_WARM_SM90", raising=False)
-    monkeypatch.setattr(cb, "_INTERPRET", False)
+    monkeypatch.setattr(cf, "_INTERPRET", False)
     for K in (16, 64, 100, 128):
-        assert cb.fp16_kda_in_fp32(Cuda(torch.float16, K), g4)
+        assert cf.fp16_kda_in_fp32(Cuda(torch.float16, K), g4)
     for q, g in ((Cuda(torch.bfloat16, 16), g4), (Cuda(torch.float16, 16), g3), (Cuda(torch.float16, 16), None),
                  (Cuda(torch.float16, 16, False), g4)):
-        assert not cb.fp16_kda_in_fp32(q, g)
+        assert not cf.fp16_kda_in_fp32(q, g)
     monkeypatch.setenv("CHUNKWISE_BWD_FP16_KDA_FP32", "0")
-    assert not cb.fp16_kda_in_fp32(Cuda(torch.float16, 16), g4)
-    monkeypatch.setattr(cb, "_INTERPRET", True)
+    assert not cf.fp16_kda_in_fp32(Cuda(torch.float16, 16), g4)
+    monkeypatch.setattr(cf, "_INTERPRET", True)
     monkeypatch.delenv("CHUNKWISE_BWD_FP16_KDA_FP32")
-    assert not cb.fp16_kda_in_fp32(Cuda(torch.float16, 16), g4)
+    assert not cf.fp16_kda_in_fp32(Cuda(torch.float16, 16), g4)
 
 
 @pytest.mark.parametrize("prec", ["tf32", "other"])
@@ -574,9 +576,9 @@ def test_grads_saved_stage1(fam, dtype, monkeypatch):
     monkeypatch.setattr(cb, "chunk_bwd", spy)
     monkeypatch.delenv("CHUNKWISE_SAVE_STAGE1", raising=False)          # the default saves
     saved = _compare(inp, TOL[dtype], dtype=dtype)
-    keeps = not (dtype == torch.float16 and fam in ("gdn", "delta"))     # see test_saved_stage1_rule
-    # on the GPU fp16 KDA's backward calls itself again in fp32, without the saved stage 1 (FP16_KDA_FP32)
+    # on the GPU fp16 KDA's backward calls itself again in fp32 and its forward saves nothing (FP16_KDA_FP32)
     routed = ON_GPU and fam == "kda" and dtype == torch.float16
+    keeps = not (dtype == torch.float16 and fam in ("gdn", "delta")) and not routed  # see test_saved_stage1_rule
 
     def calls(with_saved):
         return [with_saved] + ([False] if routed else [])

@@ -45,8 +45,8 @@ import triton.language as tl
 
 from ..api import TRITON_MAX_HEAD_DIM as MAX_K   # the backward's kernels fit one H200 SM's shared memory up to it
 from .align import cdiv, cut_state, next_pow2, pad_last, pad_state, padded_dims
-from .chunk_fwd import (WIDE_16BIT_K, _env_choice, _env_switch, _mm, chunk_slots, on_tensor_device, prec_env, reg_cap,
-                        state_dtype, wu_lowp_ok)
+from .chunk_fwd import (WIDE_16BIT_K, _env_choice, _env_switch, _mm, chunk_slots, fp16_kda_in_fp32, on_tensor_device,
+                        prec_env, reg_cap, state_dtype, wu_lowp_ok)
 
 CHUNK = 64
 SUB = 16
@@ -1771,24 +1771,6 @@ def gate_scaled_in(g, q) -> bool:
         _env_switch("CHUNKWISE_BWD_KD_IN", BWD_KD_IN)
 
 
-# fp16 inputs with a per-channel gate (KDA) run the backward in fp32 on the GPU (as 16-bit inputs with K > 128 do): on
-# the H200 (triton 3.6) their fp16 build gave inf dk / dg / dβ (dv 1.7-2.6, at times dq 0.67) on small varlen batches
-# with grouped heads (lengths 1 / 70 / 30, V = 32) at K = 16, 32, 64 and 128, stage 1 saved or recomputed, the scaled
-# keys on or off, with the tf32x3 and tf32rn products (tf32 passed at K = 128 but is less accurate than fla at real size,
-# session 9), where the interpreter is right; the same inputs in fp32 pass there (runs of 2eb2b43, 252c515 and
-# e5e82b3 + 1, NOTES.md sessions 20 and 23). Real-size fp16 (B2-T1000-H8, K = V = 128) had passed against fla, but
-# which input property breaks the build is not isolated. CHUNKWISE_BWD_FP16_KDA_FP32=0 keeps fp16 (diagnosis).
-FP16_KDA_FP32 = 1
-
-
-def fp16_kda_in_fp32(q, g) -> bool:
-    """Whether chunk_bwd runs these inputs in fp32 (FP16_KDA_FP32): fp16 with a per-channel gate, a CUDA tensor
-    outside the interpreter (or benchmarks/warm_cache.py compiling the GPU's kernels: CHUNKWISE_WARM_SM90)."""
-    on_gpu = q.is_cuda or os.environ.get("CHUNKWISE_WARM_SM90") == "1"
-    return q.dtype == torch.float16 and g is not None and g.dim() == 4 and on_gpu and not _INTERPRET and \
-        _env_switch("CHUNKWISE_BWD_FP16_KDA_FP32", FP16_KDA_FP32)
-
-
 def bwd_lowp_level(dtype: torch.dtype, BK: int) -> int:
     """The 16-bit product level (above) of inputs of this dtype at key tile BK: 0 for fp32 inputs,
     CHUNKWISE_BWD_LOWP if set and correct on the GPU for this dtype and tile, else 4 for bf16 at BK = 128 and
@@ -1912,11 +1894,10 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     = scale Pᵀ dO is formed here); ignored where the head dims are padded or 16-bit K > 128 runs in fp32. Head dims
     the kernels do not take as they are run zero-padded (triton/align.py).
     """
-    if q.dtype in (torch.float16, torch.bfloat16):      # (checked here too: the fp32 runs below do not read it)
-        prec_env("CHUNKWISE_BWD_PREC16", "tf32")
     if q.dtype != torch.float32 and (WIDE_16BIT_K < q.shape[-1] <= MAX_K or fp16_kda_in_fp32(q, g)):
-        # 16-bit inputs with K > 128 (chunk_fwd.WIDE_16BIT_K), or fp16 KDA on the GPU (FP16_KDA_FP32), run in fp32;
-        # gradients in the inputs' dtypes
+        # 16-bit inputs with K > 128 (chunk_fwd.WIDE_16BIT_K), or fp16 KDA on the GPU (chunk_fwd.FP16_KDA_FP32), run
+        # in fp32; gradients in the inputs' dtypes
+        prec_env("CHUNKWISE_BWD_PREC16", "tf32")        # (checked here too: the fp32 run does not read it)
         dq, dk, dv, dg, dbeta, dh0 = chunk_bwd(
             q.float(), k.float(), v.float(), g, None if beta is None else beta.float(), scale, initial_state,
             do.float(), dht, cu_seqlens, chunk_indices=chunk_indices, transpose_state_layout=transpose_state_layout)

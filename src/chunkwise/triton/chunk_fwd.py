@@ -1489,6 +1489,25 @@ def _pick_stages(elt: int, BK: int, bv: int, delta: bool, p_in: bool, busy: bool
 # pass with 16-bit products) or gave wrong gradients (KDA), while every family passed in fp32 at K = 160 and 256.
 WIDE_16BIT_K = 128
 
+
+# fp16 inputs with a per-channel gate (KDA) run the backward in fp32 on the GPU, and the forward saves nothing for it
+# (as 16-bit inputs with K > WIDE_16BIT_K; chunk_bwd, saves_stage1): on the H200 (triton 3.6) their fp16 build gave inf dk / dg / dβ (dv 1.7-2.6, at times dq 0.67) on small varlen batches
+# with grouped heads (lengths 1 / 70 / 30, V = 32) at K = 16, 32, 64 and 128, stage 1 saved or recomputed, the scaled
+# keys on or off, with the tf32x3 and tf32rn products (tf32 passed at K = 128 but is less accurate than fla at real size,
+# session 9), where the interpreter is right; the same inputs in fp32 pass there (runs of 2eb2b43, 252c515 and
+# e5e82b3 + 1, NOTES.md sessions 20 and 23). Real-size fp16 (B2-T1000-H8, K = V = 128) had passed against fla, but
+# which input property breaks the build is not isolated. CHUNKWISE_BWD_FP16_KDA_FP32=0 keeps fp16 (diagnosis).
+FP16_KDA_FP32 = 1
+
+
+def fp16_kda_in_fp32(q, g) -> bool:
+    """Whether chunk_bwd runs these inputs in fp32 and the forward saves nothing for it (FP16_KDA_FP32): fp16 with a
+    per-channel gate, a CUDA tensor outside the interpreter (or benchmarks/warm_cache.py compiling the GPU's kernels:
+    CHUNKWISE_WARM_SM90)."""
+    on_gpu = q.is_cuda or os.environ.get("CHUNKWISE_WARM_SM90") == "1"
+    return q.dtype == torch.float16 and g is not None and g.dim() == 4 and on_gpu and not _INTERPRET and \
+        _env_switch("CHUNKWISE_BWD_FP16_KDA_FP32", FP16_KDA_FP32)
+
 SEG_MIN_CHUNKS = 16   # simple GLA's segments: at least this many chunks each (the split's overhead, once per segment)
 SEG_P1_BV = 128       # simple GLA's split: the value block of its first pass (local end states), at 4 warps, 3 stages
 
@@ -1633,11 +1652,11 @@ def save_t_form(gate: int, dtype: torch.dtype | None = None) -> bool:
 
 def saves_stage1(q, v, g, beta) -> bool:
     """Whether chunk_fwd(saved_out=...) fills saved_out for these inputs: the delta families at head dims the
-    kernels take as they are (not padded, not 16-bit with K > WIDE_16BIT_K, which run in fp32), except GDN and
-    DeltaNet with fp16 inputs: on the H200 (triton 3.6) their saved stage 1 gave inf gradients at small tiles
-    (K = 16, V = 32; the interpreter and real sizes were right, NOTES.md session 8), so their backward
-    recomputes it with the intra / solve / wu kernels that fp16 always took before."""
-    if beta is None or (q.dtype != torch.float32 and q.shape[-1] > WIDE_16BIT_K):
+    kernels take as they are (not padded, not 16-bit with K > WIDE_16BIT_K nor fp16 KDA on the GPU, whose backward
+    runs in fp32: fp16_kda_in_fp32), except GDN and DeltaNet with fp16 inputs: on the H200 (triton 3.6) their saved
+    stage 1 gave inf gradients at small tiles (K = 16, V = 32; the interpreter and real sizes were right, NOTES.md
+    session 8), so their backward recomputes it with the intra / solve / wu kernels that fp16 always took before."""
+    if beta is None or (q.dtype != torch.float32 and q.shape[-1] > WIDE_16BIT_K) or fp16_kda_in_fp32(q, g):
         return False
     if q.dtype == torch.float16 and _gate_kind(g) < 2:
         return False
