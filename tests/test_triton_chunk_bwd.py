@@ -633,6 +633,30 @@ def test_grads_saved_t_form(fam, dtype, monkeypatch):
         assert rel_err(with_t[n], with_wu[n]) <= TOL[dtype] / 4, n
 
 
+@pytest.mark.parametrize("t_form", ["1", "0"])
+@pytest.mark.parametrize("fam", ("gdn", "kda", "delta"))
+def test_state_pass_beside_wu(fam, t_form, monkeypatch):
+    """The backward's forward state pass beside its W / U launch (CHUNKWISE_BWD_OVERLAP=1, chunk_bwd's ``beside``):
+    under the T form the W / U launch runs chunk-major and publishes each chunk, and each step of the state pass waits
+    for the W / U it reads; with W / U saved the two run side by side unsynchronised. Every gradient equals the
+    reference's (varlen with a length-1 sequence, grouped heads, a carried-in state, the final state read by the loss)
+    and is bit-identical to the one-after-the-other backward's (=0); the chunk-major grid was launched where flagged."""
+    inp = make_inputs(fam, lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, seed=23)
+    monkeypatch.setenv("CHUNKWISE_SAVE_STAGE1", "1")
+    monkeypatch.setenv("CHUNKWISE_SAVE_T_FORM", t_form)
+    monkeypatch.setenv("CHUNKWISE_BWD_OVERLAP", "1")
+    wu = _count_launches(monkeypatch, "_wu_kernel")
+    beside = _grads(inp, "triton", torch.float32)
+    n_chunks, rows = 1 + 2 + 1, 1 * 2      # chunks of the three sequences, B·HV
+    assert wu == [(rows, n_chunks) if t_form == "1" else (n_chunks, rows)]
+    _compare(inp, TOL[torch.float32], ours=beside)
+    monkeypatch.setenv("CHUNKWISE_BWD_OVERLAP", "0")
+    after = _grads(inp, "triton", torch.float32)
+    assert wu[1:] == [(n_chunks, rows)]
+    for n in after:
+        assert torch.equal(beside[n], after[n]), n
+
+
 @pytest.mark.parametrize("kept", ["0", "1"])
 @pytest.mark.parametrize("kd_in", ["1", "0"])
 @pytest.mark.parametrize("save", ["1", "0"])

@@ -36,6 +36,7 @@ differences of cumsums stay accurate after a hard reset (g = −1e4).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 
@@ -45,8 +46,9 @@ import triton.language as tl
 
 from ..api import TRITON_MAX_HEAD_DIM as MAX_K   # the backward's kernels fit one H200 SM's shared memory up to it
 from .align import cdiv, cut_state, next_pow2, pad_last, pad_state, padded_dims
-from .chunk_fwd import (WIDE_16BIT_K, _env_choice, _env_switch, _mm, chunk_slots, fp16_kda_in_fp32, on_tensor_device,
-                        prec_env, reg_cap, state_dtype, wu_lowp_ok)
+from .chunk_fwd import (WIDE_16BIT_K, _env_choice, _env_switch, _mm, _num_sms, _overlap, _side_stream, _signal_ready,
+                        _wait_ready, chunk_slots, fp16_kda_in_fp32, on_tensor_device, prec_env, reg_cap, state_dtype,
+                        wu_lowp_ok)
 
 CHUNK = 64
 SUB = 16
@@ -108,10 +110,14 @@ def _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C: tl.constexpr, IS_VA
 
 @triton.jit
 def _chunk_program(cu_seqlens, chunk_indices, T, H: tl.constexpr, HV: tl.constexpr, C: tl.constexpr,
-                   IS_VARLEN: tl.constexpr):
+                   IS_VARLEN: tl.constexpr, CHUNK_MAJOR: tl.constexpr = 0):
     """Where a chunk-parallel program of grid (chunks, B·HV) works: (value head i_h, the key head i_hk its group
-    reads, the chunk's first token row t0, valid length L, chunk slot i_g) (_chunk_bounds)."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    reads, the chunk's first token row t0, valid length L, chunk slot i_g) (_chunk_bounds). CHUNK_MAJOR: the grid
+    is (B·HV, chunks), so that every head's first chunks are placed first (a launch a serial pass waits on)."""
+    if CHUNK_MAJOR:
+        i_bh, i_t = tl.program_id(0), tl.program_id(1)
+    else:
+        i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
     t0, L, i_g = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
     return i_h, i_h // (HV // H), t0, L, i_g
@@ -440,13 +446,16 @@ def _gate_factors(b_G, b_last, GATE: tl.constexpr):
 def _wu_kernel(k, v, beta, G, Tmat, Pmat, do, W, U, dRl, cu_seqlens, chunk_indices, T, scale,
                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
-               IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr = 0):
+               IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr = 0, ready=None,
+               SIGNAL: tl.constexpr = 0):
     """W: [B, T, HV, K], U, dRl: [B, T, HV, V] (16-bit storage for 16-bit inputs). LOWP: 1, the products'
     operands (T, P, β e^G K, β V, dO) in the 16-bit input dtype, fp32 accumulation: W and U as the
     forward's stage 1 forms them with its bf16 W/U products; 2, in fp16, each tile scaled by a power of two
     first (_fp16_scaled: no overflow, no subnormals at its top 14 binades, 11 significant bits rounded to
-    nearest where tf32 keeps 11 truncated); 0, fp32 operands at PREC."""
-    i_h, i_hk, t0, L, _ = _chunk_program(cu_seqlens, chunk_indices, T, H, HV, C, IS_VARLEN)
+    nearest where tf32 keeps 11 truncated); 0, fp32 operands at PREC.
+    SIGNAL (the forward state pass running beside this launch, chunk_bwd's overlap): the grid (B·HV, chunks),
+    chunk-major, and each program, once its W / U are stored, sets ready[slot, head] (chunk_fwd._signal_ready)."""
+    i_h, i_hk, t0, L, i_g = _chunk_program(cu_seqlens, chunk_indices, T, H, HV, C, IS_VARLEN, SIGNAL)
     o_t = tl.arange(0, C)
     o_k = tl.arange(0, BK)
     m_t = o_t < L
@@ -478,6 +487,8 @@ def _wu_kernel(k, v, beta, G, Tmat, Pmat, do, W, U, dRl, cu_seqlens, chunk_indic
         if DELTA:
             b_y = tl.load(v + p_tv, mask=m_tv, other=0.).to(tl.float32) * b_beta[:, None]
             tl.store(U + p_tv, _wu_mm(b_T, s_T, b_y, op_dt, PREC, LOWP), mask=m_tv)       # [C, C] @ [C, BV]
+    if SIGNAL:
+        _signal_ready(ready, i_g, i_h, HV)
 
 
 @triton.jit
@@ -647,22 +658,34 @@ def _fwd_h_kernel(k, v, G, W, U, h0, h, R, cu_seqlens, T,
                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                   BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
                   HAS_H0: tl.constexpr, TRANSPOSE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-                  LOOP_WHILE: tl.constexpr, LOWP: tl.constexpr = 0, KD_IN: tl.constexpr = 0):
+                  LOOP_WHILE: tl.constexpr, LOWP: tl.constexpr = 0, KD_IN: tl.constexpr = 0, ready=None,
+                  WAIT: tl.constexpr = 0):
     """h: [NC, HV, K, V] fp32, the state entering each chunk; R: [B, T, HV, V] fp32 (delta only).
-    h0: [N, HV, K, V] ([N, HV, V, K] if TRANSPOSE)."""
+    h0: [N, HV, K, V] ([N, HV, V, K] if TRANSPOSE).
+    WAIT (this pass beside the W / U launch, _wu_kernel's SIGNAL): step i first waits for ready[slot of chunk
+    i + WAIT, head] (chunk_fwd._wait_ready), WAIT past the software pipeline's depth, so that the loads it issues
+    ahead read only published chunks; the first WAIT chunks before the loop."""
     i_h, i_hk, bos, eos, boh, NTs, o_k, o_v, m_k, m_v, m_kv, p0 = _seq_program(cu_seqlens, T, H, HV, K, V, BK, BV, C,
                                                                               IS_VARLEN, TRANSPOSE)
     b_S = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_H0:
         b_S += tl.load(h0 + p0, mask=m_kv, other=0.).to(tl.float32)
+    if WAIT:
+        for i_w in tl.static_range(WAIT):
+            if i_w < NTs:
+                _wait_ready(ready, boh + i_w, i_h, HV, False, not LOOP_WHILE)
     if LOOP_WHILE:  # the interpreter cannot take a loaded bound in range()
         i_c = 0
         while i_c < NTs:
+            if WAIT:
+                _wait_ready(ready, boh + tl.minimum(i_c + WAIT, NTs - 1), i_h, HV, False, not LOOP_WHILE)
             b_S = _fwd_h_step(k, v, G, W, U, h, R, b_S, i_c, bos, eos, boh, i_h, i_hk, o_v, H, HV, K, V, BK, BV, C,
                               GATE, DELTA, PREC, LOWP, KD_IN)
             i_c += 1
     else:
         for i_c in range(NTs):
+            if WAIT:
+                _wait_ready(ready, boh + tl.minimum(i_c + WAIT, NTs - 1), i_h, HV, False, not LOOP_WHILE)
             b_S = _fwd_h_step(k, v, G, W, U, h, R, b_S, i_c, bos, eos, boh, i_h, i_hk, o_v, H, HV, K, V, BK, BV, C,
                               GATE, DELTA, PREC, LOWP, KD_IN)
 
@@ -1848,6 +1871,20 @@ BWD_PAIR_DIAG = 0     # 0: the diagonal blocks in a second launch over all chann
 BWD_REGS_PER_CHANNEL = {"intra_diag": 168, "solve": 128, "wu": 168}
 
 
+# The forward state pass beside the W / U launch where the forward's stage 1 is saved (chunk_bwd's ``beside``), per gate
+# kind (0 none, 1 scalar, 2 per channel): 1 on, 0 off; CHUNKWISE_BWD_OVERLAP (0 / 1, every family) overrides. The
+# serial pass runs (cdiv(V, 32), N·HV) programs, one per SM at B1-H32, each latency-bound; the W / U launch is
+# throughput-bound (KDA: W, U and dR_local, 0.84 ms at B1-T32768-H32 bf16; GDN / DeltaNet: dR_local alone, 0.20 ms).
+BWD_OVERLAP = {0: 1, 1: 1, 2: 1}
+
+
+def bwd_overlap(gate: int) -> bool:
+    """Whether the backward's forward state pass may run beside its W / U launch (BWD_OVERLAP)."""
+    if os.environ.get("CHUNKWISE_BWD_OVERLAP") is not None:
+        return bool(_env_choice("CHUNKWISE_BWD_OVERLAP", 0, range(2)))
+    return bool(BWD_OVERLAP[gate])
+
+
 def _regs(name: str, gate: int, wide_ok: bool = True) -> dict:
     """maxnreg launch option of a backward kernel ({} for the compiler's choice)."""
     env = reg_cap(name)
@@ -2024,38 +2061,6 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     # with stage 1 saved (scalar / no gate), the reverse state pass forms dR_local = scale Pᵀ dO per chunk itself
     p_in_dh = saved is not None and gate != 2 and not wu_from_t and _env_switch("CHUNKWISE_BWD_P_IN_DH", BWD_P_IN_DH)
     dRl = saved["p"].contiguous() if p_in_dh else buf(B, T, HV, V, dtype=sdt)
-    # fp16 takes the three kernels: on the H200 (run of e1f8201) the fused pass with fp16 products at 4 warps gave
-    # gradient errors of 1.1 (GDN) and inf (DeltaNet) at K = 16 while bf16 passed at real size
-    if saved is not None:
-        if not p_in_dh:     # (never with wu_from_t)
-            # dR_local = scale Pᵀ dO from the saved P, and W, U from T where the forward kept T alone (SAVE_WU_LOWP: their
-            # operands' precision)
-            wu_lowp = 0 if not lowp_wu else _env_choice("CHUNKWISE_SAVE_WU_LOWP", SAVE_WU_LOWP, range(3)) \
-                if wu_from_t else 1
-            _wu_kernel[grid_c](k, v, beta, G, Tmat if wu_from_t else None, saved["p"].contiguous(), do,
-                               W if wu_from_t else None, U if wu_from_t else None, dRl, scale=scale, H=H, HV=HV, K=K,
-                               V=V, BK=BK, BV=BV, C=C, GATE=gate, DELTA=wu_from_t, IS_VARLEN=varlen, PREC=prec,
-                               LOWP=wu_lowp, num_warps=_warps("wu", gate, wide8), **_regs("wu", gate, wide8),
-                               num_stages=ns, **common)
-    elif fused_prep:
-        # one pass per chunk (the forward's stage-1 kernel): T, W, U, dR_local; A and P stay in registers,
-        # Amat and Pmat are only the scratch the value and key sides write dT_v / dA / dP into
-        from .chunk_fwd import chunk_prepare_bwd
-        chunk_prepare_bwd(q, k, v, g, beta, do, scale, W, U, Tmat, dRl, cu_seqlens, chunk_indices, wu_lowp=lowp_wu,
-                          num_warps=_warps("prep", gate, wide8))
-    else:
-        _intra_kernel[grid_c](q, k, beta, G, Amat, Pmat, H=H, HV=HV, K=K, BK=BK, C=C, BC=BC, GATE=gate, DELTA=delta,
-                              IS_VARLEN=varlen, PREC=prec, num_warps=_warps("intra", gate, wide8), **_regs("intra", gate, wide8), num_stages=ns, **common)
-        if gate == 2:
-            _intra_diag_kernel[grid_c](q, k, beta, G, Amat, Pmat, H=H, HV=HV, K=K, BK=BK, C=C, BC=BC, DELTA=delta,
-                                       IS_VARLEN=varlen, PREC=prec, span_max=SPAN_MAX, num_warps=_warps("intra_diag", gate, wide8), **_regs("intra_diag", gate, wide8),
-                                       num_stages=ns, **common)
-        if delta:
-            _solve_kernel[grid_c](Amat, Tmat, HV=HV, C=C, BC=BC, IS_VARLEN=varlen, PREC=prec, num_warps=_warps("solve", gate, wide8), **_regs("solve", gate, wide8), num_stages=ns, **common)
-        _wu_kernel[grid_c](k, v, beta, G, Tmat, Pmat, do, W, U, dRl, scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
-                           C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_wu, num_warps=_warps("wu", gate, wide8), **_regs("wu", gate, wide8),
-                           num_stages=ns, **common)
-
     NC = chunk_slots(N, T, varlen)
     # the forward's stage 2 may have kept every chunk's entering state and R (chunk_fwd.saves_states)
     states_saved = saved is not None and saved.get("h") is not None
@@ -2076,12 +2081,60 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     elif kd_in:
         q_s, k_s = buf(B, T, HV, K, dtype=q.dtype), buf(B, T, HV, K, dtype=q.dtype)
         _gate_scaled_kernel[grid_c](q, k, G, q_s, k_s, H=H, HV=HV, K=K, BK=BK, C=C, IS_VARLEN=varlen, **common)
+    # the forward state pass beside the W / U launch (BWD_OVERLAP): where the forward's stage 1 is saved, _wu_kernel
+    # forms dR_local (and W, U where the forward kept T alone, KDA) and the state pass reads only W, U of it: it runs on
+    # a high-priority stream of its own, each step waiting for its chunk's W / U (flags) or, with W / U saved, at once
+    beside = saved is not None and not p_in_dh and not states_saved and bwd_overlap(gate) and _overlap(
+        grid_s[0] * grid_s[1], _num_sms(dev) if dev.type == "cuda" else 132, NT, dev)
+    ready = side = None
+    if beside:
+        if wu_from_t:
+            ready = torch.zeros((NC, HV), dtype=torch.int32, device=dev)
+        if dev.type == "cuda":
+            side = _side_stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+    # fp16 takes the three kernels: on the H200 (run of e1f8201) the fused pass with fp16 products at 4 warps gave
+    # gradient errors of 1.1 (GDN) and inf (DeltaNet) at K = 16 while bf16 passed at real size
+    if saved is not None:
+        if not p_in_dh:     # (never with wu_from_t)
+            # dR_local = scale Pᵀ dO from the saved P, and W, U from T where the forward kept T alone (SAVE_WU_LOWP: their
+            # operands' precision)
+            wu_lowp = 0 if not lowp_wu else _env_choice("CHUNKWISE_SAVE_WU_LOWP", SAVE_WU_LOWP, range(3)) \
+                if wu_from_t else 1
+            _wu_kernel[grid_c if ready is None else grid_c[::-1]](
+                k, v, beta, G, Tmat if wu_from_t else None, saved["p"].contiguous(), do, W if wu_from_t else None,
+                U if wu_from_t else None, dRl, scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate,
+                DELTA=wu_from_t, IS_VARLEN=varlen, PREC=prec, LOWP=wu_lowp, ready=ready, SIGNAL=ready is not None,
+                num_warps=_warps("wu", gate, wide8), **_regs("wu", gate, wide8), num_stages=ns, **common)
+    elif fused_prep:
+        # one pass per chunk (the forward's stage-1 kernel): T, W, U, dR_local; A and P stay in registers,
+        # Amat and Pmat are only the scratch the value and key sides write dT_v / dA / dP into
+        from .chunk_fwd import chunk_prepare_bwd
+        chunk_prepare_bwd(q, k, v, g, beta, do, scale, W, U, Tmat, dRl, cu_seqlens, chunk_indices, wu_lowp=lowp_wu,
+                          num_warps=_warps("prep", gate, wide8))
+    else:
+        _intra_kernel[grid_c](q, k, beta, G, Amat, Pmat, H=H, HV=HV, K=K, BK=BK, C=C, BC=BC, GATE=gate, DELTA=delta,
+                              IS_VARLEN=varlen, PREC=prec, num_warps=_warps("intra", gate, wide8), **_regs("intra", gate, wide8), num_stages=ns, **common)
+        if gate == 2:
+            _intra_diag_kernel[grid_c](q, k, beta, G, Amat, Pmat, H=H, HV=HV, K=K, BK=BK, C=C, BC=BC, DELTA=delta,
+                                       IS_VARLEN=varlen, PREC=prec, span_max=SPAN_MAX, num_warps=_warps("intra_diag", gate, wide8), **_regs("intra_diag", gate, wide8),
+                                       num_stages=ns, **common)
+        if delta:
+            _solve_kernel[grid_c](Amat, Tmat, HV=HV, C=C, BC=BC, IS_VARLEN=varlen, PREC=prec, num_warps=_warps("solve", gate, wide8), **_regs("solve", gate, wide8), num_stages=ns, **common)
+        _wu_kernel[grid_c](k, v, beta, G, Tmat, Pmat, do, W, U, dRl, scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
+                           C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_wu, num_warps=_warps("wu", gate, wide8), **_regs("wu", gate, wide8),
+                           num_stages=ns, **common)
+
     if not states_saved:
-        _fwd_h_kernel[grid_s](k_s, v, G, W, U, h0, h, R, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate,
-                              DELTA=delta, HAS_H0=has_h0, TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen,
-                              PREC=prec, LOOP_WHILE=_INTERPRET, LOWP=lowp, KD_IN=kd_in,
-                              num_warps=_warps("fwd_h", gate, wide8), **_regs("fwd_h", gate, wide8),
-                              num_stages=ns_state, **seq)
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            _fwd_h_kernel[grid_s](k_s, v, G, W, U, h0, h, R, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate,
+                                  DELTA=delta, HAS_H0=has_h0, TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen,
+                                  PREC=prec, LOOP_WHILE=_INTERPRET, LOWP=lowp, KD_IN=kd_in, ready=ready,
+                                  WAIT=ns_state + 1 if ready is not None else 0,
+                                  num_warps=_warps("fwd_h", gate, wide8), **_regs("fwd_h", gate, wide8),
+                                  num_stages=ns_state, **seq)
+    if side is not None:
+        torch.cuda.current_stream(dev).wait_stream(side)
     dh = buf(NC, HV, K, V, dtype=sdt)
     dR = buf(B, T, HV, V, dtype=sdt)
     dh0 = buf(*h0.shape) if has_h0 else None
