@@ -2278,21 +2278,23 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         nvd = grid_s[0] if dgam_dh else 0
         # (beside the reverse pass: which programs' waits ran out, for the second launch)
         skip_dh = torch.zeros((NC, HV, nka), dtype=torch.int32, device=dev) if beside_dh else None
-
-        def dqk_launch(redo):
-            _bwd_dqk_kernel[(nka * NT, B * HV) if not beside_dh else (nka * B * HV, NT)](
-                q, k, v, G, h, dh, R if delta else None, dR, do, dq, dk1, dW, dGp, dgam, Tmat, beta, dTp, dbs,
-                scale=scale, H=H, HV=HV, K=K, V=V, BK=bka, BV=bva, C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen,
-                PREC=prec, LOWP=lowp_key, EARLY=_env_switch("CHUNKWISE_BWD_DQK_EARLY", BWD_DQK_EARLY[gate]),
-                DGAM=dgam_dh, NVD=nvd, KD=BK, ready=ready_dh, skip=skip_dh, WAIT=grid_s[0] if beside_dh else 0,
-                REDO=redo, SPIN_ASM=not _INTERPRET, num_warps=_warps("bwd_dqk", gate, wide8),
-                **_regs("bwd_dqk", gate), num_stages=ns, **common)
-        dqk_launch(0)
+        _bwd_dqk_kernel[(nka * NT, B * HV) if not beside_dh else (nka * B * HV, NT)](
+            q, k, v, G, h, dh, R if delta else None, dR, do, dq, dk1, dW, dGp, dgam, Tmat, beta, dTp, dbs, scale=scale,
+            H=H, HV=HV, K=K, V=V, BK=bka, BV=bva, C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
+            LOWP=lowp_key, EARLY=_env_switch("CHUNKWISE_BWD_DQK_EARLY", BWD_DQK_EARLY[gate]), DGAM=dgam_dh, NVD=nvd,
+            KD=BK, ready=ready_dh, skip=skip_dh, WAIT=grid_s[0] if beside_dh else 0, SPIN_ASM=not _INTERPRET,
+            num_warps=_warps("bwd_dqk", gate, wide8), **_regs("bwd_dqk", gate), num_stages=ns, **common)
         if side_dh is not None:
             torch.cuda.current_stream(dev).wait_stream(side_dh)
             del dRl, q_s, k_s
         if beside_dh:   # the programs whose wait ran out, after the reverse pass (most return at once)
-            dqk_launch(1)
+            _bwd_dqk_kernel[(nka * B * HV, NT)](
+                q, k, v, G, h, dh, R if delta else None, dR, do, dq, dk1, dW, dGp, dgam, Tmat, beta, dTp, dbs,
+                scale=scale, H=H, HV=HV, K=K, V=V, BK=bka, BV=bva, C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen,
+                PREC=prec, LOWP=lowp_key, EARLY=_env_switch("CHUNKWISE_BWD_DQK_EARLY", BWD_DQK_EARLY[gate]),
+                DGAM=dgam_dh, NVD=nvd, KD=BK, ready=ready_dh, skip=skip_dh, WAIT=grid_s[0], REDO=1,
+                SPIN_ASM=not _INTERPRET, num_warps=_warps("bwd_dqk", gate, wide8), **_regs("bwd_dqk", gate),
+                num_stages=ns, **common)
         if delta or gate:
             bkw = _env_block("CHUNKWISE_BWD_WY_BK", BWD_WY_BK, BK)
             _bwd_wy_kernel[grid_c](k, v, beta, G, Tmat, dW, dR, dk1, dbs if gate == 2 else dGp, dgam, Amat, dv, dk,
