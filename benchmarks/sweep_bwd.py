@@ -118,17 +118,15 @@ TFORM_VARIANTS = ("wu:CHUNKWISE_SAVE_T_FORM=0;tform:CHUNKWISE_SAVE_T_FORM=1,CHUN
                   "tform_lowp:CHUNKWISE_SAVE_T_FORM=1,CHUNKWISE_SAVE_WU_LOWP=1;"
                   "tform_lowp_w8:CHUNKWISE_SAVE_T_FORM=1,CHUNKWISE_SAVE_WU_LOWP=1,CHUNKWISE_BWD_WARPS=wu:8")
 # the serial state passes beside chunk-parallel launches (chunk_bwd's BWD_OVERLAP: the forward state pass beside the
-# W / U launch; BWD_OVERLAP_DH: the state-tile pass beside the reverse state pass), each alone, both, none; for KDA
-# with the reverse pass's registers capped at 128 ("c": at 8 warps and 145 registers no 255-register state-tile
-# program fits beside it, at 128 one does), the forward pass's at 88 (two W / U programs beside it instead of one)
-# or at 4 warps, and qg / kg kept by the forward (SAVE_GATE_SCALED)
+# W / U launch; BWD_OVERLAP_DH: the state-tile pass beside the reverse state pass), each alone, both, none; with both,
+# KDA's forward state pass at 4 warps or its registers capped at 88 (8 warps at 115 registers leave room for one
+# 168-register W / U program beside it, at 88 for two), and KDA's qg / kg kept by the forward (SAVE_GATE_SCALED)
 _B = "CHUNKWISE_BWD_OVERLAP=1,CHUNKWISE_BWD_OVERLAP_DH=1"
 BESIDE_VARIANTS = (f"after:CHUNKWISE_BWD_OVERLAP=0,CHUNKWISE_BWD_OVERLAP_DH=0;"
                    f"h:CHUNKWISE_BWD_OVERLAP=1,CHUNKWISE_BWD_OVERLAP_DH=0;"
                    f"dh:CHUNKWISE_BWD_OVERLAP=0,CHUNKWISE_BWD_OVERLAP_DH=1;both:{_B};"
-                   f"both_c:{_B},CHUNKWISE_MAXNREG=bwd_dh:128;both_c88:{_B},CHUNKWISE_MAXNREG=bwd_dh:128/fwd_h:88;"
-                   f"both_c_h4:{_B},CHUNKWISE_MAXNREG=bwd_dh:128,CHUNKWISE_BWD_WARPS=fwd_h:4;"
-                   f"both_c_gs:{_B},CHUNKWISE_MAXNREG=bwd_dh:128,CHUNKWISE_SAVE_GATE_SCALED=1")
+                   f"both_h4:{_B},CHUNKWISE_BWD_WARPS=fwd_h:4;both_r88:{_B},CHUNKWISE_MAXNREG=fwd_h:88;"
+                   f"both_gs:{_B},CHUNKWISE_SAVE_GATE_SCALED=1")
 BESIDE4_VARIANTS = ";".join(BESIDE_VARIANTS.split(";")[:4])
 NAMED = {"beside": BESIDE_VARIANTS, "beside4": BESIDE4_VARIANTS, "pairregs": PAIRREGS_VARIANTS, "tform": TFORM_VARIANTS, "kdasplit": KDASPLIT_VARIANTS, "dqk": DQK_VARIANTS, "ahead": AHEAD_VARIANTS, "states": STATES_VARIANTS, "pair": PAIR_VARIANTS, "gates": GATES_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
          "oneref": ONEREF_VARIANTS}

@@ -819,7 +819,7 @@ def _bwd_dh_kernel(q, k, G, W, dRl, do, dht, dh, dR, dh0, h, dgam, cu_seqlens, T
                                 i_hk, o_v, scale, unit, H, HV, K, V, BK, BV, C, GATE, DELTA, PREC, LOWP, KD_IN, AHEAD,
                                 PL, DGAM)
             if SIGNAL:
-                _publish(ready + ((boh + i_c) * HV + i_h) * tl.num_programs(0) + tl.program_id(0), False)
+                _signal_ready(ready, boh + i_c, i_h * tl.num_programs(0) + tl.program_id(0), HV * tl.num_programs(0))
             b_dRl, b_last = b_dRn, b_lastn
             i_c -= 1
     else:
@@ -829,7 +829,8 @@ def _bwd_dh_kernel(q, k, G, W, dRl, do, dht, dh, dR, dh0, h, dgam, cu_seqlens, T
                                 boh, i_h, i_hk, o_v, scale, unit, H, HV, K, V, BK, BV, C, GATE, DELTA, PREC, LOWP,
                                 KD_IN, AHEAD, PL, DGAM)
             if SIGNAL:
-                _publish(ready + ((boh + NTs - 1 - i_r) * HV + i_h) * tl.num_programs(0) + tl.program_id(0), True)
+                _signal_ready(ready, boh + NTs - 1 - i_r, i_h * tl.num_programs(0) + tl.program_id(0),
+                              HV * tl.num_programs(0))
             b_dRl, b_last = b_dRn, b_lastn
     if HAS_H0:
         tl.store(dh0 + p0, b_dS, mask=m_kv)
@@ -1146,58 +1147,14 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
 # scalar / no gate: the value and key sides as a state-tile pass split over key columns and a per-chunk WY pass
 # ------------------------------------------------------------------------------------------------
 
-# _bwd_dh_kernel's publish of a chunk (beside the state-tile pass) as PTX: every thread's stores first (bar.sync),
-# then thread 0's release store of 1. As tl.debug_barrier + tl.atomic_xchg (chunk_fwd._signal_ready) inside the chunk
-# loop it cost the loop its software pipeline (offline sm_90, GDN: 173 KB of shared memory -> 40 KB, plain loads)
-_PUBLISH = tl.constexpr("{\n.reg .pred %pub_p;\n.reg .u32 %pub_t;\nmov.u32 %pub_t, %tid.x;\n"
-                        "setp.eq.u32 %pub_p, %pub_t, 0;\nbar.sync 0;\n@%pub_p st.release.gpu.global.b32 [$1], 1;\n"
-                        "mov.u32 $0, 0;\n}")
-
-
-@triton.jit
-def _publish(flag, SPIN_ASM: tl.constexpr):
-    """Set the int32 at ``flag`` to 1 once this program's stores are done (release). SPIN_ASM: as PTX (_PUBLISH),
-    else chunk_fwd._signal_ready's barrier and atomic exchange (the interpreter)."""
-    if SPIN_ASM:
-        tl.inline_asm_elementwise(_PUBLISH, "=r,l", [flag], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.debug_barrier()
-        tl.atomic_xchg(flag, 1, sem="release", scope="gpu")
-
-
-# _bwd_dqk_kernel's wait beside the reverse state pass: chunk_fwd's spin (acquire loads of the flag) for at most
-# SPIN_LIMIT loads (~0.3-0.5 ms), then give up; the flag's last value comes back (0: the wait ran out)
-SPIN_LIMIT = 512
-_SPIN_BOUNDED = tl.constexpr(
-    "{\n.reg .pred %sb_p;\n.reg .u32 %sb_n;\nmov.u32 %sb_n, 0;\nSPINB_${:uid}:\n"
-    "ld.acquire.gpu.global.b32 $0, [$1];\nsetp.ne.s32 %sb_p, $0, 0;\n@%sb_p bra SPINB_END_${:uid};\n"
-    f"add.u32 %sb_n, %sb_n, 1;\nsetp.lt.u32 %sb_p, %sb_n, {SPIN_LIMIT};\n@%sb_p bra SPINB_${{:uid}};\n"
-    "SPINB_END_${:uid}:\n}")
-
-
-@triton.jit
-def _wait_bounded(flag, SPIN_ASM: tl.constexpr):
-    """The int32 at ``flag`` once it is non-zero (acquire: the loads after it see the stores before its release), or 0
-    after SPIN_LIMIT reads of 0. SPIN_ASM: the loop in PTX (_SPIN_BOUNDED), else a Triton loop of atomic reads."""
-    if SPIN_ASM:
-        r = tl.inline_asm_elementwise(_SPIN_BOUNDED, "=r,l", [flag], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        r = tl.atomic_add(flag, 0, sem="acquire", scope="gpu")
-        n = 1
-        while (r == 0) & (n < SPIN_LIMIT):
-            r = tl.atomic_add(flag, 0, sem="acquire", scope="gpu")
-            n += 1
-    return r
-
-
 @triton.jit
 def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, dgam, Tmat, beta, dTp, dbs, cu_seqlens,
                     chunk_indices, T, scale,
                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                     BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
                     IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr = 0, EARLY: tl.constexpr = 0,
-                    DGAM: tl.constexpr = 0, NVD: tl.constexpr = 0, KD: tl.constexpr = 16, ready=None, skip=None,
-                    WAIT: tl.constexpr = 0, REDO: tl.constexpr = 0, SPIN_ASM: tl.constexpr = 1):
+                    DGAM: tl.constexpr = 0, NVD: tl.constexpr = 0, KD: tl.constexpr = 16, ready=None,
+                    WAIT: tl.constexpr = 0, SPIN_ASM: tl.constexpr = 1):
     """Scalar / no gate, one program per (key column block of BK, chunk, value head); everything that needs the
     chunk's state tiles h (S) and dh (dS'), read once::
 
@@ -1228,9 +1185,7 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, dgam, Tmat, 
 
     WAIT > 0 (beside the reverse state pass, its SIGNAL): the grid is (NK·B·HV, chunks) and runs the chunks last
     first, as the reverse pass stores them; a program first waits for ready[slot, head, j] of each of the pass's WAIT
-    value blocks (_wait_bounded; SPIN_ASM: a PTX loop, else the interpreter's). A wait that runs out (the reverse
-    pass's programs not placed: this grid's spinning programs could otherwise hold every SM) sets skip[slot, head,
-    i_k] and the program returns; REDO (the same grid launched again after the reverse pass): only those programs run."""
+    value blocks (chunk_fwd._wait_ready; SPIN_ASM: its PTX loop, else the interpreter's)."""
     NK: tl.constexpr = (K + BK - 1) // BK
     if WAIT:
         i_k, i_bh = tl.program_id(0) % NK, tl.program_id(0) // NK
@@ -1244,17 +1199,8 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, dgam, Tmat, 
     i_hk = i_h // (HV // H)
     t0, L, i_g = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
     if WAIT:
-        p_skip = skip + (i_g * HV + i_h) * NK + i_k
-        if REDO:
-            if tl.load(p_skip) == 0:
-                return
-        else:
-            ok = 1
-            for i_w in tl.static_range(WAIT):
-                ok = ok & _wait_bounded(ready + (i_g * HV + i_h) * WAIT + i_w, SPIN_ASM)
-            if ok == 0:
-                tl.store(p_skip, 1)
-                return
+        for i_w in tl.static_range(WAIT):
+            _wait_ready(ready, i_g, i_h * WAIT + i_w, HV * WAIT, False, SPIN_ASM)
     o_t, m_t, rows, m_cc, p_cc, p_ccT = _chunk_rows(t0, L, i_h, HV, C)
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
@@ -2276,25 +2222,15 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
             dTp = AP if nka <= 2 else buf(nka, B, T, HV, C)
             dbs = buf(nka, B, T, HV)
         nvd = grid_s[0] if dgam_dh else 0
-        # (beside the reverse pass: which programs' waits ran out, for the second launch)
-        skip_dh = torch.zeros((NC, HV, nka), dtype=torch.int32, device=dev) if beside_dh else None
         _bwd_dqk_kernel[(nka * NT, B * HV) if not beside_dh else (nka * B * HV, NT)](
             q, k, v, G, h, dh, R if delta else None, dR, do, dq, dk1, dW, dGp, dgam, Tmat, beta, dTp, dbs, scale=scale,
             H=H, HV=HV, K=K, V=V, BK=bka, BV=bva, C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
             LOWP=lowp_key, EARLY=_env_switch("CHUNKWISE_BWD_DQK_EARLY", BWD_DQK_EARLY[gate]), DGAM=dgam_dh, NVD=nvd,
-            KD=BK, ready=ready_dh, skip=skip_dh, WAIT=grid_s[0] if beside_dh else 0, SPIN_ASM=not _INTERPRET,
+            KD=BK, ready=ready_dh, WAIT=grid_s[0] if beside_dh else 0, SPIN_ASM=not _INTERPRET,
             num_warps=_warps("bwd_dqk", gate, wide8), **_regs("bwd_dqk", gate), num_stages=ns, **common)
         if side_dh is not None:
             torch.cuda.current_stream(dev).wait_stream(side_dh)
             del dRl, q_s, k_s
-        if beside_dh:   # the programs whose wait ran out, after the reverse pass (most return at once)
-            _bwd_dqk_kernel[(nka * B * HV, NT)](
-                q, k, v, G, h, dh, R if delta else None, dR, do, dq, dk1, dW, dGp, dgam, Tmat, beta, dTp, dbs,
-                scale=scale, H=H, HV=HV, K=K, V=V, BK=bka, BV=bva, C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen,
-                PREC=prec, LOWP=lowp_key, EARLY=_env_switch("CHUNKWISE_BWD_DQK_EARLY", BWD_DQK_EARLY[gate]),
-                DGAM=dgam_dh, NVD=nvd, KD=BK, ready=ready_dh, skip=skip_dh, WAIT=grid_s[0], REDO=1,
-                SPIN_ASM=not _INTERPRET, num_warps=_warps("bwd_dqk", gate, wide8), **_regs("bwd_dqk", gate),
-                num_stages=ns, **common)
         if delta or gate:
             bkw = _env_block("CHUNKWISE_BWD_WY_BK", BWD_WY_BK, BK)
             _bwd_wy_kernel[grid_c](k, v, beta, G, Tmat, dW, dR, dk1, dbs if gate == 2 else dGp, dgam, Amat, dv, dk,
