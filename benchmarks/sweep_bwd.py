@@ -117,18 +117,16 @@ TFORM_VARIANTS = ("wu:CHUNKWISE_SAVE_T_FORM=0;tform:CHUNKWISE_SAVE_T_FORM=1,CHUN
                   "tform_w8:CHUNKWISE_SAVE_T_FORM=1,CHUNKWISE_BWD_WARPS=wu:8;"
                   "tform_lowp:CHUNKWISE_SAVE_T_FORM=1,CHUNKWISE_SAVE_WU_LOWP=1;"
                   "tform_lowp_w8:CHUNKWISE_SAVE_T_FORM=1,CHUNKWISE_SAVE_WU_LOWP=1,CHUNKWISE_BWD_WARPS=wu:8")
-# the serial state passes beside chunk-parallel launches (chunk_bwd's BWD_OVERLAP: the forward state pass beside the
-# W / U launch; BWD_OVERLAP_DH: the state-tile pass beside the reverse state pass), each alone, both, none; with both,
-# KDA's forward state pass at 4 warps or its registers capped at 88 (8 warps at 115 registers leave room for one
-# 168-register W / U program beside it, at 88 for two), and KDA's qg / kg kept by the forward (SAVE_GATE_SCALED)
-_B = "CHUNKWISE_BWD_OVERLAP=1,CHUNKWISE_BWD_OVERLAP_DH=1"
-BESIDE_VARIANTS = (f"after:CHUNKWISE_BWD_OVERLAP=0,CHUNKWISE_BWD_OVERLAP_DH=0;"
-                   f"h:CHUNKWISE_BWD_OVERLAP=1,CHUNKWISE_BWD_OVERLAP_DH=0;"
-                   f"dh:CHUNKWISE_BWD_OVERLAP=0,CHUNKWISE_BWD_OVERLAP_DH=1;both:{_B};"
-                   f"both_h4:{_B},CHUNKWISE_BWD_WARPS=fwd_h:4;both_r88:{_B},CHUNKWISE_MAXNREG=fwd_h:88;"
-                   f"both_gs:{_B},CHUNKWISE_SAVE_GATE_SCALED=1")
-BESIDE4_VARIANTS = ";".join(BESIDE_VARIANTS.split(";")[:4])
-NAMED = {"beside": BESIDE_VARIANTS, "beside4": BESIDE4_VARIANTS, "pairregs": PAIRREGS_VARIANTS, "tform": TFORM_VARIANTS, "kdasplit": KDASPLIT_VARIANTS, "dqk": DQK_VARIANTS, "ahead": AHEAD_VARIANTS, "states": STATES_VARIANTS, "pair": PAIR_VARIANTS, "gates": GATES_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
+# the forward state pass beside the W / U launch (chunk_bwd's BWD_OVERLAP) or after it; the state pass at 4 warps or
+# with its registers capped (KDA: 8 warps at 99 registers leave room for one 168-register W / U program beside it, at
+# 80 for two); KDA's qg / kg kept by the forward (CHUNKWISE_SAVE_GATE_SCALED)
+BESIDE_VARIANTS = ("after:CHUNKWISE_BWD_OVERLAP=0;beside:CHUNKWISE_BWD_OVERLAP=1;"
+                   "after_h4:CHUNKWISE_BWD_OVERLAP=0,CHUNKWISE_BWD_WARPS=fwd_h:4;"
+                   "beside_h4:CHUNKWISE_BWD_OVERLAP=1,CHUNKWISE_BWD_WARPS=fwd_h:4;"
+                   "beside_r80:CHUNKWISE_BWD_OVERLAP=1,CHUNKWISE_MAXNREG=fwd_h:80;"
+                   "beside_gs:CHUNKWISE_BWD_OVERLAP=1,CHUNKWISE_SAVE_GATE_SCALED=1;"
+                   "beside_h4_gs:CHUNKWISE_BWD_OVERLAP=1,CHUNKWISE_BWD_WARPS=fwd_h:4,CHUNKWISE_SAVE_GATE_SCALED=1")
+NAMED = {"beside": BESIDE_VARIANTS, "pairregs": PAIRREGS_VARIANTS, "tform": TFORM_VARIANTS, "kdasplit": KDASPLIT_VARIANTS, "dqk": DQK_VARIANTS, "ahead": AHEAD_VARIANTS, "states": STATES_VARIANTS, "pair": PAIR_VARIANTS, "gates": GATES_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
          "oneref": ONEREF_VARIANTS}
 
 

@@ -117,8 +117,7 @@ def warm_benchmarks(only: str = ""):
                          ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "pairregs"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "dqk"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "kdasplit"]),
-                         ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "beside"]),
-                         ("sweep_bwd", ["--warm", "--fams", "gdn,delta", "--variants", "beside4"])):
+                         ("sweep_bwd", ["--warm", "--fams", "kda,gdn,delta", "--variants", "beside"])):
         cmd = " ".join([script] + argv)
         if not any(cmd == o[1:] if o.startswith("=") else o in cmd for o in only.split("|")):
             continue

@@ -657,28 +657,6 @@ def test_state_pass_beside_wu(fam, t_form, monkeypatch):
         assert torch.equal(beside[n], after[n]), n
 
 
-@pytest.mark.parametrize("fam", ("gdn", "kda", "delta"))
-def test_state_tiles_beside_reverse_pass(fam, monkeypatch):
-    """The state-tile pass beside the reverse state pass (CHUNKWISE_BWD_OVERLAP_DH=1, chunk_bwd's ``beside_dh``): the
-    reverse pass publishes each chunk per value block, the state-tile pass runs its chunks last first, each program
-    waiting for its chunk's blocks. Two value blocks and two key-column blocks (V = 64, CHUNKWISE_BWD_DQK_BK=16 at
-    K = 32), varlen with a length-1 sequence, grouped heads, a carried-in state: every gradient equals the
-    reference's and is bit-identical to the one-after-the-other backward's (=0); the reversed grid was launched."""
-    inp = make_inputs(fam, lengths=[1, 70, 30], H=1, HV=2, K=32, V=64, seed=29)
-    monkeypatch.setenv("CHUNKWISE_BWD_DQK_BK", "16")
-    monkeypatch.setenv("CHUNKWISE_BWD_OVERLAP_DH", "1")
-    dqk = _count_launches(monkeypatch, "_bwd_dqk_kernel")
-    beside = _grads(inp, "triton", torch.float32)
-    n_chunks, rows, nka = 1 + 2 + 1, 1 * 2, 2
-    assert dqk == [(nka * rows, n_chunks)]
-    _compare(inp, TOL[torch.float32], ours=beside)
-    monkeypatch.setenv("CHUNKWISE_BWD_OVERLAP_DH", "0")
-    after = _grads(inp, "triton", torch.float32)
-    assert dqk[1:] == [(nka * n_chunks, rows)]
-    for n in after:
-        assert torch.equal(beside[n], after[n]), n
-
-
 @pytest.mark.parametrize("kept", ["0", "1"])
 @pytest.mark.parametrize("kd_in", ["1", "0"])
 @pytest.mark.parametrize("save", ["1", "0"])

@@ -788,12 +788,8 @@ def _bwd_dh_kernel(q, k, G, W, dRl, do, dht, dh, dR, dh0, h, dgam, cu_seqlens, T
                    BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
                    HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, TRANSPOSE: tl.constexpr,
                    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOOP_WHILE: tl.constexpr, LOWP: tl.constexpr = 0,
-                   KD_IN: tl.constexpr = 0, AHEAD: tl.constexpr = 1, PL: tl.constexpr = 0, DGAM: tl.constexpr = 0,
-                   ready=None, SIGNAL: tl.constexpr = 0):
+                   KD_IN: tl.constexpr = 0, AHEAD: tl.constexpr = 1, PL: tl.constexpr = 0, DGAM: tl.constexpr = 0):
     """dR = dR_local + Kend dS';  dS = γ dS' + scale Qgᵀ dO − Wᵀ dR.
-    SIGNAL (the state-tile pass running beside this one, chunk_bwd's ``beside_dh``): once a step has stored its
-    chunk's dS' and dR, the program sets ready[slot, head, value block] ([NC, HV, cdiv(V, BV)] int32,
-    chunk_fwd._signal_ready).
     DGAM (scalar gate): dgam [NC, HV, NV, BK] fp32 gets each chunk's Σ_v S ⊙ dS' per key row over value block i_v
     (h: the states entering the chunks, the forward state pass's)
     PL: dRl is P (the forward's stage 1, [B, T, HV, C]) and each step forms dR_local = scale Pᵀ dO itself.
@@ -818,8 +814,6 @@ def _bwd_dh_kernel(q, k, G, W, dRl, do, dht, dh, dR, dh0, h, dgam, cu_seqlens, T
             b_dS = _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, h, dgam, b_dS, b_dRl, b_last, i_c, bos, eos, boh, i_h,
                                 i_hk, o_v, scale, unit, H, HV, K, V, BK, BV, C, GATE, DELTA, PREC, LOWP, KD_IN, AHEAD,
                                 PL, DGAM)
-            if SIGNAL:
-                _signal_ready(ready, boh + i_c, i_h * tl.num_programs(0) + tl.program_id(0), HV * tl.num_programs(0))
             b_dRl, b_last = b_dRn, b_lastn
             i_c -= 1
     else:
@@ -828,9 +822,6 @@ def _bwd_dh_kernel(q, k, G, W, dRl, do, dht, dh, dR, dh0, h, dgam, cu_seqlens, T
             b_dS = _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, h, dgam, b_dS, b_dRl, b_last, NTs - 1 - i_r, bos, eos,
                                 boh, i_h, i_hk, o_v, scale, unit, H, HV, K, V, BK, BV, C, GATE, DELTA, PREC, LOWP,
                                 KD_IN, AHEAD, PL, DGAM)
-            if SIGNAL:
-                _signal_ready(ready, boh + NTs - 1 - i_r, i_h * tl.num_programs(0) + tl.program_id(0),
-                              HV * tl.num_programs(0))
             b_dRl, b_last = b_dRn, b_lastn
     if HAS_H0:
         tl.store(dh0 + p0, b_dS, mask=m_kv)
@@ -1153,8 +1144,7 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, dgam, Tmat, 
                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                     BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
                     IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr = 0, EARLY: tl.constexpr = 0,
-                    DGAM: tl.constexpr = 0, NVD: tl.constexpr = 0, KD: tl.constexpr = 16, ready=None,
-                    WAIT: tl.constexpr = 0, SPIN_ASM: tl.constexpr = 1):
+                    DGAM: tl.constexpr = 0, NVD: tl.constexpr = 0, KD: tl.constexpr = 16):
     """Scalar / no gate, one program per (key column block of BK, chunk, value head); everything that needs the
     chunk's state tiles h (S) and dh (dS'), read once::
 
@@ -1181,26 +1171,13 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, dgam, Tmat, 
                                                                      -> dGp ([B, T, HV, K] per channel)
         dq  = scale dQg ⊙ e^G                                        -> dq (fp32, likewise)
         dT's share dW Xᵀ -> dTp[i_k] ([NK, B, T, HV, C] fp32), dβ's share Σ_k K e^G ⊙ dX -> dbs[i_k] ([NK, B, T, HV])
-    (with DGAM, Σ_v S ⊙ dS' from the reverse pass's rows dgam [NC, HV, NVD, KD], summed here); dW is not stored.
-
-    WAIT > 0 (beside the reverse state pass, its SIGNAL): the grid is (NK·B·HV, chunks) and runs the chunks last
-    first, as the reverse pass stores them; a program first waits for ready[slot, head, j] of each of the pass's WAIT
-    value blocks (chunk_fwd._wait_ready; SPIN_ASM: its PTX loop, else the interpreter's)."""
+    (with DGAM, Σ_v S ⊙ dS' from the reverse pass's rows dgam [NC, HV, NVD, KD], summed here); dW is not stored."""
     NK: tl.constexpr = (K + BK - 1) // BK
-    if WAIT:
-        i_k, i_bh = tl.program_id(0) % NK, tl.program_id(0) // NK
-        i_t = tl.num_programs(1) - 1 - tl.program_id(1)
-        n_bh = tl.num_programs(0) // NK                                                 # B·HV
-    else:
-        i_k, i_t = tl.program_id(0) % NK, tl.program_id(0) // NK
-        i_bh = tl.program_id(1)
-        n_bh = tl.num_programs(1)
+    i_k, i_t = tl.program_id(0) % NK, tl.program_id(0) // NK
+    i_bh = tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
     i_hk = i_h // (HV // H)
     t0, L, i_g = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
-    if WAIT:
-        for i_w in tl.static_range(WAIT):
-            _wait_ready(ready, i_g, i_h * WAIT + i_w, HV * WAIT, False, SPIN_ASM)
     o_t, m_t, rows, m_cc, p_cc, p_ccT = _chunk_rows(t0, L, i_h, HV, C)
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
@@ -1252,7 +1229,7 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, dgam, Tmat, 
     i_ge_j = o_t[:, None] >= o_t[None, :]
     if GATE == 2:   # the pairwise parts are the pair kernel's; ordered so that few [C, BK] tiles are live at once
         OPD: tl.constexpr = q.dtype.element_ty if LOWP else tl.float32
-        s_p = n_bh.to(tl.int64) * T                                                             # B·HV·T
+        s_p = tl.num_programs(1).to(tl.int64) * T                                               # B·HV·T
         b_dwo = b_dw.to(OPD)
         if not EARLY:
             b_G, b_last = _load_gate_cols(G, t0, L, i_h, o_k, m_k, HV, K, C)
@@ -1295,7 +1272,7 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, dgam, Tmat, 
         tl.store(dk1 + p_hk, b_dk.to(dk1.dtype.element_ty), mask=m_tk)
         if GATE == 1:
             b_dg = tl.sum(b_q * b_dq - b_k * b_dk, axis=1) + tl.where(o_t == L - 1, b_dlast, 0.)
-            tl.store(dGp + i_k * (n_bh.to(tl.int64) * T) + rows * HV + i_h, b_dg, mask=m_t)
+            tl.store(dGp + i_k * (tl.num_programs(1).to(tl.int64) * T) + rows * HV + i_h, b_dg, mask=m_t)
 
 
 @triton.jit
@@ -1899,21 +1876,13 @@ BWD_REGS_PER_CHANNEL = {"intra_diag": 168, "solve": 128, "wu": 168}
 # serial pass runs (cdiv(V, 32), N·HV) programs, one per SM at B1-H32, each latency-bound; the W / U launch is
 # throughput-bound (KDA: W, U and dR_local, 0.84 ms at B1-T32768-H32 bf16; GDN / DeltaNet: dR_local alone, 0.20 ms).
 BWD_OVERLAP = {0: 1, 1: 1, 2: 1}
-# The state-tile pass (_bwd_dqk_kernel, chunk-parallel, throughput-bound: KDA 2.40 ms, GDN 1.67, DeltaNet 1.10 at
-# B1-T32768-H32 bf16) beside the reverse state pass (_bwd_dh_kernel, (cdiv(V, 32), N·HV) serial programs: ~0.6-0.8
-# ms), per gate kind; CHUNKWISE_BWD_OVERLAP_DH (0 / 1) overrides. Offline sm_90 (bf16, KDA): the reverse pass at 8
-# warps, 114 registers, 172 KB of shared memory leaves room for one 255-register, 52 KB state-tile program per SM
-BWD_OVERLAP_DH = {0: 1, 1: 1, 2: 1}
 
 
-def bwd_overlap(gate: int, which: str = "h") -> bool:
-    """Whether the backward runs a serial state pass beside a chunk-parallel launch: ``which`` "h", the forward state
-    pass beside the W / U launch (BWD_OVERLAP, CHUNKWISE_BWD_OVERLAP); "dh", the state-tile pass beside the reverse
-    state pass (BWD_OVERLAP_DH, CHUNKWISE_BWD_OVERLAP_DH)."""
-    env, table = ("CHUNKWISE_BWD_OVERLAP", BWD_OVERLAP) if which == "h" else ("CHUNKWISE_BWD_OVERLAP_DH", BWD_OVERLAP_DH)
-    if os.environ.get(env) is not None:
-        return bool(_env_choice(env, 0, range(2)))
-    return bool(table[gate])
+def bwd_overlap(gate: int) -> bool:
+    """Whether the backward's forward state pass may run beside its W / U launch (BWD_OVERLAP)."""
+    if os.environ.get("CHUNKWISE_BWD_OVERLAP") is not None:
+        return bool(_env_choice("CHUNKWISE_BWD_OVERLAP", 0, range(2)))
+    return bool(BWD_OVERLAP[gate])
 
 
 def _regs(name: str, gate: int, wide_ok: bool = True) -> dict:
@@ -2172,27 +2141,14 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     # gates on the dqk path: ⟨S, dS'⟩ per chunk from the reverse pass (BWD_DGAM_DH, off by default)
     dgam_dh = dqk and gate > 0 and _env_switch("CHUNKWISE_BWD_DGAM_DH", BWD_DGAM_DH)
     dgam = buf(NC, HV, grid_s[0], BK) if dgam_dh else None
-    # the state-tile pass beside the reverse state pass (BWD_OVERLAP_DH): the reverse pass on the high-priority stream,
-    # each of its programs publishing every chunk it finishes; the state-tile pass after it on this stream, its
-    # programs taking the chunks last first and each waiting for its chunk (not where that pass reads ⟨S, dS'⟩ rows
-    # the reverse pass writes a step later, DGAM)
-    beside_dh = dqk and not dgam_dh and bwd_overlap(gate, "dh") and _overlap(
-        grid_s[0] * grid_s[1], _num_sms(dev) if dev.type == "cuda" else 132, NT, dev)
-    ready_dh = side_dh = None
-    if beside_dh:
-        ready_dh = torch.zeros((NC, HV, grid_s[0]), dtype=torch.int32, device=dev)
-        if dev.type == "cuda":
-            side_dh = _side_stream(dev)
-            side_dh.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(side_dh) if side_dh is not None else contextlib.nullcontext():
-        _bwd_dh_kernel[grid_s](q_s, k_s, G, W, dRl, do, dht, dh, dR, dh0, h, dgam, scale=scale, unit=1.0, H=H, HV=HV,
-                               K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate, DELTA=delta, HAS_DHT=dht is not None,
-                               HAS_H0=has_h0, TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen, PREC=prec,
-                               LOOP_WHILE=_INTERPRET, LOWP=lowp, KD_IN=kd_in, AHEAD=_bwd_dh_ahead(gate), PL=p_in_dh,
-                               DGAM=dgam_dh, ready=ready_dh, SIGNAL=beside_dh, num_warps=_warps("bwd_dh", gate, wide8),
-                               **_regs("bwd_dh", gate, wide8), num_stages=ns_state, **seq)
-    if side_dh is None:     # (beside: freed after the join below, so that this stream cannot reuse them under the pass)
-        del dRl, q_s, k_s
+    _bwd_dh_kernel[grid_s](q_s, k_s, G, W, dRl, do, dht, dh, dR, dh0, h, dgam, scale=scale, unit=1.0, H=H, HV=HV, K=K,
+                           V=V, BK=BK,
+                           BV=BV, C=C, GATE=gate, DELTA=delta, HAS_DHT=dht is not None, HAS_H0=has_h0,
+                           TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen, PREC=prec, LOOP_WHILE=_INTERPRET,
+                           LOWP=lowp, KD_IN=kd_in, AHEAD=_bwd_dh_ahead(gate), PL=p_in_dh, DGAM=dgam_dh,
+                           num_warps=_warps("bwd_dh", gate, wide8),
+                           **_regs("bwd_dh", gate, wide8), num_stages=ns_state, **seq)
+    del dRl, q_s, k_s
 
     # gradients go out in the input dtype directly unless they are summed over head groups or
     # finished by the per-channel diagonal kernel
@@ -2222,15 +2178,14 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
             dTp = AP if nka <= 2 else buf(nka, B, T, HV, C)
             dbs = buf(nka, B, T, HV)
         nvd = grid_s[0] if dgam_dh else 0
-        _bwd_dqk_kernel[(nka * NT, B * HV) if not beside_dh else (nka * B * HV, NT)](
-            q, k, v, G, h, dh, R if delta else None, dR, do, dq, dk1, dW, dGp, dgam, Tmat, beta, dTp, dbs, scale=scale,
-            H=H, HV=HV, K=K, V=V, BK=bka, BV=bva, C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
-            LOWP=lowp_key, EARLY=_env_switch("CHUNKWISE_BWD_DQK_EARLY", BWD_DQK_EARLY[gate]), DGAM=dgam_dh, NVD=nvd,
-            KD=BK, ready=ready_dh, WAIT=grid_s[0] if beside_dh else 0, SPIN_ASM=not _INTERPRET,
-            num_warps=_warps("bwd_dqk", gate, wide8), **_regs("bwd_dqk", gate), num_stages=ns, **common)
-        if side_dh is not None:
-            torch.cuda.current_stream(dev).wait_stream(side_dh)
-            del dRl, q_s, k_s
+        _bwd_dqk_kernel[(nka * NT, B * HV)](q, k, v, G, h, dh, R if delta else None, dR, do, dq, dk1, dW, dGp, dgam,
+                                            Tmat, beta, dTp, dbs,
+                                            scale=scale, H=H, HV=HV, K=K, V=V, BK=bka, BV=bva, C=C, GATE=gate,
+                                            DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_key,
+                                            EARLY=_env_switch("CHUNKWISE_BWD_DQK_EARLY", BWD_DQK_EARLY[gate]),
+                                            DGAM=dgam_dh, NVD=nvd, KD=BK,
+                                            num_warps=_warps("bwd_dqk", gate, wide8), **_regs("bwd_dqk", gate),
+                                            num_stages=ns, **common)
         if delta or gate:
             bkw = _env_block("CHUNKWISE_BWD_WY_BK", BWD_WY_BK, BK)
             _bwd_wy_kernel[grid_c](k, v, beta, G, Tmat, dW, dR, dk1, dbs if gate == 2 else dGp, dgam, Amat, dv, dk,
