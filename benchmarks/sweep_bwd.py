@@ -117,15 +117,12 @@ TFORM_VARIANTS = ("wu:CHUNKWISE_SAVE_T_FORM=0;tform:CHUNKWISE_SAVE_T_FORM=1,CHUN
                   "tform_w8:CHUNKWISE_SAVE_T_FORM=1,CHUNKWISE_BWD_WARPS=wu:8;"
                   "tform_lowp:CHUNKWISE_SAVE_T_FORM=1,CHUNKWISE_SAVE_WU_LOWP=1;"
                   "tform_lowp_w8:CHUNKWISE_SAVE_T_FORM=1,CHUNKWISE_SAVE_WU_LOWP=1,CHUNKWISE_BWD_WARPS=wu:8")
-# the forward state pass beside the W / U launch (chunk_bwd's BWD_OVERLAP) or after it; the state pass at 4 warps or
-# with its registers capped (KDA: 8 warps at 99 registers leave room for one 168-register W / U program beside it, at
-# 80 for two); KDA's qg / kg kept by the forward (CHUNKWISE_SAVE_GATE_SCALED)
+# the forward state pass beside the W / U launch (chunk_bwd's BWD_OVERLAP) or after it; KDA's pass beside it at 8
+# warps instead of 4; KDA's qg / kg kept by the forward (CHUNKWISE_SAVE_GATE_SCALED)
 BESIDE_VARIANTS = ("after:CHUNKWISE_BWD_OVERLAP=0;beside:CHUNKWISE_BWD_OVERLAP=1;"
-                   "after_h4:CHUNKWISE_BWD_OVERLAP=0,CHUNKWISE_BWD_WARPS=fwd_h:4;"
-                   "beside_h4:CHUNKWISE_BWD_OVERLAP=1,CHUNKWISE_BWD_WARPS=fwd_h:4;"
-                   "beside_r80:CHUNKWISE_BWD_OVERLAP=1,CHUNKWISE_MAXNREG=fwd_h:80;"
-                   "beside_gs:CHUNKWISE_BWD_OVERLAP=1,CHUNKWISE_SAVE_GATE_SCALED=1;"
-                   "beside_h4_gs:CHUNKWISE_BWD_OVERLAP=1,CHUNKWISE_BWD_WARPS=fwd_h:4,CHUNKWISE_SAVE_GATE_SCALED=1")
+                   "beside_w8:CHUNKWISE_BWD_OVERLAP=1,CHUNKWISE_BWD_WARPS=fwd_h:8;"
+                   "after_gs:CHUNKWISE_BWD_OVERLAP=0,CHUNKWISE_SAVE_GATE_SCALED=1;"
+                   "beside_gs:CHUNKWISE_BWD_OVERLAP=1,CHUNKWISE_SAVE_GATE_SCALED=1")
 NAMED = {"beside": BESIDE_VARIANTS, "pairregs": PAIRREGS_VARIANTS, "tform": TFORM_VARIANTS, "kdasplit": KDASPLIT_VARIANTS, "dqk": DQK_VARIANTS, "ahead": AHEAD_VARIANTS, "states": STATES_VARIANTS, "pair": PAIR_VARIANTS, "gates": GATES_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
          "oneref": ONEREF_VARIANTS}
 

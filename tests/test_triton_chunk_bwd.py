@@ -617,6 +617,10 @@ def test_grads_saved_t_form(fam, dtype, monkeypatch):
     saved = {}
     o, ht = chunk_fwd(*args, saved_out=saved)
     scaled = {"qg", "kg"} if fam == "kda" else set()    # (KDA: q ⊙ e^G, k ⊙ e^{G_last − G} from stage 1)
+    if dtype == torch.float16 and ON_GPU and fam == "kda":
+        # fp16 KDA's backward runs in fp32 on the GPU (chunk_fwd.fp16_kda_in_fp32): its forward saves nothing
+        assert set(saved) == set()
+        return
     if dtype == torch.float16:      # fp16 keeps W and U (chunk_fwd.save_t_form: inf gradients on the H200)
         assert set(saved) == {"w", "u", "p", "t"} | scaled
         return

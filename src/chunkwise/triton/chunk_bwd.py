@@ -1875,7 +1875,11 @@ BWD_REGS_PER_CHANNEL = {"intra_diag": 168, "solve": 128, "wu": 168}
 # kind (0 none, 1 scalar, 2 per channel): 1 on, 0 off; CHUNKWISE_BWD_OVERLAP (0 / 1, every family) overrides. The
 # serial pass runs (cdiv(V, 32), N·HV) programs, one per SM at B1-H32, each latency-bound; the W / U launch is
 # throughput-bound (KDA: W, U and dR_local, 0.84 ms at B1-T32768-H32 bf16; GDN / DeltaNet: dR_local alone, 0.20 ms).
-BWD_OVERLAP = {0: 1, 1: 1, 2: 1}
+# KDA's pass runs at 4 warps beside it (at its 8 warps and 115 registers one 168-register W / U program fits beside it,
+# at 4 two). H200, B1-T32768-H32 bf16 fwd+bwd ms after / beside (run of 666e1d0, NOTES.md session 24): KDA 11.40 /
+# 11.83 at 8 warps, 11.22 at 4 (the W / U launch bounds both: 0.84 ms alone, 2.16 beside the 8-warp pass, 1.37 beside
+# the 4-warp one, against the pass's 0.90 alone); GDN 6.25 / 6.16; DeltaNet 4.94 / 4.97 (off).
+BWD_OVERLAP = {0: 0, 1: 1, 2: 1}
 
 
 def bwd_overlap(gate: int) -> bool:
@@ -2131,7 +2135,8 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                                   DELTA=delta, HAS_H0=has_h0, TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen,
                                   PREC=prec, LOOP_WHILE=_INTERPRET, LOWP=lowp, KD_IN=kd_in, ready=ready,
                                   WAIT=ns_state + 1 if ready is not None else 0,
-                                  num_warps=_warps("fwd_h", gate, wide8), **_regs("fwd_h", gate, wide8),
+                                  num_warps=_warps("fwd_h", gate, wide8 and not beside),
+                                  **_regs("fwd_h", gate, wide8),
                                   num_stages=ns_state, **seq)
     if side is not None:
         torch.cuda.current_stream(dev).wait_stream(side)
