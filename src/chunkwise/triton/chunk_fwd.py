@@ -1674,8 +1674,10 @@ SAVE_STATES = 0
 # KDA under autograd: the forward's q ⊙ e^G and k ⊙ e^{G_last − G} (stage 1 forms them for stage 2) kept for the
 # backward's state passes (chunk_bwd.gate_scaled_in), instead of its _gate_scaled_kernel forming them again. On the
 # H200 (B1-T32768-H32 bf16, run of ff1b510) fwd+bwd 11.43 -> 11.23 ms but the step's peak memory 6432 -> 7456 MB
-# (fla's 7196): off; CHUNKWISE_SAVE_GATE_SCALED=1 keeps them
-SAVE_GATE_SCALED = 0
+# (fla's 7196), so it was off; since autograd no longer materialises zero gradients (session 23) and with the forward
+# state pass beside the W / U launch (chunk_bwd.BWD_OVERLAP), run of a55c075: fwd+bwd 11.17 -> 10.73 ms, peak 6046 ->
+# 6558 MB (fla 7196 in the same run): on; CHUNKWISE_SAVE_GATE_SCALED=0 forms them again in the backward
+SAVE_GATE_SCALED = 1
 
 
 def saves_gate_scaled() -> bool:
