@@ -691,7 +691,9 @@ def test_grads_saved_states(fam, dtype, monkeypatch):
     (h by slots: chunk_slots), and the pass ran only without saved states."""
     inp = make_inputs(fam, lengths=[1, 70, 128, 30], H=1, HV=2, K=16, V=32, seed=18)
     launches = _count_launches(monkeypatch, "_fwd_h_kernel")
-    keeps = not (dtype == torch.float16 and fam in ("gdn", "delta"))     # see test_saved_stage1_rule
+    # see test_saved_stage1_rule; on the GPU fp16 KDA's backward runs in fp32 and its forward saves nothing
+    routed = ON_GPU and fam == "kda" and dtype == torch.float16
+    keeps = not (dtype == torch.float16 and fam in ("gdn", "delta")) and not routed
     monkeypatch.setenv("CHUNKWISE_SAVE_STATES", "1")
     with_states = _grads(inp, "triton", dtype)
     _compare(inp, TOL[dtype], dtype=dtype, ours=with_states)

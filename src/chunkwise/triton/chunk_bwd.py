@@ -1690,20 +1690,25 @@ def _bwd_pair_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, fla
 # launcher
 # ------------------------------------------------------------------------------------------------
 
-def _num_stages(dtype: torch.dtype, BK: int, state_pass: bool = False) -> int:
-    """Software-pipeline depth of a backward kernel (``state_pass``: the serial fwd_h / bwd_dh).
+def _num_stages(dtype: torch.dtype, BK: int, state_pass: bool = False, reverse_per_channel: bool = False) -> int:
+    """Software-pipeline depth of a backward kernel (``state_pass``: the serial fwd_h / bwd_dh;
+    ``reverse_per_channel``: KDA's bwd_dh).
 
     3 (Triton's default: the measured bf16 path) except where one H200 block's shared memory (232448 B)
     would not hold it (sizes of the sm_90 builds, compiled off the device with triton 3.6,
     benchmarks/bwd_sass.py):
     - fp32 inputs, BK = 128: 2. At 3 stages _bwd_dh_kernel needs 246792 B (GDN) / 345088 B (KDA),
-      _fwd_h_kernel 254976 B (KDA); at 2, _bwd_dh_kernel 131588 / 205312 B.
+      _fwd_h_kernel 254976 B (KDA); at 2, _bwd_dh_kernel 131588 / 205312 B. KDA's _bwd_dh_kernel has since
+      grown to 238080 B at 2 stages (offline, session 24: the H200 refused it, OutOfResources, in the real-size
+      fp16 KDA test, whose backward runs in fp32), 98304 B at 1: one stage.
     - BK = 256: 2 for 16-bit inputs, 1 for fp32, and 1 for the state passes. At K = V = 128 (BV = 32) the
       16-bit state passes take 156-230 KB at 2 stages (GDN / DeltaNet, 16-bit products), the fp32 ones at
       1 stage 64 KB (GDN) to 192 KB (KDA _bwd_dh_kernel); the other kernels at most 164 KB.
     """
     if BK > 128:
         return 1 if state_pass or dtype == torch.float32 else 2
+    if reverse_per_channel and dtype == torch.float32 and BK > 64:
+        return 1
     return 2 if dtype == torch.float32 and BK > 64 else 3
 
 
@@ -2002,6 +2007,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     # small tiles on the H200, fp32 inputs in session 5, fp16 with CHUNKWISE_BWD_PREC16=tf32x3 in session 8)
     wide8 = q.dtype in (torch.bfloat16, torch.float16) and BK <= 128 and prec != "tf32x3"
     ns_state = _num_stages(q.dtype, BK, state_pass=True)
+    ns_dh = _num_stages(q.dtype, BK, state_pass=True, reverse_per_channel=gate == 2)
     q, k, v, do = (x.contiguous() for x in (q, k, v, do))
     if do.dtype != q.dtype:
         do = do.to(q.dtype)
@@ -2152,7 +2158,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                            TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen, PREC=prec, LOOP_WHILE=_INTERPRET,
                            LOWP=lowp, KD_IN=kd_in, AHEAD=_bwd_dh_ahead(gate), PL=p_in_dh, DGAM=dgam_dh,
                            num_warps=_warps("bwd_dh", gate, wide8),
-                           **_regs("bwd_dh", gate, wide8), num_stages=ns_state, **seq)
+                           **_regs("bwd_dh", gate, wide8), num_stages=ns_dh, **seq)
     del dRl, q_s, k_s
 
     # gradients go out in the input dtype directly unless they are summed over head groups or
