@@ -189,6 +189,15 @@ def test_grads_wide_keys(fam, K, dtype):
     _compare(inp, TOL[dtype], dtype=dtype)
 
 
+@pytest.mark.parametrize("fam", ("kda", "gdn"))
+def test_grads_fp32_full_tiles(fam):
+    """fp32 inputs at K = V = 128 (the real-size tiles: BK 128, BV 32; fp16 KDA's backward runs there on the GPU):
+    every kernel fits one SM's shared memory (the H200 refused KDA's reverse state pass at two pipeline stages,
+    238080 B) and every gradient matches the float64 reference's, two chunks, grouped heads."""
+    inp = make_inputs(fam, B=1, T=70, H=1, HV=2, K=128, V=128, seed=8)
+    _compare(inp, TOL[torch.float32], dtype=torch.float32)
+
+
 @pytest.mark.parametrize("fam", FAMS)
 def test_wide_16_bit_runs_in_fp32(fam):
     """16-bit inputs with K > 128 run the chunk forward and backward in fp32 (chunk_fwd.WIDE_16BIT_K): output,
