@@ -118,11 +118,17 @@ TFORM_VARIANTS = ("wu:CHUNKWISE_SAVE_T_FORM=0;tform:CHUNKWISE_SAVE_T_FORM=1,CHUN
                   "tform_lowp:CHUNKWISE_SAVE_T_FORM=1,CHUNKWISE_SAVE_WU_LOWP=1;"
                   "tform_lowp_w8:CHUNKWISE_SAVE_T_FORM=1,CHUNKWISE_SAVE_WU_LOWP=1,CHUNKWISE_BWD_WARPS=wu:8")
 # the forward state pass beside the W / U launch (chunk_bwd's BWD_OVERLAP) or after it; KDA's pass beside it at 8
-# warps instead of 4; KDA's qg / kg kept by the forward (CHUNKWISE_SAVE_GATE_SCALED)
+# warps instead of 4; KDA's qg / kg formed again in the backward (CHUNKWISE_SAVE_GATE_SCALED=0); KDA's W / U launch
+# capped at 136 registers (offline sm_90: the 4-warp pass takes 104 registers and 116 KB, so three 136-register, 36 KB
+# W / U programs fit beside it, every register and byte of shared memory of the SM, against two at 168; 176 B of
+# spills against 24) or 128 (268 B)
 BESIDE_VARIANTS = ("after:CHUNKWISE_BWD_OVERLAP=0;beside:CHUNKWISE_BWD_OVERLAP=1;"
                    "beside_w8:CHUNKWISE_BWD_OVERLAP=1,CHUNKWISE_BWD_WARPS=fwd_h:8;"
-                   "after_gs:CHUNKWISE_BWD_OVERLAP=0,CHUNKWISE_SAVE_GATE_SCALED=1;"
-                   "beside_gs:CHUNKWISE_BWD_OVERLAP=1,CHUNKWISE_SAVE_GATE_SCALED=1")
+                   "after_gs0:CHUNKWISE_BWD_OVERLAP=0,CHUNKWISE_SAVE_GATE_SCALED=0;"
+                   "beside_gs0:CHUNKWISE_BWD_OVERLAP=1,CHUNKWISE_SAVE_GATE_SCALED=0;"
+                   "beside_wu136:CHUNKWISE_BWD_OVERLAP=1,CHUNKWISE_MAXNREG=wu:136;"
+                   "beside_wu128:CHUNKWISE_BWD_OVERLAP=1,CHUNKWISE_MAXNREG=wu:128;"
+                   "after_wu136:CHUNKWISE_BWD_OVERLAP=0,CHUNKWISE_MAXNREG=wu:136")
 NAMED = {"beside": BESIDE_VARIANTS, "pairregs": PAIRREGS_VARIANTS, "tform": TFORM_VARIANTS, "kdasplit": KDASPLIT_VARIANTS, "dqk": DQK_VARIANTS, "ahead": AHEAD_VARIANTS, "states": STATES_VARIANTS, "pair": PAIR_VARIANTS, "gates": GATES_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
          "oneref": ONEREF_VARIANTS}
 
