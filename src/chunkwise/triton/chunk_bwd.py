@@ -2095,14 +2095,12 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     # forms dR_local (and W, U where the forward kept T alone, KDA) and the state pass reads only W, U of it: it runs on
     # a high-priority stream of its own, each step waiting for its chunk's W / U (flags) or, with W / U saved, at once
     beside = saved is not None and not p_in_dh and not states_saved and bwd_overlap(gate) and _overlap(
-        grid_s[0] * grid_s[1], _num_sms(dev) if dev.type == "cuda" else 132, NT, dev)
+        grid_s[0] * grid_s[1], _num_sms(dev), NT, dev)
     ready = side = None
     if beside:
         if wu_from_t:
             ready = torch.zeros((NC, HV), dtype=torch.int32, device=dev)
-        if dev.type == "cuda":
-            side = _side_stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
+        side = _side_stream(dev)
     # fp16 takes the three kernels: on the H200 (run of e1f8201) the fused pass with fp16 products at 4 warps gave
     # gradient errors of 1.1 (GDN) and inf (DeltaNet) at K = 16 while bf16 passed at real size
     if saved is not None:

@@ -1733,12 +1733,18 @@ _SIDE_STREAMS: dict = {}
 
 
 def _side_stream(device: torch.device):
-    """A high-priority stream per device for stage 2 beside stage 1: its programs are placed as soon as stage 1's
-    first programs leave room, ahead of stage 1's later ones."""
+    """A high-priority stream per device for a serial pass beside a chunk-parallel launch (stage 2 beside stage 1, the
+    backward's forward state pass beside its W / U launch), made to wait for the current stream's work so far: its
+    programs are placed as soon as the launch's first programs leave room, ahead of its later ones. None off CUDA
+    (the interpreter, warm_cache's CPU tensors: launches run one after the other)."""
+    if device.type != "cuda":
+        return None
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _SIDE_STREAMS:
         _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx, priority=-1)
-    return _SIDE_STREAMS[idx]
+    side = _SIDE_STREAMS[idx]
+    side.wait_stream(torch.cuda.current_stream(device))
+    return side
 
 
 @on_tensor_device
@@ -1854,9 +1860,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     ready = side = None
     if overlap:         # stage 2 beside stage 1, on a stream of its own that does not wait for it (_overlap)
         ready = torch.zeros((chunk_slots(N, T, cu_seqlens is not None), HV), dtype=torch.int32, device=q.device)
-        if q.device.type == "cuda":
-            side = _side_stream(q.device)
-            side.wait_stream(torch.cuda.current_stream(q.device))
+        side = _side_stream(q.device)
     stage1 = chunk_prepare(q, k, v, g, beta, cu_seqlens, chunk_indices, save_t=save, store_p=p_in or save,
                            t_form=t_form, ready=ready) \
         if delta else dict(w=None, u=None, p=None, qg=None, kg=None, glast=None, gcum=None)
