@@ -89,6 +89,16 @@ def _count_launches(monkeypatch, name):
     return launches
 
 
+def _routed(fam, dtype):
+    """Whether fp16 KDA's backward runs in fp32 here (on the GPU: chunk_fwd.FP16_KDA_FP32), its forward saving nothing."""
+    return ON_GPU and fam == "kda" and dtype == torch.float16
+
+
+def _keeps_stage1(fam, dtype):
+    """Whether the saving forward keeps stage 1 for these small-tile tests (the rule test_saved_stage1_rule states)."""
+    return not (dtype == torch.float16 and fam in ("gdn", "delta")) and not _routed(fam, dtype)
+
+
 KS = dict(K=32, V=32)
 
 
@@ -586,8 +596,7 @@ def test_grads_saved_stage1(fam, dtype, monkeypatch):
     monkeypatch.delenv("CHUNKWISE_SAVE_STAGE1", raising=False)          # the default saves
     saved = _compare(inp, TOL[dtype], dtype=dtype)
     # on the GPU fp16 KDA's backward calls itself again in fp32 and its forward saves nothing (FP16_KDA_FP32)
-    routed = ON_GPU and fam == "kda" and dtype == torch.float16
-    keeps = not (dtype == torch.float16 and fam in ("gdn", "delta")) and not routed  # see test_saved_stage1_rule
+    routed, keeps = _routed(fam, dtype), _keeps_stage1(fam, dtype)
 
     def calls(with_saved):
         return [with_saved] + ([False] if routed else [])
@@ -626,7 +635,7 @@ def test_grads_saved_t_form(fam, dtype, monkeypatch):
     saved = {}
     o, ht = chunk_fwd(*args, saved_out=saved)
     scaled = {"qg", "kg"} if fam == "kda" else set()    # (KDA: q ⊙ e^G, k ⊙ e^{G_last − G} from stage 1)
-    if dtype == torch.float16 and ON_GPU and fam == "kda":
+    if _routed(fam, dtype):
         # fp16 KDA's backward runs in fp32 on the GPU (chunk_fwd.fp16_kda_in_fp32): its forward saves nothing
         assert set(saved) == set()
         return
@@ -709,7 +718,7 @@ def test_kda_state_passes_from_scaled_keys(save, kd_in, kept, monkeypatch):
     inp = make_inputs("kda", lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, seed=14)
     _compare(inp, TOL[torch.float16], dtype=torch.float16)
     # (on the GPU fp16 KDA's backward runs in fp32, chunk_bwd.FP16_KDA_FP32, which takes no scaled keys)
-    fp16_path = not ON_GPU
+    fp16_path = not _routed("kda", torch.float16)
     assert len(launches) == (1 if fp16_path and kd_in == "1" and (save == "0" or kept == "0") else 0)
 
 
@@ -722,9 +731,7 @@ def test_grads_saved_states(fam, dtype, monkeypatch):
     (h by slots: chunk_slots), and the pass ran only without saved states."""
     inp = make_inputs(fam, lengths=[1, 70, 128, 30], H=1, HV=2, K=16, V=32, seed=18)
     launches = _count_launches(monkeypatch, "_fwd_h_kernel")
-    # see test_saved_stage1_rule; on the GPU fp16 KDA's backward runs in fp32 and its forward saves nothing
-    routed = ON_GPU and fam == "kda" and dtype == torch.float16
-    keeps = not (dtype == torch.float16 and fam in ("gdn", "delta")) and not routed
+    keeps = _keeps_stage1(fam, dtype)
     monkeypatch.setenv("CHUNKWISE_SAVE_STATES", "1")
     with_states = _grads(inp, "triton", dtype)
     _compare(inp, TOL[dtype], dtype=dtype, ours=with_states)
