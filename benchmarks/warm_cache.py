@@ -78,6 +78,11 @@ def install_sm90():
     JITFunction.run = compile_only
 
 
+# benchmarks/repeat_bwd.py's settings for GDN's repeatability bisect (session 24's finding)
+REPEAT_ENVS = ("default|CHUNKWISE_BWD_WY_DA_SCR=0|CHUNKWISE_FWD_OVERLAP=0|CHUNKWISE_BWD_OVERLAP=0|"
+               "CHUNKWISE_FWD_OVERLAP=0,CHUNKWISE_BWD_OVERLAP=0|CHUNKWISE_BWD_DH_AHEAD=2")
+
+
 def warm_benchmarks(only: str = ""):
     """The --warm passes of the benchmark scripts, on CPU tensors, fla hidden (``only``: those whose
     script name and arguments contain it, or, for a part that starts with "=", equal the rest)."""
@@ -117,7 +122,9 @@ def warm_benchmarks(only: str = ""):
                          ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "pairregs"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda,delta,gdn", "--variants", "dqk"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "kdasplit"]),
-                         ("sweep_bwd", ["--warm", "--fams", "kda,gdn,delta", "--variants", "beside"])):
+                         ("sweep_bwd", ["--warm", "--fams", "kda,gdn,delta", "--variants", "beside"]),
+                         ("repeat_bwd", ["--warm", "--fams", "gdn", "--envs", REPEAT_ENVS]),
+                         ("repeat_bwd", ["--warm", "--fams", "kda,delta"])):
         cmd = " ".join([script] + argv)
         if not any(cmd == o[1:] if o.startswith("=") else o in cmd for o in only.split("|")):
             continue
