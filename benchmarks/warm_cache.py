@@ -124,7 +124,7 @@ def warm_benchmarks(only: str = ""):
                          ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "kdasplit"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda,gdn,delta", "--variants", "beside"]),
                          ("repeat_bwd", ["--warm", "--fams", "gdn", "--envs", REPEAT_ENVS]),
-                         ("repeat_bwd", ["--warm", "--fams", "kda,delta"])):
+                         ("repeat_bwd", ["--warm", "--fams", "kda,delta,gla"])):
         cmd = " ".join([script] + argv)
         if not any(cmd == o[1:] if o.startswith("=") else o in cmd for o in only.split("|")):
             continue

@@ -949,8 +949,29 @@ def _key_side_vloop(h, dh, R, dR, v, p_h, rows, i_h, o_k, m_k, m_t, HV: tl.const
         else:
             b_R = tl.load(v + p_tv, mask=m_tv, other=0.)
         b_dkend += _mm(b_R, tl.trans(b_dSn), PREC)                                      # [C, BV] @ [BV, BKW]
-        b_dgam += tl.sum(b_S.to(tl.float32) * b_dSn.to(tl.float32), axis=1)
+        b_dgam += _state_inner_rows(h, dh, p_h, o_k, o_v, m_kv, V)
     return b_dw, b_dkend, b_dgam
+
+
+@triton.jit
+def _state_inner_rows(h, dh, p_h, o_k, o_v, m_kv, V: tl.constexpr):
+    """Σ_v S ⊙ dS' over the value columns o_v, per key row o_k ([BK] fp32), from loads of S and dS' of their own
+    (_state_tiles_own)."""
+    b_S, b_dSn = _state_tiles_own(h, dh, p_h, o_k, o_v, m_kv, V)
+    return tl.sum(b_S.to(tl.float32) * b_dSn.to(tl.float32), axis=1)
+
+
+@triton.jit
+def _state_tiles_own(h, dh, p_h, o_k, o_v, m_kv, V: tl.constexpr):
+    """S and dS' at key rows o_k, value columns o_v ([BK, BV] each), loaded for an elementwise use only.
+
+    Not the tiles the same loop feeds to products: triton 3.6's pipeliner gives a loaded tile that feeds both an
+    async wgmma and a register load the register load's buffer count (triton #6691, PR #7110), so the copy of a later
+    iteration overwrote S / dS' while an unwaited product still read them (on the H200 GDN's dq / dk / dg changed from
+    run to run by ~5e-3, benchmarks/repeat_bwd.py). A different cache modifier keeps CSE from merging the loads."""
+    p = p_h + o_k[:, None] * V + o_v[None, :]
+    return (tl.load(h + p, mask=m_kv, other=0., cache_modifier=".cg"),
+            tl.load(dh + p, mask=m_kv, other=0., cache_modifier=".cg"))
 
 
 @triton.jit
@@ -1203,6 +1224,8 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, dgam, Tmat, 
         m_kv = m_k[:, None] & m_v[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
         p_tv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
+        if GATE > 0 and not DGAM:   # for ⟨S, dS'⟩, loaded first: their latency under the products
+            b_Sr, b_dSr = _state_tiles_own(h, dh, p_h, o_k, o_v, m_kv, V)
         b_do = tl.load(do + p_tv, mask=m_tv, other=0.)
         b_S = tl.load(h + p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)          # [BK, BV]
         b_dSn = tl.load(dh + p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
@@ -1218,7 +1241,7 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, dgam, Tmat, 
         b_dq += _mm(b_do, tl.trans(b_S), PREC)                                              # [C, BV] @ [BV, BK]
         b_dk += _mm(b_R, tl.trans(b_dSn), PREC)                                             # [C, BV] @ [BV, BK]
         if GATE > 0 and not DGAM:
-            b_dgam += tl.sum(b_S.to(tl.float32) * b_dSn.to(tl.float32), axis=1)
+            b_dgam += tl.sum(b_Sr.to(tl.float32) * b_dSr.to(tl.float32), axis=1)
     if DELTA and GATE != 2:
         tl.store(dW + p_hk, b_dw.to(dW.dtype.element_ty), mask=m_tk)
     if EARLY:
