@@ -1165,7 +1165,7 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, dgam, Tmat, 
                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                     BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
                     IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr = 0, EARLY: tl.constexpr = 0,
-                    DGAM: tl.constexpr = 0, NVD: tl.constexpr = 0, KD: tl.constexpr = 16):
+                    DGAM: tl.constexpr = 0, NVD: tl.constexpr = 0, KD: tl.constexpr = 16, SDS_OWN: tl.constexpr = 1):
     """Scalar / no gate, one program per (key column block of BK, chunk, value head); everything that needs the
     chunk's state tiles h (S) and dh (dS'), read once::
 
@@ -1183,6 +1183,10 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, dgam, Tmat, 
     rounded twice, as fla's dk is).
     DGAM: the reverse state pass formed ⟨S, dS'⟩ (its dgam) and the WY pass adds e^{G_last} times it, so that the V
     loop here has no elementwise S ⊙ dS' (the tiles stay product operands).
+    SDS_OWN (gates, not DGAM): ⟨S, dS'⟩ from loads of S and dS' of their own (_state_tiles_own). 0 (delta rule only):
+    from the product tiles, with dW's product issued last, whose wait (its result is used at once) finishes dq's and
+    dk's products before the loop's next copies into those tiles' buffers (triton 3.6 gives a tile with a register
+    use too few buffers for an async product: _state_tiles_own).
 
     Per-channel gate (GATE 2, KDA): no pairwise products here (dP, dA and their gradients are _bwd_wy_kernel's and
     _bwd_pair_kernel's), but the WY form's column-local terms, since this program holds its columns' whole dW:
@@ -1224,7 +1228,7 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, dgam, Tmat, 
         m_kv = m_k[:, None] & m_v[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
         p_tv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
-        if GATE > 0 and not DGAM:   # for ⟨S, dS'⟩, loaded first: their latency under the products
+        if GATE > 0 and not DGAM and SDS_OWN:   # for ⟨S, dS'⟩, loaded first: their latency under the products
             b_Sr, b_dSr = _state_tiles_own(h, dh, p_h, o_k, o_v, m_kv, V)
         b_do = tl.load(do + p_tv, mask=m_tv, other=0.)
         b_S = tl.load(h + p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)          # [BK, BV]
@@ -1232,7 +1236,6 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, dgam, Tmat, 
         if DELTA:
             b_R = tl.load(R + p_tv, mask=m_tv, other=0.)
             b_dR = tl.load(dR + p_tv, mask=m_tv, other=0.)
-            b_dw -= _mm(b_dR, tl.trans(b_S), PREC)                                          # [C, BV] @ [BV, BK]
         else:
             b_R = tl.load(v + p_tv, mask=m_tv, other=0.)
         if GATE != 2:
@@ -1240,8 +1243,13 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, dgam, Tmat, 
             b_dPt += _mm(b_R, tl.trans(b_do), PREC)                                         # [C, BV] @ [BV, C]
         b_dq += _mm(b_do, tl.trans(b_S), PREC)                                              # [C, BV] @ [BV, BK]
         b_dk += _mm(b_R, tl.trans(b_dSn), PREC)                                             # [C, BV] @ [BV, BK]
+        if DELTA:   # last: its result is used at once, so its wait also covers dq's and dk's reads of S / dS'
+            b_dw -= _mm(b_dR, tl.trans(b_S), PREC)                                          # [C, BV] @ [BV, BK]
         if GATE > 0 and not DGAM:
-            b_dgam += tl.sum(b_Sr.to(tl.float32) * b_dSr.to(tl.float32), axis=1)
+            if SDS_OWN:
+                b_dgam += tl.sum(b_Sr.to(tl.float32) * b_dSr.to(tl.float32), axis=1)
+            else:       # the product tiles, read once every product that reads them has finished (SDS_OWN)
+                b_dgam += tl.sum(b_S.to(tl.float32) * b_dSn.to(tl.float32), axis=1)
     if DELTA and GATE != 2:
         tl.store(dW + p_hk, b_dw.to(dW.dtype.element_ty), mask=m_tk)
     if EARLY:
@@ -1776,6 +1784,9 @@ BWD_DQK_KDA = 1
 # but the reverse pass lost 0.37-0.40 (0.81 -> 1.18 / 1.21 ms) with S loaded in mid-step and used there, and as much
 # with S loaded at the step's start and used at its end: off
 BWD_DGAM_DH = 0
+# ⟨S, dS'⟩ in _bwd_dqk_kernel's V loop (gates, not BWD_DGAM_DH): from loads of their own (1; always without the delta
+# rule) or from the product tiles after dW's product, issued last, has waited for every product (0; see SDS_OWN there)
+BWD_SDS_OWN = 0
 # _bwd_wy_kernel's two plain loads that Nsight Compute's long-scoreboard stalls point at (DeltaNet B1-T32768-H32 bf16,
 # run of 804bdbc: 1.30 ms, 2 programs per SM, issue slots 23 % busy, long scoreboard 2.97 cycles per issue): T read a
 # second time (BWD_WY_T_TRANS=1: Tᵀ's tile transposed instead) and dk1 loaded in every iteration of the last key
@@ -2216,6 +2227,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                                             DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_key,
                                             EARLY=_env_switch("CHUNKWISE_BWD_DQK_EARLY", BWD_DQK_EARLY[gate]),
                                             DGAM=dgam_dh, NVD=nvd, KD=BK,
+                                            SDS_OWN=not delta or _env_switch("CHUNKWISE_BWD_SDS_OWN", BWD_SDS_OWN),
                                             num_warps=_warps("bwd_dqk", gate, wide8), **_regs("bwd_dqk", gate),
                                             num_stages=ns, **common)
         if delta or gate:

@@ -1,0 +1,133 @@
+"""Static check of the Triton kernels' software pipelines for Hopper, without a GPU: every launch of a fwd+bwd is
+compiled for sm_90 (benchmarks/warm_cache.py's stand-in driver) and each pipelined loop of its TTGIR is searched for
+a shared-memory copy into a buffer that an unwaited async wgmma may still read.
+
+The hazard (triton 3.6, triton #6691 / PR #7110): a loaded tile that feeds both an async `warp_group_dot` and a
+register load (`ttg.local_load`, e.g. for an elementwise product) gets the register use's buffer count, one too few
+for the product; the loop's copy of a later iteration then lands in the slot an in-flight product reads. On the H200
+this made the backward's ⟨S, dS'⟩ tiles race (GDN's gradients changed from run to run, session 25).
+
+For each loop body (walked twice, for the back edge) the check tracks the async products in flight and the buffers
+(`ttg.local_alloc`, through `memdesc_index` / `memdesc_trans` views) they read; `warp_group_dot_wait {pendings = N}`
+leaves the N latest in flight. A copy (`async_copy_global_to_local`, `local_store`) into a buffer with both a register
+use and an in-flight product is a hazard. Buffers read only by products are the pipeliner's own business (it gives
+them the extra slot).
+
+    python benchmarks/pipeline_check.py --fams gdn,kda,delta,gla --dtypes bfloat16,float16,float32
+Exit status 1 if a hazard is found; one line per kernel specialisation checked with -v.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+_VAL = r"%[\w#]+"
+
+
+def loop_bodies(ttgir: str) -> list[list[str]]:
+    """The op lines of each scf.for body (nested regions included), by brace depth."""
+    out, stack = [], []       # stack: per open region, the body list of its scf.for or None
+    for ln in ttgir.splitlines():
+        s = ln.strip()
+        closes, opens = s.startswith("}"), s.endswith("{")
+        if closes and stack:
+            body = stack.pop()
+            if body is not None:
+                out.append(body)
+        for body in stack:
+            if body is not None and not closes:
+                body.append(s)
+        if opens:
+            stack.append([] if re.search(r"\bscf\.for\b", s) and not closes else None)
+    return out
+
+
+def hazards(ttgir: str) -> list[str]:
+    allocs = set(re.findall(rf"({_VAL}) = ttg\.local_alloc : \(\) -> !ttg\.memdesc<\d+x", ttgir))
+    view = {}
+    for m in re.finditer(rf"({_VAL}) = ttg\.memdesc_(?:index|trans|subslice|reinterpret) ({_VAL})", ttgir):
+        view[m.group(1)] = m.group(2)
+
+    def root(v):
+        seen = 0
+        while v in view and seen < 64:
+            v, seen = view[v], seen + 1
+        return v if v in allocs else None
+
+    reg_use = {root(m.group(1)) for m in re.finditer(rf"ttg\.local_load ({_VAL})", ttgir)} - {None}
+    found = []
+    for body in loop_bodies(ttgir):
+        flight: list[set] = []          # per in-flight async product, the buffers it reads
+        for _ in range(2):
+            for op in body:
+                if "ttng.warp_group_dot " in op and "isAsync = true" in op:
+                    args = re.search(r"warp_group_dot ([^{:]*)", op).group(1)
+                    flight.append({root(v) for v in re.findall(_VAL, args)} - {None})
+                elif "ttng.warp_group_dot_wait" in op:
+                    n = int(re.search(r"pendings = (\d+)", op).group(1))
+                    flight = flight[len(flight) - n:] if n else []
+                elif "ttng.warp_group_dot " in op:          # a synchronous product waits for every earlier one
+                    flight = []
+                m = re.search(rf"(?:ttg\.async_copy_global_to_local {_VAL}, ({_VAL})|ttg\.local_store {_VAL}, ({_VAL}))",
+                              op)
+                if m:
+                    buf = root(m.group(1) or m.group(2))
+                    if buf in reg_use and any(buf in f for f in flight):
+                        found.append(f"copy into {buf} (also register-loaded) under an unwaited product")
+    return sorted(set(found))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--fams", default="gdn,kda,delta,gla")
+    ap.add_argument("--dtypes", default="bfloat16")
+    ap.add_argument("--T", type=int, default=4096)
+    ap.add_argument("-v", action="store_true")
+    a = ap.parse_args()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    os.environ["CHUNKWISE_WARM_SM90"] = "1"
+    os.environ.pop("TRITON_INTERPRET", None)
+    import warm_cache
+    warm_cache.install_sm90()
+    import torch
+    from triton.runtime.jit import JITFunction
+    import chunkwise
+
+    launch, checked, bad = JITFunction.run, {}, []
+
+    def check(self, *args, grid, warmup, **kw):
+        k = launch(self, *args, grid=grid, warmup=True, **kw)
+        key = (self.fn.__name__, tuple(sorted((n, v) for n, v in kw.items() if isinstance(v, (bool, int, str)))))
+        if key not in checked:
+            checked[key] = hazards(k.asm["ttgir"])
+            if checked[key]:
+                bad.append((key, checked[key]))
+            if a.v:
+                print(f"{self.fn.__name__:28s} {'HAZARD ' + '; '.join(checked[key]) if checked[key] else 'ok'}")
+        return k
+
+    JITFunction.run = check
+    B, H, K, V = 1, 32, 128, 128
+    for dt in (getattr(torch, d) for d in a.dtypes.split(",")):
+        for fam in a.fams.split(","):
+            q = torch.randn(B, a.T, H, K, dtype=dt, requires_grad=True)
+            k = torch.randn(B, a.T, H, K, dtype=dt, requires_grad=True)
+            v = torch.randn(B, a.T, H, V, dtype=dt, requires_grad=True)
+            beta = torch.rand(B, a.T, H, dtype=dt, requires_grad=True)
+            g = (-torch.rand(B, a.T, H, *((K,) if fam == "kda" else ()))).requires_grad_(True)
+            run = {"gdn": lambda: chunkwise.chunk_gated_delta_rule(q, k, v, g, beta, backend="triton"),
+                   "kda": lambda: chunkwise.chunk_kda(q, k, v, g, beta, backend="triton"),
+                   "delta": lambda: chunkwise.chunk_delta_rule(q, k, v, beta, backend="triton"),
+                   "gla": lambda: chunkwise.chunk_simple_gla(q, k, v, g, backend="triton")}[fam]
+            o, _ = run()
+            o.backward(torch.randn_like(o))
+    for key, why in bad:
+        print(f"HAZARD {key[0]} {dict(key[1])}: {'; '.join(why)}")
+    print(f"pipeline_check: {len(checked)} kernel specialisations, {len(bad)} with a hazard")
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
