@@ -132,7 +132,9 @@ BESIDE_VARIANTS = ("after:CHUNKWISE_BWD_OVERLAP=0;beside:CHUNKWISE_BWD_OVERLAP=1
 # ⟨S, dS'⟩ in the state-tile pass (gates): from loads of their own, or from the product tiles after dW's product (issued
 # last) has waited for every product (chunk_bwd.BWD_SDS_OWN); session 24's order raced on the H200 (triton #6691)
 SDS_VARIANTS = "tiles:CHUNKWISE_BWD_SDS_OWN=0;own:CHUNKWISE_BWD_SDS_OWN=1"
-NAMED = {"sds": SDS_VARIANTS, "beside": BESIDE_VARIANTS, "pairregs": PAIRREGS_VARIANTS, "tform": TFORM_VARIANTS, "kdasplit": KDASPLIT_VARIANTS, "dqk": DQK_VARIANTS, "ahead": AHEAD_VARIANTS, "states": STATES_VARIANTS, "pair": PAIR_VARIANTS, "gates": GATES_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
+# KDA's G kept by the training forward (chunk_fwd.SAVE_GATE_CUMSUM) or formed again by the backward
+GC_VARIANTS = "gc1:CHUNKWISE_SAVE_GATE_CUMSUM=1;gc0:CHUNKWISE_SAVE_GATE_CUMSUM=0"
+NAMED = {"gc": GC_VARIANTS, "sds": SDS_VARIANTS, "beside": BESIDE_VARIANTS, "pairregs": PAIRREGS_VARIANTS, "tform": TFORM_VARIANTS, "kdasplit": KDASPLIT_VARIANTS, "dqk": DQK_VARIANTS, "ahead": AHEAD_VARIANTS, "states": STATES_VARIANTS, "pair": PAIR_VARIANTS, "gates": GATES_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
          "oneref": ONEREF_VARIANTS}
 
 

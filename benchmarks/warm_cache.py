@@ -125,7 +125,8 @@ def warm_benchmarks(only: str = ""):
                          ("sweep_bwd", ["--warm", "--fams", "kda,gdn,delta", "--variants", "beside"]),
                          ("repeat_bwd", ["--warm", "--fams", "gdn", "--envs", REPEAT_ENVS]),
                          ("repeat_bwd", ["--warm", "--fams", "kda,delta,gla"]),
-                         ("sweep_bwd", ["--warm", "--fams", "gdn,kda", "--variants", "sds"])):
+                         ("sweep_bwd", ["--warm", "--fams", "gdn,kda", "--variants", "sds"]),
+                         ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "gc"])):
         cmd = " ".join([script] + argv)
         if not any(cmd == o[1:] if o.startswith("=") else o in cmd for o in only.split("|")):
             continue

@@ -615,6 +615,43 @@ def test_grads_saved_stage1(fam, dtype, monkeypatch):
     assert set(saved) == set(again)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16 if ON_GPU else torch.float16])
+def test_kda_gate_cumsum_from_forward(dtype, monkeypatch):
+    """KDA's training forward keeps stage 1's chunk-local cumulative gate G (CHUNKWISE_SAVE_GATE_CUMSUM=1, the
+    default): it equals the backward's own _gate_cumsum_kernel's G to fp32 rounding (varlen with a length-1
+    sequence, gates steep enough to reach the −40 clamp), the backward then does not launch that kernel, and every
+    gradient equals the reference's and, to rounding, the backward that forms G itself (=0). 16 bits: bf16 on the
+    GPU, fp16 in the interpreter (bf16 is wrong there; fp16 KDA's backward runs in fp32 on the GPU)."""
+    import chunkwise.triton.chunk_bwd as cb
+    from chunkwise.triton.chunk_fwd import chunk_fwd
+    inp = make_inputs("kda", lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, seed=29)
+    x = make_inputs("kda", lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, dtype=dtype, seed=29)
+    g = x.g.clone()
+    g[0, 40:44] = -60.0         # below the per-token clamp
+    monkeypatch.setenv("CHUNKWISE_SAVE_STAGE1", "1")
+    saved = {}
+    chunk_fwd(x.q, x.k, x.v, g, x.beta, 0.25, x.h0, True, x.cu_seqlens, saved_out=saved)
+    if _routed("kda", dtype):
+        assert saved == {}
+        return
+    G = torch.empty_like(g)
+    chunk_indices = chunkwise.prepare_chunk_indices(x.cu_seqlens.cpu()).to(g.device)
+    cb._gate_cumsum_kernel[(chunk_indices.shape[0], 2)](g, G, x.cu_seqlens, chunk_indices, g.shape[1],
+                                                        floor=cb.GATE_FLOOR, HV=2, K=16, BK=16, C=64, PER_CHANNEL=True,
+                                                        IS_VARLEN=True)
+    assert saved["G"].dtype == torch.float32
+    torch.testing.assert_close(saved["G"], G, rtol=1e-6, atol=1e-5)
+    launches = _count_launches(monkeypatch, "_gate_cumsum_kernel")
+    kept = _grads(inp, "triton", dtype)
+    _compare(inp, TOL[dtype], dtype=dtype, ours=kept)
+    assert launches == []
+    monkeypatch.setenv("CHUNKWISE_SAVE_GATE_CUMSUM", "0")
+    formed = _grads(inp, "triton", dtype)
+    assert len(launches) == 1
+    for n in formed:
+        assert rel_err(kept[n], formed[n]) <= TOL[dtype] / 4, n
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("fam", ("gdn", "kda", "delta"))
 def test_grads_saved_t_form(fam, dtype, monkeypatch):
@@ -634,7 +671,7 @@ def test_grads_saved_t_form(fam, dtype, monkeypatch):
     args = (x.q, x.k, x.v, x.g, x.beta, 0.25, x.h0, True, x.cu_seqlens)
     saved = {}
     o, ht = chunk_fwd(*args, saved_out=saved)
-    scaled = {"qg", "kg"} if fam == "kda" else set()    # (KDA: q ⊙ e^G, k ⊙ e^{G_last − G} from stage 1)
+    scaled = {"qg", "kg", "G"} if fam == "kda" else set()   # (KDA: q ⊙ e^G, k ⊙ e^{G_last − G}, G from stage 1)
     if _routed(fam, dtype):
         # fp16 KDA's backward runs in fp32 on the GPU (chunk_fwd.fp16_kda_in_fp32): its forward saves nothing
         assert set(saved) == set()

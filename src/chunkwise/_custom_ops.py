@@ -23,11 +23,11 @@ Ops (namespace ``chunkwise``):
             when output_final_state is False)
     chunk_bwd / recurrent_bwd (the forward's inputs, do, dht?, needs_grad) -> (dq, dk, dv, dg, dbeta, dh0)
         (an empty [0] tensor for each gradient that is not needed or whose input is None)
-    chunk_fwd_saved (as chunk_fwd) -> (o, final_state, w, u, p, t, h, r, qg, kg): the triton chunk forward of a
+    chunk_fwd_saved (as chunk_fwd) -> (o, final_state, w, u, p, t, h, r, qg, kg, gc): the triton chunk forward of a
         delta family that also returns its stage 1 for the backward (under autograd, unless CHUNKWISE_SAVE_STAGE1=0;
         empty where it saves nothing), with CHUNKWISE_SAVE_STATES=1 its per-chunk states and R (else empty), and for
         KDA with 16-bit inputs q ⊙ e^G, k ⊙ e^{G_last − G} (else empty)
-    chunk_bwd_saved (the forward's inputs, w, u, p, t, h, r, qg, kg, do, dht?, needs_grad) -> as chunk_bwd
+    chunk_bwd_saved (the forward's inputs, w, u, p, t, h, r, qg, kg, gc, do, dht?, needs_grad) -> as chunk_bwd
     recurrent_pool_fwd (..., pool [P, HV, K, V] (mutated), state_indices [N], ...) -> o
         vLLM-style state pool: sequence n reads pool[state_indices[n]] and writes its final state
         back in place (-1 = padding slot, skipped, output zero). No autograd (inference only).
@@ -272,8 +272,7 @@ recurrent_bwd.register_fake(_backward_fake)
 # triton chunk op that keeps stage 1 for the backward (the default; CHUNKWISE_SAVE_STAGE1=0 recomputes it)
 # ----------------------------------------------------------------------------------------------
 
-_StageTuple = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                    torch.Tensor, torch.Tensor, torch.Tensor]
+_StageTuple = tuple[(torch.Tensor,) * 11]
 
 
 def _save_stage1_wanted(mode, backend, beta, *tensors) -> bool:
@@ -286,15 +285,16 @@ def _save_stage1_wanted(mode, backend, beta, *tensors) -> bool:
 
 
 def _stage1_shapes(q, v, g, beta, cu_seqlens):
-    """(w, u, p, t, h, r, qg, kg) shapes and dtypes the saving forward returns (empty [0] tensors where it saves
-    nothing; h, r only with chunk_fwd.saves_states; qg, kg only where chunk_bwd.gate_scaled_in)."""
+    """(w, u, p, t, h, r, qg, kg, gc) shapes and dtypes the saving forward returns (empty [0] tensors where it saves
+    nothing; h, r only with chunk_fwd.saves_states; qg, kg only where chunk_bwd.gate_scaled_in; gc, KDA's G, with
+    chunk_fwd.saves_gate_cumsum)."""
     from .triton.chunk_bwd import gate_scaled_in
-    from .triton.chunk_fwd import (BT, _gate_kind, chunk_slots, save_t_form, saves_gate_scaled, saves_stage1,
-                                   saves_states, state_dtype)
+    from .triton.chunk_fwd import (BT, _gate_kind, chunk_slots, save_t_form, saves_gate_cumsum, saves_gate_scaled,
+                                   saves_stage1, saves_states, state_dtype)
     B, T, HV, K, V = q.shape[0], q.shape[1], v.shape[2], q.shape[3], v.shape[3]
     empty = (_EMPTY_SHAPE, q.dtype)
     if not saves_stage1(q, v, g, beta):
-        return [empty] * 8
+        return [empty] * 9
     wu = [empty] * 2 if save_t_form(_gate_kind(g), q.dtype) else [((B, T, HV, K), q.dtype), ((B, T, HV, V), q.dtype)]
     stage = wu + [((B, T, HV, BT), q.dtype), ((B, T, HV, BT), torch.float32)]
     if not saves_states():
@@ -303,7 +303,8 @@ def _stage1_shapes(q, v, g, beta, cu_seqlens):
         N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
         sdt = state_dtype(q.dtype)
         stage += [((chunk_slots(N, T, cu_seqlens is not None), HV, K, V), sdt), ((B, T, HV, V), sdt)]
-    return stage + ([((B, T, HV, K), q.dtype)] * 2 if gate_scaled_in(g, q) and saves_gate_scaled() else [empty] * 2)
+    stage += [((B, T, HV, K), q.dtype)] * 2 if gate_scaled_in(g, q) and saves_gate_scaled() else [empty] * 2
+    return stage + [((B, T, HV, K), torch.float32) if _gate_kind(g) == 2 and saves_gate_cumsum() else empty]
 
 
 @torch.library.custom_op("chunkwise::chunk_fwd_saved", mutates_args=())
@@ -319,7 +320,8 @@ def chunk_fwd_saved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Option
     forward runs under T_FORM (triton.chunk_fwd.save_t_form: the backward forms them from t); h (each chunk's
     entering state) and r (R = U − W S) empty unless CHUNKWISE_SAVE_STATES=1 (triton.chunk_fwd.saves_states);
     qg = q ⊙ e^G, kg = k ⊙ e^{G_last − G} [B,T,HV,K] in q's dtype (KDA, what its backward's state passes take:
-    triton.chunk_bwd.gate_scaled_in; not with CHUNKWISE_SAVE_GATE_SCALED=0), else empty."""
+    triton.chunk_bwd.gate_scaled_in; not with CHUNKWISE_SAVE_GATE_SCALED=0), else empty; gc: KDA's chunk-local
+    cumulative gate G [B,T,HV,K] fp32 (not with CHUNKWISE_SAVE_GATE_CUMSUM=0), else empty."""
     from .triton.chunk_bwd import gate_scaled_in
     from .triton.chunk_fwd import chunk_fwd as triton_chunk_fwd, saves_gate_scaled
     saved: dict = {}
@@ -330,7 +332,8 @@ def chunk_fwd_saved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Option
         ht = _empty(q, _compute_dtype(q, initial_state))
     if not (gate_scaled_in(g, q) and saves_gate_scaled()):
         saved.pop("qg", None), saved.pop("kg", None)
-    stage = [saved[n] if n in saved else q.new_empty(_EMPTY_SHAPE) for n in ("w", "u", "p", "t", "h", "r", "qg", "kg")]
+    stage = [saved[n] if n in saved else q.new_empty(_EMPTY_SHAPE)
+             for n in ("w", "u", "p", "t", "h", "r", "qg", "kg", "G")]
     return (_not_an_alias(o, q, k, v), _not_an_alias(ht, initial_state), *stage)
 
 
@@ -348,23 +351,25 @@ def chunk_bwd_saved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Option
                     cu_seqlens: Optional[torch.Tensor], chunk_indices: Optional[torch.Tensor],
                     transpose_state_layout: bool, chunk_size: int, backend: str, w: torch.Tensor, u: torch.Tensor,
                     p: torch.Tensor, t: torch.Tensor, h: torch.Tensor, r: torch.Tensor, qg: torch.Tensor,
-                    kg: torch.Tensor, do: torch.Tensor, dht: Optional[torch.Tensor],
+                    kg: torch.Tensor, gc: torch.Tensor, do: torch.Tensor, dht: Optional[torch.Tensor],
                     needs_grad: Sequence[bool]) -> _GradTuple:
     """Gradients of chunk_fwd_saved from its stage 1 (p, t and w, u; all recomputed where they are empty, w and u
     alone formed from t), the per-chunk states and R (h, r; recomputed where they are empty) and KDA's q ⊙ e^G,
-    k ⊙ e^{G_last − G} (qg, kg; formed again where they are empty)."""
+    k ⊙ e^{G_last − G} (qg, kg; formed again where they are empty) and G (gc; likewise)."""
     saved = dict(w=w if w.numel() else None, u=u if u.numel() else None, p=p, t=t) if t.numel() else None
     if saved is not None and h.numel():
         saved.update(h=h, r=r)
     if saved is not None and qg.numel():
         saved.update(qg=qg, kg=kg)
+    if saved is not None and gc.numel():
+        saved.update(G=gc)
     return _backward_impl("chunk", q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_indices,
                           transpose_state_layout, chunk_size, backend, do, dht, needs_grad, saved=saved)
 
 
 @chunk_bwd_saved.register_fake
 def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_indices, transpose_state_layout, chunk_size, backend,
-      w, u, p, t, h, r, qg, kg, do, dht, needs_grad):
+      w, u, p, t, h, r, qg, kg, gc, do, dht, needs_grad):
     return _backward_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_indices, transpose_state_layout,
                           chunk_size, backend, do, dht, needs_grad)
 

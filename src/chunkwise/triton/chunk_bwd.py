@@ -2066,7 +2066,9 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     grid_s = (cdiv(V, BV), N * HV)
 
     G = None
-    if gate:
+    if gate and saved is not None and saved.get("G") is not None:      # the forward's own (chunk_fwd.saves_gate_cumsum)
+        G = saved["G"].contiguous()
+    elif gate:
         G = buf(*g.shape)
         _gate_cumsum_kernel[grid_c](g, G, floor=GATE_FLOOR, HV=HV, K=K, BK=BK, C=C, PER_CHANNEL=gate == 2,
                                     IS_VARLEN=varlen, num_warps=_warps("gate_cumsum", gate, wide8), **_regs("gate_cumsum", gate, wide8), num_stages=ns, **common)

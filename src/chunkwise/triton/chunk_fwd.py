@@ -408,7 +408,8 @@ def chunk_prepare_kernel(
     q, k, v, g, beta,            # [B,T,H,K] [B,T,H,K] [B,T,HV,V] None|[B,T,HV]|[B,T,HV,K] fp32, [B,T,HV]
     w, u, p,                     # out: [B,T,HV,K] [B,T,HV,V] [B,T,HV,BT] (input dtype)
     qg, kg, glast,               # out (GATE == 2): [B,T,HV,K] [B,T,HV,K] input dtype, [slots,HV,K] fp32
-    gcum,                        # out (GC_OUT, GATE == 1): [slots,HV,BT] fp32 G by chunk; glast then [slots,HV] G_last
+    gcum,                        # out (GC_OUT): GATE 1 [slots,HV,BT] fp32 G by chunk (glast then [slots,HV] G_last);
+                                 # GATE 2 [B,T,HV,K] fp32 G per token and channel (for the backward)
     do, t_out, drl,              # BWD: [B,T,HV,V] in; out [B,T,HV,BT] fp32, [B,T,HV,V] (do's dtype)
     flag,                        # AP_ONE_REF 2 / 3: [chunks · B·HV] int32, per program: 1 where a column chunk's gate
                                  # left the one-reference span (written by 2, read by 3)
@@ -431,7 +432,8 @@ def chunk_prepare_kernel(
     STORE_T (forward, for a backward that reuses stage 1): also write T = (I + A)⁻¹ (fp32) to t_out.
     STORE_P = 0 (forward, scalar / no gate): no P (stage 2 forms it), q is not read.
     GC_OUT (forward, scalar gate): also write the chunk-local cumulative gate G per token and G_last per chunk,
-    so that stage 2's serial loop neither scans nor reduces the gate.
+    so that stage 2's serial loop neither scans nor reduces the gate; per-channel gate (a training forward): G
+    [B,T,HV,K], which the backward then does not form again (its _gate_cumsum_kernel).
     AP_ONE_REF (per-channel gate, AP_FORM 0): 1 each column chunk takes the one-reference products where its gate
     allows them, else the block form (both built in); 2 the one-reference products only (the block form not built:
     fewer registers, no spills), flagging the programs where a column chunk's gate did not allow them (which then
@@ -584,6 +586,9 @@ def chunk_prepare_kernel(
                                        (BTc, BKC), (1, 0)), b_qg.to(qg.dtype.element_ty), boundary_check=(0, 1))
             tl.store(tl.make_block_ptr(kg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
                                        (1, 0)), b_kg.to(kg.dtype.element_ty), boundary_check=(0, 1))
+            if GC_OUT:      # G itself, for the backward
+                tl.store(tl.make_block_ptr(gcum + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0),
+                                           (BTc, BKC), (1, 0)), b_G, boundary_check=(0, 1))
             o_k = kc0 + tl.arange(0, BKC)
             tl.store(glast + (slot * HV + i_h) * K + o_k, tl.exp(G_last), mask=o_k < K)
             if T_FORM:      # k e^G (exponent ≤ 0) for stage 2's (K ⊙ e^G) S, in W's place
@@ -1349,7 +1354,7 @@ def _ap_lowp(dtype, gate: int, t_form: bool) -> int:
 
 
 def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=False, store_p=True, t_form=False,
-                  ready=None):
+                  ready=None, save_g=False):
     """Stage 1 for the delta families.
 
     Args: q, k [B,T,H,K]; v [B,T,HV,V]; g None | [B,T,HV] fp32 | [B,T,HV,K] fp32 (raw log-decays);
@@ -1363,6 +1368,7 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     (per-channel g) K ⊙ e^G [B,T,HV,K] or None, in q's dtype, for stage 2's T_FORM (with ``save_t`` at the training
     forward's precisions, t as well). ``ready`` ([slots, HV] int32, zeroed): the chunk-major grid, each program
     setting its entry once its outputs are stored, for a stage 2 launched beside it (chunk_fwd's overlap).
+    ``save_g`` (per-channel g): also G [B,T,HV,K] fp32, the chunk-local cumulative gate, for the backward (key "G").
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -1380,6 +1386,8 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
         qg = _alloc((B, T, HV, K), dt, dev)
         kg = _alloc((B, T, HV, K), dt, dev)
         glast = _alloc((slots, HV, K), torch.float32, dev)
+        if save_g:
+            gcum = _alloc((B, T, HV, K), torch.float32, dev)
     else:
         qg = kg = glast = None
         if gate == 1:       # G and G_last for stage 2 (GC_IN)
@@ -1405,12 +1413,14 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
             H=H, HV=HV, K=K, V=V, scale=1.0, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)), GATE=gate,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=s_prec,
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(dt, K) and gate != 2,
-            AP_FORM=form if gate == 2 else 0, STORE_T=save_t, STORE_P=store_p, GC_OUT=gate == 1,
+            AP_FORM=form if gate == 2 else 0, STORE_T=save_t, STORE_P=store_p, GC_OUT=gcum is not None,
             AP_ONE_REF=ap_one_ref, SOLVE_DOUBLING=_env_switch("CHUNKWISE_SOLVE_DOUBLING", SOLVE_DOUBLING),
             T_FORM=t_form, AP_LOWP=ap_lowp if ap_one_ref == 2 else min(ap_lowp, int(dt == torch.bfloat16)),
             SOLVE_REDO=s_redo, REDO_PREC=redo_prec, span16=SPAN_FP16, SIGNAL=ready is not None, num_warps=warps,
             num_stages=prep_stages(gate, dt, K),
             **prep_regs(gate, t_form, store_p, dt, K))
+    if gate == 2:
+        return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, gcum=None, G=gcum, t=t)
     return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, gcum=gcum, t=t)
 
 
@@ -1685,6 +1695,17 @@ def saves_gate_scaled() -> bool:
     return _env_switch("CHUNKWISE_SAVE_GATE_SCALED", SAVE_GATE_SCALED)
 
 
+# KDA under autograd: stage 1's chunk-local cumulative gate G [B,T,HV,K] fp32 kept for the backward, which otherwise
+# forms it again first (_gate_cumsum_kernel: 0.27 ms at B1-T32768-H32 on the H200, 1 GB moved). The backward holds its
+# own G for all of its launches, so the step's peak (in the backward) does not grow; CHUNKWISE_SAVE_GATE_CUMSUM=0 off
+SAVE_GATE_CUMSUM = 1
+
+
+def saves_gate_cumsum() -> bool:
+    """Whether a forward that saves stage 1 also keeps KDA's G for the backward (SAVE_GATE_CUMSUM)."""
+    return _env_switch("CHUNKWISE_SAVE_GATE_CUMSUM", SAVE_GATE_CUMSUM)
+
+
 def saves_states() -> bool:
     """Whether a forward that saves stage 1 also saves the per-chunk states and R (SAVE_STATES)."""
     return _env_switch("CHUNKWISE_SAVE_STATES", SAVE_STATES)
@@ -1862,12 +1883,14 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         ready = torch.zeros((chunk_slots(N, T, cu_seqlens is not None), HV), dtype=torch.int32, device=q.device)
         side = _side_stream(q.device)
     stage1 = chunk_prepare(q, k, v, g, beta, cu_seqlens, chunk_indices, save_t=save, store_p=p_in or save,
-                           t_form=t_form, ready=ready) \
+                           t_form=t_form, ready=ready, save_g=save and gate == 2 and saves_gate_cumsum()) \
         if delta else dict(w=None, u=None, p=None, qg=None, kg=None, glast=None, gcum=None)
     if save:    # under T_FORM stage 1's w, u are stage 2's operands (K ⊙ e^G, T diag(β)): the backward forms W, U
         saved_out.update(p=stage1["p"], t=stage1["t"])
         if gate == 2:       # q ⊙ e^G, k ⊙ e^{G_last − G}: what the backward's state passes take (chunk_bwd.gate_scaled_in)
             saved_out.update(qg=stage1["qg"], kg=stage1["kg"])
+            if stage1["G"] is not None:
+                saved_out.update(G=stage1["G"])
         if not t_form:
             saved_out.update(w=stage1["w"], u=stage1["u"])
     if p_in and not delta:                # simple GLA with P formed once per chunk
