@@ -1,6 +1,7 @@
 """Static check of the Triton kernels' software pipelines for Hopper, without a GPU: every launch of a fwd+bwd is
 compiled for sm_90 (benchmarks/warm_cache.py's stand-in driver) and each pipelined loop of its TTGIR is searched for
-a shared-memory copy into a buffer that an unwaited async wgmma may still read.
+a shared-memory copy into a buffer that an unwaited async wgmma may still read (the training forward and backward,
+the inference forward, one-token decode).
 
 The hazard (triton 3.6, triton #6691 / PR #7110): a loaded tile that feeds both an async `warp_group_dot` and a
 register load (`ttg.local_load`, e.g. for an elementwise product) gets the register use's buffer count, one too few
@@ -121,8 +122,16 @@ def main():
                    "kda": lambda: chunkwise.chunk_kda(q, k, v, g, beta, backend="triton"),
                    "delta": lambda: chunkwise.chunk_delta_rule(q, k, v, beta, backend="triton"),
                    "gla": lambda: chunkwise.chunk_simple_gla(q, k, v, g, backend="triton")}[fam]
+            with torch.no_grad():       # the inference forward (its own stage-1 forms)
+                run()
             o, _ = run()
             o.backward(torch.randn_like(o))
+            rec = {"gdn": chunkwise.fused_recurrent_gated_delta_rule, "kda": chunkwise.fused_recurrent_kda,
+                   "delta": chunkwise.fused_recurrent_delta_rule, "gla": chunkwise.fused_recurrent_simple_gla}[fam]
+            with torch.no_grad():       # decode: one token per sequence, a batch of 4
+                one = [t.detach()[:, :4].transpose(0, 1).contiguous() if t is not None else None
+                       for t in (q, k, v, g if fam != "delta" else None, beta if fam != "gla" else None)]
+                rec(*[t for t in one if t is not None], backend="triton")
     for key, why in bad:
         print(f"HAZARD {key[0]} {dict(key[1])}: {'; '.join(why)}")
     print(f"pipeline_check: {len(checked)} kernel specialisations, {len(bad)} with a hazard")
