@@ -14,7 +14,8 @@ leaves the N latest in flight. A copy (`async_copy_global_to_local`, `local_stor
 use and an in-flight product is a hazard. Buffers read only by products are the pipeliner's own business (it gives
 them the extra slot).
 
-    python benchmarks/pipeline_check.py --fams gdn,kda,delta,gla --dtypes bfloat16,float16,float32
+    python benchmarks/pipeline_check.py --fams gdn,kda,delta,gla --dtypes bfloat16,float16,float32 \\
+        --shapes k128,grouped_varlen,k64,k256
 Exit status 1 if a hazard is found; one line per kernel specialisation checked with -v.
 """
 from __future__ import annotations
@@ -80,11 +81,49 @@ def hazards(ttgir: str) -> list[str]:
     return sorted(set(found))
 
 
+# head layouts checked (--shapes): K = V = 128 at 32 heads; grouped value heads (HV = 2 H) with varlen and a carried-in
+# state; K = V = 64; K = 256, V = 128 (16-bit inputs there run in fp32)
+SHAPES = {"k128": dict(H=32, HV=32, K=128, V=128, varlen=False),
+          "grouped_varlen": dict(H=8, HV=16, K=128, V=128, varlen=True),
+          "k64": dict(H=32, HV=32, K=64, V=64, varlen=False),
+          "k256": dict(H=8, HV=8, K=256, V=128, varlen=False)}
+
+
+def _run_family(chunkwise, fam, dt, T, s):
+    """One family's inference forward, training forward + backward and one-token decode at head layout s."""
+    import torch
+    H, HV, K, V = s["H"], s["HV"], s["K"], s["V"]
+    q = torch.randn(1, T, H, K, dtype=dt, requires_grad=True)
+    k = torch.randn(1, T, H, K, dtype=dt, requires_grad=True)
+    v = torch.randn(1, T, HV, V, dtype=dt, requires_grad=True)
+    beta = torch.rand(1, T, HV, dtype=dt, requires_grad=True)
+    g = (-torch.rand(1, T, HV, *((K,) if fam == "kda" else ()))).requires_grad_(True)
+    kw = dict(backend="triton")
+    if s["varlen"]:
+        kw.update(cu_seqlens=torch.tensor([0, 1, T // 3, T], dtype=torch.int32),
+                  initial_state=torch.randn(3, HV, K, V), output_final_state=True)
+    run = {"gdn": lambda: chunkwise.chunk_gated_delta_rule(q, k, v, g, beta, **kw),
+           "kda": lambda: chunkwise.chunk_kda(q, k, v, g, beta, **kw),
+           "delta": lambda: chunkwise.chunk_delta_rule(q, k, v, beta, **kw),
+           "gla": lambda: chunkwise.chunk_simple_gla(q, k, v, g, **kw)}[fam]
+    with torch.no_grad():       # the inference forward (its own stage-1 forms)
+        run()
+    o, _ = run()
+    o.backward(torch.randn_like(o))
+    rec = {"gdn": chunkwise.fused_recurrent_gated_delta_rule, "kda": chunkwise.fused_recurrent_kda,
+           "delta": chunkwise.fused_recurrent_delta_rule, "gla": chunkwise.fused_recurrent_simple_gla}[fam]
+    with torch.no_grad():       # decode: one token per sequence, a batch of 4
+        one = [t.detach()[:, :4].transpose(0, 1).contiguous() if t is not None else None
+               for t in (q, k, v, g if fam != "delta" else None, beta if fam != "gla" else None)]
+        rec(*[t for t in one if t is not None], backend="triton")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--fams", default="gdn,kda,delta,gla")
     ap.add_argument("--dtypes", default="bfloat16")
     ap.add_argument("--T", type=int, default=4096)
+    ap.add_argument("--shapes", default="k128", help="head layouts: " + ", ".join(SHAPES))
     ap.add_argument("-v", action="store_true")
     a = ap.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -110,28 +149,10 @@ def main():
         return k
 
     JITFunction.run = check
-    B, H, K, V = 1, 32, 128, 128
     for dt in (getattr(torch, d) for d in a.dtypes.split(",")):
         for fam in a.fams.split(","):
-            q = torch.randn(B, a.T, H, K, dtype=dt, requires_grad=True)
-            k = torch.randn(B, a.T, H, K, dtype=dt, requires_grad=True)
-            v = torch.randn(B, a.T, H, V, dtype=dt, requires_grad=True)
-            beta = torch.rand(B, a.T, H, dtype=dt, requires_grad=True)
-            g = (-torch.rand(B, a.T, H, *((K,) if fam == "kda" else ()))).requires_grad_(True)
-            run = {"gdn": lambda: chunkwise.chunk_gated_delta_rule(q, k, v, g, beta, backend="triton"),
-                   "kda": lambda: chunkwise.chunk_kda(q, k, v, g, beta, backend="triton"),
-                   "delta": lambda: chunkwise.chunk_delta_rule(q, k, v, beta, backend="triton"),
-                   "gla": lambda: chunkwise.chunk_simple_gla(q, k, v, g, backend="triton")}[fam]
-            with torch.no_grad():       # the inference forward (its own stage-1 forms)
-                run()
-            o, _ = run()
-            o.backward(torch.randn_like(o))
-            rec = {"gdn": chunkwise.fused_recurrent_gated_delta_rule, "kda": chunkwise.fused_recurrent_kda,
-                   "delta": chunkwise.fused_recurrent_delta_rule, "gla": chunkwise.fused_recurrent_simple_gla}[fam]
-            with torch.no_grad():       # decode: one token per sequence, a batch of 4
-                one = [t.detach()[:, :4].transpose(0, 1).contiguous() if t is not None else None
-                       for t in (q, k, v, g if fam != "delta" else None, beta if fam != "gla" else None)]
-                rec(*[t for t in one if t is not None], backend="triton")
+            for shape in a.shapes.split(","):
+                _run_family(chunkwise, fam, dt, a.T, SHAPES[shape])
     for key, why in bad:
         print(f"HAZARD {key[0]} {dict(key[1])}: {'; '.join(why)}")
     print(f"pipeline_check: {len(checked)} kernel specialisations, {len(bad)} with a hazard")

@@ -26,10 +26,13 @@ def _run(tmp_path, *args, env=None):
                           timeout=900)
 
 
+@pytest.mark.parametrize("shapes", ["k128", "grouped_varlen,k64,k256"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
-def test_no_product_operand_overwritten_under_async_wgmma(dtype, tmp_path):
-    """Every kernel specialisation of a fwd+bwd of the four families at K = V = 128: no hazard."""
-    p = _run(tmp_path, "--dtypes", dtype)
+def test_no_product_operand_overwritten_under_async_wgmma(dtype, shapes, tmp_path):
+    """Every kernel specialisation of the four families' inference forward, training forward + backward and decode, at
+    K = V = 128 and at the other head layouts (grouped value heads with varlen and a carried-in state, K = V = 64,
+    K = 256): no hazard."""
+    p = _run(tmp_path, "--dtypes", dtype, "--shapes", shapes)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "0 with a hazard" in p.stdout
 
