@@ -134,7 +134,11 @@ BESIDE_VARIANTS = ("after:CHUNKWISE_BWD_OVERLAP=0;beside:CHUNKWISE_BWD_OVERLAP=1
 SDS_VARIANTS = "tiles:CHUNKWISE_BWD_SDS_OWN=0;own:CHUNKWISE_BWD_SDS_OWN=1"
 # KDA's G kept by the training forward (chunk_fwd.SAVE_GATE_CUMSUM) or formed again by the backward
 GC_VARIANTS = "gc1:CHUNKWISE_SAVE_GATE_CUMSUM=1;gc0:CHUNKWISE_SAVE_GATE_CUMSUM=0"
-NAMED = {"gc": GC_VARIANTS, "sds": SDS_VARIANTS, "beside": BESIDE_VARIANTS, "pairregs": PAIRREGS_VARIANTS, "tform": TFORM_VARIANTS, "kdasplit": KDASPLIT_VARIANTS, "dqk": DQK_VARIANTS, "ahead": AHEAD_VARIANTS, "states": STATES_VARIANTS, "pair": PAIR_VARIANTS, "gates": GATES_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
+# R kept by the training forward (chunk_fwd.SAVE_R: the backward's forward state pass forms the states from it, one
+# product a step) or formed again by that pass; with it, the pass beside the dR_local / W launch or after it
+SAVER_VARIANTS = ("r1:CHUNKWISE_SAVE_R=1;r0:CHUNKWISE_SAVE_R=0;r1_after:CHUNKWISE_SAVE_R=1,CHUNKWISE_BWD_OVERLAP=0;"
+                  "r1_beside:CHUNKWISE_SAVE_R=1,CHUNKWISE_BWD_OVERLAP=1")
+NAMED = {"saver": SAVER_VARIANTS, "gc": GC_VARIANTS, "sds": SDS_VARIANTS, "beside": BESIDE_VARIANTS, "pairregs": PAIRREGS_VARIANTS, "tform": TFORM_VARIANTS, "kdasplit": KDASPLIT_VARIANTS, "dqk": DQK_VARIANTS, "ahead": AHEAD_VARIANTS, "states": STATES_VARIANTS, "pair": PAIR_VARIANTS, "gates": GATES_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
          "oneref": ONEREF_VARIANTS}
 
 

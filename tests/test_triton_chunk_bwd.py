@@ -58,16 +58,18 @@ def _grads(inp, backend, dtype, transpose=False, final=True, seed=1, unread_fina
     return out
 
 
-def _compare(inp, tol, dtype=torch.float32, ours=None, **kw):
+def _compare(inp, tol, dtype=torch.float32, ours=None, scales=None, **kw):
     """Every gradient of the triton backend (``ours``: already computed with these arguments) within tol of the
-    float64 reference's; returns the errors."""
+    float64 reference's; returns the errors. ``scales``: name -> f(reference gradients), a tensor the error of that
+    gradient is measured against instead of the gradient itself (a sum whose terms cancel)."""
     ours = _grads(inp, "triton", dtype, **kw) if ours is None else ours
     ref = _grads(inp, "torch", torch.float64, **{k: v for k, v in kw.items()})
     errs = {}
     for n, r in ref.items():
         t = ours[n]
         assert t.dtype == (dtype if n in ("q", "k", "v", "beta") else t.dtype)
-        errs[n] = rel_err(t, r)
+        errs[n] = rel_err(t, r) if n not in (scales or {}) else \
+            ((t.double() - r.double()).norm() / scales[n](ref).norm()).item()
     bad = {n: f"{e:.2e}" for n, e in errs.items() if not e <= tol}
     assert not bad, f"gradient rel errors above {tol:.0e}: {bad} (all: { {n: f'{e:.1e}' for n, e in errs.items()} })"
     return errs
@@ -247,8 +249,18 @@ def test_grads_in_op_preludes(fam):
     inp.beta = torch.randn(inp.beta.shape, generator=gen).to(inp.beta)  # logits
     params = dict(A_log=torch.randn(HV, generator=gen) * 0.5,
                   dt_bias=torch.randn(HV if fam == "gdn" else HV * K, generator=gen) * 0.5)
+
+    def a_log_terms(ref):
+        # dA_log[h] = Σ_t,k dg ⊙ g with g = −e^{A_log} softplus(x), x = a + dt_bias, da = dg ⊙ (−e^{A_log}) σ(x): the
+        # terms are da ⊙ softplus(x) / σ(x). Their sum cancels (here 92x for one head: 0.12 of terms totalling 11),
+        # so its error is measured against the terms' magnitudes, Σ |terms| per head
+        x = inp.g.double() + params["dt_bias"].double().view(HV, -1).squeeze(-1)
+        terms = ref["g"].double() * torch.nn.functional.softplus(x) / torch.sigmoid(x)
+        return terms.abs().sum(dim=tuple(d for d in range(terms.dim()) if d != 2))
+
     errs = _compare(inp, TOL[torch.float32], params=params, use_qk_l2norm_in_kernel=True,
-                    use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True)
+                    use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True,
+                    scales={"A_log": a_log_terms} if fam in ("gdn", "kda") else None)
     assert {"A_log", "dt_bias"} <= set(errs)
 
 
@@ -661,7 +673,7 @@ def test_grads_saved_t_form(fam, dtype, monkeypatch):
     gradient equals the reference's (varlen with a length-1 sequence, grouped heads, a carried-in state, the final
     state read by the loss) and the W / U-keeping forward's (=0). fp16 inputs keep W and U even so (on the H200 their
     gradients through the T form came out inf at these small tiles)."""
-    from chunkwise.triton.chunk_fwd import chunk_fwd
+    from chunkwise.triton.chunk_fwd import chunk_fwd, saves_r
     inp = make_inputs(fam, lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, seed=19)
     if dtype == torch.float16 and fam in ("gdn", "delta"):
         pytest.skip("GDN / DeltaNet with fp16 inputs save no stage 1 (test_saved_stage1_rule)")
@@ -672,6 +684,7 @@ def test_grads_saved_t_form(fam, dtype, monkeypatch):
     saved = {}
     o, ht = chunk_fwd(*args, saved_out=saved)
     scaled = {"qg", "kg", "G"} if fam == "kda" else set()   # (KDA: q ⊙ e^G, k ⊙ e^{G_last − G}, G from stage 1)
+    scaled |= {"r"} if saves_r() else set()                 # (R = U − W S from stage 2: chunk_fwd.SAVE_R)
     if _routed(fam, dtype):
         # fp16 KDA's backward runs in fp32 on the GPU (chunk_fwd.fp16_kda_in_fp32): its forward saves nothing
         assert set(saved) == set()
@@ -715,22 +728,25 @@ def test_grads_repeatable(fam, monkeypatch):
         assert torch.equal(first[n], serial[n]), f"{n}: beside != serial, rel diff {rel_err(serial[n], first[n]):.1e}"
 
 
+@pytest.mark.parametrize("save_r", ["0", "1"])
 @pytest.mark.parametrize("t_form", ["1", "0"])
 @pytest.mark.parametrize("fam", ("gdn", "kda", "delta"))
-def test_state_pass_beside_wu(fam, t_form, monkeypatch):
+def test_state_pass_beside_wu(fam, t_form, save_r, monkeypatch):
     """The backward's forward state pass beside its W / U launch (CHUNKWISE_BWD_OVERLAP=1, chunk_bwd's ``beside``):
-    under the T form the W / U launch runs chunk-major and publishes each chunk, and each step of the state pass waits
-    for the W / U it reads; with W / U saved the two run side by side unsynchronised. Every gradient equals the
-    reference's (varlen with a length-1 sequence, grouped heads, a carried-in state, the final state read by the loss)
-    and is bit-identical to the one-after-the-other backward's (=0); the chunk-major grid was launched where flagged."""
+    under the T form without R saved (CHUNKWISE_SAVE_R=0) the W / U launch runs chunk-major and publishes each chunk,
+    and each step of the state pass waits for the W / U it reads; with W / U saved, or R (the pass then reads no W / U),
+    the two run side by side unsynchronised. Every gradient equals the reference's (varlen with a length-1 sequence,
+    grouped heads, a carried-in state, the final state read by the loss) and is bit-identical to the
+    one-after-the-other backward's (=0); the chunk-major grid was launched where flagged."""
     inp = make_inputs(fam, lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, seed=23)
     monkeypatch.setenv("CHUNKWISE_SAVE_STAGE1", "1")
     monkeypatch.setenv("CHUNKWISE_SAVE_T_FORM", t_form)
+    monkeypatch.setenv("CHUNKWISE_SAVE_R", save_r)
     monkeypatch.setenv("CHUNKWISE_BWD_OVERLAP", "1")
     wu = _count_launches(monkeypatch, "_wu_kernel")
     beside = _grads(inp, "triton", torch.float32)
     n_chunks, rows = 1 + 2 + 1, 1 * 2      # chunks of the three sequences, B·HV
-    assert wu == [(rows, n_chunks) if t_form == "1" else (n_chunks, rows)]
+    assert wu == [(rows, n_chunks) if t_form == "1" and save_r == "0" else (n_chunks, rows)]
     _compare(inp, TOL[torch.float32], ours=beside)
     monkeypatch.setenv("CHUNKWISE_BWD_OVERLAP", "0")
     after = _grads(inp, "triton", torch.float32)
@@ -779,6 +795,38 @@ def test_grads_saved_states(fam, dtype, monkeypatch):
     assert len(launches) == (1 if keeps else 2)
     for n in without:
         assert rel_err(with_states[n], without[n]) <= TOL[dtype] / 4, n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("fam", ("gdn", "kda", "delta"))
+def test_grads_saved_r(fam, dtype, monkeypatch):
+    """CHUNKWISE_SAVE_R=1 (the default): the saving forward's stage 2 keeps R = U − W S, and the backward's forward state
+    pass forms the per-chunk states from it as the no-delta pass does from V (no W / U read; its launch takes
+    DELTA=False): every gradient equals the reference's and the recomputing backward's, over a varlen batch with a
+    1-token, a mid-chunk and a 2-chunk sequence, grouped heads and a carried-in state."""
+    import chunkwise.triton.chunk_bwd as cb
+    inp = make_inputs(fam, lengths=[1, 70, 128, 30], H=1, HV=2, K=16, V=32, seed=19)
+    deltas = []
+    orig = cb._fwd_h_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                deltas.append(kwargs["DELTA"])
+                return orig[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(cb, "_fwd_h_kernel", Spy())
+    keeps = _keeps_stage1(fam, dtype)
+    monkeypatch.setenv("CHUNKWISE_SAVE_R", "1")
+    with_r = _grads(inp, "triton", dtype)
+    _compare(inp, TOL[dtype], dtype=dtype, ours=with_r)
+    assert deltas == [not keeps]
+    monkeypatch.setenv("CHUNKWISE_SAVE_R", "0")
+    without = _grads(inp, "triton", dtype)
+    assert deltas == [not keeps, True]
+    for n in without:
+        assert rel_err(with_r[n], without[n]) <= TOL[dtype] / 4, n
 
 
 @pytest.mark.parametrize("ahead", ["0", "1", "2"])

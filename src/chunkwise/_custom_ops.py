@@ -286,23 +286,23 @@ def _save_stage1_wanted(mode, backend, beta, *tensors) -> bool:
 
 def _stage1_shapes(q, v, g, beta, cu_seqlens):
     """(w, u, p, t, h, r, qg, kg, gc) shapes and dtypes the saving forward returns (empty [0] tensors where it saves
-    nothing; h, r only with chunk_fwd.saves_states; qg, kg only where chunk_bwd.gate_scaled_in; gc, KDA's G, with
+    nothing; h only with chunk_fwd.saves_states, r with it or chunk_fwd.saves_r; qg, kg only where chunk_bwd.gate_scaled_in; gc, KDA's G, with
     chunk_fwd.saves_gate_cumsum)."""
     from .triton.chunk_bwd import gate_scaled_in
     from .triton.chunk_fwd import (BT, _gate_kind, chunk_slots, save_t_form, saves_gate_cumsum, saves_gate_scaled,
-                                   saves_stage1, saves_states, state_dtype)
+                                   saves_r, saves_stage1, saves_states, state_dtype)
     B, T, HV, K, V = q.shape[0], q.shape[1], v.shape[2], q.shape[3], v.shape[3]
     empty = (_EMPTY_SHAPE, q.dtype)
     if not saves_stage1(q, v, g, beta):
         return [empty] * 9
     wu = [empty] * 2 if save_t_form(_gate_kind(g), q.dtype) else [((B, T, HV, K), q.dtype), ((B, T, HV, V), q.dtype)]
     stage = wu + [((B, T, HV, BT), q.dtype), ((B, T, HV, BT), torch.float32)]
-    if not saves_states():
-        stage += [empty] * 2
-    else:
+    sdt = state_dtype(q.dtype)
+    if saves_states():
         N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-        sdt = state_dtype(q.dtype)
         stage += [((chunk_slots(N, T, cu_seqlens is not None), HV, K, V), sdt), ((B, T, HV, V), sdt)]
+    else:
+        stage += [empty, ((B, T, HV, V), sdt) if saves_r() else empty]
     stage += [((B, T, HV, K), q.dtype)] * 2 if gate_scaled_in(g, q) and saves_gate_scaled() else [empty] * 2
     return stage + [((B, T, HV, K), torch.float32) if _gate_kind(g) == 2 and saves_gate_cumsum() else empty]
 
@@ -318,7 +318,8 @@ def chunk_fwd_saved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Option
     h [slots,HV,K,V], r [B,T,HV,V]), w .. r empty [0] tensors where the head dims are padded, 16-bit K > 128 runs
     in fp32, or GDN / DeltaNet take fp16 inputs (see triton.chunk_fwd.saves_stage1); w, u empty too where the
     forward runs under T_FORM (triton.chunk_fwd.save_t_form: the backward forms them from t); h (each chunk's
-    entering state) and r (R = U − W S) empty unless CHUNKWISE_SAVE_STATES=1 (triton.chunk_fwd.saves_states);
+    entering state) empty unless CHUNKWISE_SAVE_STATES=1 (triton.chunk_fwd.saves_states), r (R = U − W S) empty
+    unless it or triton.chunk_fwd.saves_r (the default);
     qg = q ⊙ e^G, kg = k ⊙ e^{G_last − G} [B,T,HV,K] in q's dtype (KDA, what its backward's state passes take:
     triton.chunk_bwd.gate_scaled_in; not with CHUNKWISE_SAVE_GATE_SCALED=0), else empty; gc: KDA's chunk-local
     cumulative gate G [B,T,HV,K] fp32 (not with CHUNKWISE_SAVE_GATE_CUMSUM=0), else empty."""
@@ -358,7 +359,9 @@ def chunk_bwd_saved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Option
     k ⊙ e^{G_last − G} (qg, kg; formed again where they are empty) and G (gc; likewise)."""
     saved = dict(w=w if w.numel() else None, u=u if u.numel() else None, p=p, t=t) if t.numel() else None
     if saved is not None and h.numel():
-        saved.update(h=h, r=r)
+        saved.update(h=h)
+    if saved is not None and r.numel():
+        saved.update(r=r)
     if saved is not None and qg.numel():
         saved.update(qg=qg, kg=kg)
     if saved is not None and gc.numel():

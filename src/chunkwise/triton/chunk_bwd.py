@@ -447,8 +447,9 @@ def _wu_kernel(k, v, beta, G, Tmat, Pmat, do, W, U, dRl, cu_seqlens, chunk_indic
                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
                IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr = 0, ready=None,
-               SIGNAL: tl.constexpr = 0):
-    """W: [B, T, HV, K], U, dRl: [B, T, HV, V] (16-bit storage for 16-bit inputs). LOWP: 1, the products'
+               SIGNAL: tl.constexpr = 0, STORE_U: tl.constexpr = 1):
+    """W: [B, T, HV, K], U, dRl: [B, T, HV, V] (16-bit storage for 16-bit inputs); U only with STORE_U (not
+    where the forward saved R, which is all the backward reads U for). LOWP: 1, the products'
     operands (T, P, β e^G K, β V, dO) in the 16-bit input dtype, fp32 accumulation: W and U as the
     forward's stage 1 forms them with its bf16 W/U products; 2, in fp16, each tile scaled by a power of two
     first (_fp16_scaled: no overflow, no subnormals at its top 14 binades, 11 significant bits rounded to
@@ -484,7 +485,7 @@ def _wu_kernel(k, v, beta, G, Tmat, Pmat, do, W, U, dRl, cu_seqlens, chunk_indic
         b_do = tl.load(do + p_tv, mask=m_tv, other=0.).to(op_dt)
         b_dr = _wu_mm(tl.trans(b_P), s_P * scale, b_do, op_dt, PREC, LOWP)              # [C, C] @ [C, BV]
         tl.store(dRl + p_tv, b_dr, mask=m_tv)
-        if DELTA:
+        if DELTA and STORE_U:
             b_y = tl.load(v + p_tv, mask=m_tv, other=0.).to(tl.float32) * b_beta[:, None]
             tl.store(U + p_tv, _wu_mm(b_T, s_T, b_y, op_dt, PREC, LOWP), mask=m_tv)       # [C, C] @ [C, BV]
     if SIGNAL:
@@ -2097,8 +2098,8 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         # under T_FORM kept T alone (chunk_fwd.save_t_form)
         Tmat = saved["t"].contiguous()
         wu_from_t = saved.get("w") is None
-        if wu_from_t:
-            W, U = buf(B, T, HV, K, dtype=sdt), buf(B, T, HV, V, dtype=sdt)
+        if wu_from_t:       # (U only where R is not saved: R = U − W S is all the backward reads it for)
+            W, U = buf(B, T, HV, K, dtype=sdt), None if saved.get("r") is not None else buf(B, T, HV, V, dtype=sdt)
         else:
             W, U = saved["w"].contiguous(), saved["u"].contiguous()
     elif delta:
@@ -2108,13 +2109,18 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     p_in_dh = saved is not None and gate != 2 and not wu_from_t and _env_switch("CHUNKWISE_BWD_P_IN_DH", BWD_P_IN_DH)
     dRl = saved["p"].contiguous() if p_in_dh else buf(B, T, HV, V, dtype=sdt)
     NC = chunk_slots(N, T, varlen)
-    # the forward's stage 2 may have kept every chunk's entering state and R (chunk_fwd.saves_states)
+    # the forward's stage 2 may have kept every chunk's entering state and R (chunk_fwd.saves_states), or R alone
+    # (chunk_fwd.saves_r): then the forward state pass forms the states from R as the no-delta pass does from V,
+    # S ← γ S + Kendᵀ R, without W, U
     states_saved = saved is not None and saved.get("h") is not None
+    r_saved = saved is not None and saved.get("r") is not None
     if states_saved:
         h, R = saved["h"].contiguous(), saved["r"].contiguous()
     else:
         h = buf(NC, HV, K, V, dtype=sdt)
-        if delta:
+        if r_saved:
+            R = saved["r"].contiguous()
+        elif delta:
             R = buf(B, T, HV, V, dtype=sdt)
     seq = dict(cu_seqlens=cu_seqlens, T=T)
     # per-channel gate with 16-bit operands: the state passes take q ⊙ e^G and k ⊙ e^{G_last − G} formed once by a
@@ -2134,7 +2140,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         grid_s[0] * grid_s[1], _num_sms(dev), NT, dev)
     ready = side = None
     if beside:
-        if wu_from_t:
+        if wu_from_t and not r_saved:   # (from R the pass reads no W / U: it waits for nothing)
             ready = torch.zeros((NC, HV), dtype=torch.int32, device=dev)
         side = _side_stream(dev)
     # fp16 takes the three kernels: on the H200 (run of e1f8201) the fused pass with fp16 products at 4 warps gave
@@ -2149,6 +2155,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                 k, v, beta, G, Tmat if wu_from_t else None, saved["p"].contiguous(), do, W if wu_from_t else None,
                 U if wu_from_t else None, dRl, scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate,
                 DELTA=wu_from_t, IS_VARLEN=varlen, PREC=prec, LOWP=wu_lowp, ready=ready, SIGNAL=ready is not None,
+                STORE_U=U is not None,
                 num_warps=_warps("wu", gate, wide8), **_regs("wu", gate, wide8), num_stages=ns, **common)
     elif fused_prep:
         # one pass per chunk (the forward's stage-1 kernel): T, W, U, dR_local; A and P stay in registers,
@@ -2171,8 +2178,9 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
 
     if not states_saved:
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            _fwd_h_kernel[grid_s](k_s, v, G, W, U, h0, h, R, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate,
-                                  DELTA=delta, HAS_H0=has_h0, TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen,
+            _fwd_h_kernel[grid_s](k_s, R if r_saved else v, G, None if r_saved else W, None if r_saved else U, h0,
+                                  h, None if r_saved else R, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate,
+                                  DELTA=delta and not r_saved, HAS_H0=has_h0, TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen,
                                   PREC=prec, LOOP_WHILE=_INTERPRET, LOWP=lowp, KD_IN=kd_in, ready=ready,
                                   WAIT=ns_state + 1 if ready is not None else 0,
                                   num_warps=_warps("fwd_h", gate, wide8 and not beside),

@@ -812,15 +812,15 @@ def _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, 
                        TMA_O: tl.constexpr = 0, STORE_HR: tl.constexpr = 0, T_FORM: tl.constexpr = 0):
     """One chunk of stage 2: returns the state after chunk i_t, writes its rows of o. b_gl: _chunk_decay's.
     TMA: q, k, v, w, u, p, qg, kg are _tma_view descriptors; TMA_O: o_base too (the output's stores).
-    STORE_HR (a forward saved for the backward, delta families): the state entering the chunk -> hs [slots, HV, K, V]
-    at slot slot0 + i_t, and R -> rs [B, T, HV, V] (before any gate scales it), in their dtype, as the backward's
-    forward state pass would form them.
+    STORE_HR (a forward saved for the backward, delta families): 1, the state entering the chunk -> hs [slots, HV, K,
+    V] at slot slot0 + i_t, and R -> rs [B, T, HV, V] (before any gate scales it), in their dtype, as the backward's
+    forward state pass would form them; 2, R alone (SAVE_R).
     T_FORM (delta rule): u is stage 1's T diag(β) [B, T, HV, BT], w (per-channel gate only) K ⊙ e^G [B, T, HV, K];
     R = T diag(β) (V − (K ⊙ e^G) S), which is U − W S with U = T diag(β) V, W = T diag(β) (K ⊙ e^G)."""
     o_k = tl.arange(0, BK)
     o_t = tl.arange(0, BTc)
     t0 = i_t * BTc
-    if STORE_HR:
+    if STORE_HR == 1:
         o_v = i_v * BV + tl.arange(0, BV)
         tl.store(hs + (((slot0 + i_t) * HV + i_h) * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :],
                  S.to(hs.dtype.element_ty), mask=(o_k < K)[:, None] & (o_v < V)[None, :])
@@ -858,6 +858,9 @@ def _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, 
             b_Z = b_Z * b_eg[:, None]
         b_Z = b_v.to(tl.float32) - b_Z
         b_R = tl.dot(b_T, b_Z.to(b_T.dtype), input_precision=DOT_PREC)              # [BT, BT] @ [BT, BV]
+        if STORE_HR:
+            tl.store(tl.make_block_ptr(rs + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, i_v * BV), (BTc, BV),
+                                       (1, 0)), b_R.to(rs.dtype.element_ty), boundary_check=(0, 1))
     if P_IN:
         b_P = _tile(p, (bos * HV + i_h) * BTc, T_seq, BTc, HV * BTc, t0, 0, BTc, BTc, TMA)
     else:
@@ -907,7 +910,7 @@ def _state_output_step_t(i_t, St, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_bas
     o_t = tl.arange(0, BTc)
     o_v = i_v * BV + tl.arange(0, BV)
     t0 = i_t * BTc
-    if STORE_HR:
+    if STORE_HR == 1:
         tl.store(hs + (((slot0 + i_t) * HV + i_h) * K + o_k[None, :]).to(tl.int64) * V + o_v[:, None],
                  St.to(hs.dtype.element_ty), mask=(o_k < K)[None, :] & (o_v < V)[:, None])
     if DELTA and T_FORM:
@@ -923,6 +926,9 @@ def _state_output_step_t(i_t, St, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_bas
             b_Zt = b_Zt * b_eg[None, :]
         b_Zt = tl.trans(b_v).to(tl.float32) - b_Zt
         b_Rt = tl.dot(b_Zt.to(b_T.dtype), tl.trans(b_T), input_precision=DOT_PREC)      # [BV, BT] @ [BT, BT]
+        if STORE_HR:
+            tl.store(rs + ((bos + t0 + o_t[None, :]) * HV + i_h) * V + o_v[:, None], b_Rt.to(rs.dtype.element_ty),
+                     mask=(t0 + o_t < T_seq)[None, :] & (o_v < V)[:, None])
     elif DELTA:
         b_w = _tile(w, (bos * HV + i_h) * K, T_seq, K, HV * K, t0, 0, BTc, BK, TMA)
         b_u = _tile(u, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, i_v * BV, BTc, BV, TMA)
@@ -1680,6 +1686,12 @@ def saves_stage1(q, v, g, beta) -> bool:
 # CHUNKWISE_SAVE_STATES=1 turns it on.
 SAVE_STATES = 0
 
+# Under autograd, stage 2 writes R = U − W S (the 16-bit input dtype, [B, T, HV, V]: O(T·HV·V) more saved memory, the
+# buffer the backward allocated for it anyway) and the backward's forward state pass forms the per-chunk states
+# from it, S ← γ S + Kendᵀ R, one product a step on the state's chain instead of two (R = U − W S first) and no
+# W / U read. Not with SAVE_STATES (which saves R and the states). CHUNKWISE_SAVE_R (0 / 1) overrides.
+SAVE_R = 1
+
 
 # KDA under autograd: the forward's q ⊙ e^G and k ⊙ e^{G_last − G} (stage 1 forms them for stage 2) kept for the
 # backward's state passes (chunk_bwd.gate_scaled_in), instead of its _gate_scaled_kernel forming them again. On the
@@ -1709,6 +1721,11 @@ def saves_gate_cumsum() -> bool:
 def saves_states() -> bool:
     """Whether a forward that saves stage 1 also saves the per-chunk states and R (SAVE_STATES)."""
     return _env_switch("CHUNKWISE_SAVE_STATES", SAVE_STATES)
+
+
+def saves_r() -> bool:
+    """Whether a forward that saves stage 1 also saves R = U − W S, without the per-chunk states (SAVE_R)."""
+    return not saves_states() and _env_switch("CHUNKWISE_SAVE_R", SAVE_R)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -1873,6 +1890,9 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         hs = _alloc((chunk_slots(N, T, cu_seqlens is not None), HV, K, V), sdt, q.device)
         rs = _alloc((B, T, HV, V), sdt, q.device)
         saved_out.update(h=hs, r=rs)
+    elif save and saves_r():        # R alone: the backward's forward state pass forms the states from it
+        rs = _alloc((B, T, HV, V), state_dtype(q.dtype), q.device)
+        saved_out.update(r=rs)
 
     # the delta rule: stage 1 writes T diag(β) (and per channel K ⊙ e^G) and stage 2 forms R from it (T_FORM)
     t_form = delta and delta_stage1_form(gate, save, q.dtype)[1]
@@ -1948,7 +1968,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
                 USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=cu_seqlens is not None,
                 DOT_PREC=dot_prec, g_floor=G_FLOOR, LOOP_WHILE=_INTERPRET, SEG=seg_mode, NSEG=nseg_m,
                 SUB=sub if seg_mode == 2 else 1, GC_IN=delta and gate == 1, TMA=tma,
-                TMA_O=tma_o, STORE_HR=hs is not None, TRANS=int(trans and seg_mode == 0), T_FORM=t_form,
+                TMA_O=tma_o, STORE_HR=1 if hs is not None else (2 if rs is not None else 0), TRANS=int(trans and seg_mode == 0), T_FORM=t_form,
                 WAIT=stages_m + 1 if overlap else 0, FENCE=bool(overlap and tma and not _INTERPRET),
                 num_warps=warps_m, num_stages=stages_m, **reg_cap("fwd_o"))
     if side is not None:
