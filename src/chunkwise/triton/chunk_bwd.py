@@ -1920,13 +1920,18 @@ BWD_REGS_PER_CHANNEL = {"intra_diag": 168, "solve": 128, "wu": 168}
 # 11.83 at 8 warps, 11.22 at 4 (the W / U launch bounds both: 0.84 ms alone, 2.16 beside the 8-warp pass, 1.37 beside
 # the 4-warp one, against the pass's 0.90 alone); GDN 6.25 / 6.16; DeltaNet 4.94 / 4.97 (off).
 BWD_OVERLAP = {0: 0, 1: 1, 2: 1}
+# The same where the forward saved R (chunk_fwd.SAVE_R: the pass reads k, R, G and no W / U). H200, B1-T32768-H32 bf16
+# (sweep_bwd --variants saver, session 26): the pass alone / beside GDN's dR_local launch 0.43 / 0.77 ms (with that
+# launch 0.20 / 0.27): off; KDA fwd+bwd after / beside 10.39 / 10.22 (W and dR_local 0.65 alone): on
+BWD_OVERLAP_R = {0: 0, 1: 0, 2: 1}
 
 
-def bwd_overlap(gate: int) -> bool:
-    """Whether the backward's forward state pass may run beside its W / U launch (BWD_OVERLAP)."""
+def bwd_overlap(gate: int, r_saved: bool = False) -> bool:
+    """Whether the backward's forward state pass may run beside its W / U launch (BWD_OVERLAP, BWD_OVERLAP_R where
+    the forward saved R)."""
     if os.environ.get("CHUNKWISE_BWD_OVERLAP") is not None:
         return bool(_env_choice("CHUNKWISE_BWD_OVERLAP", 0, range(2)))
-    return bool(BWD_OVERLAP[gate])
+    return bool((BWD_OVERLAP_R if r_saved else BWD_OVERLAP)[gate])
 
 
 def _regs(name: str, gate: int, wide_ok: bool = True) -> dict:
@@ -2136,7 +2141,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     # the forward state pass beside the W / U launch (BWD_OVERLAP): where the forward's stage 1 is saved, _wu_kernel
     # forms dR_local (and W, U where the forward kept T alone, KDA) and the state pass reads only W, U of it: it runs on
     # a high-priority stream of its own, each step waiting for its chunk's W / U (flags) or, with W / U saved, at once
-    beside = saved is not None and not p_in_dh and not states_saved and bwd_overlap(gate) and _overlap(
+    beside = saved is not None and not p_in_dh and not states_saved and bwd_overlap(gate, r_saved) and _overlap(
         grid_s[0] * grid_s[1], _num_sms(dev), NT, dev)
     ready = side = None
     if beside:

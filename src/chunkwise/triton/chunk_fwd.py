@@ -804,6 +804,18 @@ def _step_gate(g, gcum, b_gl, slot, bos, t0, T_seq, i_h, HV, BTc: tl.constexpr, 
 
 
 @triton.jit
+def _store_r(rs, b_R, bos, t0, T_seq, i_h, i_v, HV, V, BTc: tl.constexpr, BV: tl.constexpr):
+    """R [BTc, BV] -> its rows of rs [B, T, HV, V]. Its layout conversion takes a 4 KB shared-memory staging (as a
+    block pointer's store did), which the output's store shares when that is not a TMA store (chunk_fwd's tma_o):
+    offline sm_90 GDN's training stage 2 took 201296 B with both, past what leaves room for a stage-1 program beside it
+    (on the H200 its forward went 1.4 -> 14.6 ms), 197200 B (as without R) with the output's plain store."""
+    o_t = t0 + tl.arange(0, BTc)
+    o_v = i_v * BV + tl.arange(0, BV)
+    tl.store(rs + ((bos + o_t[:, None]) * HV + i_h) * V + o_v[None, :], b_R.to(rs.dtype.element_ty),
+             mask=(o_t < T_seq)[:, None] & (o_v < V)[None, :])
+
+
+@triton.jit
 def _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, hs, rs, slot0, bos, T_seq, i_h, i_hk,
                        i_v, scale, H, HV, K, V,
                        BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -834,8 +846,7 @@ def _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, 
         b_u = _tile(u, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, i_v * BV, BTc, BV, TMA)
         b_R = b_u.to(tl.float32) - tl.dot(b_w, S.to(b_w.dtype), input_precision=DOT_PREC)   # [BT, BK] @ [BK, BV]
         if STORE_HR:
-            tl.store(tl.make_block_ptr(rs + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, i_v * BV), (BTc, BV),
-                                       (1, 0)), b_R.to(rs.dtype.element_ty), boundary_check=(0, 1))
+            _store_r(rs, b_R, bos, t0, T_seq, i_h, i_v, HV, V, BTc, BV)
     else:
         b_R = _tile(v, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, i_v * BV, BTc, BV, TMA).to(tl.float32)
     if GATE == 2:
@@ -859,8 +870,7 @@ def _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, 
         b_Z = b_v.to(tl.float32) - b_Z
         b_R = tl.dot(b_T, b_Z.to(b_T.dtype), input_precision=DOT_PREC)              # [BT, BT] @ [BT, BV]
         if STORE_HR:
-            tl.store(tl.make_block_ptr(rs + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, i_v * BV), (BTc, BV),
-                                       (1, 0)), b_R.to(rs.dtype.element_ty), boundary_check=(0, 1))
+            _store_r(rs, b_R, bos, t0, T_seq, i_h, i_v, HV, V, BTc, BV)
     if P_IN:
         b_P = _tile(p, (bos * HV + i_h) * BTc, T_seq, BTc, HV * BTc, t0, 0, BTc, BTc, TMA)
     else:
@@ -1927,7 +1937,9 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     dot_prec = _dot_prec(q.dtype)[0]
     trans = _env_switch("CHUNKWISE_FWD_TRANS", int((FWD_TRANS[gate] if delta else FWD_TRANS_GLA) and bv >= 64))
     tma = _env_switch("CHUNKWISE_FWD_TMA", FWD_TMA)
-    tma_o = tma and _env_switch("CHUNKWISE_FWD_TMA_O", int(FWD_TMA_O and nseg == 1))
+    # (not where stage 2 stores R too: offline sm_90 the two stores' staging took GDN's training stage 2 past the
+    # shared memory that leaves a stage-1 program room beside it, 197200 -> 201296 B; one staging is shared)
+    tma_o = tma and _env_switch("CHUNKWISE_FWD_TMA_O", int(FWD_TMA_O and nseg == 1 and rs is None))
     if tma and not _INTERPRET:
         _ensure_allocator()
     if num_stages is None:
