@@ -69,7 +69,7 @@ def _compare(inp, tol, dtype=torch.float32, ours=None, scales=None, **kw):
         t = ours[n]
         assert t.dtype == (dtype if n in ("q", "k", "v", "beta") else t.dtype)
         errs[n] = rel_err(t, r) if n not in (scales or {}) else \
-            ((t.double() - r.double()).norm() / scales[n](ref).norm()).item()
+            ((t.detach().double().cpu() - r.detach().double().cpu()).norm() / scales[n](ref).norm()).item()
     bad = {n: f"{e:.2e}" for n, e in errs.items() if not e <= tol}
     assert not bad, f"gradient rel errors above {tol:.0e}: {bad} (all: { {n: f'{e:.1e}' for n, e in errs.items()} })"
     return errs
@@ -254,8 +254,8 @@ def test_grads_in_op_preludes(fam):
         # dA_log[h] = Σ_t,k dg ⊙ g with g = −e^{A_log} softplus(x), x = a + dt_bias, da = dg ⊙ (−e^{A_log}) σ(x): the
         # terms are da ⊙ softplus(x) / σ(x). Their sum cancels (here 92x for one head: 0.12 of terms totalling 11),
         # so its error is measured against the terms' magnitudes, Σ |terms| per head
-        x = inp.g.double() + params["dt_bias"].double().view(HV, -1).squeeze(-1)
-        terms = ref["g"].double() * torch.nn.functional.softplus(x) / torch.sigmoid(x)
+        x = inp.g.detach().double().cpu() + params["dt_bias"].double().cpu().view(HV, -1).squeeze(-1)
+        terms = ref["g"].detach().double().cpu() * torch.nn.functional.softplus(x) / torch.sigmoid(x)
         return terms.abs().sum(dim=tuple(d for d in range(terms.dim()) if d != 2))
 
     errs = _compare(inp, TOL[torch.float32], params=params, use_qk_l2norm_in_kernel=True,
