@@ -104,6 +104,20 @@ def _keeps_stage1(fam, dtype):
 KS = dict(K=32, V=32)
 
 
+@pytest.mark.parametrize("G,K,dtype", [(2, 128, torch.bfloat16), (3, 100, torch.float16), (4, 16, torch.float32)])
+def test_group_sum(G, K, dtype):
+    """Grouped value heads' dq / dk: group_sum adds each key head's G value-head rows in fp32 and stores the sum in the
+    input dtype, as an fp32 sum rounded once (rows past a multiple of its row block, K not a power of two)."""
+    from chunkwise.triton.chunk_bwd import group_sum
+    gen = torch.Generator().manual_seed(7)
+    B, T, H = 2, 37, 3
+    x = torch.randn(B, T, H * G, K, generator=gen).to(DEVICE)
+    y = group_sum(x, H, dtype)
+    assert y.shape == (B, T, H, K) and y.dtype == dtype
+    ref = x.double().view(B, T, H, G, K).sum(3)
+    torch.testing.assert_close(y, ref.to(dtype))
+
+
 @pytest.mark.parametrize("fam", FAMS)
 def test_grads_grouped_heads(fam):
     """Two chunks (the second partial), HV > H, carried-in state, loss on the final state."""

@@ -1718,6 +1718,32 @@ def _bwd_pair_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, fla
             o_t, m_t, rows, m_cc, p_cc, p_ccT = _chunk_rows(t0, L, i_h, HV, C)
             tl.store(dbp + i_kb.to(tl.int64) * s_dbp + rows * HV + i_h, tl.zeros([C], dtype=tl.float32), mask=m_t)
 
+
+@triton.jit
+def _group_sum_kernel(x, y, n_rows, G: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
+    """Grouped value heads: y[r, :] = Σ_g x[r, g, :] over a row's G value heads, in fp32, stored in y's dtype.
+    x: [n_rows, G, K] fp32 (the per-value-head dq or dk, rows = B·T·H), y: [n_rows, K]. One pass: the sum and the
+    cast to the input dtype as two torch launches moved 1.8x the bytes (an fp32 [B, T, H, K] written and read back)."""
+    o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    o_k = tl.arange(0, BK)
+    m = (o_r < n_rows)[:, None] & (o_k < K)[None, :]
+    b_y = tl.zeros([BR, BK], dtype=tl.float32)
+    for i_g in tl.static_range(G):
+        b_y += tl.load(x + (o_r[:, None] * G + i_g) * K + o_k[None, :], mask=m, other=0.)
+    tl.store(y + o_r[:, None] * K + o_k[None, :], b_y.to(y.dtype.element_ty), mask=m)
+
+
+def group_sum(x: torch.Tensor, H: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, T, HV, K] fp32 gradients of the value heads -> [B, T, H, K] in ``dtype``, summed over each key head's
+    HV / H value heads (_group_sum_kernel)."""
+    B, T, HV, K = x.shape
+    x = x.contiguous()
+    y = torch.empty(B, T, H, K, device=x.device, dtype=dtype)
+    n_rows, BR = B * T * H, 16
+    _group_sum_kernel[(cdiv(n_rows, BR),)](x, y, n_rows, G=HV // H, K=K, BK=next_pow2(K), BR=BR, num_warps=4)
+    return y
+
+
 # ------------------------------------------------------------------------------------------------
 # launcher
 # ------------------------------------------------------------------------------------------------
@@ -2305,9 +2331,8 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         if delta:
             dbeta += dbp.view(-1, B, T, HV).sum(0)
         dq, dk = dq_o, dk_o
-    if HV != H:
-        dq = dq.view(B, T, H, HV // H, K).sum(3)
-        dk = dk.view(B, T, H, HV // H, K).sum(3)
+    if HV != H:     # (fp32 per value head: gdt)
+        dq, dk = group_sum(dq, H, q.dtype), group_sum(dk, H, k.dtype)
     dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
     dG = None if dG is None else dG.to(g.dtype)
     dh0 = None if dh0 is None else dh0.to(initial_state.dtype)
