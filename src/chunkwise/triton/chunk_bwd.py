@@ -23,8 +23,11 @@ diagonal blocks) -> T -> W, U, dR_local -> forward state pass (h, R) -> reverse 
 dh0) -> for a scalar gate or none (BWD_DQK): everything that reads the state tiles h / dh, by key column blocks
 (dq, the dk and dg of the state and P terms, dW) -> the gradients through T per chunk (dv, dk, dβ, dg finished);
 per channel: value-side gradients (dP, dT_v, dv, dβ) -> key-side gradients (dq, dk, dβ, dg) -> the pairwise
-gradients through P and A by blocks of key channels, and the reverse cumsum. Per-chunk states are recomputed here and live only during
-the backward; the forward saves nothing but its inputs.
+gradients through P and A by blocks of key channels, and the reverse cumsum (grouped value heads: dq, dk summed over
+each group, group_sum). Per-chunk states are recomputed here and live only during the backward. Under autograd the
+delta families' forward keeps its stage 1 (T, P, and W, U or KDA's q ⊙ e^G, k ⊙ e^{G_last − G}, G) and R = U − W S
+(chunk_bwd's ``saved``): O(T·H·(K + V + C)), and the stages above that form them are skipped (the forward state pass
+then forms only h, from R).
 
 Per-channel numerics: Γ is never formed from e^{G_i} and e^{−G_j}. Where a chunk's gate stays within
 ±SPAN_MAX of r = G_last / 2 for a block of channels, Γ_ij = exp(G_i − r) · exp(r − G_j) over the whole
@@ -661,8 +664,9 @@ def _fwd_h_kernel(k, v, G, W, U, h0, h, R, cu_seqlens, T,
                   HAS_H0: tl.constexpr, TRANSPOSE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
                   LOOP_WHILE: tl.constexpr, LOWP: tl.constexpr = 0, KD_IN: tl.constexpr = 0, ready=None,
                   WAIT: tl.constexpr = 0):
-    """h: [NC, HV, K, V] fp32, the state entering each chunk; R: [B, T, HV, V] fp32 (delta only).
-    h0: [N, HV, K, V] ([N, HV, V, K] if TRANSPOSE).
+    """h: [NC, HV, K, V], the state entering each chunk; R: [B, T, HV, V] (delta only), both in the dtype of their
+    buffers (16-bit for 16-bit inputs). h0: [N, HV, K, V] ([N, HV, V, K] if TRANSPOSE). Where the forward kept R
+    (chunk_fwd.SAVE_R) chunk_bwd launches the no-delta form with v = that R: S ← γ S + Kendᵀ R, no W / U.
     WAIT (this pass beside the W / U launch, _wu_kernel's SIGNAL): step i first waits for ready[slot of chunk
     i + WAIT, head] (chunk_fwd._wait_ready), WAIT past the software pipeline's depth, so that the loads it issues
     ahead read only published chunks; the first WAIT chunks before the loop."""
