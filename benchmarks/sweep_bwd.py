@@ -138,7 +138,11 @@ GC_VARIANTS = "gc1:CHUNKWISE_SAVE_GATE_CUMSUM=1;gc0:CHUNKWISE_SAVE_GATE_CUMSUM=0
 # product a step) or formed again by that pass; with it, the pass beside the dR_local / W launch or after it
 SAVER_VARIANTS = ("r1:CHUNKWISE_SAVE_R=1;r0:CHUNKWISE_SAVE_R=0;r1_after:CHUNKWISE_SAVE_R=1,CHUNKWISE_BWD_OVERLAP=0;"
                   "r1_beside:CHUNKWISE_SAVE_R=1,CHUNKWISE_BWD_OVERLAP=1")
-NAMED = {"saver": SAVER_VARIANTS, "gc": GC_VARIANTS, "sds": SDS_VARIANTS, "beside": BESIDE_VARIANTS, "pairregs": PAIRREGS_VARIANTS, "tform": TFORM_VARIANTS, "kdasplit": KDASPLIT_VARIANTS, "dqk": DQK_VARIANTS, "ahead": AHEAD_VARIANTS, "states": STATES_VARIANTS, "pair": PAIR_VARIANTS, "gates": GATES_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
+# with R kept, the training forward of GDN / DeltaNet under the T form (stage 1 and stage 2 as the inference forward's,
+# plus T and R stored; the backward forms W alone from T beside dR_local, fp16-scaled operands): session 20 measured it
+# slower when that launch also formed U (GDN 6.48 -> 6.82 ms at fp32 operands); untimed since R is kept
+TFORMR_VARIANTS = "wu:CHUNKWISE_SAVE_T_FORM=0;tform:CHUNKWISE_SAVE_T_FORM=1;tform_bf16w:CHUNKWISE_SAVE_T_FORM=1,CHUNKWISE_SAVE_WU_LOWP=1"
+NAMED = {"tformr": TFORMR_VARIANTS, "saver": SAVER_VARIANTS, "gc": GC_VARIANTS, "sds": SDS_VARIANTS, "beside": BESIDE_VARIANTS, "pairregs": PAIRREGS_VARIANTS, "tform": TFORM_VARIANTS, "kdasplit": KDASPLIT_VARIANTS, "dqk": DQK_VARIANTS, "ahead": AHEAD_VARIANTS, "states": STATES_VARIANTS, "pair": PAIR_VARIANTS, "gates": GATES_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
          "oneref": ONEREF_VARIANTS}
 
 
