@@ -66,3 +66,49 @@ def test_check_finds_the_race():
     assert hazards(waited) == []
     mma_only = _RACY.replace("ttg.local_load %S token", "ttg.other_op %S token")
     assert hazards(mma_only) == []
+
+
+# compiles a family's forward (inference, or training: saved_out) for sm_90 on CPU tensors at B1-T4096-H32 bf16, where
+# stage 2 runs beside stage 1 (chunk_fwd's overlap), and prints each compiled kernel's name and shared memory
+_FWD_SMEM = """
+import glob, json, os, sys
+os.environ["CHUNKWISE_WARM_SM90"] = "1"
+sys.path.insert(0, sys.argv[1])
+import warm_cache
+warm_cache.install_sm90()
+import torch
+from chunkwise.triton.chunk_fwd import chunk_fwd
+fam, train = sys.argv[2], sys.argv[3] == "1"
+B, T, H, K = 1, 4096, 32, 128
+q, k, v = (torch.randn(B, T, H, K, dtype=torch.bfloat16) for _ in range(3))
+g = (torch.randn(B, T, H, K) if fam == "kda" else torch.randn(B, T, H)) * 0.01 - 0.05
+beta = torch.rand(B, T, H, dtype=torch.bfloat16)
+chunk_fwd(q, k, v, g, beta, 0.1, None, False, None, saved_out={} if train else None)
+for f in glob.glob(os.environ["TRITON_CACHE_DIR"] + "/*/*.json"):
+    m = json.load(open(f))
+    if "name" in m and "shared" in m:
+        print(m["name"], m["shared"])
+"""
+SM_SMEM, BLOCK_RESERVED = 233472, 1024      # sm_90: shared memory per SM, and what each resident block reserves
+
+
+@pytest.mark.parametrize("train", ["0", "1"])
+@pytest.mark.parametrize("fam", ["gdn", "kda"])
+def test_stage1_fits_beside_stage2(fam, train, tmp_path):
+    """GDN and KDA at B1 run stage 2's serial programs beside stage 1, whose chunks they wait on: a stage-2 program and a
+    stage-1 program must fit one SM's shared memory together, or stage 1 runs only on the SMs stage 2 leaves. Session
+    26's first kept-R build stored R through 4 KB more staging (GDN's training stage 2 197200 -> 201296 B) and its
+    forward went from 1.4 to 14.6 ms on the H200; session 22 saw KDA at 42.7 ms for the same reason."""
+    e = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "cache"))
+    e.pop("TRITON_INTERPRET", None)
+    e["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "src"), e.get("PYTHONPATH", "")])
+    p = subprocess.run([sys.executable, "-c", _FWD_SMEM, os.path.join(ROOT, "benchmarks"), fam, train], env=e,
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    smem = {}
+    for line in p.stdout.splitlines():
+        name, shared = line.split()
+        smem.setdefault(name, []).append(int(shared))
+    assert smem.get("chunk_state_output_kernel") and smem.get("chunk_prepare_kernel"), p.stdout
+    s2, s1 = max(smem["chunk_state_output_kernel"]), max(smem["chunk_prepare_kernel"])
+    assert s2 + s1 + 2 * BLOCK_RESERVED <= SM_SMEM, (s2, s1)
