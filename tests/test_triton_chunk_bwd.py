@@ -75,17 +75,23 @@ def _compare(inp, tol, dtype=torch.float32, ours=None, scales=None, **kw):
     return errs
 
 
-def _count_launches(monkeypatch, name):
-    """Replace chunk_bwd's Triton kernel ``name`` by a spy that records each launch's grid and launches it; returns
-    the list of grids."""
+def _count_launches(monkeypatch, name, arg=None):
+    """Replace chunk_bwd's Triton kernel ``name`` by a spy that records each launch's grid (or, given ``arg``, that
+    keyword argument of the launch) and launches it; returns the list of records."""
     import chunkwise.triton.chunk_bwd as cb
     launches = []
     orig = getattr(cb, name)
 
     class Spy:
         def __getitem__(self, grid):
-            launches.append(grid)
-            return orig[grid]
+            if arg is None:
+                launches.append(grid)
+                return orig[grid]
+
+            def launch(*args, **kwargs):
+                launches.append(kwargs[arg])
+                return orig[grid](*args, **kwargs)
+            return launch
 
     monkeypatch.setattr(cb, name, Spy())
     return launches
@@ -818,19 +824,8 @@ def test_grads_saved_r(fam, dtype, monkeypatch):
     pass forms the per-chunk states from it as the no-delta pass does from V (no W / U read; its launch takes
     DELTA=False): every gradient equals the reference's and the recomputing backward's, over a varlen batch with a
     1-token, a mid-chunk and a 2-chunk sequence, grouped heads and a carried-in state."""
-    import chunkwise.triton.chunk_bwd as cb
     inp = make_inputs(fam, lengths=[1, 70, 128, 30], H=1, HV=2, K=16, V=32, seed=19)
-    deltas = []
-    orig = cb._fwd_h_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                deltas.append(kwargs["DELTA"])
-                return orig[grid](*args, **kwargs)
-            return launch
-
-    monkeypatch.setattr(cb, "_fwd_h_kernel", Spy())
+    deltas = _count_launches(monkeypatch, "_fwd_h_kernel", arg="DELTA")
     keeps = _keeps_stage1(fam, dtype)
     monkeypatch.setenv("CHUNKWISE_SAVE_R", "1")
     with_r = _grads(inp, "triton", dtype)

@@ -18,12 +18,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECK = os.path.join(ROOT, "benchmarks", "pipeline_check.py")
 
 
-def _run(tmp_path, *args, env=None):
+def _env(tmp_path, env=None):
+    """A compiling subprocess's environment: its own Triton cache, no interpreter, the package on the path."""
     e = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "cache"), **(env or {}))
     e.pop("TRITON_INTERPRET", None)
     e["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "src"), e.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, CHECK, "--T", "256", *args], env=e, capture_output=True, text=True,
-                          timeout=900)
+    return e
+
+
+def _run(tmp_path, *args, env=None):
+    return subprocess.run([sys.executable, CHECK, "--T", "256", *args], env=_env(tmp_path, env), capture_output=True,
+                          text=True, timeout=900)
 
 
 @pytest.mark.parametrize("shapes", ["k128", "grouped_varlen,k64,k256"])
@@ -99,11 +104,8 @@ def test_stage1_fits_beside_stage2(fam, train, tmp_path):
     stage-1 program must fit one SM's shared memory together, or stage 1 runs only on the SMs stage 2 leaves. Session
     26's first kept-R build stored R through 4 KB more staging (GDN's training stage 2 197200 -> 201296 B) and its
     forward went from 1.4 to 14.6 ms on the H200; session 22 saw KDA at 42.7 ms for the same reason."""
-    e = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "cache"))
-    e.pop("TRITON_INTERPRET", None)
-    e["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "src"), e.get("PYTHONPATH", "")])
-    p = subprocess.run([sys.executable, "-c", _FWD_SMEM, os.path.join(ROOT, "benchmarks"), fam, train], env=e,
-                       capture_output=True, text=True, timeout=900)
+    p = subprocess.run([sys.executable, "-c", _FWD_SMEM, os.path.join(ROOT, "benchmarks"), fam, train],
+                       env=_env(tmp_path), capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     smem = {}
     for line in p.stdout.splitlines():

@@ -2127,6 +2127,11 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         Pmat = buf(B, T, HV, C) if scratch else None
     Tmat = W = U = R = None
     wu_from_t = False
+    # the forward's stage 2 may have kept every chunk's entering state and R (chunk_fwd.saves_states), or R alone
+    # (chunk_fwd.saves_r): then the forward state pass forms the states from R as the no-delta pass does from V,
+    # S ← γ S + Kendᵀ R, without W, U
+    states_saved = saved is not None and saved.get("h") is not None
+    r_saved = saved is not None and saved.get("r") is not None
     if saved is not None:
         # the forward's stage 1 (T, W, U in the dtypes the recompute would give; P in the input dtype, as the
         # 16-bit W / U recompute takes it): only dR_local = scale Pᵀ dO is left to form, and W, U where a forward
@@ -2134,7 +2139,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         Tmat = saved["t"].contiguous()
         wu_from_t = saved.get("w") is None
         if wu_from_t:       # (U only where R is not saved: R = U − W S is all the backward reads it for)
-            W, U = buf(B, T, HV, K, dtype=sdt), None if saved.get("r") is not None else buf(B, T, HV, V, dtype=sdt)
+            W, U = buf(B, T, HV, K, dtype=sdt), None if r_saved else buf(B, T, HV, V, dtype=sdt)
         else:
             W, U = saved["w"].contiguous(), saved["u"].contiguous()
     elif delta:
@@ -2144,11 +2149,6 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     p_in_dh = saved is not None and gate != 2 and not wu_from_t and _env_switch("CHUNKWISE_BWD_P_IN_DH", BWD_P_IN_DH)
     dRl = saved["p"].contiguous() if p_in_dh else buf(B, T, HV, V, dtype=sdt)
     NC = chunk_slots(N, T, varlen)
-    # the forward's stage 2 may have kept every chunk's entering state and R (chunk_fwd.saves_states), or R alone
-    # (chunk_fwd.saves_r): then the forward state pass forms the states from R as the no-delta pass does from V,
-    # S ← γ S + Kendᵀ R, without W, U
-    states_saved = saved is not None and saved.get("h") is not None
-    r_saved = saved is not None and saved.get("r") is not None
     if states_saved:
         h, R = saved["h"].contiguous(), saved["r"].contiguous()
     else:
@@ -2212,10 +2212,12 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                            num_stages=ns, **common)
 
     if not states_saved:
+        # (v, W, U in, R out; from a kept R: the no-delta form with R as its v)
+        pass_v, pass_w, pass_u, pass_r = (R, None, None, None) if r_saved else (v, W, U, R)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            _fwd_h_kernel[grid_s](k_s, R if r_saved else v, G, None if r_saved else W, None if r_saved else U, h0,
-                                  h, None if r_saved else R, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, C=C, GATE=gate,
-                                  DELTA=delta and not r_saved, HAS_H0=has_h0, TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen,
+            _fwd_h_kernel[grid_s](k_s, pass_v, G, pass_w, pass_u, h0, h, pass_r, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
+                                  C=C, GATE=gate, DELTA=delta and not r_saved, HAS_H0=has_h0,
+                                  TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen,
                                   PREC=prec, LOOP_WHILE=_INTERPRET, LOWP=lowp, KD_IN=kd_in, ready=ready,
                                   WAIT=ns_state + 1 if ready is not None else 0,
                                   num_warps=_warps("fwd_h", gate, wide8 and not beside),

@@ -804,15 +804,21 @@ def _step_gate(g, gcum, b_gl, slot, bos, t0, T_seq, i_h, HV, BTc: tl.constexpr, 
 
 
 @triton.jit
-def _store_r(rs, b_R, bos, t0, T_seq, i_h, i_v, HV, V, BTc: tl.constexpr, BV: tl.constexpr):
-    """R [BTc, BV] -> its rows of rs [B, T, HV, V]. Its layout conversion takes a 4 KB shared-memory staging (as a
-    block pointer's store did), which the output's store shares when that is not a TMA store (chunk_fwd's tma_o):
-    offline sm_90 GDN's training stage 2 took 201296 B with both, past what leaves room for a stage-1 program beside it
-    (on the H200 its forward went 1.4 -> 14.6 ms), 197200 B (as without R) with the output's plain store."""
-    o_t = t0 + tl.arange(0, BTc)
+def _store_r(rs, b_R, bos, t0, T_seq, i_h, i_v, HV, V, BTc: tl.constexpr, BV: tl.constexpr, TRANS: tl.constexpr = 0):
+    """R [BTc, BV] (TRANS: Rᵀ [BV, BTc]) -> its rows of rs [B, T, HV, V]. Its layout conversion takes a 4 KB
+    shared-memory staging (as a block pointer's store did), which the output's store shares when that is not a TMA
+    store (chunk_fwd's tma_o): offline sm_90 GDN's training stage 2 took 201296 B with both, past what leaves room for a
+    stage-1 program beside it (on the H200 its forward went 1.4 -> 14.6 ms), 197200 B (as without R) with the output's
+    plain store."""
     o_v = i_v * BV + tl.arange(0, BV)
-    tl.store(rs + ((bos + o_t[:, None]) * HV + i_h) * V + o_v[None, :], b_R.to(rs.dtype.element_ty),
-             mask=(o_t < T_seq)[:, None] & (o_v < V)[None, :])
+    if TRANS:
+        o_t = tl.arange(0, BTc)
+        tl.store(rs + ((bos + t0 + o_t[None, :]) * HV + i_h) * V + o_v[:, None], b_R.to(rs.dtype.element_ty),
+                 mask=(t0 + o_t < T_seq)[None, :] & (o_v < V)[:, None])
+    else:
+        o_t = t0 + tl.arange(0, BTc)
+        tl.store(rs + ((bos + o_t[:, None]) * HV + i_h) * V + o_v[None, :], b_R.to(rs.dtype.element_ty),
+                 mask=(o_t < T_seq)[:, None] & (o_v < V)[None, :])
 
 
 @triton.jit
@@ -937,16 +943,14 @@ def _state_output_step_t(i_t, St, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_bas
         b_Zt = tl.trans(b_v).to(tl.float32) - b_Zt
         b_Rt = tl.dot(b_Zt.to(b_T.dtype), tl.trans(b_T), input_precision=DOT_PREC)      # [BV, BT] @ [BT, BT]
         if STORE_HR:
-            tl.store(rs + ((bos + t0 + o_t[None, :]) * HV + i_h) * V + o_v[:, None], b_Rt.to(rs.dtype.element_ty),
-                     mask=(t0 + o_t < T_seq)[None, :] & (o_v < V)[:, None])
+            _store_r(rs, b_Rt, bos, t0, T_seq, i_h, i_v, HV, V, BTc, BV, True)
     elif DELTA:
         b_w = _tile(w, (bos * HV + i_h) * K, T_seq, K, HV * K, t0, 0, BTc, BK, TMA)
         b_u = _tile(u, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, i_v * BV, BTc, BV, TMA)
         b_Rt = tl.trans(b_u).to(tl.float32) - tl.dot(St.to(b_w.dtype), tl.trans(b_w),
                                                      input_precision=DOT_PREC)     # [BV, BK] @ [BK, BT]
         if STORE_HR:
-            tl.store(rs + ((bos + t0 + o_t[None, :]) * HV + i_h) * V + o_v[:, None], b_Rt.to(rs.dtype.element_ty),
-                     mask=(t0 + o_t < T_seq)[None, :] & (o_v < V)[:, None])
+            _store_r(rs, b_Rt, bos, t0, T_seq, i_h, i_v, HV, V, BTc, BV, True)
     else:
         b_Rt = tl.trans(_tile(v, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, i_v * BV, BTc, BV, TMA)).to(tl.float32)
     if GATE == 2:
@@ -1895,14 +1899,15 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         shape = (N, HV, V, K) if transpose_state_layout else (N, HV, K, V)
         ht = _alloc(shape, torch.float32, q.device)
     hs = rs = None
-    if save and saves_states():      # the per-chunk states and R too: the backward skips its forward state pass
+    if save and (saves_states() or saves_r()):
+        # R (the backward's forward state pass then forms the states from it) and, with SAVE_STATES, the per-chunk
+        # states too (the backward skips that pass)
         sdt = state_dtype(q.dtype)
-        hs = _alloc((chunk_slots(N, T, cu_seqlens is not None), HV, K, V), sdt, q.device)
         rs = _alloc((B, T, HV, V), sdt, q.device)
-        saved_out.update(h=hs, r=rs)
-    elif save and saves_r():        # R alone: the backward's forward state pass forms the states from it
-        rs = _alloc((B, T, HV, V), state_dtype(q.dtype), q.device)
         saved_out.update(r=rs)
+        if saves_states():
+            hs = _alloc((chunk_slots(N, T, cu_seqlens is not None), HV, K, V), sdt, q.device)
+            saved_out.update(h=hs)
 
     # the delta rule: stage 1 writes T diag(β) (and per channel K ⊙ e^G) and stage 2 forms R from it (T_FORM)
     t_form = delta and delta_stage1_form(gate, save, q.dtype)[1]
@@ -1980,7 +1985,8 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
                 USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=cu_seqlens is not None,
                 DOT_PREC=dot_prec, g_floor=G_FLOOR, LOOP_WHILE=_INTERPRET, SEG=seg_mode, NSEG=nseg_m,
                 SUB=sub if seg_mode == 2 else 1, GC_IN=delta and gate == 1, TMA=tma,
-                TMA_O=tma_o, STORE_HR=1 if hs is not None else (2 if rs is not None else 0), TRANS=int(trans and seg_mode == 0), T_FORM=t_form,
+                TMA_O=tma_o, STORE_HR=1 if hs is not None else (2 if rs is not None else 0), TRANS=int(trans and seg_mode == 0),
+                T_FORM=t_form,
                 WAIT=stages_m + 1 if overlap else 0, FENCE=bool(overlap and tma and not _INTERPRET),
                 num_warps=warps_m, num_stages=stages_m, **reg_cap("fwd_o"))
     if side is not None:
