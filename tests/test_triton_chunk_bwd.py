@@ -110,14 +110,16 @@ def _keeps_stage1(fam, dtype):
 KS = dict(K=32, V=32)
 
 
-@pytest.mark.parametrize("G,K,dtype", [(2, 128, torch.bfloat16), (3, 100, torch.float16), (4, 16, torch.float32)])
-def test_group_sum(G, K, dtype):
-    """Grouped value heads' dq / dk: group_sum adds each key head's G value-head rows in fp32 and stores the sum in the
-    input dtype, as an fp32 sum rounded once (rows past a multiple of its row block, K not a power of two)."""
+@pytest.mark.parametrize("G,K,dtype,xdt", [(2, 128, torch.bfloat16, torch.bfloat16), (2, 128, torch.bfloat16, torch.float32),
+                                           (3, 100, torch.float16, torch.float16), (4, 16, torch.float32, torch.float32)])
+def test_group_sum(G, K, dtype, xdt):
+    """Grouped value heads' dq / dk: group_sum adds each key head's G value-head rows (in the input dtype, as the
+    kernels store them, or fp32) in fp32 and stores the sum in the input dtype, as an fp32 sum rounded once (rows past a
+    multiple of its row block, K not a power of two)."""
     from chunkwise.triton.chunk_bwd import group_sum
     gen = torch.Generator().manual_seed(7)
     B, T, H = 2, 37, 3
-    x = torch.randn(B, T, H * G, K, generator=gen).to(DEVICE)
+    x = torch.randn(B, T, H * G, K, generator=gen).to(DEVICE, xdt)
     y = group_sum(x, H, dtype)
     assert y.shape == (B, T, H, K) and y.dtype == dtype
     ref = x.double().view(B, T, H, G, K).sum(3)
@@ -299,7 +301,10 @@ def _fla_grads(inp, do, dht):
         return None
     leaves = {n: getattr(inp, n).detach().clone().requires_grad_(True) for n in NAMES if getattr(inp, n) is not None}
     kw = dict(initial_state=leaves["h0"], output_final_state=True)
-    L = leaves
+    L = dict(leaves)
+    G = inp.v.shape[2] // inp.q.shape[2]
+    if G > 1:       # grouped value heads: fla takes q, k repeated over each group (autograd sums their gradients)
+        L["q"], L["k"] = L["q"].repeat_interleave(G, 2), L["k"].repeat_interleave(G, 2)
     try:
         if inp.fam == "gdn":
             o, ht = fg.chunk_gated_delta_rule(L["q"], L["k"], L["v"], L["g"], L["beta"], **kw)
@@ -313,7 +318,7 @@ def _fla_grads(inp, do, dht):
     except Exception as e:  # noqa: BLE001  (fla refuses GDN / simple GLA backward on Hopper + triton < 3.7.1)
         print(f"fla {inp.fam} backward: {e!r}"[:300])
         return None
-    return {n: t.grad for n, t in L.items()}
+    return {n: t.grad for n, t in leaves.items()}
 
 
 def _grads_device64(inp, seed=1):
@@ -347,6 +352,25 @@ def test_real_size_grads_vs_fla(fam, dtype):
           ", ".join(f"{n} {e:.2e}/{'-' if f is None else f'{f:.2e}'}" for n, e, f in rows))
     for n, e, e_fla in rows:
         assert e <= TOL[dtype], f"{n}: {e:.2e}"
+        if e_fla is not None:
+            assert e <= e_fla * 1.05 + 1e-4, f"{n}: ours {e:.2e} > fla {e_fla:.2e}"
+
+
+@pytest.mark.skipif(not ON_GPU, reason="real sizes and bf16 need the GPU (bf16 is wrong under the interpreter)")
+@pytest.mark.parametrize("fam", FAMS)
+def test_real_size_grouped_grads_vs_fla(fam):
+    """Grouped value heads at real size in bf16 (H = 4, HV = 8: Qwen3-Next's layout): each value head's dq / dk leave
+    the kernels in bf16 and are summed over the group in fp32 (group_sum); every gradient against the float64
+    reference, no worse than fla's given q and k repeated over the group."""
+    inp = make_inputs(fam, B=2, T=1000, H=4, HV=8, K=128, V=128, dtype=torch.bfloat16, seed=13, device=DEVICE)
+    ours = _grads(inp, "triton", torch.bfloat16)
+    ref, do, dht = _grads_device64(inp)
+    fla = _fla_grads(inp, do, dht)
+    rows = [(n, rel_err(ours[n], r), None if fla is None else rel_err(fla[n], r)) for n, r in ref.items()]
+    print(f"\n{fam} grouped bf16 grads rel err (ours / fla): " +
+          ", ".join(f"{n} {e:.2e}/{'-' if f is None else f'{f:.2e}'}" for n, e, f in rows))
+    for n, e, e_fla in rows:
+        assert e <= TOL[torch.bfloat16], f"{n}: {e:.2e}"
         if e_fla is not None:
             assert e <= e_fla * 1.05 + 1e-4, f"{n}: ours {e:.2e} > fla {e_fla:.2e}"
 

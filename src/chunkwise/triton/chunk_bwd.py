@@ -1726,20 +1726,21 @@ def _bwd_pair_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, fla
 @triton.jit
 def _group_sum_kernel(x, y, n_rows, G: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
     """Grouped value heads: y[r, :] = Σ_g x[r, g, :] over a row's G value heads, in fp32, stored in y's dtype.
-    x: [n_rows, G, K] fp32 (the per-value-head dq or dk, rows = B·T·H), y: [n_rows, K]. One pass: the sum and the
-    cast to the input dtype as two torch launches moved 1.8x the bytes (an fp32 [B, T, H, K] written and read back)."""
+    x: [n_rows, G, K] (the per-value-head dq or dk in the input dtype or fp32, rows = B·T·H), y: [n_rows, K]. One
+    pass: the sum and the cast to the input dtype as two torch launches moved 1.8x the bytes (an fp32 [B, T, H, K]
+    written and read back)."""
     o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     o_k = tl.arange(0, BK)
     m = (o_r < n_rows)[:, None] & (o_k < K)[None, :]
     b_y = tl.zeros([BR, BK], dtype=tl.float32)
     for i_g in tl.static_range(G):
-        b_y += tl.load(x + (o_r[:, None] * G + i_g) * K + o_k[None, :], mask=m, other=0.)
+        b_y += tl.load(x + (o_r[:, None] * G + i_g) * K + o_k[None, :], mask=m, other=0.).to(tl.float32)
     tl.store(y + o_r[:, None] * K + o_k[None, :], b_y.to(y.dtype.element_ty), mask=m)
 
 
 def group_sum(x: torch.Tensor, H: int, dtype: torch.dtype) -> torch.Tensor:
-    """[B, T, HV, K] fp32 gradients of the value heads -> [B, T, H, K] in ``dtype``, summed over each key head's
-    HV / H value heads (_group_sum_kernel)."""
+    """[B, T, HV, K] gradients of the value heads (input dtype or fp32) -> [B, T, H, K] in ``dtype``, summed in fp32
+    over each key head's HV / H value heads (_group_sum_kernel)."""
     B, T, HV, K = x.shape
     x = x.contiguous()
     y = torch.empty(B, T, H, K, device=x.device, dtype=dtype)
@@ -1897,6 +1898,11 @@ BWD_FUSED_PREP = 1
 # the key side without that pass 4 B spilled, 106 KB; the pair kernel at 16 / 32 / 64 channels 0 / 64 /
 # 448 B spilled, 72 / 80 / 96 KB. On the H200 (sweep of a3986d3) 9.45 ms at 4 warps; KDA fwd+bwd 31.72 -> 26.49 ms.
 # CHUNKWISE_BWD_PAIR_SPLIT=0: one program over all channels.
+# Grouped value heads (HV > H): each value head's dq / dk leaves the kernels in the input dtype (1) and group_sum adds
+# them in fp32, or in fp32 (0). In 16 bits each head's share is rounded once before the sum, as fla's gradients of q / k
+# repeated over the group are (autograd sums the repeat's bf16 gradients); half the bytes of the fp32 shares, written
+# and read back (2 x 0.5 GB at B4-T8192-H16/HV32). CHUNKWISE_BWD_GROUP_16
+GRAD_GROUP_16 = 1
 BWD_PAIR_SPLIT = 32
 # W and U formed by the backward from a forward under T_FORM's T (chunk_fwd.SAVE_T_FORM): from 16-bit operands where
 # the recompute takes them (1: BWD_LOWP level 2 and up at 128-wide key tiles, as the backward's recompute without a
@@ -2240,9 +2246,10 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                            **_regs("bwd_dh", gate, wide8), num_stages=ns_dh, **seq)
     del dRl, q_s, k_s
 
-    # gradients go out in the input dtype directly unless they are summed over head groups or
-    # finished by the per-channel diagonal kernel
-    gdt = q.dtype if (HV == H and gate != 2) else torch.float32
+    # gradients go out in the input dtype directly unless finished by the per-channel pair kernels (those accumulate
+    # in fp32). Grouped value heads too: each value head's dq / dk in the input dtype, summed over its group in fp32 by
+    # group_sum, as fla's gradients of q / k repeated over the group are (GRAD_GROUP_16)
+    gdt = q.dtype if gate != 2 and (HV == H or _env_switch("CHUNKWISE_BWD_GROUP_16", GRAD_GROUP_16)) else torch.float32
     dq, dk = buf(B, T, HV, K, dtype=gdt), buf(B, T, HV, K, dtype=gdt)
     dv = None if dqk and not delta else buf(B, T, HV, V, dtype=v.dtype)
     dbeta = buf(B, T, HV) if delta else None
@@ -2312,7 +2319,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         # the launch that finishes a gradient element stores it in the input's dtype (no cast afterwards), where
         # nothing follows: not for grouped heads (summed over the group in fp32) nor when the key side finishes some
         dq_o, dk_o = dq, dk
-        if HV == H and one_ref != 2 and q.dtype != dq.dtype:
+        if (HV == H or _env_switch("CHUNKWISE_BWD_GROUP_16", GRAD_GROUP_16)) and one_ref != 2 and q.dtype != dq.dtype:
             dq_o, dk_o = buf(*dq.shape, dtype=q.dtype), buf(*dk.shape, dtype=k.dtype)
         pair = dict(s_dbp=B * T * HV, H=H, HV=HV, K=K, C=C, BC=BC, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
                     span_max=SPAN_MAX, LOWP=lowp_key is True, num_stages=ns, **common)
@@ -2337,7 +2344,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         if delta:
             dbeta += dbp.view(-1, B, T, HV).sum(0)
         dq, dk = dq_o, dk_o
-    if HV != H:     # (fp32 per value head: gdt)
+    if HV != H:     # per value head (gdt, or the pair kernels' dq_o / dk_o) -> per key head
         dq, dk = group_sum(dq, H, q.dtype), group_sum(dk, H, k.dtype)
     dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
     dG = None if dG is None else dG.to(g.dtype)
