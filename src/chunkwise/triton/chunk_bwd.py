@@ -1865,6 +1865,23 @@ def gate_scaled_in(g, q) -> bool:
         _env_switch("CHUNKWISE_BWD_KD_IN", BWD_KD_IN)
 
 
+# The training forward's T = (I + A)⁻¹ for GDN / DeltaNet / simple-gate-free delta (scalar or no gate) in the 16-bit
+# input dtype where the backward rounds it to that dtype anyway before every product that reads it (the WY pass at
+# levels 3 / 4: its T and Tᵀ operands in the input dtype): the same gradients, bit for bit, for half of T's bytes
+# (written by stage 1, read by the WY pass: 2 x 128 B per token and head). Per-channel gates keep fp32 (KDA's W / U
+# are formed from T in fp16-scaled operands). CHUNKWISE_SAVE_T_16
+SAVE_T_16 = 1
+
+
+def saved_t_dtype(dtype: torch.dtype, K: int, gate: int) -> torch.dtype:
+    """The dtype a saving forward stores T in for inputs of ``dtype`` at head dim K (gate 0 / 1 / 2): ``dtype`` where
+    the backward's only reader of T (_bwd_wy_kernel, BWD_DQK) takes it in ``dtype`` (key-side level 3 / 4), else fp32."""
+    if gate == 2 or dtype == torch.float32 or not _env_switch("CHUNKWISE_SAVE_T_16", SAVE_T_16) \
+            or not _env_switch("CHUNKWISE_BWD_DQK", BWD_DQK):
+        return torch.float32
+    return dtype if bwd_lowp_level(dtype, max(16, next_pow2(K))) in (3, 4) else torch.float32
+
+
 def bwd_lowp_level(dtype: torch.dtype, BK: int) -> int:
     """The 16-bit product level (above) of inputs of this dtype at key tile BK: 0 for fp32 inputs,
     CHUNKWISE_BWD_LOWP if set and correct on the GPU for this dtype and tile, else 4 for bf16 at BK = 128 and

@@ -648,11 +648,11 @@ def chunk_prepare_kernel(
                  boundary_check=(0, 1))
         if STORE_T:
             tl.store(tl.make_block_ptr(t_out + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0),
-                                       (BTc, BTc), (1, 0)), Tm, boundary_check=(0, 1))
+                                       (BTc, BTc), (1, 0)), Tm.to(t_out.dtype.element_ty), boundary_check=(0, 1))
     else:
         if BWD or STORE_T:
             tl.store(tl.make_block_ptr(t_out + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0),
-                                       (BTc, BTc), (1, 0)), Tm, boundary_check=(0, 1))
+                                       (BTc, BTc), (1, 0)), Tm.to(t_out.dtype.element_ty), boundary_check=(0, 1))
         if BWD:
             b_do = tl.load(tl.make_block_ptr(do + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf),
                                              (1, 0)), boundary_check=(0, 1))
@@ -1413,7 +1413,11 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
         if gate == 1:       # G and G_last for stage 2 (GC_IN)
             gcum = _alloc((slots, HV, BT), torch.float32, dev)
             glast = _alloc((slots, HV), torch.float32, dev)
-    t = _alloc((B, T, HV, BT), torch.float32, dev) if save_t else None
+    t = None
+    if save_t:      # fp32, or the input dtype where the backward takes T in it (chunk_bwd.saved_t_dtype; not under
+        # T_FORM, where the backward forms W / U from T)
+        from .chunk_bwd import saved_t_dtype
+        t = _alloc((B, T, HV, BT), torch.float32 if t_form else saved_t_dtype(dt, K, gate), dev)
     dot_prec, mm_prec, _ = _dot_prec(dt, gate)
     # (the inference forward's precisions: a training forward's T, which the backward reuses, keeps tf32 operands)
     solve_prec, redo_prec = _solve_precs(dt, gate, t_form and not save_t)
@@ -1814,7 +1818,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     that pass in this many sub-segments per segment (default, tuned: BV = 128 at 4 warps, sub-segments to fill
     one wave; with ``segments`` given: stage 2's BV and warps, no sub-segments).
     ``saved_out``: a dict that, for the delta families at head dims the kernels take as they are, receives
-    stage 1's w, u, p and t = (I + A)⁻¹ (fp32) for a backward that reuses them (chunk_bwd's ``saved``), and for
+    stage 1's w, u, p and t = (I + A)⁻¹ (fp32, or the input dtype: chunk_bwd.saved_t_dtype) for a backward that reuses them (chunk_bwd's ``saved``), and for
     a per-channel gate qg = q ⊙ e^G, kg = k ⊙ e^{G_last − G} (q's dtype).
     ``overlap`` (delta rule): stage 2 launched beside stage 1 rather than after it, each chunk's step waiting
     for that chunk's stage-1 program (default: FWD_OVERLAP's mode per family where _overlap allows it; True /
