@@ -773,18 +773,21 @@ def test_grads_repeatable(fam, monkeypatch):
 
 
 def test_saved_t_dtype_rule(monkeypatch):
-    """The training forward stores T = (I + A)⁻¹ in the 16-bit input dtype exactly where the backward's WY pass rounds
-    it to that dtype before every product (bf16 at a 128-wide key tile: level 4), else fp32: fp32 inputs, per-channel
-    gates (KDA forms W / U from T in fp16-scaled operands), other key tiles (level 2: fp32 operands), the old key side
-    (CHUNKWISE_BWD_DQK=0), and CHUNKWISE_SAVE_T_16=0."""
+    """The training forward stores T = (I + A)⁻¹ in the 16-bit input dtype only where the backward's WY pass rounds
+    it to that dtype before every product (bf16 at a 128-wide key tile: level 4) and the gate kind takes it
+    (SAVE_T_16: DeltaNet by default; GDN with CHUNKWISE_SAVE_T_16=1), else fp32: fp32 inputs, per-channel gates (KDA
+    forms W / U from T in fp16-scaled operands) even when asked, other key tiles (level 2: fp32 operands), the old key
+    side (CHUNKWISE_BWD_DQK=0), and CHUNKWISE_SAVE_T_16=0."""
     from chunkwise.triton.chunk_bwd import saved_t_dtype
     for var in ("CHUNKWISE_SAVE_T_16", "CHUNKWISE_BWD_DQK", "CHUNKWISE_BWD_LOWP"):
         monkeypatch.delenv(var, raising=False)
     bf, f32 = torch.bfloat16, torch.float32
-    assert saved_t_dtype(bf, 128, 1) == bf and saved_t_dtype(bf, 100, 0) == bf
-    assert saved_t_dtype(bf, 128, 2) == f32 and saved_t_dtype(f32, 128, 1) == f32 and saved_t_dtype(bf, 64, 1) == f32
+    assert saved_t_dtype(bf, 128, 0) == bf and saved_t_dtype(bf, 100, 0) == bf and saved_t_dtype(bf, 128, 1) == f32
+    assert saved_t_dtype(bf, 128, 2) == f32 and saved_t_dtype(f32, 128, 0) == f32 and saved_t_dtype(bf, 64, 0) == f32
+    monkeypatch.setenv("CHUNKWISE_SAVE_T_16", "1")
+    assert saved_t_dtype(bf, 128, 1) == bf and saved_t_dtype(bf, 128, 2) == f32
     monkeypatch.setenv("CHUNKWISE_BWD_DQK", "0")
-    assert saved_t_dtype(bf, 128, 1) == f32
+    assert saved_t_dtype(bf, 128, 0) == f32
     monkeypatch.delenv("CHUNKWISE_BWD_DQK")
     monkeypatch.setenv("CHUNKWISE_SAVE_T_16", "0")
     assert saved_t_dtype(bf, 128, 0) == f32
@@ -794,9 +797,10 @@ def test_saved_t_dtype_rule(monkeypatch):
                                        "the interpreter")
 @pytest.mark.parametrize("fam", ("gdn", "delta"))
 def test_saved_t_16bit_same_gradients(fam, monkeypatch):
-    """T saved in bf16 (CHUNKWISE_SAVE_T_16=1, the default) gives the same gradients bit for bit as T saved in fp32:
-    the backward rounds it to bf16 before each product either way (B1-T4096-H32, K = V = 128, bf16)."""
+    """T saved in bf16 (CHUNKWISE_SAVE_T_16=1: DeltaNet's default) gives the same gradients bit for bit as T saved in
+    fp32: the backward rounds it to bf16 before each product either way (B1-T4096-H32, K = V = 128, bf16)."""
     from chunkwise.triton.chunk_fwd import chunk_fwd
+    monkeypatch.setenv("CHUNKWISE_SAVE_T_16", "1")
     inp = make_inputs(fam, B=1, T=4096, H=32, K=128, V=128, dtype=torch.bfloat16, seed=37, device=DEVICE)
     saved = {}
     chunk_fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, 0.125, None, False, None, saved_out=saved)

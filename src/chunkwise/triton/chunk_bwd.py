@@ -1865,18 +1865,20 @@ def gate_scaled_in(g, q) -> bool:
         _env_switch("CHUNKWISE_BWD_KD_IN", BWD_KD_IN)
 
 
-# The training forward's T = (I + A)⁻¹ for GDN / DeltaNet / simple-gate-free delta (scalar or no gate) in the 16-bit
-# input dtype where the backward rounds it to that dtype anyway before every product that reads it (the WY pass at
-# levels 3 / 4: its T and Tᵀ operands in the input dtype): the same gradients, bit for bit, for half of T's bytes
-# (written by stage 1, read by the WY pass: 2 x 128 B per token and head). Per-channel gates keep fp32 (KDA's W / U
-# are formed from T in fp16-scaled operands). CHUNKWISE_SAVE_T_16
-SAVE_T_16 = 1
+# The training forward's T = (I + A)⁻¹ in the 16-bit input dtype (1) where the backward rounds it to that dtype anyway
+# before every product that reads it (the WY pass at levels 3 / 4: its T and Tᵀ operands in the input dtype): the
+# same gradients, bit for bit, for half of T's bytes (written by stage 1, read by the WY pass: 2 x 128 B per token and
+# head), or fp32 (0); per gate kind, CHUNKWISE_SAVE_T_16 overrides. On the H200 (run of a43829e, B1-T32768-H32 bf16,
+# fwd+bwd fp32 / bf16 T): DeltaNet 4.80 -> 4.73 ms (stage 1 0.71 -> 0.66, peak −128 MB), but GDN 6.11 -> 6.30: its WY
+# pass (dAᵀ through the scratch, DA_SCR) went 1.44 -> 1.66 ms with the bf16 tile. Per-channel gates always fp32 (KDA's
+# W / U are formed from T in fp16-scaled operands)
+SAVE_T_16 = {0: 1, 1: 0, 2: 0}
 
 
 def saved_t_dtype(dtype: torch.dtype, K: int, gate: int) -> torch.dtype:
     """The dtype a saving forward stores T in for inputs of ``dtype`` at head dim K (gate 0 / 1 / 2): ``dtype`` where
     the backward's only reader of T (_bwd_wy_kernel, BWD_DQK) takes it in ``dtype`` (key-side level 3 / 4), else fp32."""
-    if gate == 2 or dtype == torch.float32 or not _env_switch("CHUNKWISE_SAVE_T_16", SAVE_T_16) \
+    if gate == 2 or dtype == torch.float32 or not _env_switch("CHUNKWISE_SAVE_T_16", SAVE_T_16[gate]) \
             or not _env_switch("CHUNKWISE_BWD_DQK", BWD_DQK):
         return torch.float32
     return dtype if bwd_lowp_level(dtype, max(16, next_pow2(K))) in (3, 4) else torch.float32
