@@ -103,7 +103,7 @@ def test_opcheck_triton_saved_stage1(K, states, fam, dtype, scaled, monkeypatch)
     # (fp16 KDA on the GPU saves nothing: its backward runs in fp32 there, chunk_fwd.FP16_KDA_FP32)
     saves = K == 16 and not (fam == "kda" and dtype == torch.float16 and inp.q.is_cuda)
     assert [x.numel() > 0 for x in stage1] == \
-        [saves] * 4 + [saves and states == "1", saves and states != "r0"] + \
+        [saves, saves and states == "r0", saves, saves] + [saves and states == "1", saves and states != "r0"] + \
         [saves and fam == "kda" and scaled == "1"] * 2 + \
         [saves and fam == "kda"]        # KDA's G (chunk_fwd.saves_gate_cumsum)
     do, dht = torch.randn_like(inp.v), torch.randn_like(inp.h0)
@@ -111,6 +111,22 @@ def test_opcheck_triton_saved_stage1(K, states, fam, dtype, scaled, monkeypatch)
                           (inp.q.detach(), inp.k.detach(), inp.v.detach(), inp.g.detach(), inp.beta.detach(), 0.25,
                            inp.h0.detach(), None, None, False, 16, "triton", *stage1, do, dht, [True] * 6),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.skipif(not (ON_GPU or INTERPRET), reason="the triton backend needs a GPU or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("fam", ["delta", "gdn", "kda"])
+@pytest.mark.parametrize("t16", ["0", "1"])
+def test_saved_stage1_fake_matches_real_bf16_k128(fam, t16, monkeypatch):
+    """At bf16 and K = 128 (where the saved T may be bf16: chunk_bwd.saved_t_dtype, CHUNKWISE_SAVE_T_16) the saving
+    forward's fake outputs (what torch.compile traces with) have the real outputs' shapes and dtypes, each of them."""
+    monkeypatch.setenv("CHUNKWISE_SAVE_T_16", t16)
+    inp = make_inputs(fam, B=1, T=20, H=1, HV=1, K=128, V=16, dtype=torch.bfloat16)
+    args = _op_args(inp, 0.25, True, False, backend="triton")
+    real = _custom_ops.chunk_fwd_saved(*args)
+    fake = _custom_ops._stage1_shapes(inp.q, inp.v, inp.g, inp.beta, None)
+    assert [(tuple(x.shape), x.dtype) for x in real[2:]] == [(tuple(s), d) for s, d in fake]
+    t = real[5]
+    assert t.numel() and t.dtype == (torch.bfloat16 if t16 == "1" and fam != "kda" else torch.float32)
 
 
 def _grads(out, tensors):

@@ -288,15 +288,18 @@ def _stage1_shapes(q, v, g, beta, cu_seqlens):
     """(w, u, p, t, h, r, qg, kg, gc) shapes and dtypes the saving forward returns (empty [0] tensors where it saves
     nothing; h only with chunk_fwd.saves_states, r with it or chunk_fwd.saves_r; qg, kg only where chunk_bwd.gate_scaled_in; gc, KDA's G, with
     chunk_fwd.saves_gate_cumsum)."""
-    from .triton.chunk_bwd import gate_scaled_in
+    from .triton.chunk_bwd import gate_scaled_in, saved_t_dtype
     from .triton.chunk_fwd import (BT, _gate_kind, chunk_slots, save_t_form, saves_gate_cumsum, saves_gate_scaled,
                                    saves_r, saves_stage1, saves_states, state_dtype)
     B, T, HV, K, V = q.shape[0], q.shape[1], v.shape[2], q.shape[3], v.shape[3]
     empty = (_EMPTY_SHAPE, q.dtype)
     if not saves_stage1(q, v, g, beta):
         return [empty] * 9
-    wu = [empty] * 2 if save_t_form(_gate_kind(g), q.dtype) else [((B, T, HV, K), q.dtype), ((B, T, HV, V), q.dtype)]
-    stage = wu + [((B, T, HV, BT), q.dtype), ((B, T, HV, BT), torch.float32)]
+    gate, t_form = _gate_kind(g), save_t_form(_gate_kind(g), q.dtype)
+    r_kept = saves_states() or saves_r()
+    # (u only where R is not kept; t fp32 under T_FORM, else chunk_bwd.saved_t_dtype)
+    wu = [empty] * 2 if t_form else [((B, T, HV, K), q.dtype), empty if r_kept else ((B, T, HV, V), q.dtype)]
+    stage = wu + [((B, T, HV, BT), q.dtype), ((B, T, HV, BT), torch.float32 if t_form else saved_t_dtype(q.dtype, K, gate))]
     sdt = state_dtype(q.dtype)
     if saves_states():
         N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -314,10 +317,11 @@ def chunk_fwd_saved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Option
                     chunk_indices: Optional[torch.Tensor], transpose_state_layout: bool, chunk_size: int,
                     backend: str) -> _StageTuple:
     """chunk_fwd (triton, delta families) that also returns stage 1 for the backward:
-    (o, final state or empty, w [B,T,HV,K], u [B,T,HV,V], p [B,T,HV,64] in q's dtype, t [B,T,HV,64] fp32,
-    h [slots,HV,K,V], r [B,T,HV,V]), w .. r empty [0] tensors where the head dims are padded, 16-bit K > 128 runs
-    in fp32, or GDN / DeltaNet take fp16 inputs (see triton.chunk_fwd.saves_stage1); w, u empty too where the
-    forward runs under T_FORM (triton.chunk_fwd.save_t_form: the backward forms them from t); h (each chunk's
+    (o, final state or empty, w [B,T,HV,K], u [B,T,HV,V], p [B,T,HV,64] in q's dtype, t [B,T,HV,64] fp32 or in q's
+    dtype (triton.chunk_bwd.saved_t_dtype), h [slots,HV,K,V], r [B,T,HV,V]), w .. r empty [0] tensors where the head
+    dims are padded, 16-bit K > 128 runs in fp32, or GDN / DeltaNet take fp16 inputs (see
+    triton.chunk_fwd.saves_stage1); w, u empty too where the forward runs under T_FORM (triton.chunk_fwd.save_t_form:
+    the backward forms them from t), and u where r is kept (the backward reads U only to form R); h (each chunk's
     entering state) empty unless CHUNKWISE_SAVE_STATES=1 (triton.chunk_fwd.saves_states), r (R = U − W S) empty
     unless it or triton.chunk_fwd.saves_r (the default);
     qg = q ⊙ e^G, kg = k ⊙ e^{G_last − G} [B,T,HV,K] in q's dtype (KDA, what its backward's state passes take:

@@ -2166,7 +2166,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         if wu_from_t:       # (U only where R is not saved: R = U − W S is all the backward reads it for)
             W, U = buf(B, T, HV, K, dtype=sdt), None if r_saved else buf(B, T, HV, V, dtype=sdt)
         else:
-            W, U = saved["w"].contiguous(), saved["u"].contiguous()
+            W, U = saved["w"].contiguous(), None if r_saved else saved["u"].contiguous()
     elif delta:
         Tmat = buf(B, T, HV, C)
         W, U = buf(B, T, HV, K, dtype=sdt), buf(B, T, HV, V, dtype=sdt)

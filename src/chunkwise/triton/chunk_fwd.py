@@ -1930,8 +1930,8 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
             saved_out.update(qg=stage1["qg"], kg=stage1["kg"])
             if stage1["G"] is not None:
                 saved_out.update(G=stage1["G"])
-        if not t_form:
-            saved_out.update(w=stage1["w"], u=stage1["u"])
+        if not t_form:      # (U only where R is not kept: R = U − W S is all the backward reads U for)
+            saved_out.update(w=stage1["w"], **({} if rs is not None else dict(u=stage1["u"])))
     if p_in and not delta:                # simple GLA with P formed once per chunk
         stage1["p"] = chunk_p(q, k, g, HV, cu_seqlens, chunk_indices)
     if not p_in:
