@@ -4,8 +4,9 @@
                                                      [--profile]
 
 Shapes as benchmarks/bench_forward.py (K = V = 128, bf16): B1-T32768-H32, B8-T4096-H32,
-B4-T8192-H16/HV32, varlen 16 sequences / 32768 tokens. For each: our forward alone (no grad), our
-fwd+bwd (o.backward(do), gradients of q, k, v, g, beta), fla's fwd+bwd, triton.testing.do_bench
+B4-T8192-H16/HV32, varlen 16 sequences / 32768 tokens. For each: our forward alone (no grad), our training
+forward alone (under autograd: what it keeps for the backward, no backward), our fwd+bwd (o.backward(do),
+gradients of q, k, v, g, beta), fla's fwd+bwd, triton.testing.do_bench
 medians in ms, and the peak memory of one fwd+bwd above the inputs (torch.cuda.max_memory_allocated).
 --profile adds a per-kernel time breakdown (torch.profiler) of one fwd+bwd at the first shape.
 Writes bench_train.json (GPU, versions, commit, every number) to --out.
@@ -120,6 +121,8 @@ def main():
             row = dict(shape=s["name"], family=fam)
             with torch.no_grad():
                 row["ours_fwd_ms"] = bench(lambda: run_ours(fam, x), None)
+            # the training forward alone (under autograd: it keeps stage 1 and R for the backward), no backward
+            row["ours_train_fwd_ms"] = bench(lambda: run_ours(fam, x), None)
             f_ours = fwd_bwd(lambda: run_ours(fam, x), do)
             os.environ["CHUNKWISE_POISON"] = "1"        # one poisoned pass: every gradient finite
             f_ours()
@@ -154,11 +157,11 @@ def main():
         first = False
 
     print(f"\n{meta['gpu']}  torch {meta['torch']}  triton {meta['triton']}  fla {meta['fla']}  commit {str(meta['commit'])[:10]}")
-    print(f"{'shape':22s} {'fam':6s} {'fwd ms':>7s} {'f+b ms':>7s} {'fla f+b':>8s} {'x fla':>6s} {'f+b/fwd':>7s} "
-          f"{'peak MB':>8s} {'fla MB':>8s} finite")
+    print(f"{'shape':22s} {'fam':6s} {'fwd ms':>7s} {'trn fwd':>7s} {'f+b ms':>7s} {'fla f+b':>8s} {'x fla':>6s} "
+          f"{'f+b/fwd':>7s} {'peak MB':>8s} {'fla MB':>8s} finite")
     nan = float("nan")
     for r in results:
-        print(f"{r['shape']:22s} {r['family']:6s} {r['ours_fwd_ms']:7.2f} {r['ours_fwdbwd_ms']:7.2f} "
+        print(f"{r['shape']:22s} {r['family']:6s} {r['ours_fwd_ms']:7.2f} {r['ours_train_fwd_ms']:7.2f} {r['ours_fwdbwd_ms']:7.2f} "
               f"{r.get('fla_fwdbwd_ms', nan):8.2f} {r.get('speedup', nan):6.2f} {r['bwd_over_fwd']:7.2f} "
               f"{r['ours_peak_mb']:8.0f} {r.get('fla_peak_mb', nan):8.0f} {r['grads_finite']}")
 

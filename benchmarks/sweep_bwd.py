@@ -142,7 +142,12 @@ SAVER_VARIANTS = ("r1:CHUNKWISE_SAVE_R=1;r0:CHUNKWISE_SAVE_R=0;r1_after:CHUNKWIS
 # plus T and R stored; the backward forms W alone from T beside dR_local, fp16-scaled operands): session 20 measured it
 # slower when that launch also formed U (GDN 6.48 -> 6.82 ms at fp32 operands); untimed since R is kept
 TFORMR_VARIANTS = "wu:CHUNKWISE_SAVE_T_FORM=0;tform:CHUNKWISE_SAVE_T_FORM=1;tform_bf16w:CHUNKWISE_SAVE_T_FORM=1,CHUNKWISE_SAVE_WU_LOWP=1"
-NAMED = {"tformr": TFORMR_VARIANTS, "saver": SAVER_VARIANTS, "gc": GC_VARIANTS, "sds": SDS_VARIANTS, "beside": BESIDE_VARIANTS, "pairregs": PAIRREGS_VARIANTS, "tform": TFORM_VARIANTS, "kdasplit": KDASPLIT_VARIANTS, "dqk": DQK_VARIANTS, "ahead": AHEAD_VARIANTS, "states": STATES_VARIANTS, "pair": PAIR_VARIANTS, "gates": GATES_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
+# the training forward's stage 2 beside its stage 1 (chunk_fwd.FWD_OVERLAP; GDN's mode 1: BV 32, one W / U stage-1 program
+# per SM beside each 197 KB stage-2 program; KDA's mode 2: BV 64, 2 stages) or after it (0), or GDN at KDA's mode (2):
+# chosen on the inference forward, untimed on the training one, whose stage 1 writes W, U, T and P (GDN's training
+# forward ~1.5 ms of fwd+bwd against 0.98 for inference, session 27)
+FWDOVL_VARIANTS = "ovl:;ovl0:CHUNKWISE_FWD_OVERLAP=0;ovl1:CHUNKWISE_FWD_OVERLAP=1;ovl2:CHUNKWISE_FWD_OVERLAP=2"
+NAMED = {"fwdovl": FWDOVL_VARIANTS, "tformr": TFORMR_VARIANTS, "saver": SAVER_VARIANTS, "gc": GC_VARIANTS, "sds": SDS_VARIANTS, "beside": BESIDE_VARIANTS, "pairregs": PAIRREGS_VARIANTS, "tform": TFORM_VARIANTS, "kdasplit": KDASPLIT_VARIANTS, "dqk": DQK_VARIANTS, "ahead": AHEAD_VARIANTS, "states": STATES_VARIANTS, "pair": PAIR_VARIANTS, "gates": GATES_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
          "oneref": ONEREF_VARIANTS}
 
 
