@@ -134,6 +134,16 @@ def test_grads_grouped_heads(fam):
 
 
 @pytest.mark.parametrize("fam", FAMS)
+def test_grads_grouped_heads_16bit_shares(fam, monkeypatch):
+    """Grouped value heads with each value head's dq / dk in the 16-bit input dtype before group_sum adds them
+    (CHUNKWISE_BWD_GROUP_16=1, bf16's default; here fp16, which the interpreter runs): every gradient against the
+    float64 reference at fp16's bound, varlen with a length-1 sequence, a carried-in state."""
+    monkeypatch.setenv("CHUNKWISE_BWD_GROUP_16", "1")
+    inp = make_inputs(fam, lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, seed=23)
+    _compare(inp, TOL[torch.float16], dtype=torch.float16)
+
+
+@pytest.mark.parametrize("fam", FAMS)
 def test_grads_varlen_transposed(fam):
     """Varlen batch with a length-1 sequence, states in the [N, HV, V, K] layout."""
     inp = make_inputs(fam, lengths=[1, 70, 33], H=1, HV=2, K=16, V=32, seed=1)

@@ -1917,10 +1917,13 @@ BWD_FUSED_PREP = 1
 # the key side without that pass 4 B spilled, 106 KB; the pair kernel at 16 / 32 / 64 channels 0 / 64 /
 # 448 B spilled, 72 / 80 / 96 KB. On the H200 (sweep of a3986d3) 9.45 ms at 4 warps; KDA fwd+bwd 31.72 -> 26.49 ms.
 # CHUNKWISE_BWD_PAIR_SPLIT=0: one program over all channels.
-# Grouped value heads (HV > H): each value head's dq / dk leaves the kernels in the input dtype (1) and group_sum adds
-# them in fp32, or in fp32 (0). In 16 bits each head's share is rounded once before the sum, as fla's gradients of q / k
+# Grouped value heads (HV > H) with bf16 inputs: each value head's dq / dk leaves the kernels in bf16 (1) and group_sum
+# adds them in fp32, or in fp32 (0). Each head's share is then rounded once before the sum, as fla's gradients of q / k
 # repeated over the group are (autograd sums the repeat's bf16 gradients); half the bytes of the fp32 shares, written
-# and read back (2 x 0.5 GB at B4-T8192-H16/HV32). CHUNKWISE_BWD_GROUP_16
+# and read back (2 x 0.5 GB at B4-T8192-H16/HV32; H200, session 27: fwd+bwd GDN 6.68 -> 6.14 ms, DeltaNet 5.26 ->
+# 4.93, simple GLA 4.82 -> 4.34, KDA 10.94 -> 10.71). fp16 keeps fp32 shares by default: its finer rounding made that
+# per-head rounding the largest difference between two backward forms of the same gradients (DeltaNet dk 5.2e-4 at
+# K = 32 in the interpreter, test_value_key_side_forms). CHUNKWISE_BWD_GROUP_16 (0 / 1) overrides for every 16-bit dtype
 GRAD_GROUP_16 = 1
 BWD_PAIR_SPLIT = 32
 # W and U formed by the backward from a forward under T_FORM's T (chunk_fwd.SAVE_T_FORM): from 16-bit operands where
@@ -2266,9 +2269,10 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     del dRl, q_s, k_s
 
     # gradients go out in the input dtype directly unless finished by the per-channel pair kernels (those accumulate
-    # in fp32). Grouped value heads too: each value head's dq / dk in the input dtype, summed over its group in fp32 by
-    # group_sum, as fla's gradients of q / k repeated over the group are (GRAD_GROUP_16)
-    gdt = q.dtype if gate != 2 and (HV == H or _env_switch("CHUNKWISE_BWD_GROUP_16", GRAD_GROUP_16)) else torch.float32
+    # in fp32). Grouped value heads too where GRAD_GROUP_16 takes the dtype: each value head's dq / dk in it, summed
+    # over its group in fp32 by group_sum, as fla's gradients of q / k repeated over the group are
+    group16 = _env_switch("CHUNKWISE_BWD_GROUP_16", int(GRAD_GROUP_16 and q.dtype == torch.bfloat16))
+    gdt = q.dtype if gate != 2 and (HV == H or group16) else torch.float32
     dq, dk = buf(B, T, HV, K, dtype=gdt), buf(B, T, HV, K, dtype=gdt)
     dv = None if dqk and not delta else buf(B, T, HV, V, dtype=v.dtype)
     dbeta = buf(B, T, HV) if delta else None
@@ -2338,7 +2342,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         # the launch that finishes a gradient element stores it in the input's dtype (no cast afterwards), where
         # nothing follows: not for grouped heads (summed over the group in fp32) nor when the key side finishes some
         dq_o, dk_o = dq, dk
-        if (HV == H or _env_switch("CHUNKWISE_BWD_GROUP_16", GRAD_GROUP_16)) and one_ref != 2 and q.dtype != dq.dtype:
+        if (HV == H or group16) and one_ref != 2 and q.dtype != dq.dtype:
             dq_o, dk_o = buf(*dq.shape, dtype=q.dtype), buf(*dk.shape, dtype=k.dtype)
         pair = dict(s_dbp=B * T * HV, H=H, HV=HV, K=K, C=C, BC=BC, DELTA=delta, IS_VARLEN=varlen, PREC=prec,
                     span_max=SPAN_MAX, LOWP=lowp_key is True, num_stages=ns, **common)
