@@ -289,17 +289,17 @@ def _stage1_shapes(q, v, g, beta, cu_seqlens):
     nothing; h only with chunk_fwd.saves_states, r with it or chunk_fwd.saves_r; qg, kg only where chunk_bwd.gate_scaled_in; gc, KDA's G, with
     chunk_fwd.saves_gate_cumsum)."""
     from .triton.chunk_bwd import gate_scaled_in, saved_t_dtype
-    from .triton.chunk_fwd import (BT, _gate_kind, chunk_slots, save_t_form, saves_gate_cumsum, saves_gate_scaled,
-                                   saves_r, saves_stage1, saves_states, state_dtype)
+    from .triton.chunk_fwd import (BT, _gate_kind, chunk_slots, keeps_r, save_t_form, saves_gate_cumsum,
+                                   saves_gate_scaled, saves_r, saves_stage1, saves_states, state_dtype)
     B, T, HV, K, V = q.shape[0], q.shape[1], v.shape[2], q.shape[3], v.shape[3]
     empty = (_EMPTY_SHAPE, q.dtype)
     if not saves_stage1(q, v, g, beta):
         return [empty] * 9
-    gate, t_form = _gate_kind(g), save_t_form(_gate_kind(g), q.dtype)
-    r_kept = saves_states() or saves_r()
-    # (u only where R is not kept; t fp32 under T_FORM, else chunk_bwd.saved_t_dtype)
-    wu = [empty] * 2 if t_form else [((B, T, HV, K), q.dtype), empty if r_kept else ((B, T, HV, V), q.dtype)]
-    stage = wu + [((B, T, HV, BT), q.dtype), ((B, T, HV, BT), torch.float32 if t_form else saved_t_dtype(q.dtype, K, gate))]
+    gate = _gate_kind(g)
+    t_form = save_t_form(gate, q.dtype)
+    # (u only where R is not kept: chunk_fwd.keeps_r)
+    wu = [empty] * 2 if t_form else [((B, T, HV, K), q.dtype), empty if keeps_r() else ((B, T, HV, V), q.dtype)]
+    stage = wu + [((B, T, HV, BT), q.dtype), ((B, T, HV, BT), saved_t_dtype(q.dtype, K, gate, t_form))]
     sdt = state_dtype(q.dtype)
     if saves_states():
         N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1

@@ -1875,10 +1875,11 @@ def gate_scaled_in(g, q) -> bool:
 SAVE_T_16 = {0: 1, 1: 0, 2: 0}
 
 
-def saved_t_dtype(dtype: torch.dtype, K: int, gate: int) -> torch.dtype:
+def saved_t_dtype(dtype: torch.dtype, K: int, gate: int, t_form: bool = False) -> torch.dtype:
     """The dtype a saving forward stores T in for inputs of ``dtype`` at head dim K (gate 0 / 1 / 2): ``dtype`` where
-    the backward's only reader of T (_bwd_wy_kernel, BWD_DQK) takes it in ``dtype`` (key-side level 3 / 4), else fp32."""
-    if gate == 2 or dtype == torch.float32 or not _env_switch("CHUNKWISE_SAVE_T_16", SAVE_T_16[gate]) \
+    the backward's only reader of T (_bwd_wy_kernel, BWD_DQK) takes it in ``dtype`` (key-side level 3 / 4), else fp32;
+    always fp32 under T_FORM (``t_form``: the backward forms W / U from T)."""
+    if t_form or gate == 2 or dtype == torch.float32 or not _env_switch("CHUNKWISE_SAVE_T_16", SAVE_T_16[gate]) \
             or not _env_switch("CHUNKWISE_BWD_DQK", BWD_DQK):
         return torch.float32
     return dtype if bwd_lowp_level(dtype, max(16, next_pow2(K))) in (3, 4) else torch.float32
@@ -1917,6 +1918,7 @@ BWD_FUSED_PREP = 1
 # the key side without that pass 4 B spilled, 106 KB; the pair kernel at 16 / 32 / 64 channels 0 / 64 /
 # 448 B spilled, 72 / 80 / 96 KB. On the H200 (sweep of a3986d3) 9.45 ms at 4 warps; KDA fwd+bwd 31.72 -> 26.49 ms.
 # CHUNKWISE_BWD_PAIR_SPLIT=0: one program over all channels.
+BWD_PAIR_SPLIT = 32
 # Grouped value heads (HV > H) with bf16 inputs: each value head's dq / dk leaves the kernels in bf16 (1) and group_sum
 # adds them in fp32, or in fp32 (0). Each head's share is then rounded once before the sum, as fla's gradients of q / k
 # repeated over the group are (autograd sums the repeat's bf16 gradients); half the bytes of the fp32 shares, written
@@ -1925,7 +1927,6 @@ BWD_FUSED_PREP = 1
 # per-head rounding the largest difference between two backward forms of the same gradients (DeltaNet dk 5.2e-4 at
 # K = 32 in the interpreter, test_value_key_side_forms). CHUNKWISE_BWD_GROUP_16 (0 / 1) overrides for every 16-bit dtype
 GRAD_GROUP_16 = 1
-BWD_PAIR_SPLIT = 32
 # W and U formed by the backward from a forward under T_FORM's T (chunk_fwd.SAVE_T_FORM): from 16-bit operands where
 # the recompute takes them (1: BWD_LOWP level 2 and up at 128-wide key tiles, as the backward's recompute without a
 # saved stage 1 and as fla forms them), or from fp32 ones in tf32 (0), as the forward's stage 1 forms them when it
@@ -2340,7 +2341,8 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         dbp = None if not delta else (torch.zeros(nkb, B * T * HV, device=dev) if one_ref == 2
                                       else buf(nkb + split_diag, B * T * HV))
         # the launch that finishes a gradient element stores it in the input's dtype (no cast afterwards), where
-        # nothing follows: not for grouped heads (summed over the group in fp32) nor when the key side finishes some
+        # nothing follows but group_sum of 16-bit shares (group16): not for grouped heads with fp32 shares nor when the
+        # key side finishes some
         dq_o, dk_o = dq, dk
         if (HV == H or group16) and one_ref != 2 and q.dtype != dq.dtype:
             dq_o, dk_o = buf(*dq.shape, dtype=q.dtype), buf(*dk.shape, dtype=k.dtype)

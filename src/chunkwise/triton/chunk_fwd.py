@@ -1414,10 +1414,9 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
             gcum = _alloc((slots, HV, BT), torch.float32, dev)
             glast = _alloc((slots, HV), torch.float32, dev)
     t = None
-    if save_t:      # fp32, or the input dtype where the backward takes T in it (chunk_bwd.saved_t_dtype; not under
-        # T_FORM, where the backward forms W / U from T)
+    if save_t:      # fp32, or the input dtype where the backward takes T in it (chunk_bwd.saved_t_dtype)
         from .chunk_bwd import saved_t_dtype
-        t = _alloc((B, T, HV, BT), torch.float32 if t_form else saved_t_dtype(dt, K, gate), dev)
+        t = _alloc((B, T, HV, BT), saved_t_dtype(dt, K, gate, t_form), dev)
     dot_prec, mm_prec, _ = _dot_prec(dt, gate)
     # (the inference forward's precisions: a training forward's T, which the backward reuses, keeps tf32 operands)
     solve_prec, redo_prec = _solve_precs(dt, gate, t_form and not save_t)
@@ -1746,6 +1745,12 @@ def saves_r() -> bool:
     return not saves_states() and _env_switch("CHUNKWISE_SAVE_R", SAVE_R)
 
 
+def keeps_r() -> bool:
+    """Whether a forward that saves stage 1 keeps R, alone (saves_r) or with the per-chunk states (saves_states);
+    it then keeps no U, which the backward reads only to form R."""
+    return saves_states() or saves_r()
+
+
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
@@ -1818,8 +1823,9 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     that pass in this many sub-segments per segment (default, tuned: BV = 128 at 4 warps, sub-segments to fill
     one wave; with ``segments`` given: stage 2's BV and warps, no sub-segments).
     ``saved_out``: a dict that, for the delta families at head dims the kernels take as they are, receives
-    stage 1's w, u, p and t = (I + A)⁻¹ (fp32, or the input dtype: chunk_bwd.saved_t_dtype) for a backward that reuses them (chunk_bwd's ``saved``), and for
-    a per-channel gate qg = q ⊙ e^G, kg = k ⊙ e^{G_last − G} (q's dtype).
+    stage 1's w, u, p and t = (I + A)⁻¹ (fp32, or the input dtype: chunk_bwd.saved_t_dtype) for a backward that
+    reuses them (chunk_bwd's ``saved``; u only where R is not kept: keeps_r), and for a per-channel gate
+    qg = q ⊙ e^G, kg = k ⊙ e^{G_last − G} (q's dtype).
     ``overlap`` (delta rule): stage 2 launched beside stage 1 rather than after it, each chunk's step waiting
     for that chunk's stage-1 program (default: FWD_OVERLAP's mode per family where _overlap allows it; True /
     False: on / off at the launch's value block and depth).
@@ -1903,7 +1909,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         shape = (N, HV, V, K) if transpose_state_layout else (N, HV, K, V)
         ht = _alloc(shape, torch.float32, q.device)
     hs = rs = None
-    if save and (saves_states() or saves_r()):
+    if save and keeps_r():
         # R (the backward's forward state pass then forms the states from it) and, with SAVE_STATES, the per-chunk
         # states too (the backward skips that pass)
         sdt = state_dtype(q.dtype)
@@ -1930,8 +1936,10 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
             saved_out.update(qg=stage1["qg"], kg=stage1["kg"])
             if stage1["G"] is not None:
                 saved_out.update(G=stage1["G"])
-        if not t_form:      # (U only where R is not kept: R = U − W S is all the backward reads U for)
-            saved_out.update(w=stage1["w"], **({} if rs is not None else dict(u=stage1["u"])))
+        if not t_form:
+            saved_out.update(w=stage1["w"])
+            if rs is None:      # (U only where R is not kept: R = U − W S is all the backward reads U for)
+                saved_out.update(u=stage1["u"])
     if p_in and not delta:                # simple GLA with P formed once per chunk
         stage1["p"] = chunk_p(q, k, g, HV, cu_seqlens, chunk_indices)
     if not p_in:
