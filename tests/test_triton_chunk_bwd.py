@@ -521,7 +521,8 @@ def test_saved_stage1_rule(fam, dtype):
     assert saves_stage1(q, v, inp.g, inp.beta) == want
 
 
-BF16_SMALL = {"k16": ([1, 70, 30], 16), "k16-nolen1": ([70, 30], 16), "k64": ([1, 70, 30], 64)}
+BF16_SMALL = {"k16": ([1, 70, 30], 16, 32), "k16-nolen1": ([70, 30], 16, 32), "k64": ([1, 70, 30], 64, 32),
+              "k128-v16": ([1, 70, 30], 128, 16), "k128-v32": ([70, 30], 128, 32)}
 
 
 @pytest.mark.skipif(not ON_GPU, reason="bf16 is wrong under the interpreter")
@@ -529,22 +530,23 @@ BF16_SMALL = {"k16": ([1, 70, 30], 16), "k16-nolen1": ([70, 30], 16), "k64": ([1
 @pytest.mark.parametrize("save", [1, 0])
 @pytest.mark.parametrize("fam", FAMS)
 def test_grads_bf16_small_tiles(fam, save, shape, monkeypatch):
-    """bf16 at small tiles (K = 16 or 64, V = 32), varlen (with or without a length-1 sequence) and grouped
-    heads, stage 1 saved by the forward (the default) or recomputed: the sm_90 builds of small tiles are not
-    the real-size ones (fp16 GDN / DeltaNet gave inf gradients there with the saved stage 1, session 8)."""
+    """bf16 at small tiles (K = 16 or 64 with V = 32; K = 128 with V = 16 or 32), varlen (with or without a length-1
+    sequence) and grouped heads, stage 1 saved by the forward (the default) or recomputed: the sm_90 builds of small
+    tiles are not the real-size ones (fp16 GDN / DeltaNet gave inf gradients there with the saved stage 1, session 8;
+    the saving forward's stage 1 at K = 128, V <= 32 raised an illegal memory access, session 28)."""
     monkeypatch.setenv("CHUNKWISE_SAVE_STAGE1", str(save))
-    lengths, K = BF16_SMALL[shape]
-    inp = make_inputs(fam, lengths=lengths, H=1, HV=2, K=K, V=32, seed=8)
+    lengths, K, V = BF16_SMALL[shape]
+    inp = make_inputs(fam, lengths=lengths, H=1, HV=2, K=K, V=V, seed=8)
     _compare(inp, TOL[torch.bfloat16], dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("K", [16, 32, 64])
+@pytest.mark.parametrize("K", [16, 32, 64, 128])
 @pytest.mark.parametrize("save", [1, 0])
 @pytest.mark.parametrize("fam", FAMS)
 def test_grads_fp16_small_tiles(fam, save, K, monkeypatch):
-    """fp16 at key tiles under 128 (K = 16 / 32 / 64, V = 32), varlen with a length-1 sequence, grouped heads, stage 1
-    saved by the forward (where the family saves it in fp16) or recomputed: every gradient within the fp16 tolerance
-    of the float64 reference's. On the H200 the sm_90 builds of small tiles are not the real-size ones (KDA's fp16
+    """fp16 at key tiles under 128 (K = 16 / 32 / 64, V = 32) and at K = 128 with V = 32, varlen with a length-1
+    sequence, grouped heads, stage 1 saved by the forward (where the family saves it in fp16) or recomputed: every
+    gradient within the fp16 tolerance of the float64 reference's. On the H200 the sm_90 builds of small tiles are not the real-size ones (KDA's fp16
     gradients came out inf at K = 16, sessions 20 and 23)."""
     monkeypatch.setenv("CHUNKWISE_SAVE_STAGE1", str(save))
     inp = make_inputs(fam, lengths=[1, 70, 30], H=1, HV=2, K=K, V=32, seed=21)

@@ -723,13 +723,14 @@ def test_gla_with_p_from_its_own_kernel(case, gate):
 
 
 def test_stage1_wu_16_bit_only_at_128():
-    """Stage 1 forms W / U from 16-bit operands only for 16-bit inputs at a 128-wide key tile (K = 65..128):
-    at K = 16 / 64 the sm_90 build of that form crashed or was wrong on the H200 (session 8); K = 256 in 16
-    bits runs in fp32 (WIDE_16BIT_K)."""
+    """Stage 1 forms W / U from 16-bit operands only for 16-bit inputs at a 128-wide key tile (K = 65..128) and a
+    value tile of at least 64 (V = 33..): at K = 16 / 64, and at K = 128 with V = 16 / 32, the sm_90 build of that
+    form crashed or was wrong on the H200 (sessions 8 and 28); K = 256 in 16 bits runs in fp32 (WIDE_16BIT_K)."""
     from chunkwise.triton.chunk_fwd import wu_lowp_ok
-    assert wu_lowp_ok(torch.bfloat16, 128) and wu_lowp_ok(torch.float16, 128) and wu_lowp_ok(torch.bfloat16, 100)
-    assert not any(wu_lowp_ok(dt, K) for dt in (torch.bfloat16, torch.float16) for K in (16, 32, 40, 64))
-    assert not wu_lowp_ok(torch.float32, 128)
+    assert all(wu_lowp_ok(dt, K, V) for dt in (torch.bfloat16, torch.float16) for K in (100, 128) for V in (33, 64, 128))
+    assert not any(wu_lowp_ok(dt, K, 128) for dt in (torch.bfloat16, torch.float16) for K in (16, 32, 40, 64))
+    assert not any(wu_lowp_ok(dt, 128, V) for dt in (torch.bfloat16, torch.float16) for V in (8, 16, 32))
+    assert not wu_lowp_ok(torch.float32, 128, 128)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -2096,9 +2096,9 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     prec = "tf32x3" if q.dtype == torch.float32 else prec_env("CHUNKWISE_BWD_PREC16", prec16)
     # 16-bit product operands (BWD_LOWP), 16-bit inputs only
     level = bwd_lowp_level(q.dtype, BK)
-    # W / U with 16-bit operands only at 128-wide key tiles, as in the forward's stage 1 (wu_lowp_ok): on the
-    # H200 (session 9) KDA's bf16 recompute at K = 64 gave gradient errors of ~1 with them
-    lowp, lowp_wu = level >= 1, level >= 2 and wu_lowp_ok(q.dtype, K)
+    # W / U with 16-bit operands only at 128-wide key tiles and value tiles of at least 64, as in the forward's
+    # stage 1 (wu_lowp_ok): on the H200 (session 9) KDA's bf16 recompute at K = 64 gave gradient errors of ~1 with them
+    lowp, lowp_wu = level >= 1, level >= 2 and wu_lowp_ok(q.dtype, K, v.shape[-1])
     # the key side's LOWP constexpr: level 3 every product in 16 bits (True), level 4 all but the pairwise ones (2)
     lowp_key = {3: True, 4: 2}.get(level, False)
     ns = _num_stages(q.dtype, BK)

@@ -1291,14 +1291,15 @@ def reg_cap(name: str) -> dict:
     return {}
 
 
-def wu_lowp_ok(dtype: torch.dtype, K: int) -> bool:
+def wu_lowp_ok(dtype: torch.dtype, K: int, V: int) -> bool:
     """Whether stage 1 (chunk_prepare_kernel, forward or the backward's recompute) may form W / U with 16-bit
-    product operands: 16-bit inputs at a 128-wide key tile only. On the H200 (triton 3.6, session 8) the
-    16-bit W / U products at K = 16 and 64 (bf16) crashed with an illegal memory access in
-    chunk_prepare_kernel or gave wrong gradients (rel. error ~1), and fp16 at K = 16 gave inf gradients;
-    with fp32 operands (CHUNKWISE_PREP_WU_LOWP=0) the same tests passed. K = 128 (also K = 100, padded to
-    128) passed every real-size test in both forms."""
-    return dtype != torch.float32 and _dim(K) == 128
+    product operands: 16-bit inputs at a 128-wide key tile and a value tile of at least 64 only. On the H200 (triton
+    3.6, session 8) the 16-bit W / U products at K = 16 and 64 (bf16) crashed with an illegal memory access in
+    chunk_prepare_kernel or gave wrong gradients (rel. error ~1), and fp16 at K = 16 gave inf gradients; with fp32
+    operands (CHUNKWISE_PREP_WU_LOWP=0) the same tests passed. K = 128 (also K = 100, padded to 128) passed every
+    real-size test in both forms. At K = 128 with V = 16 or 32 (bf16, GDN / DeltaNet) the saving forward's stage 1
+    raised an illegal memory access too, where V = 64 and 128 ran (session 28, NOTES.md; test_grads_bf16_small_tiles)."""
+    return dtype != torch.float32 and _dim(K) == 128 and _dim(V) >= 64
 
 
 def prep_config(gate: int) -> tuple[int, int, int, int]:
@@ -1435,7 +1436,7 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
             q, k, v, g, beta, w, u, p, qg, kg, glast, gcum, None, t, None, flag, ready, cu_seqlens, chunk_indices, T, NT,
             H=H, HV=HV, K=K, V=V, scale=1.0, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)), GATE=gate,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=s_prec,
-            g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(dt, K) and gate != 2,
+            g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(dt, K, V) and gate != 2,
             AP_FORM=form if gate == 2 else 0, STORE_T=save_t, STORE_P=store_p, GC_OUT=gcum is not None,
             AP_ONE_REF=ap_one_ref, SOLVE_DOUBLING=_env_switch("CHUNKWISE_SOLVE_DOUBLING", SOLVE_DOUBLING),
             T_FORM=t_form, AP_LOWP=ap_lowp if ap_one_ref == 2 else min(ap_lowp, int(dt == torch.bfloat16)),
@@ -1467,7 +1468,7 @@ def chunk_prepare_bwd(q, k, v, g, beta, do, scale, w, u, t_out, drl, cu_seqlens=
             T, NT,
             H=H, HV=HV, K=K, V=V, scale=scale, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)),
             GATE=gate, IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=solve_prec,
-            g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(q.dtype, K), BWD=True,
+            g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(q.dtype, K, V), BWD=True,
             SOLVE_DOUBLING=_env_switch("CHUNKWISE_SOLVE_DOUBLING", SOLVE_DOUBLING),
             num_warps=num_warps, num_stages=1, **reg_cap("prep"))
 
