@@ -553,6 +553,24 @@ def test_grads_fp16_small_tiles(fam, save, K, monkeypatch):
     _compare(inp, TOL[torch.float16], dtype=torch.float16)
 
 
+# head dims whose sm_90 tiles no other GPU test builds: K = 128 with narrow values (the saving forward's stage 1 at
+# V <= 32 raised an illegal memory access in session 28), padded K and V, narrow keys with wide values
+HEAD_DIM_GRID = [(64, 16), (64, 100), (100, 32), (128, 16), (128, 48), (128, 100), (32, 128), (16, 64)]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the sm_90 build of each tile size is what this checks (the interpreter runs "
+                                       "one path for all; the small-tile tests above cover it there)")
+@pytest.mark.parametrize("K,V", HEAD_DIM_GRID)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fam", FAMS)
+def test_grads_head_dim_grid(fam, dtype, K, V):
+    """fwd + bwd at each head-dim pair of HEAD_DIM_GRID, 16-bit inputs, varlen with a length-1 sequence and grouped
+    heads (stage 1 saved where the family saves it): every gradient within the dtype's tolerance of the float64
+    reference's."""
+    inp = make_inputs(fam, lengths=[1, 70, 30], H=1, HV=2, K=K, V=V, seed=29)
+    _compare(inp, TOL[dtype], dtype=dtype)
+
+
 def test_fp16_kda_route(monkeypatch):
     """The rule that sends fp16 KDA to the fp32 backward on the GPU (FP16_KDA_FP32): fp16, per-channel gate, a CUDA
     tensor outside the interpreter, the switch on; nothing else (bf16, scalar gates, no gate, CPU tensors)."""
