@@ -638,6 +638,25 @@ def test_real_size_grouped_varlen_bf16(fam):
     _check(inp, o, ht, TOL[torch.bfloat16])
 
 
+# head dims whose sm_90 tiles no other GPU test of the forward builds (as test_triton_chunk_bwd.HEAD_DIM_GRID: the
+# saving forward's stage 1 at K = 128, V <= 32 raised an illegal memory access in session 28)
+HEAD_DIM_GRID = [(64, 16), (64, 100), (100, 32), (128, 16), (128, 48), (128, 100), (32, 128), (16, 64)]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the sm_90 build of each tile size is what this checks (the interpreter runs "
+                                       "one path for all)")
+@pytest.mark.parametrize("K,V", HEAD_DIM_GRID)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fam", FAMS)
+def test_head_dim_grid(fam, dtype, K, V):
+    """The inference forward at each head-dim pair of HEAD_DIM_GRID, 16-bit inputs, varlen with a length-1 sequence
+    and grouped heads, both state layouts: output and final state within the dtype's tolerance of float64's."""
+    inp = make_inputs(fam, lengths=[1, 70, 130], H=1, HV=2, K=K, V=V, dtype=dtype, seed=31)
+    for transpose in (False, True):
+        o, ht = _run(inp, transpose=transpose)
+        _check(inp, o, ht, TOL[dtype])
+
+
 @pytest.mark.skipif(not ON_GPU, reason="real sizes and bf16 need the GPU")
 @pytest.mark.parametrize("fam", FAMS)
 def test_busy_shape_bf16_vs_fla(fam):

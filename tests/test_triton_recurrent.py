@@ -271,7 +271,8 @@ def test_no_grad_context_uses_the_kernel():
 
 @pytest.mark.skipif(not ON_GPU, reason="real sizes and bf16 need the GPU")
 @pytest.mark.parametrize("fam", FAMS)
-@pytest.mark.parametrize("K,V,T,B", [(128, 128, 1, 64), (128, 128, 4, 8), (100, 100, 2, 8), (256, 256, 1, 4)])
+@pytest.mark.parametrize("K,V,T,B", [(128, 128, 1, 64), (128, 128, 4, 8), (100, 100, 2, 8), (256, 256, 1, 4),
+                                     (128, 16, 1, 8), (128, 48, 3, 8), (64, 100, 1, 8), (16, 64, 2, 8)])
 def test_gpu_bf16_real_size(fam, K, V, T, B):
     inp = make_inputs(fam, B=B, T=T, H=4, HV=8, K=K, V=V, dtype=torch.bfloat16, seed=40)
     o, ht = _nan_outputs(inp)
