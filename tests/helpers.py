@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 import chunkwise
@@ -18,6 +19,14 @@ from chunkwise.reference.recurrent import recurrent_forward
 ON_GPU = torch.cuda.is_available() or os.environ.get("CHUNKWISE_WARM_SM90") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# head dims whose sm_90 tiles neither the real-size tests (K = V = 128) nor the small-tile ones (K <= 64) build: K = 128
+# with narrow values (the saving forward's stage 1 at V <= 32 raised an illegal memory access on the H200, session 28),
+# padded K and V, narrow keys with wide values. Each pair is a build of its own on the GPU, while the interpreter runs
+# one path for all, so the tests over this grid run on the GPU only (skip_unless_sm90_builds).
+HEAD_DIM_GRID = [(64, 16), (64, 100), (100, 32), (128, 16), (128, 48), (128, 100), (32, 128), (16, 64)]
+skip_unless_sm90_builds = pytest.mark.skipif(not ON_GPU, reason="the sm_90 build of each tile size is what this "
+                                                                 "checks (the interpreter runs one path for all)")
 
 FAMILIES = {"gdn": GDN, "kda": KDA, "delta": DELTA, "gla": GLA}
 CHUNK_OPS = {"gdn": chunkwise.chunk_gated_delta_rule, "kda": chunkwise.chunk_kda,

@@ -13,7 +13,7 @@ import torch
 
 import chunkwise
 
-from helpers import CHUNK_OPS, DEVICE, ON_GPU, TOL, make_inputs, rel_err
+from helpers import CHUNK_OPS, DEVICE, HEAD_DIM_GRID, ON_GPU, TOL, make_inputs, rel_err, skip_unless_sm90_builds
 
 FAMS = ("gdn", "kda", "delta", "gla")
 GATED = ("gdn", "kda", "gla")
@@ -553,13 +553,7 @@ def test_grads_fp16_small_tiles(fam, save, K, monkeypatch):
     _compare(inp, TOL[torch.float16], dtype=torch.float16)
 
 
-# head dims whose sm_90 tiles no other GPU test builds: K = 128 with narrow values (the saving forward's stage 1 at
-# V <= 32 raised an illegal memory access in session 28), padded K and V, narrow keys with wide values
-HEAD_DIM_GRID = [(64, 16), (64, 100), (100, 32), (128, 16), (128, 48), (128, 100), (32, 128), (16, 64)]
-
-
-@pytest.mark.skipif(not ON_GPU, reason="the sm_90 build of each tile size is what this checks (the interpreter runs "
-                                       "one path for all; the small-tile tests above cover it there)")
+@skip_unless_sm90_builds
 @pytest.mark.parametrize("K,V", HEAD_DIM_GRID)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("fam", FAMS)

@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 from chunkwise.triton.chunk_fwd import _rn_tf32, chunk_prepare
-from helpers import CHUNK_OPS, DEVICE, INTERPRET, ON_GPU, TOL, make_inputs, reference, rel_err
+from helpers import (CHUNK_OPS, DEVICE, HEAD_DIM_GRID, INTERPRET, ON_GPU, TOL, make_inputs, reference, rel_err,
+                     skip_unless_sm90_builds)
 
 FAMS = ("gdn", "kda", "delta", "gla")
 GATED = ("gdn", "kda", "gla")
@@ -638,13 +639,7 @@ def test_real_size_grouped_varlen_bf16(fam):
     _check(inp, o, ht, TOL[torch.bfloat16])
 
 
-# head dims whose sm_90 tiles no other GPU test of the forward builds (as test_triton_chunk_bwd.HEAD_DIM_GRID: the
-# saving forward's stage 1 at K = 128, V <= 32 raised an illegal memory access in session 28)
-HEAD_DIM_GRID = [(64, 16), (64, 100), (100, 32), (128, 16), (128, 48), (128, 100), (32, 128), (16, 64)]
-
-
-@pytest.mark.skipif(not ON_GPU, reason="the sm_90 build of each tile size is what this checks (the interpreter runs "
-                                       "one path for all)")
+@skip_unless_sm90_builds
 @pytest.mark.parametrize("K,V", HEAD_DIM_GRID)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("fam", FAMS)
