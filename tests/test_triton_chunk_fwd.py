@@ -867,17 +867,14 @@ def test_stage1_publishes_every_chunk(case, monkeypatch):
             assert torch.equal(torch.nan_to_num(got[name]), torch.nan_to_num(x)), name
 
 
-@pytest.mark.parametrize("lead", ["0", "40"])
 @pytest.mark.parametrize("case", ["varlen_h0_transpose", "grouped_batch"])
 @pytest.mark.parametrize("fam", ("gdn", "delta", "kda"))
-def test_stage2_beside_stage1(fam, case, lead, monkeypatch):
+def test_stage2_beside_stage1(fam, case):
     """chunk_fwd(overlap=True): stage 2 launched beside stage 1 (on the GPU its own stream, each step waiting for
     its chunk's ready flag, stage 1's grid chunk-major) gives the sequential launches' output and final state bit
-    for bit, and the float64 recurrence's; also with stage 1's first 40 % of chunks launched ahead of stage 2
-    (CHUNKWISE_FWD_LEAD). On the GPU at B1-T4096-H32 bf16 (128 programs of stage 2 at BV 32 beside stage 1's 2048)
-    and in 4 sequences at H16 (128 programs at BV 64)."""
+    for bit, and the float64 recurrence's. On the GPU at B1-T4096-H32 bf16 (128 programs of stage 2 at BV 32 beside
+    stage 1's 2048) and in 4 sequences at H16 (128 programs at BV 64)."""
     from chunkwise.triton.chunk_fwd import _num_sms, _pick_bv, chunk_fwd
-    monkeypatch.setenv("CHUNKWISE_FWD_LEAD", lead)
     varlen = case.startswith("varlen")
     kw = dict(lengths=[1000, 64, 1, 3031] if varlen else None, B=1, H=16 if varlen else 32, HV=16 if varlen else 32,
               K=128, V=128, dtype=torch.bfloat16) if ON_GPU else \
@@ -897,41 +894,6 @@ def test_stage2_beside_stage1(fam, case, lead, monkeypatch):
     assert torch.equal(outs[1][0], outs[0][0]) and torch.equal(outs[1][1], outs[0][1])
     ht = outs[1][1].transpose(-1, -2) if transpose else outs[1][1]
     _check(inp, outs[1][0], ht, TOL[inp.q.dtype])
-
-
-@pytest.mark.parametrize("fam", ("gdn", "kda"))
-def test_stage1_lead_launches(fam, monkeypatch):
-    """CHUNKWISE_FWD_LEAD: beside stage 2, stage 1's first launch split in two at that share of the chunks (its first
-    part ahead of stage 2's launch), the two parts covering every chunk once; without the overlap, one launch."""
-    import chunkwise.triton.chunk_fwd as cf
-    launches = []
-    orig = cf.chunk_prepare_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                launches.append((grid, kw["c0"], kw["n_c"], kw["SIGNAL"], kw.get("SOLVE_REDO", 0), kw["AP_ONE_REF"]))
-                return orig[grid](*args, **kw)
-            return launch
-    monkeypatch.setattr(cf, "chunk_prepare_kernel", Spy())
-    monkeypatch.setenv("CHUNKWISE_FWD_LEAD", "40")
-    inp = make_inputs(fam, B=1, T=320, H=1, HV=2, K=KS[0], V=VS[0], seed=24, device=DEVICE)
-    K, NT = inp.q.shape[-1], 5
-    outs = []
-    for ov in (False, True):
-        launches.clear()
-        outs.append(cf.chunk_fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, K ** -0.5, inp.h0, True, None, overlap=ov))
-        first = [x for x in launches if x[4] != 2 and x[5] != 3]       # (not a redo of flagged programs)
-        if not ov:
-            assert [(x[0], x[1]) for x in first] == [((NT, 2), 0)]
-        else:
-            lead = NT * 40 // 100
-            assert lead > 0 and [(x[0], x[1], x[2], x[3]) for x in first] == \
-                [((2, lead), 0, NT, True), ((2, NT - lead), lead, NT, True)]
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
-    monkeypatch.setenv("CHUNKWISE_FWD_LEAD", "95")
-    with pytest.raises(ValueError, match="CHUNKWISE_FWD_LEAD"):
-        cf.chunk_fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, K ** -0.5, inp.h0, True, None, overlap=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])

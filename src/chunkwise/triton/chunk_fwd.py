@@ -403,7 +403,7 @@ def _kda_ap_rows(A0, A1, A2, A3, P0, P1, P2, P3, kf, qf, b_G, b_beta, k_base, q_
     return A0, A1, A2, A3, P0, P1, P2, P3
 
 
-@triton.jit(do_not_specialize=["T", "NT", "H", "HV", "c0", "n_c"])
+@triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
 def chunk_prepare_kernel(
     q, k, v, g, beta,            # [B,T,H,K] [B,T,H,K] [B,T,HV,V] None|[B,T,HV]|[B,T,HV,K] fp32, [B,T,HV]
     w, u, p,                     # out: [B,T,HV,K] [B,T,HV,V] [B,T,HV,BT] (input dtype)
@@ -416,7 +416,6 @@ def chunk_prepare_kernel(
     ready,                       # SIGNAL: [slots, HV] int32, set to 1 once the chunk's outputs are stored (stage 2's WAIT)
     cu_seqlens, chunk_indices,   # varlen: [N+1], [NT_total, 2] (sequence, chunk in sequence)
     T, NT, H, HV, K, V, scale,
-    c0, n_c,                     # this launch's first chunk (of the chunk axis), the chunks of the whole stage
     BTc: tl.constexpr, BCc: tl.constexpr, BK: tl.constexpr, BVf: tl.constexpr, BKC: tl.constexpr,
     GATE: tl.constexpr,          # 0 none, 1 scalar, 2 per channel
     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, MM_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
@@ -450,13 +449,13 @@ def chunk_prepare_kernel(
     flagged (for launch 3) where a column chunk's |G − G_last / 2| reaches span16 or A / P come out non-finite.
     SIGNAL (stage 2 running beside this launch, chunk_fwd's overlap): the grid chunk-major, so that every head's
     first chunks are done first, and each program, once its outputs are stored, sets ready[slot, head] (a program
-    flagged to a second launch leaves that to it). c0: the chunk this launch starts at (chunk_prepare's ``lead``
-    splits the stage in two launches), n_c: the chunks of the whole stage (the flag array's row length)."""
+    flagged to a second launch leaves that to it)."""
     if SIGNAL:
-        i_bh, i_t = tl.program_id(0), c0 + tl.program_id(1)
+        i_bh, i_t = tl.program_id(0), tl.program_id(1)
+        n_t = tl.num_programs(1)
     else:
-        i_t, i_bh = c0 + tl.program_id(0), tl.program_id(1)
-    n_t = n_c
+        i_t, i_bh = tl.program_id(0), tl.program_id(1)
+        n_t = tl.num_programs(0)
     if AP_ONE_REF == 3 or SOLVE_REDO == 2:
         if tl.load(flag + i_bh * n_t + i_t) == 0:
             return
@@ -1376,7 +1375,7 @@ def _ap_lowp(dtype, gate: int, t_form: bool) -> int:
 
 
 def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=False, store_p=True, t_form=False,
-                  ready=None, save_g=False, lead=0, side=None):
+                  ready=None, save_g=False):
     """Stage 1 for the delta families.
 
     Args: q, k [B,T,H,K]; v [B,T,HV,V]; g None | [B,T,HV] fp32 | [B,T,HV,K] fp32 (raw log-decays);
@@ -1391,9 +1390,6 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     forward's precisions, t as well). ``ready`` ([slots, HV] int32, zeroed): the chunk-major grid, each program
     setting its entry once its outputs are stored, for a stage 2 launched beside it (chunk_fwd's overlap).
     ``save_g`` (per-channel g): also G [B,T,HV,K] fp32, the chunk-local cumulative gate, for the backward (key "G").
-    ``lead`` (with ``ready``): the first ``lead`` chunks of the chunk axis in a launch of their own, after which the
-    stream ``side`` (stage 2's, if not None) waits for it: stage 2's programs, which take an SM's shared memory each,
-    are then placed only once stage 1 has that head start at the whole GPU's throughput (chunk_fwd's FWD_LEAD).
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -1434,9 +1430,10 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     launches = [(r, solve_prec, 0) for r in ((2, 3) if one_ref == 2 else (one_ref,))]
     if redo_split:
         launches = [(0, "fp16", 1), (0, redo_prec, 2)]
-    lead = min(max(int(lead), 0), n_chunks) if ready is not None else 0
-    for i, (ap_one_ref, s_prec, s_redo) in enumerate(launches if n_chunks > 0 else ()):
-        meta = dict(
+    grid = (n_chunks, B * HV) if ready is None else (B * HV, n_chunks)
+    for ap_one_ref, s_prec, s_redo in launches if n_chunks > 0 else ():
+        chunk_prepare_kernel[grid](
+            q, k, v, g, beta, w, u, p, qg, kg, glast, gcum, None, t, None, flag, ready, cu_seqlens, chunk_indices, T, NT,
             H=H, HV=HV, K=K, V=V, scale=1.0, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)), GATE=gate,
             IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=s_prec,
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(dt, K, V) and gate != 2,
@@ -1446,16 +1443,6 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
             SOLVE_REDO=s_redo, REDO_PREC=redo_prec, span16=SPAN_FP16, SIGNAL=ready is not None, num_warps=warps,
             num_stages=prep_stages(gate, dt, K),
             **prep_regs(gate, t_form, store_p, dt, K))
-        # the first launch split at lead (stage 2's stream then waits for its first part); a second launch (the redo
-        # of the programs the first flags) runs whole
-        for c0, c1 in ((0, lead), (lead, n_chunks)) if lead and i == 0 else ((0, n_chunks),):
-            if c0 == lead and c0 > 0 and side is not None:
-                side.wait_stream(torch.cuda.current_stream(dev))
-            if c1 > c0:
-                grid = (c1 - c0, B * HV) if ready is None else (B * HV, c1 - c0)
-                chunk_prepare_kernel[grid](
-                    q, k, v, g, beta, w, u, p, qg, kg, glast, gcum, None, t, None, flag, ready, cu_seqlens,
-                    chunk_indices, T, NT, c0=c0, n_c=n_chunks, **meta)
     # (the kernel's gcum: G by chunk for a scalar gate, stage 2's; G per token and channel for KDA, the backward's)
     return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, t=t, gcum=gcum if gate == 1 else None,
                 G=gcum if gate == 2 else None)
@@ -1478,7 +1465,7 @@ def chunk_prepare_bwd(q, k, v, g, beta, do, scale, w, u, t_out, drl, cu_seqlens=
     if n_chunks > 0:
         chunk_prepare_kernel[(n_chunks, B * HV)](
             q, k, v, g, beta, w, u, None, None, None, None, None, do, t_out, drl, None, None, cu_seqlens, chunk_indices,
-            T, NT, c0=0, n_c=n_chunks,
+            T, NT,
             H=H, HV=HV, K=K, V=V, scale=scale, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)),
             GATE=gate, IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=solve_prec,
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(q.dtype, K, V), BWD=True,
@@ -1657,9 +1644,7 @@ def _env_choice(name: str, default: int, choices=range(2)) -> int:
     allowed = [str(c) for c in choices]
     value = os.environ.get(name, str(default))
     if value not in allowed:
-        expect = f"an integer from {allowed[0]} to {allowed[-1]}" if len(allowed) > 8 else \
-            f"{', '.join(allowed[:-1])} or {allowed[-1]}"
-        raise ValueError(f"{name}={value!r}: expected {expect}")
+        raise ValueError(f"{name}={value!r}: expected {', '.join(allowed[:-1])} or {allowed[-1]}")
     return int(value)
 
 
@@ -1786,21 +1771,6 @@ def _num_sms(device: torch.device) -> int:
 # 64 stage-2 programs); DeltaNet 0.906 / 0.985 (slower beside at every block and depth tried: off).
 # CHUNKWISE_FWD_OVERLAP (0 / 1 / 2, every family) overrides.
 FWD_OVERLAP = {0: 0, 1: 1, 2: 2}
-
-# Stage 1's head start beside stage 2, in percent of its chunks, per gate kind (chunk_prepare's lead): the model that
-# fit session 22's overlap runs is that the forward beside takes stage 1's time on the capacity stage 2 leaves it. GDN
-# at B1-T32768-H32 bf16: stage 1 alone 0.39 ms on 3 programs per SM, beside the 128 stage-2 programs (one per SM by
-# shared memory) 140 of its 396 slots, so 0.39 · 396 / 140 ≈ 1.1 ms for stage 1 while stage 2 alone needs 0.69 (0.98
-# measured). With the first f of the chunks run alone, stage 2 never waits once f ≥ 1 − (140 / 396) · 0.69 / 0.39 ≈
-# 0.38, and the forward takes ≈ f · 0.39 + 0.69 ≈ 0.84 ms. Unmeasured: 0 (off) until timed (`bench_forward --variants
-# --variant-set lead`). CHUNKWISE_FWD_LEAD (0-90) overrides for every family.
-FWD_LEAD = {0: 0, 1: 0, 2: 0}
-
-
-def _lead_chunks(gate: int, n_chunks: int) -> int:
-    """How many of stage 1's n_chunks run before stage 2 is launched beside it (FWD_LEAD, CHUNKWISE_FWD_LEAD)."""
-    pct = _env_choice("CHUNKWISE_FWD_LEAD", FWD_LEAD[gate], range(91))
-    return n_chunks * pct // 100
 
 
 def _overlap_mode(requested, gate: int, dtype: torch.dtype, tuned: bool) -> int:
@@ -1959,8 +1929,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         ready = torch.zeros((chunk_slots(N, T, cu_seqlens is not None), HV), dtype=torch.int32, device=q.device)
         side = _side_stream(q.device)
     stage1 = chunk_prepare(q, k, v, g, beta, cu_seqlens, chunk_indices, save_t=save, store_p=p_in or save,
-                           t_form=t_form, ready=ready, save_g=save and gate == 2 and saves_gate_cumsum(),
-                           lead=_lead_chunks(gate, n_chunks) if overlap else 0, side=side) \
+                           t_form=t_form, ready=ready, save_g=save and gate == 2 and saves_gate_cumsum()) \
         if delta else dict(w=None, u=None, p=None, qg=None, kg=None, glast=None, gcum=None)
     if save:    # under T_FORM stage 1's w, u are stage 2's operands (K ⊙ e^G, T diag(β)): the backward forms W, U
         saved_out.update(p=stage1["p"], t=stage1["t"])
