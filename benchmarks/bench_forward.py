@@ -173,7 +173,7 @@ def main():
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--variant-set", default="all", choices=("all", "seg", "pfree", "tma", "solve", "pstages", "trans", "kdasplit",
                                                             "tform", "bv128", "solvebf16", "tftrans", "aplowp", "stages",
-                                                            "overlap", "prepwarps", "wuovl"),
+                                                            "overlap", "prepwarps", "wuovl", "full"),
                     help="seg: only simple GLA's segment variants; pfree: only GDN / DeltaNet with P formed in "
                          "stage 2 instead of stage 1; tma: every family's serial stage with its tiles loaded through tensor "
                          "descriptors or not; solve: the delta families with (I + A)⁻¹'s diagonal blocks by "
@@ -184,7 +184,7 @@ def main():
                          "warps, and KDA's stage 1 with bf16 A / P operands or capped registers; solvebf16: the delta families' "
                          "inference solve from bf16 operands (CHUNKWISE_SOLVE_BF16); tftrans: DeltaNet's and KDA's stage 2 on the "
                          "transposed state under T_FORM (CHUNKWISE_FWD_TRANS) or not; aplowp: KDA's stage 1 with A from bf16 or A and "
-                         "P from fp16 (CHUNKWISE_KDA_AP_LOWP 1 / 2; run it also under CHUNKWISE_BENCH_GATE_SCALE=1); stages: stage 2 at BV 32 / 64 and 1 / 2 / 3 pipeline stages (GDN also transposed); overlap: the delta families' stage 2 beside stage 1 (chunk_fwd(overlap=)) or after it, at BV 32 / 64 and 2 / 3 pipeline stages; prepwarps: GDN's / DeltaNet's stage 1 at 4 or 8 warps (register caps), beside stage 2 or after it, stage 2's output through TMA or not; wuovl: GDN's / DeltaNet's W / U form (CHUNKWISE_FWD_T_FORM=0) beside stage 1 at BV 32 / 64, 2 / 3 stages, P from stage 1 or stage 2 (with --variants)")
+                         "P from fp16 (CHUNKWISE_KDA_AP_LOWP 1 / 2; run it also under CHUNKWISE_BENCH_GATE_SCALE=1); stages: stage 2 at BV 32 / 64 and 1 / 2 / 3 pipeline stages (GDN also transposed); overlap: the delta families' stage 2 beside stage 1 (chunk_fwd(overlap=)) or after it, at BV 32 / 64 and 2 / 3 pipeline stages; prepwarps: GDN's / DeltaNet's stage 1 at 4 or 8 warps (register caps), beside stage 2 or after it, stage 2's output through TMA or not; wuovl: GDN's / DeltaNet's W / U form (CHUNKWISE_FWD_T_FORM=0) beside stage 1 at BV 32 / 64, 2 / 3 stages, P from stage 1 or stage 2; full: stage 1 without the bounds checks its tiles do not need (CHUNKWISE_PREP_FULL), and stage 1 alone (with --variants)")
     ap.add_argument("--variants", action="store_true", help="also time stage-2 variants (BV 16/32/64 x 4/8 warps x 2/3 stages; GLA also with P from its own kernel, GDN with the decays from stage 1)")
     ap.add_argument("--shapes", default="")
     ap.add_argument("--warm", action="store_true", help="compile everything on tiny inputs, time nothing")
@@ -233,7 +233,7 @@ def main():
                     with env_vars(env or {}):
                         try:
                             var[key], (o_v, _) = bench(lambda: run_variant(fam, x, **kw))
-                            if a.variant_set in ("bv128", "solvebf16", "tftrans", "aplowp", "overlap", "prepwarps", "wuovl"):     # the output against the default's
+                            if a.variant_set in ("bv128", "solvebf16", "tftrans", "aplowp", "overlap", "prepwarps", "wuovl", "full"):     # the output against the default's
                                 var[key + "-vs-default"] = rel(o_v, o)
                             if stage1:
                                 var[key + "-s1"] = stage1_ms()
@@ -378,6 +378,11 @@ def main():
                     for bv, ns in ((32, 2), (32, 3), (64, 2), (64, 3)):
                         time_variant(f"wu-bv{bv}-ns{ns}", env=wu, bv=bv, num_stages=ns, overlap=True)
                         time_variant(f"wu-p0-bv{bv}-ns{ns}", env=wu, bv=bv, num_stages=ns, overlap=True, p_in=False)
+                if a.variant_set == "full" and fam in ("gdn", "delta", "kda"):
+                    # stage 1 without the row / column bounds checks (chunk_fwd.PREP_FULL: GDN's build −4.2 % of its
+                    # instructions offline, predicted 0.98 -> ~0.95 ms at B1 beside stage 2), the forward and stage 1
+                    for full in ("0", "1"):
+                        time_variant(f"full{full}", env={"CHUNKWISE_PREP_FULL": full}, stage1=True)
                 if a.variant_set == "pstages" and fam == "kda":
                     # stage 1's software pipeline over its column chunks (CHUNKWISE_PREP_STAGES): the forward and stage 1
                     for n in ("1", "2", "3"):

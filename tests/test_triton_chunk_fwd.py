@@ -736,6 +736,39 @@ def test_gla_with_p_from_its_own_kernel(case, gate):
     assert rel_err(o, o2) <= TOL[torch.float32]
 
 
+def test_stage1_full_tiles_rule(monkeypatch):
+    """CHUNKWISE_PREP_FULL=1: stage 1 leaves out the row bounds checks only where every chunk is whole (no varlen, T a
+    multiple of 64) and the column checks only where K and V are the tiles' widths; off by default (PREP_FULL)."""
+    from chunkwise.triton.chunk_fwd import prep_full
+    assert prep_full(128, 128, 128, False) == (False, False)
+    monkeypatch.setenv("CHUNKWISE_PREP_FULL", "1")
+    assert prep_full(128, 128, 128, False) == (True, True)
+    assert prep_full(130, 128, 128, False) == (False, True)
+    assert prep_full(128, 128, 128, True) == (False, True)
+    assert prep_full(128, 100, 128, False) == (True, False) and prep_full(128, 128, 60, False) == (True, False)
+
+
+@pytest.mark.parametrize("case", ["full", "ragged", "varlen", "narrow"])
+@pytest.mark.parametrize("fam", ("gdn", "delta", "kda"))
+def test_stage1_full_tiles_same_outputs(fam, case, monkeypatch):
+    """Stage 1 without the bounds checks it does not need (CHUNKWISE_PREP_FULL=1) gives the checked build's output,
+    final state and gradients bit for bit: whole chunks at K = V = 32 (no checks), T = 100 (row checks kept), varlen
+    (row checks kept), K = 24 / V = 20 (column checks kept)."""
+    kw = dict(full=dict(B=2, T=128), ragged=dict(B=1, T=100), varlen=dict(lengths=[64, 1, 70]),
+              narrow=dict(B=1, T=128, K=24, V=20))[case]
+    kw = {"K": 32, "V": 32, **kw}
+    inp = make_inputs(fam, H=1, HV=2, seed=27, requires_grad=True, **kw)
+    outs = []
+    for full in ("0", "1"):
+        monkeypatch.setenv("CHUNKWISE_PREP_FULL", full)
+        o, ht = _run(inp)
+        grads = torch.autograd.grad((o * o).sum() + ht.sum(), inp.tensors())
+        outs.append((o, ht, *grads))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    _check(inp, outs[1][0].detach(), outs[1][1].detach(), TOL[torch.float32])
+
+
 def test_stage1_wu_16_bit_only_at_128():
     """Stage 1 forms W / U from 16-bit operands only for 16-bit inputs at a 128-wide key tile (K = 65..128) and a
     value tile of at least 64 (V = 33..): at K = 16 / 64, and at K = 128 with V = 16 / 32, the sm_90 build of that

@@ -267,11 +267,14 @@ def _wait_ready(ready, slot, i_h, HV, FENCE: tl.constexpr, SPIN_ASM: tl.constexp
 
 
 @triton.jit
-def _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc: tl.constexpr, g_floor: tl.constexpr):
+def _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc: tl.constexpr, g_floor: tl.constexpr, FULL_ROWS: tl.constexpr = 0):
     """G [BT] fp32: the chunk-local cumulative scalar gate of value head i_h, each token's gate clamped
-    at g_floor (rows past the sequence end add 0)."""
+    at g_floor (rows past the sequence end add 0; FULL_ROWS: the chunk is whole, no bounds check)."""
     o_t = tl.arange(0, BTc)
-    b_g = tl.load(g + (bos + t0 + o_t) * HV + i_h, mask=t0 + o_t < T_seq, other=0.).to(tl.float32)
+    if FULL_ROWS:
+        b_g = tl.load(g + (bos + t0 + o_t) * HV + i_h).to(tl.float32)
+    else:
+        b_g = tl.load(g + (bos + t0 + o_t) * HV + i_h, mask=t0 + o_t < T_seq, other=0.).to(tl.float32)
     return tl.cumsum(tl.where(b_g < g_floor, g_floor, b_g), 0)
 
 
@@ -423,7 +426,8 @@ def chunk_prepare_kernel(
     BWD: tl.constexpr = 0, STORE_T: tl.constexpr = 0, STORE_P: tl.constexpr = 1, GC_OUT: tl.constexpr = 0,
     AP_ONE_REF: tl.constexpr = 0, SOLVE_DOUBLING: tl.constexpr = 0, T_FORM: tl.constexpr = 0,
     AP_LOWP: tl.constexpr = 0, SOLVE_REDO: tl.constexpr = 0, REDO_PREC: tl.constexpr = "tf32",
-    span16: tl.constexpr = SPAN_FP16, SIGNAL: tl.constexpr = 0,
+    span16: tl.constexpr = SPAN_FP16, SIGNAL: tl.constexpr = 0, FULL_ROWS: tl.constexpr = 0,
+    FULL_COLS: tl.constexpr = 0,
 ):
     """One chunk of one value head: see the module docstring (stage 1). Grid (chunks, B·HV); SIGNAL: (B·HV, chunks).
 
@@ -449,7 +453,10 @@ def chunk_prepare_kernel(
     flagged (for launch 3) where a column chunk's |G − G_last / 2| reaches span16 or A / P come out non-finite.
     SIGNAL (stage 2 running beside this launch, chunk_fwd's overlap): the grid chunk-major, so that every head's
     first chunks are done first, and each program, once its outputs are stored, sets ready[slot, head] (a program
-    flagged to a second launch leaves that to it)."""
+    flagged to a second launch leaves that to it).
+    FULL_ROWS (every chunk whole: no varlen, T a multiple of BTc) / FULL_COLS (K = BK, V = BVf): the tiles' row /
+    column bounds checks left out (chunk_prepare's PREP_FULL)."""
+    CHK: tl.constexpr = (() if FULL_COLS else (1,)) if FULL_ROWS else ((0,) if FULL_COLS else (0, 1))
     if SIGNAL:
         i_bh, i_t = tl.program_id(0), tl.program_id(1)
         n_t = tl.num_programs(1)
@@ -468,7 +475,10 @@ def chunk_prepare_kernel(
     incl = o_t[:, None] >= o_t[None, :]
     same = blk[:, None] == blk[None, :]
 
-    b_beta = tl.load(beta + bos * HV + i_h + (t0 + o_t) * HV, mask=t0 + o_t < T_seq, other=0.).to(tl.float32)
+    if FULL_ROWS:
+        b_beta = tl.load(beta + bos * HV + i_h + (t0 + o_t) * HV).to(tl.float32)
+    else:
+        b_beta = tl.load(beta + bos * HV + i_h + (t0 + o_t) * HV, mask=t0 + o_t < T_seq, other=0.).to(tl.float32)
     q_base = q + (bos * H + i_hk) * K
     k_base = k + (bos * H + i_hk) * K
 
@@ -583,17 +593,17 @@ def chunk_prepare_kernel(
                         b_kx = kf * tl.exp(b_G)
             # q e^G, k e^{G_last − G} for stage 2 (both exponents ≤ 0)
             tl.store(tl.make_block_ptr(qg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0),
-                                       (BTc, BKC), (1, 0)), b_qg.to(qg.dtype.element_ty), boundary_check=(0, 1))
+                                       (BTc, BKC), (1, 0)), b_qg.to(qg.dtype.element_ty), boundary_check=CHK)
             tl.store(tl.make_block_ptr(kg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
-                                       (1, 0)), b_kg.to(kg.dtype.element_ty), boundary_check=(0, 1))
+                                       (1, 0)), b_kg.to(kg.dtype.element_ty), boundary_check=CHK)
             if GC_OUT:      # G itself, for the backward
                 tl.store(tl.make_block_ptr(gcum + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0),
-                                           (BTc, BKC), (1, 0)), b_G, boundary_check=(0, 1))
+                                           (BTc, BKC), (1, 0)), b_G, boundary_check=CHK)
             o_k = kc0 + tl.arange(0, BKC)
             tl.store(glast + (slot * HV + i_h) * K + o_k, tl.exp(G_last), mask=o_k < K)
             if T_FORM:      # k e^G (exponent ≤ 0) for stage 2's (K ⊙ e^G) S, in W's place
                 tl.store(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
-                                           (1, 0)), b_kx.to(w.dtype.element_ty), boundary_check=(0, 1))
+                                           (1, 0)), b_kx.to(w.dtype.element_ty), boundary_check=CHK)
         if AP_ONE_REF == 2:     # flagged: nothing more to form here
             if AP_LOWP == 2:    # an fp16 operand past its range (keys or queries too large): an inf / NaN in A or P
                 n_out += tl.sum(tl.sum(tl.where(tl.abs(A) + tl.abs(P) < float("inf"), 0, 1), 1), 0)
@@ -608,14 +618,14 @@ def chunk_prepare_kernel(
             P = tl.where(incl, P, 0.)
     else:
         b_k = tl.load(tl.make_block_ptr(k_base, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
-                      boundary_check=(0, 1))
+                      boundary_check=CHK)
         KK = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PREC)                       # [BT, BK] @ [BK, BT]
         if BWD or STORE_P:
             b_q = tl.load(tl.make_block_ptr(q_base, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
-                          boundary_check=(0, 1))
+                          boundary_check=CHK)
             QK = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)                   # [BT, BK] @ [BK, BT]
         if GATE == 1:
-            Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor)                  # [BT]
+            Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor, FULL_ROWS)       # [BT]
             if GC_OUT:
                 tl.store(gcum + (slot * HV + i_h) * BTc + o_t, Gc)
                 tl.store(glast + slot * HV + i_h, tl.sum(tl.where(o_t == BTc - 1, Gc, 0.), 0))
@@ -631,7 +641,7 @@ def chunk_prepare_kernel(
             b_ks = b_beta
     if not BWD and STORE_P:
         tl.store(tl.make_block_ptr(p + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0), (BTc, BTc),
-                                   (1, 0)), P.to(p.dtype.element_ty), boundary_check=(0, 1))
+                                   (1, 0)), P.to(p.dtype.element_ty), boundary_check=CHK)
 
     Tm = _solve_unit_lower(A, SOLVE_PREC, BTc, BCc, SOLVE_DOUBLING)                      # (I + A)^-1
     if SOLVE_PREC == "fp16":
@@ -645,23 +655,23 @@ def chunk_prepare_kernel(
     if T_FORM:      # T diag(β) for stage 2, in U's place; no W, U (the training forward: T for the backward too)
         tl.store(tl.make_block_ptr(u + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0),
                                    (BTc, BTc), (1, 0)), (Tm * b_beta[None, :]).to(u.dtype.element_ty),
-                 boundary_check=(0, 1))
+                 boundary_check=CHK)
         if STORE_T:
             tl.store(tl.make_block_ptr(t_out + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0),
-                                       (BTc, BTc), (1, 0)), Tm.to(t_out.dtype.element_ty), boundary_check=(0, 1))
+                                       (BTc, BTc), (1, 0)), Tm.to(t_out.dtype.element_ty), boundary_check=CHK)
     else:
         if BWD or STORE_T:
             tl.store(tl.make_block_ptr(t_out + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0),
-                                       (BTc, BTc), (1, 0)), Tm.to(t_out.dtype.element_ty), boundary_check=(0, 1))
+                                       (BTc, BTc), (1, 0)), Tm.to(t_out.dtype.element_ty), boundary_check=CHK)
         if BWD:
             b_do = tl.load(tl.make_block_ptr(do + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf),
-                                             (1, 0)), boundary_check=(0, 1))
+                                             (1, 0)), boundary_check=CHK)
             if WU_LOWP:     # P in the input dtype, as the backward's W / U recompute does at BWD_LOWP 2
                 b_drl = _mm(tl.trans(P.to(b_do.dtype)), b_do, MM_PREC)                       # [BT, BT] @ [BT, BV]
             else:
                 b_drl = _mm(tl.trans(P), b_do.to(tl.float32), MM_PREC)                       # [BT, BT] @ [BT, BV]
             tl.store(tl.make_block_ptr(drl + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf), (1, 0)),
-                     (b_drl * scale).to(drl.dtype.element_ty), boundary_check=(0, 1))
+                     (b_drl * scale).to(drl.dtype.element_ty), boundary_check=CHK)
         if WU_LOWP:         # W, U products in the input dtype (tensor cores at the 16-bit rate), as fla does
             Tm = Tm.to(w.dtype.element_ty)
         if GATE == 2:
@@ -669,24 +679,24 @@ def chunk_prepare_kernel(
             for i_kc in range(BK // BKC):
                 kc0 = i_kc * BKC
                 kf = tl.load(tl.make_block_ptr(k_base, (T_seq, K), (H * K, 1), (t0, kc0), (BTc, BKC), (1, 0)),
-                             boundary_check=(0, 1)).to(tl.float32)
+                             boundary_check=CHK).to(tl.float32)
                 b_g = tl.load(tl.make_block_ptr(g + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
-                                                (1, 0)), boundary_check=(0, 1)).to(tl.float32)
+                                                (1, 0)), boundary_check=CHK).to(tl.float32)
                 b_G = tl.cumsum(tl.where(b_g < g_floor, g_floor, b_g), 0)
                 Xk = kf * b_beta[:, None] * tl.exp(b_G)
                 b_w = _mm(Tm, Xk.to(Tm.dtype), MM_PREC)                                      # [BT, BT] @ [BT, BKC]
                 tl.store(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
-                                           (1, 0)), b_w.to(w.dtype.element_ty), boundary_check=(0, 1))
+                                           (1, 0)), b_w.to(w.dtype.element_ty), boundary_check=CHK)
         else:
             Xk = b_k.to(tl.float32) * b_ks[:, None]
             b_w = _mm(Tm, Xk.to(Tm.dtype), MM_PREC)                                          # [BT, BT] @ [BT, BK]
             tl.store(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK), (1, 0)),
-                     b_w.to(w.dtype.element_ty), boundary_check=(0, 1))
+                     b_w.to(w.dtype.element_ty), boundary_check=CHK)
         Xv = tl.load(tl.make_block_ptr(v + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf),
-                                       (1, 0)), boundary_check=(0, 1)).to(tl.float32) * b_beta[:, None]
+                                       (1, 0)), boundary_check=CHK).to(tl.float32) * b_beta[:, None]
         b_u = _mm(Tm, Xv.to(Tm.dtype), MM_PREC).to(u.dtype.element_ty)                      # [BT, BT] @ [BT, BV]
         tl.store(tl.make_block_ptr(u + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf), (1, 0)),
-                 b_u, boundary_check=(0, 1))
+                 b_u, boundary_check=CHK)
     if SIGNAL:
         if SOLVE_REDO == 1:     # a flagged program is published by the redo's launch
             if bad == 0:
@@ -1355,6 +1365,25 @@ def prep_stages(gate: int = 0, dtype: torch.dtype = torch.float32, K: int = 0) -
     return _env_choice("CHUNKWISE_PREP_STAGES", default, range(1, 5))
 
 
+# Stage 1's launch without the bounds checks its tiles do not need (chunk_prepare_kernel's FULL_ROWS / FULL_COLS): rows
+# when every chunk is whole (no varlen, T a multiple of 64), columns when K and V are the tiles' widths. Offline sm_90
+# (GDN's inference stage 1: bf16, T form, P stored, beside stage 2, fp16 solve, its 168-register cap; K, V runtime
+# multiples of 16 as a launch specializes them): 2080 instructions, 2032 without the row checks, 1992 without either
+# (ISETP and PRMT the most of it), 0 B of spills in all three. GDN at B1 beside stage 2 is bound by stage 1's
+# throughput on the slots stage 2 leaves (session 28: a build with 56 instructions and 8 B of spills more took 1.034
+# ms against 0.982), so −4.2 % of its instructions is the one lever left for #3's last 2 % (0.98 -> 0.96 ms).
+# Unmeasured: 0 (off) until timed (`bench_forward --variants --variant-set full`).
+# CHUNKWISE_PREP_FULL (0 / 1) overrides.
+PREP_FULL = 0
+
+
+def prep_full(T: int, K: int, V: int, varlen: bool) -> tuple[bool, bool]:
+    """(FULL_ROWS, FULL_COLS) of stage 1's forward launch (PREP_FULL, CHUNKWISE_PREP_FULL)."""
+    if not _env_switch("CHUNKWISE_PREP_FULL", PREP_FULL):
+        return False, False
+    return not varlen and T % BT == 0, K == _dim(K) and V == _dim(V)
+
+
 def _solve_precs(dtype: torch.dtype, gate: int, t_form: bool) -> tuple[str, str]:
     """(stage 1's solve precision, the precision of its redo where an fp16 solve's T is not finite): the input dtype's
     (_dot_prec), or under T_FORM with bf16 inputs "bf16" (CHUNKWISE_SOLVE_BF16) / "fp16" (CHUNKWISE_SOLVE_FP16)."""
@@ -1431,6 +1460,7 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     if redo_split:
         launches = [(0, "fp16", 1), (0, redo_prec, 2)]
     grid = (n_chunks, B * HV) if ready is None else (B * HV, n_chunks)
+    full = prep_full(T, K, V, cu_seqlens is not None)
     for ap_one_ref, s_prec, s_redo in launches if n_chunks > 0 else ():
         chunk_prepare_kernel[grid](
             q, k, v, g, beta, w, u, p, qg, kg, glast, gcum, None, t, None, flag, ready, cu_seqlens, chunk_indices, T, NT,
@@ -1441,7 +1471,7 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
             AP_ONE_REF=ap_one_ref, SOLVE_DOUBLING=_env_switch("CHUNKWISE_SOLVE_DOUBLING", SOLVE_DOUBLING),
             T_FORM=t_form, AP_LOWP=ap_lowp if ap_one_ref == 2 else min(ap_lowp, int(dt == torch.bfloat16)),
             SOLVE_REDO=s_redo, REDO_PREC=redo_prec, span16=SPAN_FP16, SIGNAL=ready is not None, num_warps=warps,
-            num_stages=prep_stages(gate, dt, K),
+            FULL_ROWS=full[0], FULL_COLS=full[1], num_stages=prep_stages(gate, dt, K),
             **prep_regs(gate, t_form, store_p, dt, K))
     # (the kernel's gcum: G by chunk for a scalar gate, stage 2's; G per token and channel for KDA, the backward's)
     return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, t=t, gcum=gcum if gate == 1 else None,
