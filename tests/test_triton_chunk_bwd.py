@@ -565,6 +565,39 @@ def test_grads_head_dim_grid(fam, dtype, K, V):
     _compare(inp, TOL[dtype], dtype=dtype)
 
 
+def test_bwd_full_rule(monkeypatch):
+    """CHUNKWISE_BWD_FULL names the chunk-parallel launches that take a constant chunk length (their row masks folded):
+    only where every chunk is whole (no varlen, T a multiple of 64); none by default (BWD_FULL); an unknown kernel
+    name is an error that names the variable."""
+    from chunkwise.triton.chunk_bwd import bwd_full
+    monkeypatch.delenv("CHUNKWISE_BWD_FULL", raising=False)
+    assert not bwd_full("bwd_wy", 128, False)
+    monkeypatch.setenv("CHUNKWISE_BWD_FULL", "bwd_wy")
+    assert bwd_full("bwd_wy", 128, False) and not bwd_full("bwd_dqk", 128, False)
+    assert not bwd_full("bwd_wy", 130, False) and not bwd_full("bwd_wy", 128, True)
+    monkeypatch.setenv("CHUNKWISE_BWD_FULL", "0")
+    assert not bwd_full("bwd_wy", 128, False)
+    monkeypatch.setenv("CHUNKWISE_BWD_FULL", "bwd_wy+wu")
+    with pytest.raises(ValueError, match="CHUNKWISE_BWD_FULL"):
+        bwd_full("bwd_wy", 128, False)
+
+
+@pytest.mark.parametrize("T", [128, 100])
+@pytest.mark.parametrize("fam", FAMS)
+def test_grads_full_chunks_same(fam, T, monkeypatch):
+    """The WY pass and the state-tile pass with the chunk length a constant (CHUNKWISE_BWD_FULL=bwd_wy,bwd_dqk) give
+    the masked build's gradients bit for bit where every chunk is whole (T = 128), and take the masked build where
+    not (T = 100); both within the reference's tolerance."""
+    inp = make_inputs(fam, B=2, T=T, H=1, HV=2, seed=33, **KS)
+    got = []
+    for full in ("0", "bwd_wy,bwd_dqk"):
+        monkeypatch.setenv("CHUNKWISE_BWD_FULL", full)
+        got.append(_grads(inp, "triton", torch.float32))
+    for n in got[0]:
+        assert torch.equal(got[0][n], got[1][n]), n
+    _compare(inp, TOL[torch.float32], ours=got[1])
+
+
 def test_fp16_kda_route(monkeypatch):
     """The rule that sends fp16 KDA to the fp32 backward on the GPU (FP16_KDA_FP32): fp16, per-channel gate, a CUDA
     tensor outside the interpreter, the switch on; nothing else (bf16, scalar gates, no gate, CPU tensors)."""

@@ -90,9 +90,11 @@ def _bwd_dh_ahead(gate: int) -> int:
 # ------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C: tl.constexpr, IS_VARLEN: tl.constexpr):
+def _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C: tl.constexpr, IS_VARLEN: tl.constexpr,
+                  FULL: tl.constexpr = 0):
     """Chunk i_t of batch row i_b -> (first token row t0 in the flat [B*T] axis, valid length L,
-    global chunk id for the per-chunk state buffers)."""
+    global chunk id for the per-chunk state buffers). FULL (every chunk whole: no varlen, T a multiple of C): L is
+    the constant C, so that the masks built from it fold away (chunk_bwd's BWD_FULL)."""
     # int64 throughout: token rows times H·K, and chunk ids times HV·K·V (the per-chunk states), pass
     # 2^31 from B·T = 256k tokens at 32 heads of 128 (B8-T32768-H32)
     if IS_VARLEN:
@@ -107,13 +109,16 @@ def _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C: tl.constexpr, IS_VA
         eos = bos + T
         i_g = i_b.to(tl.int64) * tl.cdiv(T, C) + i_c
     t0 = bos + i_c * C
-    L = tl.minimum(eos - t0, C)
+    if FULL:
+        L = C
+    else:
+        L = tl.minimum(eos - t0, C)
     return t0, L, i_g
 
 
 @triton.jit
 def _chunk_program(cu_seqlens, chunk_indices, T, H: tl.constexpr, HV: tl.constexpr, C: tl.constexpr,
-                   IS_VARLEN: tl.constexpr, CHUNK_MAJOR: tl.constexpr = 0):
+                   IS_VARLEN: tl.constexpr, CHUNK_MAJOR: tl.constexpr = 0, FULL: tl.constexpr = 0):
     """Where a chunk-parallel program of grid (chunks, B·HV) works: (value head i_h, the key head i_hk its group
     reads, the chunk's first token row t0, valid length L, chunk slot i_g) (_chunk_bounds). CHUNK_MAJOR: the grid
     is (B·HV, chunks), so that every head's first chunks are placed first (a launch a serial pass waits on)."""
@@ -122,7 +127,7 @@ def _chunk_program(cu_seqlens, chunk_indices, T, H: tl.constexpr, HV: tl.constex
     else:
         i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
-    t0, L, i_g = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
+    t0, L, i_g = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN, FULL)
     return i_h, i_h // (HV // H), t0, L, i_g
 
 
@@ -1170,7 +1175,8 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, dgam, Tmat, 
                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                     BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
                     IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr = 0, EARLY: tl.constexpr = 0,
-                    DGAM: tl.constexpr = 0, NVD: tl.constexpr = 0, KD: tl.constexpr = 16, SDS_OWN: tl.constexpr = 1):
+                    DGAM: tl.constexpr = 0, NVD: tl.constexpr = 0, KD: tl.constexpr = 16, SDS_OWN: tl.constexpr = 1,
+                    FULL: tl.constexpr = 0):
     """Scalar / no gate, one program per (key column block of BK, chunk, value head); everything that needs the
     chunk's state tiles h (S) and dh (dS'), read once::
 
@@ -1207,7 +1213,7 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, dgam, Tmat, 
     i_bh = tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
     i_hk = i_h // (HV // H)
-    t0, L, i_g = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
+    t0, L, i_g = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN, FULL)
     o_t, m_t, rows, m_cc, p_cc, p_ccT = _chunk_rows(t0, L, i_h, HV, C)
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
@@ -1325,7 +1331,7 @@ def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, Ascr, dv, dk, db
                    BV: tl.constexpr, C: tl.constexpr, NKP: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
                    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr = 0, NVD: tl.constexpr = 0,
                    KD: tl.constexpr = 16, T_TRANS: tl.constexpr = 0, DK1_AHEAD: tl.constexpr = 0,
-                   DA_SCR: tl.constexpr = 0):
+                   DA_SCR: tl.constexpr = 0, FULL: tl.constexpr = 0):
     """Scalar / no gate, one program per (chunk, value head), after _bwd_dqk_kernel: the gradients through T
     (the WY form W = T X, U = T Y), then dk, dβ, dg finished::
 
@@ -1349,8 +1355,8 @@ def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, Ascr, dv, dk, db
     state-tile pass's NKP shares in dTp ([NKP, B, T, HV, C]), dβ = Σ_v V ⊙ Tᵀ dR + its shares in dGp ([NKP, B, T,
     HV]); no pairwise products and no dAᵀ: dA (no gate factor) goes to Ascr (Amat) and dP = scale tril(dO Rᵀ) to
     Pmat, fp32, for the pair kernel, which finishes dq, dk, dG, dβ. (Ascr and Pmat may be dTp's first two blocks:
-    each program reads its rows of dTp before it writes them.)"""
-    i_h, i_hk, t0, L, i_g = _chunk_program(cu_seqlens, chunk_indices, T, H, HV, C, IS_VARLEN)
+    each program reads its rows of dTp before it writes them.) FULL: every chunk whole (_chunk_bounds)."""
+    i_h, i_hk, t0, L, i_g = _chunk_program(cu_seqlens, chunk_indices, T, H, HV, C, IS_VARLEN, 0, FULL)
     o_t, m_t, rows, m_cc, p_cc, p_ccT = _chunk_rows(t0, L, i_h, HV, C)
     OPD: tl.constexpr = k.dtype.element_ty if LOWP else tl.float32
     OPD2: tl.constexpr = k.dtype.element_ty if LOWP == 1 else tl.float32
@@ -1827,6 +1833,26 @@ BWD_SDS_OWN = 0
 # override
 BWD_WY_T_TRANS = 1
 BWD_WY_DK1_AHEAD = 1
+
+# The chunk-parallel launches whose chunk length is the constant C where every chunk is whole (no varlen, T a multiple
+# of C; _chunk_bounds' FULL), so that their row masks fold away. Offline sm_90 (bf16, K = V = 128, 4 warps, LOWP 2;
+# registers / spill B / instructions, masked -> folded): the WY pass GDN 239 / 0 / 3632 -> 212 / 0 / 3000, DeltaNet
+# 250 / 0 / 2448 -> 237 / 0 / 2376, KDA 247 / 0 / 1952 -> 186 / 0 / 1904; the state-tile pass KDA 255 / 240 / 3496 ->
+# 255 / 208 / 3088, but GDN 255 / 72 / 3264 -> 255 / 200 / 3136 and DeltaNet 242 / 0 / 1536 -> 226 / 0 / 1552; the W / U
+# launch more instructions (+8-13 %), so not it. Unmeasured on the GPU: empty (off) until timed (`sweep_bwd --variants
+# full`). CHUNKWISE_BWD_FULL (kernel names among "bwd_wy", "bwd_dqk", joined by "," or "+"; "" or "0" none) overrides.
+BWD_FULL: frozenset = frozenset()
+
+
+def bwd_full(kernel: str, T: int, varlen: bool) -> bool:
+    """Whether the launch ``kernel`` takes FULL (BWD_FULL, CHUNKWISE_BWD_FULL): every chunk whole, and named there."""
+    env = os.environ.get("CHUNKWISE_BWD_FULL")
+    names = BWD_FULL if env is None else frozenset(n for n in env.replace("+", ",").split(",") if n not in ("", "0"))
+    unknown = names - {"bwd_wy", "bwd_dqk"}
+    if unknown:
+        raise ValueError(f"CHUNKWISE_BWD_FULL={env!r}: expected kernel names among bwd_wy, bwd_dqk "
+                         f"(got {', '.join(sorted(unknown))})")
+    return kernel in names and not varlen and T % CHUNK == 0
 # _bwd_wy_kernel's dAᵀ through a per-chunk fp32 scratch (Amat) and a barrier instead of its own products (30 % fewer
 # products and one [C, C] accumulator less, for a 16 KB store, a barrier and an L2 read per chunk), per gate kind
 # (CHUNKWISE_BWD_WY_DA_SCR overrides). H200 (run of 21cb7e1, B1-T32768-H32 bf16, WY pass ms, products / scratch):
@@ -2306,6 +2332,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                                             EARLY=_env_switch("CHUNKWISE_BWD_DQK_EARLY", BWD_DQK_EARLY[gate]),
                                             DGAM=dgam_dh, NVD=nvd, KD=BK,
                                             SDS_OWN=not delta or _env_switch("CHUNKWISE_BWD_SDS_OWN", BWD_SDS_OWN),
+                                            FULL=bwd_full("bwd_dqk", T, varlen),
                                             num_warps=_warps("bwd_dqk", gate, wide8), **_regs("bwd_dqk", gate),
                                             num_stages=ns, **common)
         if delta or gate:
@@ -2316,7 +2343,8 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                                    PREC=prec, LOWP=lowp_key, NVD=nvd, KD=BK,
                                    T_TRANS=_env_switch("CHUNKWISE_BWD_WY_T_TRANS", BWD_WY_T_TRANS),
                                    DK1_AHEAD=_env_switch("CHUNKWISE_BWD_WY_DK1_AHEAD", BWD_WY_DK1_AHEAD),
-                                   DA_SCR=da_scr, num_warps=_warps("bwd_wy", gate), **_regs("bwd_wy", gate),
+                                   DA_SCR=da_scr, FULL=bwd_full("bwd_wy", T, varlen), num_warps=_warps("bwd_wy", gate),
+                                   **_regs("bwd_wy", gate),
                                    num_stages=ns, **common)
         if not delta:       # dv = dR
             dv = dR if dR.dtype == v.dtype else dR.to(v.dtype)
