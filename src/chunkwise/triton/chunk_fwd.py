@@ -279,15 +279,16 @@ def _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc: tl.constexpr, g_floor: tl.const
 
 
 @triton.jit
-def _kqg_tiles(k_base, q_base, g_base, r0, kc0, T_seq, H, HV, K, R: tl.constexpr, BKC: tl.constexpr):
+def _kqg_tiles(k_base, q_base, g_base, r0, kc0, T_seq, H, HV, K, R: tl.constexpr, BKC: tl.constexpr,
+               CHK: tl.constexpr = (0, 1)):
     """Rows r0 .. r0 + R − 1, channels kc0 .. kc0 + BKC − 1 of k, q and the per-channel gate g, as fp32
-    [R, BKC] tiles (zero past the sequence end and K)."""
+    [R, BKC] tiles (zero past the sequence end and K; CHK: the bounds checked, chunk_prepare_kernel's)."""
     b_k = tl.load(tl.make_block_ptr(k_base, (T_seq, K), (H * K, 1), (r0, kc0), (R, BKC), (1, 0)),
-                  boundary_check=(0, 1)).to(tl.float32)
+                  boundary_check=CHK).to(tl.float32)
     b_q = tl.load(tl.make_block_ptr(q_base, (T_seq, K), (H * K, 1), (r0, kc0), (R, BKC), (1, 0)),
-                  boundary_check=(0, 1)).to(tl.float32)
+                  boundary_check=CHK).to(tl.float32)
     b_g = tl.load(tl.make_block_ptr(g_base, (T_seq, K), (HV * K, 1), (r0, kc0), (R, BKC), (1, 0)),
-                  boundary_check=(0, 1)).to(tl.float32)
+                  boundary_check=CHK).to(tl.float32)
     return b_k, b_q, b_g
 
 
@@ -502,7 +503,7 @@ def chunk_prepare_kernel(
         n_out = tl.zeros([], dtype=tl.int32)     # AP_ONE_REF 2: column chunks whose gate left the one-reference span
         for i_kc in range(BK // BKC):
             kc0 = i_kc * BKC
-            kf, qf, b_g = _kqg_tiles(k_base, q_base, g_base, t0, kc0, T_seq, H, HV, K, BTc, BKC)
+            kf, qf, b_g = _kqg_tiles(k_base, q_base, g_base, t0, kc0, T_seq, H, HV, K, BTc, BKC, CHK)
             b_G = tl.cumsum(tl.where(b_g < g_floor, g_floor, b_g), 0)                   # [BT, BKC]
             G_last = _row_of(b_G, BTc - 1, BTc)                                          # [BKC]
             if AP_FORM == 1:
@@ -1369,7 +1370,8 @@ def prep_stages(gate: int = 0, dtype: torch.dtype = torch.float32, K: int = 0) -
 # when every chunk is whole (no varlen, T a multiple of 64), columns when K and V are the tiles' widths. Offline sm_90
 # (GDN's inference stage 1: bf16, T form, P stored, beside stage 2, fp16 solve, its 168-register cap; K, V runtime
 # multiples of 16 as a launch specializes them): 2080 instructions, 2032 without the row checks, 1992 without either
-# (ISETP and PRMT the most of it), 0 B of spills in all three. GDN at B1 beside stage 2 is bound by stage 1's
+# (ISETP and PRMT the most of it), 0 B of spills in all three; KDA's (one-reference launch, 3 stages) 4024 -> 3928
+# instructions, 8 -> 0 B of spills. GDN at B1 beside stage 2 is bound by stage 1's
 # throughput on the slots stage 2 leaves (session 28: a build with 56 instructions and 8 B of spills more took 1.034
 # ms against 0.982), so −4.2 % of its instructions is the one lever left for #3's last 2 % (0.98 -> 0.96 ms).
 # Unmeasured: 0 (off) until timed (`bench_forward --variants --variant-set full`).
