@@ -146,9 +146,10 @@ TFORMR_VARIANTS = "wu:CHUNKWISE_SAVE_T_FORM=0;tform:CHUNKWISE_SAVE_T_FORM=1;tfor
 # per SM beside each 197 KB stage-2 program; KDA's mode 2: BV 64, 2 stages) or after it (0), or GDN at KDA's mode (2):
 # chosen on the inference forward, untimed on the training one, whose stage 1 writes W, U, T and P (GDN's training
 # forward ~1.5 ms of fwd+bwd against 0.98 for inference, session 27)
-# the WY pass / also the state-tile pass with a constant chunk length (chunk_bwd.BWD_FULL: masks folded)
+# the backward's launches with a constant chunk length (chunk_bwd.BWD_FULL: masks folded), stage 1 too (PREP_FULL)
 FULL_VARIANTS = "full0:CHUNKWISE_BWD_FULL=0;wy:CHUNKWISE_BWD_FULL=bwd_wy;wydqk:CHUNKWISE_BWD_FULL=bwd_wy+bwd_dqk;" \
-    "wydqk+prep:CHUNKWISE_BWD_FULL=bwd_wy+bwd_dqk,CHUNKWISE_PREP_FULL=1"
+    "serial:CHUNKWISE_BWD_FULL=fwd_h+bwd_dh;wyserial:CHUNKWISE_BWD_FULL=bwd_wy+fwd_h+bwd_dh;" \
+    "all+prep:CHUNKWISE_BWD_FULL=bwd_wy+bwd_dqk+fwd_h+bwd_dh,CHUNKWISE_PREP_FULL=1"
 FWDOVL_VARIANTS = "ovl:;ovl0:CHUNKWISE_FWD_OVERLAP=0;ovl1:CHUNKWISE_FWD_OVERLAP=1;ovl2:CHUNKWISE_FWD_OVERLAP=2"
 NAMED = {"full": FULL_VARIANTS, "fwdovl": FWDOVL_VARIANTS, "tformr": TFORMR_VARIANTS, "saver": SAVER_VARIANTS, "gc": GC_VARIANTS, "sds": SDS_VARIANTS, "beside": BESIDE_VARIANTS, "pairregs": PAIRREGS_VARIANTS, "tform": TFORM_VARIANTS, "kdasplit": KDASPLIT_VARIANTS, "dqk": DQK_VARIANTS, "ahead": AHEAD_VARIANTS, "states": STATES_VARIANTS, "pair": PAIR_VARIANTS, "gates": GATES_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
          "oneref": ONEREF_VARIANTS}

@@ -574,6 +574,9 @@ def test_bwd_full_rule(monkeypatch):
     assert not bwd_full("bwd_wy", 128, False)
     monkeypatch.setenv("CHUNKWISE_BWD_FULL", "bwd_wy")
     assert bwd_full("bwd_wy", 128, False) and not bwd_full("bwd_dqk", 128, False)
+    monkeypatch.setenv("CHUNKWISE_BWD_FULL", "fwd_h+bwd_dh")
+    assert bwd_full("fwd_h", 128, False) and bwd_full("bwd_dh", 128, False) and not bwd_full("bwd_wy", 128, False)
+    monkeypatch.setenv("CHUNKWISE_BWD_FULL", "bwd_wy")
     assert not bwd_full("bwd_wy", 130, False) and not bwd_full("bwd_wy", 128, True)
     monkeypatch.setenv("CHUNKWISE_BWD_FULL", "0")
     assert not bwd_full("bwd_wy", 128, False)
@@ -585,12 +588,12 @@ def test_bwd_full_rule(monkeypatch):
 @pytest.mark.parametrize("T", [128, 100])
 @pytest.mark.parametrize("fam", FAMS)
 def test_grads_full_chunks_same(fam, T, monkeypatch):
-    """The WY pass and the state-tile pass with the chunk length a constant (CHUNKWISE_BWD_FULL=bwd_wy,bwd_dqk) give
-    the masked build's gradients bit for bit where every chunk is whole (T = 128), and take the masked build where
-    not (T = 100); both within the reference's tolerance."""
+    """The WY pass, the state-tile pass and the two serial state passes with the chunk length a constant
+    (CHUNKWISE_BWD_FULL) give the masked build's gradients bit for bit where every chunk is whole (T = 128), and take
+    the masked build where not (T = 100); both within the reference's tolerance."""
     inp = make_inputs(fam, B=2, T=T, H=1, HV=2, seed=33, **KS)
     got = []
-    for full in ("0", "bwd_wy,bwd_dqk"):
+    for full in ("0", "bwd_wy,bwd_dqk,fwd_h,bwd_dh"):
         monkeypatch.setenv("CHUNKWISE_BWD_FULL", full)
         got.append(_grads(inp, "triton", torch.float32))
     for n in got[0]:

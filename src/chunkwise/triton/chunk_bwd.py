@@ -581,15 +581,20 @@ def _seq_program(cu_seqlens, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constex
 
 
 @triton.jit
-def _step_tiles(bos, eos, i_c, o_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, C: tl.constexpr):
+def _step_tiles(bos, eos, i_c, o_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
+                FULL: tl.constexpr = 0):
     """A serial pass's chunk i_c of the sequence [bos, eos): (o_t [C], o_k [BK], their masks m_t, m_k, the value
-    columns' m_v, the state tile's m_kv [BK, BV], first token row t0, valid length L, token rows [C] as int64)."""
+    columns' m_v, the state tile's m_kv [BK, BV], first token row t0, valid length L, token rows [C] as int64).
+    FULL: every chunk whole, L the constant C (_chunk_bounds)."""
     o_t = tl.arange(0, C)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     m_v = o_v < V
     t0 = bos + i_c * C
-    L = tl.minimum(eos - t0, C)
+    if FULL:
+        L = C
+    else:
+        L = tl.minimum(eos - t0, C)
     return o_t, o_k, o_t < L, m_k, m_v, m_k[:, None] & m_v[None, :], t0, L, (t0 + o_t).to(tl.int64)
 
 
@@ -624,12 +629,12 @@ def _step_ahead(X, G, i_c, bos, eos, i_h, o_v, HV: tl.constexpr, K: tl.constexpr
 def _fwd_h_step(k, v, G, W, U, h, R, b_S, i_c, bos, eos, boh, i_h, i_hk, o_v, H: tl.constexpr, HV: tl.constexpr,
                 K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                 GATE: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
-                KD_IN: tl.constexpr = 0):
+                KD_IN: tl.constexpr = 0, FULL: tl.constexpr = 0):
     """One chunk of the forward state pass: store S, R = U − W S, S ← γ S + Kendᵀ R.
     LOWP: the products' operands in the 16-bit input dtype (S and R cast, fp32 accumulation), as the
     forward's serial stage does; else fp32 operands in PREC. KD_IN (per-channel gate, LOWP): k is
     _gate_scaled_kernel's kd [B, T, HV, K], already k ⊙ e^{G_last − G}."""
-    o_t, o_k, m_t, m_k, m_v, m_kv, t0, L, rows = _step_tiles(bos, eos, i_c, o_v, K, V, BK, C)
+    o_t, o_k, m_t, m_k, m_v, m_kv, t0, L, rows = _step_tiles(bos, eos, i_c, o_v, K, V, BK, C, FULL)
     tl.store(h + (((boh + i_c) * HV + i_h) * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :], b_S, mask=m_kv)
     m_tk = m_t[:, None] & m_k[None, :]
     m_tv = m_t[:, None] & m_v[None, :]
@@ -668,7 +673,7 @@ def _fwd_h_kernel(k, v, G, W, U, h0, h, R, cu_seqlens, T,
                   BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
                   HAS_H0: tl.constexpr, TRANSPOSE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
                   LOOP_WHILE: tl.constexpr, LOWP: tl.constexpr = 0, KD_IN: tl.constexpr = 0, ready=None,
-                  WAIT: tl.constexpr = 0):
+                  WAIT: tl.constexpr = 0, FULL: tl.constexpr = 0):
     """h: [NC, HV, K, V], the state entering each chunk; R: [B, T, HV, V] (delta only), both in the dtype of their
     buffers (16-bit for 16-bit inputs). h0: [N, HV, K, V] ([N, HV, V, K] if TRANSPOSE). Where the forward kept R
     (chunk_fwd.SAVE_R) chunk_bwd launches the no-delta form with v = that R: S ← γ S + Kendᵀ R, no W / U.
@@ -690,14 +695,14 @@ def _fwd_h_kernel(k, v, G, W, U, h0, h, R, cu_seqlens, T,
             if WAIT:
                 _wait_ready(ready, boh + tl.minimum(i_c + WAIT, NTs - 1), i_h, HV, False, not LOOP_WHILE)
             b_S = _fwd_h_step(k, v, G, W, U, h, R, b_S, i_c, bos, eos, boh, i_h, i_hk, o_v, H, HV, K, V, BK, BV, C,
-                              GATE, DELTA, PREC, LOWP, KD_IN)
+                              GATE, DELTA, PREC, LOWP, KD_IN, FULL)
             i_c += 1
     else:
         for i_c in range(NTs):
             if WAIT:
                 _wait_ready(ready, boh + tl.minimum(i_c + WAIT, NTs - 1), i_h, HV, False, not LOOP_WHILE)
             b_S = _fwd_h_step(k, v, G, W, U, h, R, b_S, i_c, bos, eos, boh, i_h, i_hk, o_v, H, HV, K, V, BK, BV, C,
-                              GATE, DELTA, PREC, LOWP, KD_IN)
+                              GATE, DELTA, PREC, LOWP, KD_IN, FULL)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -709,7 +714,8 @@ def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, h, dgam, b_dS, b_dRl, b_lastp, i_c
                  scale, unit, H: tl.constexpr,
                  HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                  C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
-                 KD_IN: tl.constexpr = 0, AHEAD: tl.constexpr = 1, PL: tl.constexpr = 0, DGAM: tl.constexpr = 0):
+                 KD_IN: tl.constexpr = 0, AHEAD: tl.constexpr = 1, PL: tl.constexpr = 0, DGAM: tl.constexpr = 0,
+                 FULL: tl.constexpr = 0):
     """One chunk of the reverse state pass: store dS', dR = dR_local + Kend dS', dS = γ dS' + ...
     LOWP: the products' operands in the 16-bit input dtype (see _fwd_h_step). KD_IN: q, k are
     _gate_scaled_kernel's qd, kd [B, T, HV, K]. b_dRl, b_lastp: this chunk's dR_local tile and (KD_IN) G_last,
@@ -717,7 +723,7 @@ def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, h, dgam, b_dS, b_dRl, b_lastp, i_c
     stage 1) and dR_local = scale Pᵀ dO is formed here, off the step's dependence on dS'. DGAM (scalar gate): the
     step's dS is chunk i_c − 1's dS'; the state entering that chunk is loaded first and Σ_v S ⊙ dS' over this
     program's value columns stored at the end (_dgam_rows), when the load has had the step to arrive."""
-    o_t, o_k, m_t, m_k, m_v, m_kv, t0, L, rows = _step_tiles(bos, eos, i_c, o_v, K, V, BK, C)
+    o_t, o_k, m_t, m_k, m_v, m_kv, t0, L, rows = _step_tiles(bos, eos, i_c, o_v, K, V, BK, C, FULL)
     if DGAM:    # the state entering chunk i_c − 1, for the end of the step
         b_Sp = _state_ahead(h, i_c - 1, boh, i_h, o_v, HV, K, V, BK, BV)
     tl.store(dh + (((boh + i_c) * HV + i_h) * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :], b_dS, mask=m_kv)
@@ -798,7 +804,8 @@ def _bwd_dh_kernel(q, k, G, W, dRl, do, dht, dh, dR, dh0, h, dgam, cu_seqlens, T
                    BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
                    HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, TRANSPOSE: tl.constexpr,
                    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOOP_WHILE: tl.constexpr, LOWP: tl.constexpr = 0,
-                   KD_IN: tl.constexpr = 0, AHEAD: tl.constexpr = 1, PL: tl.constexpr = 0, DGAM: tl.constexpr = 0):
+                   KD_IN: tl.constexpr = 0, AHEAD: tl.constexpr = 1, PL: tl.constexpr = 0, DGAM: tl.constexpr = 0,
+                   FULL: tl.constexpr = 0):
     """dR = dR_local + Kend dS';  dS = γ dS' + scale Qgᵀ dO − Wᵀ dR.
     DGAM (scalar gate): dgam [NC, HV, NV, BK] fp32 gets each chunk's Σ_v S ⊙ dS' per key row over value block i_v
     (h: the states entering the chunks, the forward state pass's)
@@ -823,7 +830,7 @@ def _bwd_dh_kernel(q, k, G, W, dRl, do, dht, dh, dR, dh0, h, dgam, cu_seqlens, T
             b_dRn, b_lastn = _step_ahead(dRl, G, i_c - 1, bos, eos, i_h, o_v, HV, K, V, BK, BV, C, AH, LAST)
             b_dS = _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, h, dgam, b_dS, b_dRl, b_last, i_c, bos, eos, boh, i_h,
                                 i_hk, o_v, scale, unit, H, HV, K, V, BK, BV, C, GATE, DELTA, PREC, LOWP, KD_IN, AHEAD,
-                                PL, DGAM)
+                                PL, DGAM, FULL)
             b_dRl, b_last = b_dRn, b_lastn
             i_c -= 1
     else:
@@ -831,7 +838,7 @@ def _bwd_dh_kernel(q, k, G, W, dRl, do, dht, dh, dR, dh0, h, dgam, cu_seqlens, T
             b_dRn, b_lastn = _step_ahead(dRl, G, NTs - 2 - i_r, bos, eos, i_h, o_v, HV, K, V, BK, BV, C, AH, LAST)
             b_dS = _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, h, dgam, b_dS, b_dRl, b_last, NTs - 1 - i_r, bos, eos,
                                 boh, i_h, i_hk, o_v, scale, unit, H, HV, K, V, BK, BV, C, GATE, DELTA, PREC, LOWP,
-                                KD_IN, AHEAD, PL, DGAM)
+                                KD_IN, AHEAD, PL, DGAM, FULL)
             b_dRl, b_last = b_dRn, b_lastn
     if HAS_H0:
         tl.store(dh0 + p0, b_dS, mask=m_kv)
@@ -1839,8 +1846,12 @@ BWD_WY_DK1_AHEAD = 1
 # registers / spill B / instructions, masked -> folded): the WY pass GDN 239 / 0 / 3632 -> 212 / 0 / 3000, DeltaNet
 # 250 / 0 / 2448 -> 237 / 0 / 2376, KDA 247 / 0 / 1952 -> 186 / 0 / 1904; the state-tile pass KDA 255 / 240 / 3496 ->
 # 255 / 208 / 3088, but GDN 255 / 72 / 3264 -> 255 / 200 / 3136 and DeltaNet 242 / 0 / 1536 -> 226 / 0 / 1552; the W / U
-# launch more instructions (+8-13 %), so not it. Unmeasured on the GPU: empty (off) until timed (`sweep_bwd --variants
-# full`). CHUNKWISE_BWD_FULL (kernel names among "bwd_wy", "bwd_dqk", joined by "," or "+"; "" or "0" none) overrides.
+# launch more instructions (+8-13 %), so not it. The serial state passes (_step_tiles' FULL), whose steps are
+# latency-bound: the forward state pass GDN 155 / 0 / 1416 -> 120 / 0 / 1064, DeltaNet 119 / 0 / 1056 -> 90 / 0 / 896,
+# KDA 248 / 0 / 2208 -> 164 / 0 / 1744; the reverse pass GDN 199 / 0 / 1872 -> 144 / 0 / 1584, DeltaNet 148 / 0 / 1504
+# -> 126 / 0 / 1168, KDA 255 / 52 / 3144 -> 194 / 0 / 2616. Unmeasured on the GPU: empty (off) until timed (`sweep_bwd
+# --variants full`). CHUNKWISE_BWD_FULL (kernel names among "bwd_wy", "bwd_dqk", "fwd_h", "bwd_dh", joined by "," or
+# "+"; "" or "0" none) overrides.
 BWD_FULL: frozenset = frozenset()
 
 
@@ -1848,9 +1859,9 @@ def bwd_full(kernel: str, T: int, varlen: bool) -> bool:
     """Whether the launch ``kernel`` takes FULL (BWD_FULL, CHUNKWISE_BWD_FULL): every chunk whole, and named there."""
     env = os.environ.get("CHUNKWISE_BWD_FULL")
     names = BWD_FULL if env is None else frozenset(n for n in env.replace("+", ",").split(",") if n not in ("", "0"))
-    unknown = names - {"bwd_wy", "bwd_dqk"}
+    unknown = names - {"bwd_wy", "bwd_dqk", "fwd_h", "bwd_dh"}
     if unknown:
-        raise ValueError(f"CHUNKWISE_BWD_FULL={env!r}: expected kernel names among bwd_wy, bwd_dqk "
+        raise ValueError(f"CHUNKWISE_BWD_FULL={env!r}: expected kernel names among bwd_wy, bwd_dqk, fwd_h, bwd_dh "
                          f"(got {', '.join(sorted(unknown))})")
     return kernel in names and not varlen and T % CHUNK == 0
 # _bwd_wy_kernel's dAᵀ through a per-chunk fp32 scratch (Amat) and a barrier instead of its own products (30 % fewer
@@ -2274,7 +2285,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                                   C=C, GATE=gate, DELTA=delta and not r_saved, HAS_H0=has_h0,
                                   TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen,
                                   PREC=prec, LOOP_WHILE=_INTERPRET, LOWP=lowp, KD_IN=kd_in, ready=ready,
-                                  WAIT=ns_state + 1 if ready is not None else 0,
+                                  WAIT=ns_state + 1 if ready is not None else 0, FULL=bwd_full("fwd_h", T, varlen),
                                   num_warps=_warps("fwd_h", gate, wide8 and not beside),
                                   **_regs("fwd_h", gate, wide8),
                                   num_stages=ns_state, **seq)
@@ -2291,7 +2302,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                            BV=BV, C=C, GATE=gate, DELTA=delta, HAS_DHT=dht is not None, HAS_H0=has_h0,
                            TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen, PREC=prec, LOOP_WHILE=_INTERPRET,
                            LOWP=lowp, KD_IN=kd_in, AHEAD=_bwd_dh_ahead(gate), PL=p_in_dh, DGAM=dgam_dh,
-                           num_warps=_warps("bwd_dh", gate, wide8),
+                           FULL=bwd_full("bwd_dh", T, varlen), num_warps=_warps("bwd_dh", gate, wide8),
                            **_regs("bwd_dh", gate, wide8), num_stages=ns_dh, **seq)
     del dRl, q_s, k_s
 
