@@ -546,8 +546,8 @@ def test_grads_bf16_small_tiles(fam, save, shape, monkeypatch):
 def test_grads_fp16_small_tiles(fam, save, K, monkeypatch):
     """fp16 at key tiles under 128 (K = 16 / 32 / 64, V = 32) and at K = 128 with V = 32, varlen with a length-1
     sequence, grouped heads, stage 1 saved by the forward (where the family saves it in fp16) or recomputed: every
-    gradient within the fp16 tolerance of the float64 reference's. On the H200 the sm_90 builds of small tiles are not the real-size ones (KDA's fp16
-    gradients came out inf at K = 16, sessions 20 and 23)."""
+    gradient within the fp16 tolerance of the float64 reference's. On the H200 the sm_90 builds of small tiles are
+    not the real-size ones (KDA's fp16 gradients came out inf at K = 16, sessions 20 and 23)."""
     monkeypatch.setenv("CHUNKWISE_SAVE_STAGE1", str(save))
     inp = make_inputs(fam, lengths=[1, 70, 30], H=1, HV=2, K=K, V=32, seed=21)
     _compare(inp, TOL[torch.float16], dtype=torch.float16)
@@ -567,22 +567,23 @@ def test_grads_head_dim_grid(fam, dtype, K, V):
 
 def test_bwd_full_rule(monkeypatch):
     """CHUNKWISE_BWD_FULL names the chunk-parallel launches that take a constant chunk length (their row masks folded):
-    only where every chunk is whole (no varlen, T a multiple of 64); none by default (BWD_FULL); an unknown kernel
-    name is an error that names the variable."""
+    only where every chunk is whole (no varlen, T a multiple of 64); none by default for any gate kind (BWD_FULL);
+    an unknown kernel name is an error that names the variable."""
     from chunkwise.triton.chunk_bwd import bwd_full
     monkeypatch.delenv("CHUNKWISE_BWD_FULL", raising=False)
-    assert not bwd_full("bwd_wy", 128, False)
+    assert not any(bwd_full(k, gate, 128, False) for k in ("bwd_wy", "bwd_dqk", "fwd_h", "bwd_dh") for gate in range(3))
     monkeypatch.setenv("CHUNKWISE_BWD_FULL", "bwd_wy")
-    assert bwd_full("bwd_wy", 128, False) and not bwd_full("bwd_dqk", 128, False)
+    assert bwd_full("bwd_wy", 1, 128, False) and not bwd_full("bwd_dqk", 1, 128, False)
     monkeypatch.setenv("CHUNKWISE_BWD_FULL", "fwd_h+bwd_dh")
-    assert bwd_full("fwd_h", 128, False) and bwd_full("bwd_dh", 128, False) and not bwd_full("bwd_wy", 128, False)
+    assert bwd_full("fwd_h", 1, 128, False) and bwd_full("bwd_dh", 1, 128, False)
+    assert not bwd_full("bwd_wy", 1, 128, False)
     monkeypatch.setenv("CHUNKWISE_BWD_FULL", "bwd_wy")
-    assert not bwd_full("bwd_wy", 130, False) and not bwd_full("bwd_wy", 128, True)
+    assert not bwd_full("bwd_wy", 1, 130, False) and not bwd_full("bwd_wy", 1, 128, True)
     monkeypatch.setenv("CHUNKWISE_BWD_FULL", "0")
-    assert not bwd_full("bwd_wy", 128, False)
+    assert not bwd_full("bwd_wy", 1, 128, False)
     monkeypatch.setenv("CHUNKWISE_BWD_FULL", "bwd_wy+wu")
     with pytest.raises(ValueError, match="CHUNKWISE_BWD_FULL"):
-        bwd_full("bwd_wy", 128, False)
+        bwd_full("bwd_wy", 1, 128, False)
 
 
 @pytest.mark.parametrize("T", [128, 100])

@@ -774,7 +774,8 @@ def test_stage1_wu_16_bit_only_at_128():
     value tile of at least 64 (V = 33..): at K = 16 / 64, and at K = 128 with V = 16 / 32, the sm_90 build of that
     form crashed or was wrong on the H200 (sessions 8 and 28); K = 256 in 16 bits runs in fp32 (WIDE_16BIT_K)."""
     from chunkwise.triton.chunk_fwd import wu_lowp_ok
-    assert all(wu_lowp_ok(dt, K, V) for dt in (torch.bfloat16, torch.float16) for K in (100, 128) for V in (33, 64, 128))
+    assert all(wu_lowp_ok(dt, K, V) for dt in (torch.bfloat16, torch.float16) for K in (100, 128)
+               for V in (33, 64, 128))
     assert not any(wu_lowp_ok(dt, K, 128) for dt in (torch.bfloat16, torch.float16) for K in (16, 32, 40, 64))
     assert not any(wu_lowp_ok(dt, 128, V) for dt in (torch.bfloat16, torch.float16) for V in (8, 16, 32))
     assert not wu_lowp_ok(torch.float32, 128, 128)

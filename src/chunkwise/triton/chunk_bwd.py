@@ -1850,15 +1850,18 @@ BWD_WY_DK1_AHEAD = 1
 # latency-bound: the forward state pass GDN 155 / 0 / 1416 -> 120 / 0 / 1064, DeltaNet 119 / 0 / 1056 -> 90 / 0 / 896,
 # KDA 248 / 0 / 2208 -> 164 / 0 / 1744; the reverse pass GDN 199 / 0 / 1872 -> 144 / 0 / 1584, DeltaNet 148 / 0 / 1504
 # -> 126 / 0 / 1168, KDA 255 / 52 / 3144 -> 194 / 0 / 2616. Unmeasured on the GPU: empty (off) until timed (`sweep_bwd
-# --variants full`). CHUNKWISE_BWD_FULL (kernel names among "bwd_wy", "bwd_dqk", "fwd_h", "bwd_dh", joined by "," or
-# "+"; "" or "0" none) overrides.
-BWD_FULL: frozenset = frozenset()
+# --variants full`), per gate kind (GDN's state-tile pass should stay masked: more spills folded).
+# CHUNKWISE_BWD_FULL (kernel names among "bwd_wy", "bwd_dqk", "fwd_h", "bwd_dh", joined by "," or "+"; "" or "0" none)
+# overrides for every gate kind.
+BWD_FULL: dict = {0: frozenset(), 1: frozenset(), 2: frozenset()}
 
 
-def bwd_full(kernel: str, T: int, varlen: bool) -> bool:
-    """Whether the launch ``kernel`` takes FULL (BWD_FULL, CHUNKWISE_BWD_FULL): every chunk whole, and named there."""
+def bwd_full(kernel: str, gate: int, T: int, varlen: bool) -> bool:
+    """Whether the launch ``kernel`` takes FULL (BWD_FULL[gate], CHUNKWISE_BWD_FULL): every chunk whole, and named
+    there."""
     env = os.environ.get("CHUNKWISE_BWD_FULL")
-    names = BWD_FULL if env is None else frozenset(n for n in env.replace("+", ",").split(",") if n not in ("", "0"))
+    names = BWD_FULL[gate] if env is None else \
+        frozenset(n for n in env.replace("+", ",").split(",") if n not in ("", "0"))
     unknown = names - {"bwd_wy", "bwd_dqk", "fwd_h", "bwd_dh"}
     if unknown:
         raise ValueError(f"CHUNKWISE_BWD_FULL={env!r}: expected kernel names among bwd_wy, bwd_dqk, fwd_h, bwd_dh "
@@ -2285,7 +2288,8 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                                   C=C, GATE=gate, DELTA=delta and not r_saved, HAS_H0=has_h0,
                                   TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen,
                                   PREC=prec, LOOP_WHILE=_INTERPRET, LOWP=lowp, KD_IN=kd_in, ready=ready,
-                                  WAIT=ns_state + 1 if ready is not None else 0, FULL=bwd_full("fwd_h", T, varlen),
+                                  WAIT=ns_state + 1 if ready is not None else 0,
+                                  FULL=bwd_full("fwd_h", gate, T, varlen),
                                   num_warps=_warps("fwd_h", gate, wide8 and not beside),
                                   **_regs("fwd_h", gate, wide8),
                                   num_stages=ns_state, **seq)
@@ -2302,7 +2306,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                            BV=BV, C=C, GATE=gate, DELTA=delta, HAS_DHT=dht is not None, HAS_H0=has_h0,
                            TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen, PREC=prec, LOOP_WHILE=_INTERPRET,
                            LOWP=lowp, KD_IN=kd_in, AHEAD=_bwd_dh_ahead(gate), PL=p_in_dh, DGAM=dgam_dh,
-                           FULL=bwd_full("bwd_dh", T, varlen), num_warps=_warps("bwd_dh", gate, wide8),
+                           FULL=bwd_full("bwd_dh", gate, T, varlen), num_warps=_warps("bwd_dh", gate, wide8),
                            **_regs("bwd_dh", gate, wide8), num_stages=ns_dh, **seq)
     del dRl, q_s, k_s
 
@@ -2343,7 +2347,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                                             EARLY=_env_switch("CHUNKWISE_BWD_DQK_EARLY", BWD_DQK_EARLY[gate]),
                                             DGAM=dgam_dh, NVD=nvd, KD=BK,
                                             SDS_OWN=not delta or _env_switch("CHUNKWISE_BWD_SDS_OWN", BWD_SDS_OWN),
-                                            FULL=bwd_full("bwd_dqk", T, varlen),
+                                            FULL=bwd_full("bwd_dqk", gate, T, varlen),
                                             num_warps=_warps("bwd_dqk", gate, wide8), **_regs("bwd_dqk", gate),
                                             num_stages=ns, **common)
         if delta or gate:
@@ -2354,8 +2358,8 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                                    PREC=prec, LOWP=lowp_key, NVD=nvd, KD=BK,
                                    T_TRANS=_env_switch("CHUNKWISE_BWD_WY_T_TRANS", BWD_WY_T_TRANS),
                                    DK1_AHEAD=_env_switch("CHUNKWISE_BWD_WY_DK1_AHEAD", BWD_WY_DK1_AHEAD),
-                                   DA_SCR=da_scr, FULL=bwd_full("bwd_wy", T, varlen), num_warps=_warps("bwd_wy", gate),
-                                   **_regs("bwd_wy", gate),
+                                   DA_SCR=da_scr, FULL=bwd_full("bwd_wy", gate, T, varlen),
+                                   num_warps=_warps("bwd_wy", gate), **_regs("bwd_wy", gate),
                                    num_stages=ns, **common)
         if not delta:       # dv = dR
             dv = dR if dR.dtype == v.dtype else dR.to(v.dtype)

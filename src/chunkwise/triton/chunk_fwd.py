@@ -1309,7 +1309,8 @@ def wu_lowp_ok(dtype: torch.dtype, K: int, V: int) -> bool:
     chunk_prepare_kernel or gave wrong gradients (rel. error ~1), and fp16 at K = 16 gave inf gradients; with fp32
     operands (CHUNKWISE_PREP_WU_LOWP=0) the same tests passed. K = 128 (also K = 100, padded to 128) passed every
     real-size test in both forms. At K = 128 with V = 16 or 32 (bf16, GDN / DeltaNet) the saving forward's stage 1
-    raised an illegal memory access too, where V = 64 and 128 ran (session 28, NOTES.md; test_grads_bf16_small_tiles)."""
+    raised an illegal memory access too, where V = 64 and 128 ran (session 28, NOTES.md;
+    test_grads_bf16_small_tiles)."""
     return dtype != torch.float32 and _dim(K) == 128 and _dim(V) >= 64
 
 
