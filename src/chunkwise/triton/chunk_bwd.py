@@ -50,8 +50,8 @@ import triton.language as tl
 from ..api import TRITON_MAX_HEAD_DIM as MAX_K   # the backward's kernels fit one H200 SM's shared memory up to it
 from .align import cdiv, cut_state, next_pow2, pad_last, pad_state, padded_dims
 from .chunk_fwd import (WIDE_16BIT_K, _env_choice, _env_switch, _mm, _num_sms, _overlap, _side_stream, _signal_ready,
-                        _wait_ready, chunk_slots, fp16_kda_in_fp32, on_tensor_device, prec_env, reg_cap, state_dtype,
-                        wu_lowp_ok)
+                        _wait_ready, chunk_slots, chunks_whole, fp16_kda_in_fp32, on_tensor_device, prec_env, reg_cap,
+                        state_dtype, wu_lowp_ok)
 
 CHUNK = 64
 SUB = 16
@@ -1866,7 +1866,7 @@ def bwd_full(kernel: str, gate: int, T: int, varlen: bool) -> bool:
     if unknown:
         raise ValueError(f"CHUNKWISE_BWD_FULL={env!r}: expected kernel names among bwd_wy, bwd_dqk, fwd_h, bwd_dh "
                          f"(got {', '.join(sorted(unknown))})")
-    return kernel in names and not varlen and T % CHUNK == 0
+    return kernel in names and chunks_whole(T, varlen)
 # _bwd_wy_kernel's dAᵀ through a per-chunk fp32 scratch (Amat) and a barrier instead of its own products (30 % fewer
 # products and one [C, C] accumulator less, for a 16 KB store, a barrier and an L2 read per chunk), per gate kind
 # (CHUNKWISE_BWD_WY_DA_SCR overrides). H200 (run of 21cb7e1, B1-T32768-H32 bf16, WY pass ms, products / scratch):

@@ -1372,19 +1372,24 @@ def prep_stages(gate: int = 0, dtype: torch.dtype = torch.float32, K: int = 0) -
 # (GDN's inference stage 1: bf16, T form, P stored, beside stage 2, fp16 solve, its 168-register cap; K, V runtime
 # multiples of 16 as a launch specializes them): 2080 instructions, 2032 without the row checks, 1992 without either
 # (ISETP and PRMT the most of it), 0 B of spills in all three; KDA's (one-reference launch, 3 stages) 4024 -> 3928
-# instructions, 8 -> 0 B of spills. GDN at B1 beside stage 2 is bound by stage 1's
-# throughput on the slots stage 2 leaves (session 28: a build with 56 instructions and 8 B of spills more took 1.034
-# ms against 0.982), so −4.2 % of its instructions is the one lever left for #3's last 2 % (0.98 -> 0.96 ms).
-# Unmeasured: 0 (off) until timed (`bench_forward --variants --variant-set full`).
-# CHUNKWISE_PREP_FULL (0 / 1) overrides.
+# instructions, 8 -> 0 B of spills. GDN at B1 beside stage 2 is bound by stage 1's throughput on the slots stage 2
+# leaves (session 28: a build with 56 instructions and 8 B of spills more took 1.034 ms against 0.982), so −4.2 % of
+# its instructions is the one lever left for #3's last 2 % (0.98 -> 0.96 ms). Unmeasured: 0 (off) until timed
+# (`bench_forward --variants --variant-set full`). CHUNKWISE_PREP_FULL (0 / 1) overrides.
 PREP_FULL = 0
+
+
+def chunks_whole(T: int, varlen: bool) -> bool:
+    """Whether every chunk of a launch is BT rows long: no varlen and T a multiple of BT (the condition under which
+    stage 1's FULL_ROWS and the backward's FULL leave their row bounds checks out)."""
+    return not varlen and T % BT == 0
 
 
 def prep_full(T: int, K: int, V: int, varlen: bool) -> tuple[bool, bool]:
     """(FULL_ROWS, FULL_COLS) of stage 1's forward launch (PREP_FULL, CHUNKWISE_PREP_FULL)."""
     if not _env_switch("CHUNKWISE_PREP_FULL", PREP_FULL):
         return False, False
-    return not varlen and T % BT == 0, K == _dim(K) and V == _dim(V)
+    return chunks_whole(T, varlen), K == _dim(K) and V == _dim(V)
 
 
 def _solve_precs(dtype: torch.dtype, gate: int, t_form: bool) -> tuple[str, str]:
