@@ -567,11 +567,16 @@ def test_grads_head_dim_grid(fam, dtype, K, V):
 
 def test_bwd_full_rule(monkeypatch):
     """CHUNKWISE_BWD_FULL names the chunk-parallel launches that take a constant chunk length (their row masks folded):
-    only where every chunk is whole (no varlen, T a multiple of 64); none by default for any gate kind (BWD_FULL);
-    an unknown kernel name is an error that names the variable."""
+    only where every chunk is whole (no varlen, T a multiple of 64); by default (BWD_FULL) the serial state passes for
+    scalar and per-channel gates and the state-tile pass for per-channel ones, none without a gate; an unknown kernel
+    name is an error that names the variable."""
     from chunkwise.triton.chunk_bwd import bwd_full
     monkeypatch.delenv("CHUNKWISE_BWD_FULL", raising=False)
-    assert not any(bwd_full(k, gate, 128, False) for k in ("bwd_wy", "bwd_dqk", "fwd_h", "bwd_dh") for gate in range(3))
+    kernels = ("bwd_wy", "bwd_dqk", "fwd_h", "bwd_dh")
+    assert [k for k in kernels if bwd_full(k, 0, 128, False)] == []
+    assert [k for k in kernels if bwd_full(k, 1, 128, False)] == ["fwd_h", "bwd_dh"]
+    assert [k for k in kernels if bwd_full(k, 2, 128, False)] == ["bwd_dqk", "fwd_h", "bwd_dh"]
+    assert not any(bwd_full(k, g, T, varlen) for k in kernels for g in range(3) for T, varlen in ((100, False), (128, True)))
     monkeypatch.setenv("CHUNKWISE_BWD_FULL", "bwd_wy")
     assert bwd_full("bwd_wy", 1, 128, False) and not bwd_full("bwd_dqk", 1, 128, False)
     monkeypatch.setenv("CHUNKWISE_BWD_FULL", "fwd_h+bwd_dh")

@@ -738,8 +738,12 @@ def test_gla_with_p_from_its_own_kernel(case, gate):
 
 def test_stage1_full_tiles_rule(monkeypatch):
     """CHUNKWISE_PREP_FULL=1: stage 1 leaves out the row bounds checks only where every chunk is whole (no varlen, T a
-    multiple of 64) and the column checks only where K and V are the tiles' widths; off by default (PREP_FULL)."""
+    multiple of 64) and the column checks only where K and V are the tiles' widths; on by default (PREP_FULL), and
+    CHUNKWISE_PREP_FULL=0 keeps every check."""
     from chunkwise.triton.chunk_fwd import prep_full
+    monkeypatch.delenv("CHUNKWISE_PREP_FULL", raising=False)
+    assert prep_full(128, 128, 128, False) == (True, True)
+    monkeypatch.setenv("CHUNKWISE_PREP_FULL", "0")
     assert prep_full(128, 128, 128, False) == (False, False)
     monkeypatch.setenv("CHUNKWISE_PREP_FULL", "1")
     assert prep_full(128, 128, 128, False) == (True, True)

@@ -1849,11 +1849,16 @@ BWD_WY_DK1_AHEAD = 1
 # launch more instructions (+8-13 %), so not it. The serial state passes (_step_tiles' FULL), whose steps are
 # latency-bound: the forward state pass GDN 155 / 0 / 1416 -> 120 / 0 / 1064, DeltaNet 119 / 0 / 1056 -> 90 / 0 / 896,
 # KDA 248 / 0 / 2208 -> 164 / 0 / 1744; the reverse pass GDN 199 / 0 / 1872 -> 144 / 0 / 1584, DeltaNet 148 / 0 / 1504
-# -> 126 / 0 / 1168, KDA 255 / 52 / 3144 -> 194 / 0 / 2616. Unmeasured on the GPU: empty (off) until timed (`sweep_bwd
-# --variants full`), per gate kind (GDN's state-tile pass should stay masked: more spills folded).
+# -> 126 / 0 / 1168, KDA 255 / 52 / 3144 -> 194 / 0 / 2616. On the H200 (session 29, `sweep_bwd --variants full`,
+# B1-T32768-H32 bf16, one run; per-kernel ms masked -> folded): KDA the state-tile pass 2.41 -> 2.24, the forward
+# state pass 1.05 -> 0.84-0.98, the reverse pass 0.82 -> 0.81, but its WY pass 0.950 -> 0.977, fwd+bwd 10.26 -> 10.05
+# with all four and PREP_FULL; GDN the serial passes 0.424 -> 0.416 and 0.803 -> 0.788, but its WY pass 1.42 -> 1.52
+# and the state-tile pass 1.68 -> 1.77 (its spills); DeltaNet within noise everywhere (the reverse pass 0.640 ->
+# 0.652, the state-tile pass 1.130 -> 1.160), so none. Per gate kind: the serial passes for scalar gates (GDN, simple
+# GLA), those and the state-tile pass for per-channel ones (KDA).
 # CHUNKWISE_BWD_FULL (kernel names among "bwd_wy", "bwd_dqk", "fwd_h", "bwd_dh", joined by "," or "+"; "" or "0" none)
 # overrides for every gate kind.
-BWD_FULL: dict = {0: frozenset(), 1: frozenset(), 2: frozenset()}
+BWD_FULL: dict = {0: frozenset(), 1: frozenset({"fwd_h", "bwd_dh"}), 2: frozenset({"bwd_dqk", "fwd_h", "bwd_dh"})}
 
 
 def bwd_full(kernel: str, gate: int, T: int, varlen: bool) -> bool:

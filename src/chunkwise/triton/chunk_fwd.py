@@ -1373,10 +1373,12 @@ def prep_stages(gate: int = 0, dtype: torch.dtype = torch.float32, K: int = 0) -
 # multiples of 16 as a launch specializes them): 2080 instructions, 2032 without the row checks, 1992 without either
 # (ISETP and PRMT the most of it), 0 B of spills in all three; KDA's (one-reference launch, 3 stages) 4024 -> 3928
 # instructions, 8 -> 0 B of spills. GDN at B1 beside stage 2 is bound by stage 1's throughput on the slots stage 2
-# leaves (session 28: a build with 56 instructions and 8 B of spills more took 1.034 ms against 0.982), so −4.2 % of
-# its instructions is the one lever left for #3's last 2 % (0.98 -> 0.96 ms). Unmeasured: 0 (off) until timed
-# (`bench_forward --variants --variant-set full`). CHUNKWISE_PREP_FULL (0 / 1) overrides.
-PREP_FULL = 0
+# leaves (session 28: a build with 56 instructions and 8 B of spills more took 1.034 ms against 0.982). On the H200
+# (session 29, B1-T32768-H32 bf16, same run; stage 1 alone / the forward, ms): GDN 0.390 -> 0.362 / 0.970 -> 0.973
+# (stage 2 bounds the forward there, not stage 1), KDA 1.294 -> 1.250 / 1.710 -> 1.676, DeltaNet 0.219 -> 0.219 /
+# 0.907 -> 0.913; the training forward's stage 1 GDN 1.413 -> 1.371, DeltaNet 0.667 -> 0.638, KDA 2.055 -> 1.972.
+# On (1) for every family. CHUNKWISE_PREP_FULL (0 / 1) overrides.
+PREP_FULL = 1
 
 
 def chunks_whole(T: int, varlen: bool) -> bool:
