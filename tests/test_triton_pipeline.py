@@ -114,3 +114,40 @@ def test_stage1_fits_beside_stage2(fam, train, tmp_path):
     assert smem.get("chunk_state_output_kernel") and smem.get("chunk_prepare_kernel"), p.stdout
     s2, s1 = max(smem["chunk_state_output_kernel"]), max(smem["chunk_prepare_kernel"])
     assert s2 + s1 + 2 * BLOCK_RESERVED <= SM_SMEM, (s2, s1)
+
+
+# compiles KDA's forward (inference and training) for sm_90 on CPU tensors under one stage-1 setting, and prints the
+# compiled kernels' names
+_FWD_BUILD = """
+import glob, json, os, sys
+os.environ["CHUNKWISE_WARM_SM90"] = "1"
+sys.path.insert(0, sys.argv[1])
+import warm_cache
+warm_cache.install_sm90()
+import torch
+from chunkwise.triton.chunk_fwd import chunk_fwd
+dtype = getattr(torch, sys.argv[2])
+B, T, H, K = 1, 256, 2, 64
+q, k, v = (torch.randn(B, T, H, K, dtype=dtype) for _ in range(3))
+g = torch.randn(B, T, H, K) * 0.01 - 0.05
+beta = torch.rand(B, T, H, dtype=dtype)
+for saved in (None, {}):
+    chunk_fwd(q, k, v, g, beta, 0.1, None, False, None, saved_out=saved)
+for f in glob.glob(os.environ["TRITON_CACHE_DIR"] + "/*/*.json"):
+    m = json.load(open(f))
+    if "name" in m and "shared" in m:
+        print(m["name"])
+"""
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_kda_stage1_form1_builds_for_sm90(dtype, tmp_path):
+    """KDA's stage 1 in its second form (CHUNKWISE_PREP_FORM=1, products by 16-row blocks), which no default takes,
+    compiles for sm_90. Session 29 found it failing to compile on the H200 only: a helper's tuple default for a
+    constexpr argument (the bounds it checks) works under TRITON_INTERPRET=1 and not in a compiled kernel, so the
+    interpreter's tests of that form passed in CI."""
+    p = subprocess.run([sys.executable, "-c", _FWD_BUILD, os.path.join(ROOT, "benchmarks"), dtype],
+                       env=_env(tmp_path, {"CHUNKWISE_PREP_FORM": "1", "CHUNKWISE_PREP_BKC": "16"}),
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "chunk_prepare_kernel" in p.stdout.split(), p.stdout

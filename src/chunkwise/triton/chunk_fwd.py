@@ -280,7 +280,7 @@ def _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc: tl.constexpr, g_floor: tl.const
 
 @triton.jit
 def _kqg_tiles(k_base, q_base, g_base, r0, kc0, T_seq, H, HV, K, R: tl.constexpr, BKC: tl.constexpr,
-               CHK: tl.constexpr = (0, 1)):
+               CHK: tl.constexpr):
     """Rows r0 .. r0 + R − 1, channels kc0 .. kc0 + BKC − 1 of k, q and the per-channel gate g, as fp32
     [R, BKC] tiles (zero past the sequence end and K; CHK: the bounds checked, chunk_prepare_kernel's)."""
     b_k = tl.load(tl.make_block_ptr(k_base, (T_seq, K), (H * K, 1), (r0, kc0), (R, BKC), (1, 0)),
@@ -346,7 +346,7 @@ def _block_rows(x, b: tl.constexpr, BCc: tl.constexpr):
 @triton.jit
 def _kda_ap_rows(A0, A1, A2, A3, P0, P1, P2, P3, kf, qf, b_G, b_beta, k_base, q_base, g_base, beta, bos, t0,
                  T_seq, i_h, H, HV, K, kc0, MM_PREC: tl.constexpr, BTc: tl.constexpr, BCc: tl.constexpr,
-                 BKC: tl.constexpr, g_floor: tl.constexpr, span_max: tl.constexpr):
+                 BKC: tl.constexpr, g_floor: tl.constexpr, span_max: tl.constexpr, CHK: tl.constexpr):
     """One column chunk of KDA's A and P by 16-row blocks (stage-1 form 1). Row block b takes the start of
     its block s_b (the cumulative gate before it) as reference for every column j up to its own block:
 
@@ -375,7 +375,7 @@ def _kda_ap_rows(A0, A1, A2, A3, P0, P1, P2, P3, kf, qf, b_G, b_beta, k_base, q_
         keep = (blk < b + own)[:, None]                                                  # columns j taken
         cols = tl.where(keep, kf * tl.exp(tl.where(keep, s_b[None, :] - b_G, 0.)), 0.)   # k_j e^{s_b − G_j}
         r0 = t0 + b * BCc
-        k_b, q_b, g_b = _kqg_tiles(k_base, q_base, g_base, r0, kc0, T_seq, H, HV, K, BCc, BKC)
+        k_b, q_b, g_b = _kqg_tiles(k_base, q_base, g_base, r0, kc0, T_seq, H, HV, K, BCc, BKC, CHK)
         beta_b = tl.load(beta + (bos + r0 + o_c) * HV + i_h, mask=r0 + o_c < T_seq, other=0.).to(tl.float32)
         x_b = tl.exp(tl.cumsum(tl.where(g_b < g_floor, g_floor, g_b), 0))                # e^{G_i − s_b} ≤ 1
         cT = tl.trans(cols)
@@ -509,7 +509,7 @@ def chunk_prepare_kernel(
             if AP_FORM == 1:
                 A0, A1, A2, A3, P0, P1, P2, P3 = _kda_ap_rows(
                     A0, A1, A2, A3, P0, P1, P2, P3, kf, qf, b_G, b_beta, k_base, q_base, g_base, beta, bos, t0,
-                    T_seq, i_h, H, HV, K, kc0, MM_PREC, BTc, BCc, BKC, g_floor, span_max)
+                    T_seq, i_h, H, HV, K, kc0, MM_PREC, BTc, BCc, BKC, g_floor, span_max, CHK)
                 b_qg = qf * tl.exp(b_G)
                 b_kg = kf * tl.exp(G_last[None, :] - b_G)
                 if T_FORM:
