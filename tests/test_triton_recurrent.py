@@ -143,12 +143,12 @@ def test_gpu_loop_and_fused_variants(fam, fused, loop_bounds_from_tensors):
     inp, pool, idx = _pool_case(fam, 2, torch.float32, False, False, seed=51)
     before = pool.clone()
     o, _ = recurrent_fwd(*_canonical(inp), 24 ** -0.5, pool, False, None, state_indices=idx, fused=fused, pipeline=2)
-    live = (idx >= 0).cpu()
-    inp.h0 = before.cpu()[idx.long().clamp_min(0).cpu()] * live[:, None, None, None]
+    live = idx >= 0
+    inp.h0 = before[idx.long().clamp_min(0)] * live[:, None, None, None]     # on the inputs' device (the GPU's too)
     ro, rht = reference(inp)
     assert torch.equal(o[1], torch.zeros_like(o[1]))
-    assert rel_err(o[live.to(o.device)], ro[live]) < TOL[torch.float32]
-    assert rel_err(pool[idx[live.to(idx.device)].long()], rht[live]) < TOL[torch.float32]
+    assert rel_err(o[live], ro[live.to(ro.device)]) < TOL[torch.float32]
+    assert rel_err(pool[idx[live].long()], rht[live.to(rht.device)]) < TOL[torch.float32]
     untouched = [s for s in range(pool.shape[0]) if s not in set(idx.tolist())]
     assert torch.equal(pool[untouched], before[untouched])
 
