@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Device calls that test and time everything on the GPU (H200); logs packed into $OUT/run.tgz.
 # Usage (device tool, carry .whl for fla and .triton_sm90 for kernels built by benchmarks/warm_cache.py):
+#   .whl: `../shared/device/wheels.sh fla-core==0.6.0 transformers==5.24.0` (the test extra's pin: the device's own
+#   transformers 5.17.0 takes no grouped heads in the functions tests/test_hf.py compares against; NOTES session 29)
 #   GIT_COMMIT=<sha> bash benchmarks/gpu_session.sh [fwd] [tests] [bwd]      (default: fwd tests; <= 9.6 min)
 #   env: TESTS_T / TRAIN_T step timeouts (s), NPROC xdist workers, SKIP_TRAIN=1 skips the MQAR example
 #   fwd:   stage-1 sweep (picks CHUNKWISE_PREP_CONFIG), forward benchmark vs fla (FWD_FAMS=gdn,kda,delta,gla)
