@@ -1049,7 +1049,7 @@ def chunk_state_output_kernel(
     DOT_PREC: tl.constexpr, g_floor: tl.constexpr, LOOP_WHILE: tl.constexpr,
     SEG: tl.constexpr = 0, NSEG: tl.constexpr = 1, SUB: tl.constexpr = 1, GC_IN: tl.constexpr = 0,
     TMA: tl.constexpr = 0, TMA_O: tl.constexpr = 0, STORE_HR: tl.constexpr = 0, TRANS: tl.constexpr = 0,
-    T_FORM: tl.constexpr = 0, WAIT: tl.constexpr = 0, FENCE: tl.constexpr = 0,
+    T_FORM: tl.constexpr = 0, WAIT: tl.constexpr = 0, FENCE: tl.constexpr = 0, ALONE: tl.constexpr = 0,
 ):
     """Stage 2 (module docstring). Grid (cdiv(V, BV), N·HV); S [BK, BV] fp32 stays in registers (TRANS, SEG = 0:
     Sᵀ [BV, BK], the products' first operand; _state_output_step_t).
@@ -1074,7 +1074,8 @@ def chunk_state_output_kernel(
     WAIT (> 0, not with SEG; stage 1 launched just before, running beside this launch): chunk i's stage-1 tiles are
     read only after ready[slot of i, head] is set (_wait_ready), WAIT chunks ahead of the step, so that the loads
     the software pipeline issues for later steps (num_stages − 1 ahead) only read published chunks. FENCE: the
-    tiles come through tensor descriptors (TMA).
+    tiles come through tensor descriptors (TMA). ALONE: unused in the body; the launch of overlap mode 3
+    (_launch_alone) reserves the SM's shared memory for this specialisation of the kernel.
     """
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
@@ -1809,18 +1810,48 @@ def _num_sms(device: torch.device) -> int:
 # (run of ffc9820, NOTES.md session 22): GDN 1.076 / 0.981 at its tuned BV 32, 3 stages (1.198 / 1.139 at BV 64,
 # 3 stages); KDA 1.975 / 1.723 at BV 64, 2 stages (the transposed step; a stage-1 program fits beside each of the
 # 64 stage-2 programs); DeltaNet 0.906 / 0.985 (slower beside at every block and depth tried: off).
-# CHUNKWISE_FWD_OVERLAP (0 / 1 / 2, every family) overrides.
+# Mode 3: as mode 2's grid (BV 64, at most half the SMs), but each stage-2 program takes its SM to itself: its launch
+# reserves the SM's whole shared memory (_launch_alone), so that no stage-1 program is placed beside it, and stage 1
+# runs on the other SMs alone. Beside a stage-1 program the serial step is slower (GDN's stage 2 at BV 32: 0.69 ms
+# alone, ~0.96 beside), which modes 1 and 2 pay for every chunk; mode 3 trades that for stage 1 on half the GPU
+# (GDN 0.36 ms alone -> ~0.70 on 68 SMs, still ahead of stage 2's ~0.80 at BV 64).
+# CHUNKWISE_FWD_OVERLAP (0 / 1 / 2 / 3, every family) overrides.
 FWD_OVERLAP = {0: 0, 1: 1, 2: 2}
+# mode 3's pipeline depth per gate kind (else stage 2's own pick at BV 64)
+ALONE_STAGES: dict = {}
 
 
 def _overlap_mode(requested, gate: int, dtype: torch.dtype, tuned: bool) -> int:
-    """Stage 2 beside stage 1 (FWD_OVERLAP's modes): ``requested`` True / False (chunk_fwd(overlap=)) at the launch's
-    own value block and depth, else CHUNKWISE_FWD_OVERLAP, else FWD_OVERLAP for 16-bit inputs and tuned launches."""
+    """Stage 2 beside stage 1 (FWD_OVERLAP's modes): ``requested`` (chunk_fwd(overlap=)) True / False: on / off at the
+    launch's own value block and depth, or a mode 0-3; else CHUNKWISE_FWD_OVERLAP, else FWD_OVERLAP for 16-bit inputs
+    and tuned launches."""
     if requested is not None:
-        return int(bool(requested))
+        if int(requested) not in range(4):
+            raise ValueError(f"chunk_fwd: overlap must be a bool or a mode 0-3, got {requested!r}")
+        return int(requested)
     if os.environ.get("CHUNKWISE_FWD_OVERLAP") is not None:
-        return _env_choice("CHUNKWISE_FWD_OVERLAP", 0, range(3))
+        return _env_choice("CHUNKWISE_FWD_OVERLAP", 0, range(4))
     return FWD_OVERLAP[gate] if tuned and dtype in (torch.bfloat16, torch.float16) else 0
+
+
+def _launch_alone(kernel, grid, *args, **kwargs):
+    """kernel[grid](*args, **kwargs) with the SM's whole shared memory reserved for each program, so that no program
+    of another launch is placed on its SM (overlap mode 3). The compiled kernel's launch size is raised once (Triton
+    passes ``packed_metadata``'s shared-memory size to the launch; the kernel asked the driver for the opt-in maximum
+    at load, as every kernel over 48 KB does); call it only with arguments that make a specialisation of its own
+    (chunk_state_output_kernel's ALONE), so that no other launch inherits the reservation. Off CUDA (the
+    interpreter, benchmarks/warm_cache.py's sm_90 builds) a plain launch."""
+    if _INTERPRET or not torch.cuda.is_available() or not any(
+            isinstance(a, torch.Tensor) and a.is_cuda for a in args):
+        return kernel[grid](*args, **kwargs)
+    compiled = kernel.warmup(*args, grid=grid, **kwargs)
+    compiled._init_handles()
+    from triton.runtime import driver
+    full = driver.active.utils.get_device_properties(driver.active.get_current_device())["max_shared_mem"]
+    nw, nctas, shared = compiled.packed_metadata
+    if shared < full:
+        compiled.packed_metadata = (nw, nctas, full)
+    return kernel[grid](*args, **kwargs)
 
 
 def _overlap(programs: int, n_sm: int, n_chunks: int, device: torch.device) -> bool:
@@ -1869,7 +1900,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     qg = q ⊙ e^G, kg = k ⊙ e^{G_last − G} (q's dtype).
     ``overlap`` (delta rule): stage 2 launched beside stage 1 rather than after it, each chunk's step waiting
     for that chunk's stage-1 program (default: FWD_OVERLAP's mode per family where _overlap allows it; True /
-    False: on / off at the launch's value block and depth).
+    False: on / off at the launch's value block and depth; 2 / 3: FWD_OVERLAP's modes).
     Head dims the kernels do not take as they are run zero-padded (triton/align.py).
     """
     if q.dtype != torch.float32 and q.shape[-1] > WIDE_16BIT_K:
@@ -1902,10 +1933,10 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     bv = bv or _pick_bv(V, K, N * HV)
     n_sm = _num_sms(q.device)
     ov_mode = _overlap_mode(overlap, gate, q.dtype, tuned) if delta else 0
-    if ov_mode == 2:    # stage 2 beside stage 1 at BV 64, 2 stages, where that grid takes at most half the SMs
+    if ov_mode >= 2:    # stage 2 beside stage 1 at BV 64 (mode 2: 2 stages), where that grid takes at most half the SMs
         if cdiv(V, min(64, _dim(V))) * N * HV <= n_sm // 2:
             bv = bv_arg or min(64, _dim(V))
-            num_stages = num_stages or 2
+            num_stages = num_stages or (2 if ov_mode == 2 else ALONE_STAGES.get(gate))
         else:
             ov_mode = 0
     # fewer than two programs per SM: each is alone with its serial loop (latency-bound)
@@ -2029,8 +2060,10 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
                 # second pass reads at its own BV): a wider block reads each k tile once for more of V
                 bv_m, warps_m = min(seg_phase1[0], _dim(V)), seg_phase1[1]
                 stages_m = seg_phase1[2] if len(seg_phase1) > 2 else num_stages
+        alone = overlap and ov_mode == 3
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            chunk_state_output_kernel[(cdiv(V, bv_m), rows_m)](
+            (functools.partial(_launch_alone, chunk_state_output_kernel, (cdiv(V, bv_m), rows_m)) if alone
+             else chunk_state_output_kernel[(cdiv(V, bv_m), rows_m)])(
                 q, k, v, stage1["w"], stage1["u"], stage1["p"], g, stage1["qg"], stage1["kg"], stage1["glast"],
                 stage1["gcum"], o, initial_state, ht, sloc, gam, hs, rs, ready, cu_seqlens, scale, T, NT, len_m,
                 *strides(initial_state), *strides(ht),
@@ -2040,7 +2073,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
                 SUB=sub if seg_mode == 2 else 1, GC_IN=delta and gate == 1, TMA=tma,
                 TMA_O=tma_o, STORE_HR=1 if hs is not None else (2 if rs is not None else 0), TRANS=int(trans and seg_mode == 0),
                 T_FORM=t_form,
-                WAIT=stages_m + 1 if overlap else 0, FENCE=bool(overlap and tma and not _INTERPRET),
+                WAIT=stages_m + 1 if overlap else 0, FENCE=bool(overlap and tma and not _INTERPRET), ALONE=alone,
                 num_warps=warps_m, num_stages=stages_m, **reg_cap("fwd_o"))
     if side is not None:
         torch.cuda.current_stream(q.device).wait_stream(side)
