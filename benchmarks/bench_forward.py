@@ -146,6 +146,10 @@ def fla_autotune_picks() -> dict:
         if not name.startswith("fla.ops") or mod is None:
             continue
         for obj in list(vars(mod).values()):
+            for _ in range(4):      # (through triton.heuristics and other wrappers around the autotuner)
+                if isinstance(obj, Autotuner) or not hasattr(obj, "fn"):
+                    break
+                obj = obj.fn
             if isinstance(obj, Autotuner) and obj.cache:
                 fn = getattr(obj, "base_fn", None) or getattr(obj, "fn", None)
                 kname = getattr(fn, "__name__", repr(fn))

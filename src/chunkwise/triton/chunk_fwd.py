@@ -1415,7 +1415,7 @@ def _ap_lowp(dtype, gate: int, t_form: bool) -> int:
 
 
 def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=False, store_p=True, t_form=False,
-                  ready=None, save_g=False):
+                  ready=None, save_g=False, defer=False):
     """Stage 1 for the delta families.
 
     Args: q, k [B,T,H,K]; v [B,T,HV,V]; g None | [B,T,HV] fp32 | [B,T,HV,K] fp32 (raw log-decays);
@@ -1430,6 +1430,8 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     forward's precisions, t as well). ``ready`` ([slots, HV] int32, zeroed): the chunk-major grid, each program
     setting its entry once its outputs are stored, for a stage 2 launched beside it (chunk_fwd's overlap).
     ``save_g`` (per-channel g): also G [B,T,HV,K] fp32, the chunk-local cumulative gate, for the backward (key "G").
+    ``defer``: returns (that dict, a function that launches stage 1) with nothing launched yet, for a stage 2 that is
+    launched first (chunk_fwd's overlap mode 3).
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -1472,21 +1474,27 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
         launches = [(0, "fp16", 1), (0, redo_prec, 2)]
     grid = (n_chunks, B * HV) if ready is None else (B * HV, n_chunks)
     full = prep_full(T, K, V, cu_seqlens is not None)
-    for ap_one_ref, s_prec, s_redo in launches if n_chunks > 0 else ():
-        chunk_prepare_kernel[grid](
-            q, k, v, g, beta, w, u, p, qg, kg, glast, gcum, None, t, None, flag, ready, cu_seqlens, chunk_indices, T, NT,
-            H=H, HV=HV, K=K, V=V, scale=1.0, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)), GATE=gate,
-            IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=s_prec,
-            g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(dt, K, V) and gate != 2,
-            AP_FORM=form if gate == 2 else 0, STORE_T=save_t, STORE_P=store_p, GC_OUT=gcum is not None,
-            AP_ONE_REF=ap_one_ref, SOLVE_DOUBLING=_env_switch("CHUNKWISE_SOLVE_DOUBLING", SOLVE_DOUBLING),
-            T_FORM=t_form, AP_LOWP=ap_lowp if ap_one_ref == 2 else min(ap_lowp, int(dt == torch.bfloat16)),
-            SOLVE_REDO=s_redo, REDO_PREC=redo_prec, span16=SPAN_FP16, SIGNAL=ready is not None, num_warps=warps,
-            FULL_ROWS=full[0], FULL_COLS=full[1], num_stages=prep_stages(gate, dt, K),
-            **prep_regs(gate, t_form, store_p, dt, K))
     # (the kernel's gcum: G by chunk for a scalar gate, stage 2's; G per token and channel for KDA, the backward's)
-    return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, t=t, gcum=gcum if gate == 1 else None,
+    outs = dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, t=t, gcum=gcum if gate == 1 else None,
                 G=gcum if gate == 2 else None)
+
+    def launch():
+        for ap_one_ref, s_prec, s_redo in launches if n_chunks > 0 else ():
+            chunk_prepare_kernel[grid](
+                q, k, v, g, beta, w, u, p, qg, kg, glast, gcum, None, t, None, flag, ready, cu_seqlens, chunk_indices, T, NT,
+                H=H, HV=HV, K=K, V=V, scale=1.0, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)), GATE=gate,
+                IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=s_prec,
+                g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(dt, K, V) and gate != 2,
+                AP_FORM=form if gate == 2 else 0, STORE_T=save_t, STORE_P=store_p, GC_OUT=gcum is not None,
+                AP_ONE_REF=ap_one_ref, SOLVE_DOUBLING=_env_switch("CHUNKWISE_SOLVE_DOUBLING", SOLVE_DOUBLING),
+                T_FORM=t_form, AP_LOWP=ap_lowp if ap_one_ref == 2 else min(ap_lowp, int(dt == torch.bfloat16)),
+                SOLVE_REDO=s_redo, REDO_PREC=redo_prec, span16=SPAN_FP16, SIGNAL=ready is not None, num_warps=warps,
+                FULL_ROWS=full[0], FULL_COLS=full[1], num_stages=prep_stages(gate, dt, K),
+                **prep_regs(gate, t_form, store_p, dt, K))
+    if defer:
+        return outs, launch
+    launch()
+    return outs
 
 
 def chunk_prepare_bwd(q, k, v, g, beta, do, scale, w, u, t_out, drl, cu_seqlens=None, chunk_indices=None,
@@ -1862,6 +1870,13 @@ def _overlap(programs: int, n_sm: int, n_chunks: int, device: torch.device) -> b
         device.type == "cuda" or _INTERPRET or os.environ.get("CHUNKWISE_WARM_SM90") == "1")
 
 
+def _serialised_launches() -> bool:
+    """Whether kernels may run one at a time, each launch waiting for the last to finish: CUDA_LAUNCH_BLOCKING=1, or
+    a tool injected into the CUDA runtime (CUDA_INJECTION64_PATH: Nsight Compute, compute-sanitizer), which can
+    serialise them. A spinning stage 2 must then be launched after the stage 1 it waits for."""
+    return os.environ.get("CUDA_LAUNCH_BLOCKING") == "1" or bool(os.environ.get("CUDA_INJECTION64_PATH"))
+
+
 _SIDE_STREAMS: dict = {}
 
 
@@ -1999,9 +2014,20 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     if overlap:         # stage 2 beside stage 1, on a stream of its own that does not wait for it (_overlap)
         ready = torch.zeros((chunk_slots(N, T, cu_seqlens is not None), HV), dtype=torch.int32, device=q.device)
         side = _side_stream(q.device)
-    stage1 = chunk_prepare(q, k, v, g, beta, cu_seqlens, chunk_indices, save_t=save, store_p=p_in or save,
-                           t_form=t_form, ready=ready, save_g=save and gate == 2 and saves_gate_cumsum()) \
-        if delta else dict(w=None, u=None, p=None, qg=None, kg=None, glast=None, gcum=None)
+    # mode 3 launches stage 2 first, so that its programs take empty SMs before stage 1's fill them (placed after,
+    # each would wait for an SM that stage 1 left empty); never where launches run one at a time (the spinning stage 2
+    # would wait for a stage 1 not yet launched: _serialised_launches)
+    alone = overlap and ov_mode == 3
+    stage2_first = alone and side is not None and not _serialised_launches()
+    launch1 = None
+    if delta:
+        stage1 = chunk_prepare(q, k, v, g, beta, cu_seqlens, chunk_indices, save_t=save, store_p=p_in or save,
+                               t_form=t_form, ready=ready, save_g=save and gate == 2 and saves_gate_cumsum(),
+                               defer=stage2_first)
+        if stage2_first:
+            stage1, launch1 = stage1
+    else:
+        stage1 = dict(w=None, u=None, p=None, qg=None, kg=None, glast=None, gcum=None)
     if save:    # under T_FORM stage 1's w, u are stage 2's operands (K ⊙ e^G, T diag(β)): the backward forms W, U
         saved_out.update(p=stage1["p"], t=stage1["t"])
         if gate == 2:       # q ⊙ e^G, k ⊙ e^{G_last − G}: what the backward's state passes take (chunk_bwd.gate_scaled_in)
@@ -2060,7 +2086,6 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
                 # second pass reads at its own BV): a wider block reads each k tile once for more of V
                 bv_m, warps_m = min(seg_phase1[0], _dim(V)), seg_phase1[1]
                 stages_m = seg_phase1[2] if len(seg_phase1) > 2 else num_stages
-        alone = overlap and ov_mode == 3
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             (functools.partial(_launch_alone, chunk_state_output_kernel, (cdiv(V, bv_m), rows_m)) if alone
              else chunk_state_output_kernel[(cdiv(V, bv_m), rows_m)])(
@@ -2075,6 +2100,8 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
                 T_FORM=t_form,
                 WAIT=stages_m + 1 if overlap else 0, FENCE=bool(overlap and tma and not _INTERPRET), ALONE=alone,
                 num_warps=warps_m, num_stages=stages_m, **reg_cap("fwd_o"))
+    if launch1 is not None:     # (mode 3: stage 1 on the caller's stream, after stage 2's launch)
+        launch1()
     if side is not None:
         torch.cuda.current_stream(q.device).wait_stream(side)
     if padded:
