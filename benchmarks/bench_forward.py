@@ -136,24 +136,42 @@ def run_fla(fam, f, x):
     return f(q, k, x["v"], g=x["g"], **kw)
 
 
-def fla_autotune_picks() -> dict:
-    """The configurations fla's autotuned kernels ran with in this process ({kernel: {key: config}}): a run that
-    loads autotuning results kept from an earlier run (TRITON_CACHE_AUTOTUNING=1 with benchmarks/fla_autotune/) may
-    time fla with other picks than a fresh search would make, so every fla timing records them."""
+def _fla_autotuners():
+    """fla's autotuned kernels loaded in this process (through triton.heuristics and other wrappers)."""
     from triton.runtime.autotuner import Autotuner
-    picks = {}
+    found = {}
     for name, mod in list(sys.modules.items()):
         if not name.startswith("fla.ops") or mod is None:
             continue
         for obj in list(vars(mod).values()):
-            for _ in range(4):      # (through triton.heuristics and other wrappers around the autotuner)
+            for _ in range(4):
                 if isinstance(obj, Autotuner) or not hasattr(obj, "fn"):
                     break
                 obj = obj.fn
-            if isinstance(obj, Autotuner) and obj.cache:
-                fn = getattr(obj, "base_fn", None) or getattr(obj, "fn", None)
-                kname = getattr(fn, "__name__", repr(fn))
-                picks[kname] = {str(k): str(c) for k, c in obj.cache.items()}
+            if isinstance(obj, Autotuner):
+                found[id(obj)] = obj
+    return list(found.values())
+
+
+def fla_fresh_search():
+    """Make fla's next call search its configurations afresh: its autotuners forget this process's picks and read
+    no kept ones from disk. fla's autotuners read Triton's on-disk results whenever FLA_CACHE_RESULTS is on (its
+    default), whatever TRITON_CACHE_AUTOTUNING says, and some keys leave T out (fwd_h: H, K, V), so one shape's pick
+    would serve the next. With the picks kept from a session-21 run (fwd_h at BV 64) fla's GDN forward at
+    B1-T32768-H32 took 2.12 ms on the H200 against 1.93 after a fresh search (NOTES.md, session 30)."""
+    for at in _fla_autotuners():
+        at.cache_results = False
+        at.cache.clear()
+
+
+def fla_autotune_picks() -> dict:
+    """The configurations fla's autotuned kernels ran with in this process ({kernel: {key: config}}), recorded with
+    every fla timing."""
+    picks = {}
+    for at in _fla_autotuners():
+        if at.cache:
+            fn = getattr(at, "base_fn", None) or getattr(at, "fn", None)
+            picks[getattr(fn, "__name__", repr(fn))] = {str(k): str(c) for k, c in at.cache.items()}
     return picks
 
 
@@ -194,7 +212,7 @@ def main():
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--variant-set", default="all", choices=("all", "seg", "pfree", "tma", "solve", "pstages", "trans", "kdasplit",
                                                             "tform", "bv128", "solvebf16", "tftrans", "aplowp", "stages",
-                                                            "overlap", "prepwarps", "wuovl", "full", "alone"),
+                                                            "overlap", "prepwarps", "wuovl", "full"),
                     help="seg: only simple GLA's segment variants; pfree: only GDN / DeltaNet with P formed in "
                          "stage 2 instead of stage 1; tma: every family's serial stage with its tiles loaded through tensor "
                          "descriptors or not; solve: the delta families with (I + A)⁻¹'s diagonal blocks by "
@@ -205,7 +223,7 @@ def main():
                          "warps, and KDA's stage 1 with bf16 A / P operands or capped registers; solvebf16: the delta families' "
                          "inference solve from bf16 operands (CHUNKWISE_SOLVE_BF16); tftrans: DeltaNet's and KDA's stage 2 on the "
                          "transposed state under T_FORM (CHUNKWISE_FWD_TRANS) or not; aplowp: KDA's stage 1 with A from bf16 or A and "
-                         "P from fp16 (CHUNKWISE_KDA_AP_LOWP 1 / 2; run it also under CHUNKWISE_BENCH_GATE_SCALE=1); stages: stage 2 at BV 32 / 64 and 1 / 2 / 3 pipeline stages (GDN also transposed); overlap: the delta families' stage 2 beside stage 1 (chunk_fwd(overlap=)) or after it, at BV 32 / 64 and 2 / 3 pipeline stages; prepwarps: GDN's / DeltaNet's stage 1 at 4 or 8 warps (register caps), beside stage 2 or after it, stage 2's output through TMA or not; wuovl: GDN's / DeltaNet's W / U form (CHUNKWISE_FWD_T_FORM=0) beside stage 1 at BV 32 / 64, 2 / 3 stages, P from stage 1 or stage 2; full: stage 1 without the bounds checks its tiles do not need (CHUNKWISE_PREP_FULL), and stage 1 alone (with --variants); alone: stage 2 at BV 64 beside stage 1 on SMs of its own (overlap mode 3) against mode 2 and after stage 1")
+                         "P from fp16 (CHUNKWISE_KDA_AP_LOWP 1 / 2; run it also under CHUNKWISE_BENCH_GATE_SCALE=1); stages: stage 2 at BV 32 / 64 and 1 / 2 / 3 pipeline stages (GDN also transposed); overlap: the delta families' stage 2 beside stage 1 (chunk_fwd(overlap=)) or after it, at BV 32 / 64 and 2 / 3 pipeline stages; prepwarps: GDN's / DeltaNet's stage 1 at 4 or 8 warps (register caps), beside stage 2 or after it, stage 2's output through TMA or not; wuovl: GDN's / DeltaNet's W / U form (CHUNKWISE_FWD_T_FORM=0) beside stage 1 at BV 32 / 64, 2 / 3 stages, P from stage 1 or stage 2; full: stage 1 without the bounds checks its tiles do not need (CHUNKWISE_PREP_FULL), and stage 1 alone (with --variants)")
     ap.add_argument("--variants", action="store_true", help="also time stage-2 variants (BV 16/32/64 x 4/8 warps x 2/3 stages; GLA also with P from its own kernel, GDN with the decays from stage 1)")
     ap.add_argument("--shapes", default="")
     ap.add_argument("--warm", action="store_true", help="compile everything on tiny inputs, time nothing")
@@ -241,6 +259,7 @@ def main():
             if f is not None:
                 try:
                     with torch.no_grad():
+                        fla_fresh_search()
                         t_fla, (o_f, ht_f) = bench(lambda: run_fla(fam, f, x))
                     row.update(fla_ms=t_fla, speedup=t_fla / t_ours, o_vs_fla=rel(o, o_f), ht_vs_fla=rel(ht, ht_f),
                                fla_configs=fla_autotune_picks())
@@ -255,8 +274,7 @@ def main():
                     with env_vars(env or {}):
                         try:
                             var[key], (o_v, _) = bench(lambda: run_variant(fam, x, **kw))
-                            if a.variant_set in ("bv128", "solvebf16", "tftrans", "aplowp", "overlap", "prepwarps", "wuovl", "full",
-                                                 "alone"):     # the output against the default's
+                            if a.variant_set in ("bv128", "solvebf16", "tftrans", "aplowp", "overlap", "prepwarps", "wuovl", "full"):     # the output against the default's
                                 var[key + "-vs-default"] = rel(o_v, o)
                             if stage1:
                                 var[key + "-s1"] = stage1_ms()
@@ -401,17 +419,6 @@ def main():
                     for bv, ns in ((32, 2), (32, 3), (64, 2), (64, 3)):
                         time_variant(f"wu-bv{bv}-ns{ns}", env=wu, bv=bv, num_stages=ns, overlap=True)
                         time_variant(f"wu-p0-bv{bv}-ns{ns}", env=wu, bv=bv, num_stages=ns, overlap=True, p_in=False)
-                if a.variant_set == "alone" and fam in ("gdn", "delta", "kda"):
-                    # overlap mode 3: stage 2 at BV 64 beside stage 1, each program with its SM's shared memory
-                    # reserved so that no stage-1 program shares its SM (stage 1 runs on the other SMs alone), against
-                    # mode 2 (the same grid, a stage-1 program beside each) and stage 2 after stage 1 (its time alone:
-                    # the forward less stage 1's), on the plain and transposed step at 2 / 3 pipeline stages
-                    combos = ((1, 2), (1, 3)) if fam == "kda" else ((0, 2), (0, 3), (1, 2), (1, 3))
-                    for tr, ns in combos:
-                        env = {"CHUNKWISE_FWD_TRANS": str(tr)}
-                        for ov in (3, 2, 0) if fam != "kda" else (3,):
-                            time_variant(f"ovl{ov}-bv64-t{tr}-ns{ns}", env=env, bv=64, num_stages=ns, overlap=ov,
-                                         stage1=ov == 0 and (tr, ns) == (1, 3))
                 if a.variant_set == "full" and fam in ("gdn", "delta", "kda"):
                     # stage 1 without the row / column bounds checks (chunk_fwd.PREP_FULL: GDN's build −4.2 % of its
                     # instructions offline, predicted 0.98 -> ~0.95 ms at B1 beside stage 2), the forward and stage 1

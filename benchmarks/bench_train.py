@@ -23,7 +23,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_forward import FAMILIES, fla_fn, make, run_fla, run_ours, shapes  # noqa: E402
+from bench_forward import FAMILIES, fla_autotune_picks, fla_fn, fla_fresh_search, make, run_fla, run_ours, shapes  # noqa: E402
 
 
 def leaves(x):
@@ -138,9 +138,11 @@ def main():
                 print(json.dumps(dict(row, partial="ours only, fla next")), flush=True)
                 f_fla = fwd_bwd(lambda: run_fla(fam, f, x), do)
                 try:
+                    fla_fresh_search()      # (no picks kept on disk or from another shape: bench_forward)
                     with torch.no_grad():
                         row["fla_fwd_ms"] = bench(lambda: run_fla(fam, f, x), None)
                     row["fla_fwdbwd_ms"] = bench(f_fla, grads)
+                    row["fla_configs"] = fla_autotune_picks()
                     row["fla_peak_mb"] = peak_mb(f_fla)
                     row["speedup"] = row["fla_fwdbwd_ms"] / row["ours_fwdbwd_ms"]
                     if a.profile and first:     # fla's kernels beside ours: which of its passes beat their peers

@@ -109,8 +109,6 @@ def warm_benchmarks(only: str = ""):
                                             "--shapes", "B1-T32768-H32"]),
                          ("bench_forward", ["--warm", "--variants", "--variant-set", "prepwarps", "--families", "gdn,delta",
                                             "--shapes", "B1-T32768-H32"]),
-                         ("bench_forward", ["--warm", "--variants", "--variant-set", "alone", "--families", "gdn,delta,kda",
-                                            "--shapes", "B1-T32768-H32"]),
                          ("sweep_bwd", ["--warm", "--warps", "4,8"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "pair"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "oneref"]),

@@ -934,59 +934,18 @@ def test_stage2_beside_stage1(fam, case):
     _check(inp, outs[1][0], ht, TOL[inp.q.dtype])
 
 
-@pytest.mark.parametrize("fam", ("gdn", "delta", "kda"))
-def test_stage2_alone_on_its_sms(fam, monkeypatch):
-    """Overlap mode 3 (chunk_fwd(overlap=3)): stage 2 beside stage 1 at BV 64 with each program's launch reserving
-    its SM's whole shared memory (_launch_alone). The output and final state equal mode 2's at the same value block
-    and depth bit for bit, and the float64 recurrence's. On the GPU the kernel mode 3 launched asks for the device's
-    opt-in maximum of shared memory (so that no stage-1 program fits beside it), and mode 2's launch after it, the
-    same kernel without ALONE, keeps its own size: the reservation stays with mode 3's specialisation.
-    On the GPU at B1-T4096-H32 bf16 (64 programs of stage 2), else small fp32 inputs."""
-    import chunkwise.triton.chunk_fwd as cf
-    kw = dict(B=1, T=4096, H=32, HV=32, K=128, V=128, dtype=torch.bfloat16) if ON_GPU else \
-        dict(B=2, T=T_LONG, H=1, HV=2, K=KS[0], V=VS[0], dtype=torch.float32)
-    inp = make_inputs(fam, seed=31, device=DEVICE, **kw)
-    launched = []
-    orig = cf.chunk_state_output_kernel
-
-    class Spy:
-        warmup = orig.warmup
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launched.append((kwargs["ALONE"], orig[grid](*args, **kwargs)))
-                return launched[-1][1]
-            return launch
-
-    monkeypatch.setattr(cf, "chunk_state_output_kernel", Spy())
-    K = inp.q.shape[-1]
-    outs = [cf.chunk_fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, K ** -0.5, inp.h0, True, inp.cu_seqlens, num_stages=2,
-                         overlap=ov) for ov in (2, 3, 2)]
-    assert [a for a, _ in launched] == [False, True, False]
-    for o, ht in outs[1:]:
-        assert torch.equal(o, outs[0][0]) and torch.equal(ht, outs[0][1])
-    _check(inp, outs[1][0], outs[1][1], TOL[inp.q.dtype])
-    if torch.cuda.is_available() and inp.q.is_cuda:
-        from triton.runtime import driver
-        full = driver.active.utils.get_device_properties(inp.q.device.index or 0)["max_shared_mem"]
-        assert launched[1][1].packed_metadata[2] == full
-        assert launched[2][1] is launched[0][1] and launched[2][1].packed_metadata[2] < full
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("fam", ("gdn", "delta", "kda"))
 def test_stage2_beside_stage1_defaults(fam, dtype, monkeypatch):
     """The default per family (chunk_fwd.FWD_OVERLAP, measured on the H200): with 16-bit inputs GDN's stage 2 beside
     stage 1 at its tuned launch, KDA's at 2 pipeline stages (BV 64 where V allows), DeltaNet's after it; fp32 inputs
-    after it; CHUNKWISE_FWD_OVERLAP forces a mode and names itself when it is not 0-3. Checked on the serial
+    after it; CHUNKWISE_FWD_OVERLAP forces a mode and names itself when it is not 0 / 1 / 2. Checked on the serial
     stage's launch (its WAIT), the output against the float64 recurrence."""
     import chunkwise.triton.chunk_fwd as cf
     launches = []
     orig = cf.chunk_state_output_kernel
 
     class Spy:
-        warmup = orig.warmup        # (_launch_alone, mode 3, compiles through it on the GPU)
-
         def __getitem__(self, grid):
             def launch(*args, **kw):
                 launches.append(dict(kw))
@@ -1003,12 +962,8 @@ def test_stage2_beside_stage1_defaults(fam, dtype, monkeypatch):
         assert launches[-1]["num_stages"] == 2 and launches[-1]["BV"] == min(64, cf._dim(VS[0]))
     monkeypatch.setenv("CHUNKWISE_FWD_OVERLAP", "1")
     _run(inp)
-    assert launches[-1]["WAIT"] > 0 and not launches[-1]["ALONE"]
-    monkeypatch.setenv("CHUNKWISE_FWD_OVERLAP", "3")      # BV 64, the SM's shared memory reserved (_launch_alone)
-    o3, ht3 = _run(inp)
-    _check(inp, o3, ht3, TOL[dtype])
-    assert launches[-1]["WAIT"] > 0 and launches[-1]["ALONE"] and launches[-1]["BV"] == min(64, cf._dim(VS[0]))
-    monkeypatch.setenv("CHUNKWISE_FWD_OVERLAP", "4")
+    assert launches[-1]["WAIT"] > 0
+    monkeypatch.setenv("CHUNKWISE_FWD_OVERLAP", "3")
     with pytest.raises(ValueError, match="CHUNKWISE_FWD_OVERLAP"):
         _run(inp)
 

@@ -1049,7 +1049,7 @@ def chunk_state_output_kernel(
     DOT_PREC: tl.constexpr, g_floor: tl.constexpr, LOOP_WHILE: tl.constexpr,
     SEG: tl.constexpr = 0, NSEG: tl.constexpr = 1, SUB: tl.constexpr = 1, GC_IN: tl.constexpr = 0,
     TMA: tl.constexpr = 0, TMA_O: tl.constexpr = 0, STORE_HR: tl.constexpr = 0, TRANS: tl.constexpr = 0,
-    T_FORM: tl.constexpr = 0, WAIT: tl.constexpr = 0, FENCE: tl.constexpr = 0, ALONE: tl.constexpr = 0,
+    T_FORM: tl.constexpr = 0, WAIT: tl.constexpr = 0, FENCE: tl.constexpr = 0,
 ):
     """Stage 2 (module docstring). Grid (cdiv(V, BV), N·HV); S [BK, BV] fp32 stays in registers (TRANS, SEG = 0:
     Sᵀ [BV, BK], the products' first operand; _state_output_step_t).
@@ -1074,8 +1074,7 @@ def chunk_state_output_kernel(
     WAIT (> 0, not with SEG; stage 1 launched just before, running beside this launch): chunk i's stage-1 tiles are
     read only after ready[slot of i, head] is set (_wait_ready), WAIT chunks ahead of the step, so that the loads
     the software pipeline issues for later steps (num_stages − 1 ahead) only read published chunks. FENCE: the
-    tiles come through tensor descriptors (TMA). ALONE: unused in the body; the launch of overlap mode 3
-    (_launch_alone) reserves the SM's shared memory for this specialisation of the kernel.
+    tiles come through tensor descriptors (TMA).
     """
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
@@ -1415,7 +1414,7 @@ def _ap_lowp(dtype, gate: int, t_form: bool) -> int:
 
 
 def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=False, store_p=True, t_form=False,
-                  ready=None, save_g=False, defer=False):
+                  ready=None, save_g=False):
     """Stage 1 for the delta families.
 
     Args: q, k [B,T,H,K]; v [B,T,HV,V]; g None | [B,T,HV] fp32 | [B,T,HV,K] fp32 (raw log-decays);
@@ -1430,8 +1429,6 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
     forward's precisions, t as well). ``ready`` ([slots, HV] int32, zeroed): the chunk-major grid, each program
     setting its entry once its outputs are stored, for a stage 2 launched beside it (chunk_fwd's overlap).
     ``save_g`` (per-channel g): also G [B,T,HV,K] fp32, the chunk-local cumulative gate, for the backward (key "G").
-    ``defer``: returns (that dict, a function that launches stage 1) with nothing launched yet, for a stage 2 that is
-    launched first (chunk_fwd's overlap mode 3).
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -1474,27 +1471,21 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, save_t=
         launches = [(0, "fp16", 1), (0, redo_prec, 2)]
     grid = (n_chunks, B * HV) if ready is None else (B * HV, n_chunks)
     full = prep_full(T, K, V, cu_seqlens is not None)
+    for ap_one_ref, s_prec, s_redo in launches if n_chunks > 0 else ():
+        chunk_prepare_kernel[grid](
+            q, k, v, g, beta, w, u, p, qg, kg, glast, gcum, None, t, None, flag, ready, cu_seqlens, chunk_indices, T, NT,
+            H=H, HV=HV, K=K, V=V, scale=1.0, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)), GATE=gate,
+            IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=s_prec,
+            g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(dt, K, V) and gate != 2,
+            AP_FORM=form if gate == 2 else 0, STORE_T=save_t, STORE_P=store_p, GC_OUT=gcum is not None,
+            AP_ONE_REF=ap_one_ref, SOLVE_DOUBLING=_env_switch("CHUNKWISE_SOLVE_DOUBLING", SOLVE_DOUBLING),
+            T_FORM=t_form, AP_LOWP=ap_lowp if ap_one_ref == 2 else min(ap_lowp, int(dt == torch.bfloat16)),
+            SOLVE_REDO=s_redo, REDO_PREC=redo_prec, span16=SPAN_FP16, SIGNAL=ready is not None, num_warps=warps,
+            FULL_ROWS=full[0], FULL_COLS=full[1], num_stages=prep_stages(gate, dt, K),
+            **prep_regs(gate, t_form, store_p, dt, K))
     # (the kernel's gcum: G by chunk for a scalar gate, stage 2's; G per token and channel for KDA, the backward's)
-    outs = dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, t=t, gcum=gcum if gate == 1 else None,
+    return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, t=t, gcum=gcum if gate == 1 else None,
                 G=gcum if gate == 2 else None)
-
-    def launch():
-        for ap_one_ref, s_prec, s_redo in launches if n_chunks > 0 else ():
-            chunk_prepare_kernel[grid](
-                q, k, v, g, beta, w, u, p, qg, kg, glast, gcum, None, t, None, flag, ready, cu_seqlens, chunk_indices, T, NT,
-                H=H, HV=HV, K=K, V=V, scale=1.0, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(bkc, _dim(K)), GATE=gate,
-                IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=s_prec,
-                g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(dt, K, V) and gate != 2,
-                AP_FORM=form if gate == 2 else 0, STORE_T=save_t, STORE_P=store_p, GC_OUT=gcum is not None,
-                AP_ONE_REF=ap_one_ref, SOLVE_DOUBLING=_env_switch("CHUNKWISE_SOLVE_DOUBLING", SOLVE_DOUBLING),
-                T_FORM=t_form, AP_LOWP=ap_lowp if ap_one_ref == 2 else min(ap_lowp, int(dt == torch.bfloat16)),
-                SOLVE_REDO=s_redo, REDO_PREC=redo_prec, span16=SPAN_FP16, SIGNAL=ready is not None, num_warps=warps,
-                FULL_ROWS=full[0], FULL_COLS=full[1], num_stages=prep_stages(gate, dt, K),
-                **prep_regs(gate, t_form, store_p, dt, K))
-    if defer:
-        return outs, launch
-    launch()
-    return outs
 
 
 def chunk_prepare_bwd(q, k, v, g, beta, do, scale, w, u, t_out, drl, cu_seqlens=None, chunk_indices=None,
@@ -1818,48 +1809,18 @@ def _num_sms(device: torch.device) -> int:
 # (run of ffc9820, NOTES.md session 22): GDN 1.076 / 0.981 at its tuned BV 32, 3 stages (1.198 / 1.139 at BV 64,
 # 3 stages); KDA 1.975 / 1.723 at BV 64, 2 stages (the transposed step; a stage-1 program fits beside each of the
 # 64 stage-2 programs); DeltaNet 0.906 / 0.985 (slower beside at every block and depth tried: off).
-# Mode 3: as mode 2's grid (BV 64, at most half the SMs), but each stage-2 program takes its SM to itself: its launch
-# reserves the SM's whole shared memory (_launch_alone), so that no stage-1 program is placed beside it, and stage 1
-# runs on the other SMs alone. Beside a stage-1 program the serial step is slower (GDN's stage 2 at BV 32: 0.69 ms
-# alone, ~0.96 beside), which modes 1 and 2 pay for every chunk; mode 3 trades that for stage 1 on half the GPU
-# (GDN 0.36 ms alone -> ~0.70 on 68 SMs, still ahead of stage 2's ~0.80 at BV 64).
-# CHUNKWISE_FWD_OVERLAP (0 / 1 / 2 / 3, every family) overrides.
+# CHUNKWISE_FWD_OVERLAP (0 / 1 / 2, every family) overrides.
 FWD_OVERLAP = {0: 0, 1: 1, 2: 2}
-# mode 3's pipeline depth per gate kind (else stage 2's own pick at BV 64)
-ALONE_STAGES: dict = {}
 
 
 def _overlap_mode(requested, gate: int, dtype: torch.dtype, tuned: bool) -> int:
-    """Stage 2 beside stage 1 (FWD_OVERLAP's modes): ``requested`` (chunk_fwd(overlap=)) True / False: on / off at the
-    launch's own value block and depth, or a mode 0-3; else CHUNKWISE_FWD_OVERLAP, else FWD_OVERLAP for 16-bit inputs
-    and tuned launches."""
+    """Stage 2 beside stage 1 (FWD_OVERLAP's modes): ``requested`` True / False (chunk_fwd(overlap=)) at the launch's
+    own value block and depth, else CHUNKWISE_FWD_OVERLAP, else FWD_OVERLAP for 16-bit inputs and tuned launches."""
     if requested is not None:
-        if int(requested) not in range(4):
-            raise ValueError(f"chunk_fwd: overlap must be a bool or a mode 0-3, got {requested!r}")
-        return int(requested)
+        return int(bool(requested))
     if os.environ.get("CHUNKWISE_FWD_OVERLAP") is not None:
-        return _env_choice("CHUNKWISE_FWD_OVERLAP", 0, range(4))
+        return _env_choice("CHUNKWISE_FWD_OVERLAP", 0, range(3))
     return FWD_OVERLAP[gate] if tuned and dtype in (torch.bfloat16, torch.float16) else 0
-
-
-def _launch_alone(kernel, grid, *args, **kwargs):
-    """kernel[grid](*args, **kwargs) with the SM's whole shared memory reserved for each program, so that no program
-    of another launch is placed on its SM (overlap mode 3). The compiled kernel's launch size is raised once (Triton
-    passes ``packed_metadata``'s shared-memory size to the launch; the kernel asked the driver for the opt-in maximum
-    at load, as every kernel over 48 KB does); call it only with arguments that make a specialisation of its own
-    (chunk_state_output_kernel's ALONE), so that no other launch inherits the reservation. Off CUDA (the
-    interpreter, benchmarks/warm_cache.py's sm_90 builds) a plain launch."""
-    if _INTERPRET or not torch.cuda.is_available() or not any(
-            isinstance(a, torch.Tensor) and a.is_cuda for a in args):
-        return kernel[grid](*args, **kwargs)
-    compiled = kernel.warmup(*args, grid=grid, **kwargs)
-    compiled._init_handles()
-    from triton.runtime import driver
-    full = driver.active.utils.get_device_properties(driver.active.get_current_device())["max_shared_mem"]
-    nw, nctas, shared = compiled.packed_metadata
-    if shared < full:
-        compiled.packed_metadata = (nw, nctas, full)
-    return kernel[grid](*args, **kwargs)
 
 
 def _overlap(programs: int, n_sm: int, n_chunks: int, device: torch.device) -> bool:
@@ -1868,13 +1829,6 @@ def _overlap(programs: int, n_sm: int, n_chunks: int, device: torch.device) -> b
     # (benchmarks/warm_cache.py compiles the GPU's kernels from CPU tensors: CHUNKWISE_WARM_SM90)
     return 0 < n_chunks <= 65535 and programs < n_sm and (
         device.type == "cuda" or _INTERPRET or os.environ.get("CHUNKWISE_WARM_SM90") == "1")
-
-
-def _serialised_launches() -> bool:
-    """Whether kernels may run one at a time, each launch waiting for the last to finish: CUDA_LAUNCH_BLOCKING=1, or
-    a tool injected into the CUDA runtime (CUDA_INJECTION64_PATH: Nsight Compute, compute-sanitizer), which can
-    serialise them. A spinning stage 2 must then be launched after the stage 1 it waits for."""
-    return os.environ.get("CUDA_LAUNCH_BLOCKING") == "1" or bool(os.environ.get("CUDA_INJECTION64_PATH"))
 
 
 _SIDE_STREAMS: dict = {}
@@ -1915,7 +1869,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     qg = q ⊙ e^G, kg = k ⊙ e^{G_last − G} (q's dtype).
     ``overlap`` (delta rule): stage 2 launched beside stage 1 rather than after it, each chunk's step waiting
     for that chunk's stage-1 program (default: FWD_OVERLAP's mode per family where _overlap allows it; True /
-    False: on / off at the launch's value block and depth; 2 / 3: FWD_OVERLAP's modes).
+    False: on / off at the launch's value block and depth).
     Head dims the kernels do not take as they are run zero-padded (triton/align.py).
     """
     if q.dtype != torch.float32 and q.shape[-1] > WIDE_16BIT_K:
@@ -1948,10 +1902,10 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     bv = bv or _pick_bv(V, K, N * HV)
     n_sm = _num_sms(q.device)
     ov_mode = _overlap_mode(overlap, gate, q.dtype, tuned) if delta else 0
-    if ov_mode >= 2:    # stage 2 beside stage 1 at BV 64 (mode 2: 2 stages), where that grid takes at most half the SMs
+    if ov_mode == 2:    # stage 2 beside stage 1 at BV 64, 2 stages, where that grid takes at most half the SMs
         if cdiv(V, min(64, _dim(V))) * N * HV <= n_sm // 2:
             bv = bv_arg or min(64, _dim(V))
-            num_stages = num_stages or (2 if ov_mode == 2 else ALONE_STAGES.get(gate))
+            num_stages = num_stages or 2
         else:
             ov_mode = 0
     # fewer than two programs per SM: each is alone with its serial loop (latency-bound)
@@ -2014,20 +1968,9 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     if overlap:         # stage 2 beside stage 1, on a stream of its own that does not wait for it (_overlap)
         ready = torch.zeros((chunk_slots(N, T, cu_seqlens is not None), HV), dtype=torch.int32, device=q.device)
         side = _side_stream(q.device)
-    # mode 3 launches stage 2 first, so that its programs take empty SMs before stage 1's fill them (placed after,
-    # each would wait for an SM that stage 1 left empty); never where launches run one at a time (the spinning stage 2
-    # would wait for a stage 1 not yet launched: _serialised_launches)
-    alone = overlap and ov_mode == 3
-    stage2_first = alone and side is not None and not _serialised_launches()
-    launch1 = None
-    if delta:
-        stage1 = chunk_prepare(q, k, v, g, beta, cu_seqlens, chunk_indices, save_t=save, store_p=p_in or save,
-                               t_form=t_form, ready=ready, save_g=save and gate == 2 and saves_gate_cumsum(),
-                               defer=stage2_first)
-        if stage2_first:
-            stage1, launch1 = stage1
-    else:
-        stage1 = dict(w=None, u=None, p=None, qg=None, kg=None, glast=None, gcum=None)
+    stage1 = chunk_prepare(q, k, v, g, beta, cu_seqlens, chunk_indices, save_t=save, store_p=p_in or save,
+                           t_form=t_form, ready=ready, save_g=save and gate == 2 and saves_gate_cumsum()) \
+        if delta else dict(w=None, u=None, p=None, qg=None, kg=None, glast=None, gcum=None)
     if save:    # under T_FORM stage 1's w, u are stage 2's operands (K ⊙ e^G, T diag(β)): the backward forms W, U
         saved_out.update(p=stage1["p"], t=stage1["t"])
         if gate == 2:       # q ⊙ e^G, k ⊙ e^{G_last − G}: what the backward's state passes take (chunk_bwd.gate_scaled_in)
@@ -2087,8 +2030,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
                 bv_m, warps_m = min(seg_phase1[0], _dim(V)), seg_phase1[1]
                 stages_m = seg_phase1[2] if len(seg_phase1) > 2 else num_stages
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            (functools.partial(_launch_alone, chunk_state_output_kernel, (cdiv(V, bv_m), rows_m)) if alone
-             else chunk_state_output_kernel[(cdiv(V, bv_m), rows_m)])(
+            chunk_state_output_kernel[(cdiv(V, bv_m), rows_m)](
                 q, k, v, stage1["w"], stage1["u"], stage1["p"], g, stage1["qg"], stage1["kg"], stage1["glast"],
                 stage1["gcum"], o, initial_state, ht, sloc, gam, hs, rs, ready, cu_seqlens, scale, T, NT, len_m,
                 *strides(initial_state), *strides(ht),
@@ -2098,10 +2040,8 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
                 SUB=sub if seg_mode == 2 else 1, GC_IN=delta and gate == 1, TMA=tma,
                 TMA_O=tma_o, STORE_HR=1 if hs is not None else (2 if rs is not None else 0), TRANS=int(trans and seg_mode == 0),
                 T_FORM=t_form,
-                WAIT=stages_m + 1 if overlap else 0, FENCE=bool(overlap and tma and not _INTERPRET), ALONE=alone,
+                WAIT=stages_m + 1 if overlap else 0, FENCE=bool(overlap and tma and not _INTERPRET),
                 num_warps=warps_m, num_stages=stages_m, **reg_cap("fwd_o"))
-    if launch1 is not None:     # (mode 3: stage 1 on the caller's stream, after stage 2's launch)
-        launch1()
     if side is not None:
         torch.cuda.current_stream(q.device).wait_stream(side)
     if padded:
