@@ -90,6 +90,17 @@ def _bwd_dh_ahead(gate: int) -> int:
 # ------------------------------------------------------------------------------------------------
 
 @triton.jit
+def _chunk_len(t0, eos, C: tl.constexpr, FULL: tl.constexpr):
+    """Valid rows of the chunk starting at token row t0 of a sequence ending at eos: at most C; FULL (every chunk
+    whole: no varlen, T a multiple of C) the constant C, so that the masks built from it fold away (BWD_FULL)."""
+    if FULL:
+        L = C
+    else:
+        L = tl.minimum(eos - t0, C)
+    return L
+
+
+@triton.jit
 def _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C: tl.constexpr, IS_VARLEN: tl.constexpr,
                   FULL: tl.constexpr = 0):
     """Chunk i_t of batch row i_b -> (first token row t0 in the flat [B*T] axis, valid length L,
@@ -109,11 +120,7 @@ def _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C: tl.constexpr, IS_VA
         eos = bos + T
         i_g = i_b.to(tl.int64) * tl.cdiv(T, C) + i_c
     t0 = bos + i_c * C
-    if FULL:
-        L = C
-    else:
-        L = tl.minimum(eos - t0, C)
-    return t0, L, i_g
+    return t0, _chunk_len(t0, eos, C, FULL), i_g
 
 
 @triton.jit
@@ -591,10 +598,7 @@ def _step_tiles(bos, eos, i_c, o_v, K: tl.constexpr, V: tl.constexpr, BK: tl.con
     m_k = o_k < K
     m_v = o_v < V
     t0 = bos + i_c * C
-    if FULL:
-        L = C
-    else:
-        L = tl.minimum(eos - t0, C)
+    L = _chunk_len(t0, eos, C, FULL)
     return o_t, o_k, o_t < L, m_k, m_v, m_k[:, None] & m_v[None, :], t0, L, (t0 + o_t).to(tl.int64)
 
 
