@@ -4,7 +4,8 @@
 #   .whl: `../shared/device/wheels.sh fla-core==0.6.0 transformers==5.24.0` (the test extra's pin: the device's own
 #   transformers 5.17.0 takes no grouped heads in the functions tests/test_hf.py compares against; NOTES session 29)
 #   GIT_COMMIT=<sha> bash benchmarks/gpu_session.sh [fwd] [tests] [bwd]      (default: fwd tests; <= 9.6 min)
-#   env: TESTS_T / TRAIN_T step timeouts (s), NPROC xdist workers, SKIP_TRAIN=1 skips the MQAR example
+#   env: TESTS_T / TRAIN_T / FWD_T step timeouts (s), NPROC xdist workers, SKIP_TRAIN=1 skips the MQAR example;
+#   FWD_SHAPES the forward table's shapes (one process each: fla's fresh search, ~50-250 s a shape)
 #   fwd:   stage-1 sweep (picks CHUNKWISE_PREP_CONFIG), forward benchmark vs fla (FWD_FAMS=gdn,kda,delta,gla)
 #   fwdonly: the forward benchmark vs fla at the defaults (no stage-1 sweep)
 #   tests: GPU tests (TESTS="<files>" and TESTS_K="<-k expr>" override the selection) and the MQAR example (SKIP_TRAIN=1 skips it)
@@ -99,12 +100,17 @@ if has tests; then
 elif has bwd; then
   warm_bwd
 fi
+# the forward table, one process per shape (FWD_SHAPES; FWD_T s each): fla searches its configurations afresh before
+# each timing (bench_forward.fla_fresh_search), ~250 s at B1 for all four families on the H200, 50-180 s elsewhere
+fwd_table() { for s in ${FWD_SHAPES:-B1-T32768-H32 B8-T4096-H32 B4-T8192-H16/HV32 varlen16-T32768-H32}; do
+  TAILN=6 step ${FWD_T:-300} "bench_forward_${s%%-*}" python3 benchmarks/bench_forward.py --families "$FWD_FAMS" \
+    --shapes "$s" --out "$OUT/fwd_${s%%-*}"; done; }
 if has fwdonly; then     # the forward benchmark at the defaults (no stage-1 sweep), FWD_FAMS
   for f in ${FWD_FAMS//,/ }; do timeout 190 python3 benchmarks/bench_forward.py --warm --families $f > "$OUT/warm_$f.log" 2>&1 & done; wait
-  TAILN=20 step 150 bench_forward python3 benchmarks/bench_forward.py --families "$FWD_FAMS" --out "$OUT"
+  fwd_table
 fi
 if has fwd; then
-  TAILN=20 step 110 bench_forward python3 benchmarks/bench_forward.py --families "$FWD_FAMS" --out "$OUT"
+  fwd_table
 fi
 if has bwd; then
   TAILN=40 step 150 sweep_bwd python3 benchmarks/sweep_bwd.py --out "$OUT"
