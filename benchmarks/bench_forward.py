@@ -170,8 +170,7 @@ def fla_autotune_picks() -> dict:
     picks = {}
     for at in _fla_autotuners():
         if at.cache:
-            fn = getattr(at, "base_fn", None) or getattr(at, "fn", None)
-            picks[getattr(fn, "__name__", repr(fn))] = {str(k): str(c) for k, c in at.cache.items()}
+            picks[at.base_fn.__name__] = {str(k): str(c) for k, c in at.cache.items()}
     return picks
 
 

@@ -23,7 +23,8 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_forward import FAMILIES, fla_autotune_picks, fla_fn, fla_fresh_search, make, run_fla, run_ours, shapes  # noqa: E402
+from bench_forward import (FAMILIES, fla_autotune_picks, fla_fn, fla_fresh_search, make, run_fla,  # noqa: E402
+                           run_ours, shapes)
 
 
 def leaves(x):

@@ -613,7 +613,7 @@ def _step_ahead(X, G, i_c, bos, eos, i_h, o_v, HV: tl.constexpr, K: tl.constexpr
     a gate row scaling the state stays a plain load on the serial path (offline sm_90: DeltaNet's reverse pass
     1.17 ms against GDN's 0.83 on the H200, whose scaled dR_local was pipelined)."""
     t0 = bos + tl.maximum(i_c, 0) * C
-    L = tl.minimum(eos - t0, C)
+    L = _chunk_len(t0, eos, C, 0)
     ok = (i_c >= 0) & (L > 0)
     if LOAD_X:
         o_t = tl.arange(0, C)
