@@ -49,9 +49,9 @@ import triton.language as tl
 
 from ..api import TRITON_MAX_HEAD_DIM as MAX_K   # the backward's kernels fit one H200 SM's shared memory up to it
 from .align import cdiv, cut_state, next_pow2, pad_last, pad_state, padded_dims
-from .chunk_fwd import (WIDE_16BIT_K, _env_choice, _env_switch, _mm, _num_sms, _overlap, _side_stream, _signal_ready,
-                        _wait_ready, chunk_slots, chunks_whole, fp16_kda_in_fp32, on_tensor_device, prec_env, reg_cap,
-                        state_dtype, wu_lowp_ok)
+from .chunk_fwd import (WIDE_16BIT_K, _env_choice, _env_switch, _exp, _mm, _num_sms, _overlap, _side_stream,
+                        _signal_ready, _wait_ready, chunk_slots, chunks_whole, fp16_kda_in_fp32, on_tensor_device,
+                        prec_env, reg_cap, state_dtype, wu_lowp_ok)
 
 CHUNK = 64
 SUB = 16
@@ -271,9 +271,9 @@ def _intra_kernel(q, k, beta, G, Amat, Pmat, cu_seqlens, chunk_indices, T,
             for jb in tl.static_range(C // BC - 1):
                 r = jb * BC + BC - 1
                 b_Gr = tl.sum(tl.where((o_t == r)[:, None], b_G, 0.), axis=0)               # [BKI]
-                b_left = tl.exp(tl.where((o_t > r)[:, None], b_G - b_Gr[None, :], float("-inf")))
+                b_left = _exp(tl.where((o_t > r)[:, None], b_G - b_Gr[None, :], float("-inf")))
                 in_blk = (o_t // BC) == jb
-                b_right = tl.exp(tl.where(in_blk[:, None], b_Gr[None, :] - b_G, float("-inf")))
+                b_right = _exp(tl.where(in_blk[:, None], b_Gr[None, :] - b_G, float("-inf")))
                 b_kr = b_kc * b_right
                 b_P += _mm(b_qc * b_left, tl.trans(b_kr), PREC)                        # [C, BKI] @ [BKI, C]
                 if DELTA:
@@ -290,7 +290,7 @@ def _intra_kernel(q, k, beta, G, Amat, Pmat, cu_seqlens, chunk_indices, T,
         b_kb = b_k * b_beta[:, None]
         if GATE == 1:
             b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
-            b_gam = tl.exp(tl.where(i_ge_j, b_G[:, None] - b_G[None, :], float("-inf")))
+            b_gam = _exp(tl.where(i_ge_j, b_G[:, None] - b_G[None, :], float("-inf")))
         else:
             b_gam = tl.where(i_ge_j, 1., 0.)
         b_P = _mm(b_q, tl.trans(b_k), PREC) * b_gam                                    # [C, BK] @ [BK, C]
@@ -309,7 +309,7 @@ def _diag_factors(b_G, span_max: tl.constexpr):
     b_e = tl.sum(tl.where((tl.arange(0, BC) == BC - 1)[:, None], b_G, 0.), axis=0)        # [BK]
     b_d = b_G - b_e[None, :]                                                               # ≥ 0
     fast = tl.max(tl.max(b_d, axis=1), axis=0) < span_max
-    return tl.exp(tl.where(fast, b_d, 0.)), tl.exp(-b_d), fast
+    return _exp(tl.where(fast, b_d, 0.)), _exp(-b_d), fast
 
 
 @triton.jit
@@ -324,7 +324,7 @@ def _diag_column(k, G, b_G, b_last, t0, L, ib, jj, i_h, i_hk, o_k, m_k, H: tl.co
     b_kj = tl.load(k + (row_j * H + i_hk) * K + o_k, mask=m_k & m_j, other=0.).to(tl.float32)
     b_Gj = tl.load(G + (row_j * HV + i_h) * K + o_k, mask=m_k & m_j, other=0.)
     b_Gj = tl.where(m_j, b_Gj, b_last)
-    return j, m_j, b_kj, tl.exp(tl.where((o_i >= jj)[:, None], b_G - b_Gj[None, :], float("-inf")))
+    return j, m_j, b_kj, _exp(tl.where((o_i >= jj)[:, None], b_G - b_Gj[None, :], float("-inf")))
 
 
 @triton.jit
@@ -452,9 +452,9 @@ def _solve_kernel(Amat, Tmat, cu_seqlens, chunk_indices, T, HV: tl.constexpr, C:
 def _gate_factors(b_G, b_last, GATE: tl.constexpr):
     """(e^G, e^{G_last − G}) broadcastable against [C, BK]."""
     if GATE == 2:
-        return tl.exp(b_G), tl.exp(b_last[None, :] - b_G)
+        return _exp(b_G), _exp(b_last[None, :] - b_G)
     else:
-        return tl.exp(b_G)[:, None], tl.exp(b_last - b_G)[:, None]
+        return _exp(b_G)[:, None], _exp(b_last - b_G)[:, None]
 
 
 @triton.jit
@@ -657,16 +657,16 @@ def _fwd_h_step(k, v, G, W, U, h, R, b_S, i_c, bos, eos, boh, i_h, i_hk, o_v, H:
         b_R = tl.load(v + p_tv, mask=m_tv, other=0.).to(tl.float32)
     if GATE == 2 and KD_IN:
         _, b_lastp = _step_ahead(G, G, i_c, bos, eos, i_h, o_v, HV, K, V, BK, BV, C, False, True)
-        b_S *= tl.exp(b_lastp)[:, None]
+        b_S *= _exp(b_lastp)[:, None]
     elif GATE == 2:
         b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, True)
         _, b_ekend = _gate_factors(b_G, b_last, GATE)
         b_k = b_k.to(tl.float32) * b_ekend
-        b_S *= tl.exp(b_last)[:, None]
+        b_S *= _exp(b_last)[:, None]
     elif GATE == 1:  # a scalar gate scales rows: apply it to R [C, BV] rather than K [C, BK]
         b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
-        b_R = b_R * tl.exp(b_last - b_G)[:, None]
-        b_S *= tl.exp(b_last)
+        b_R = b_R * _exp(b_last - b_G)[:, None]
+        b_S *= _exp(b_last)
     b_S += _mm(tl.trans(b_k.to(op_dt)), b_R.to(op_dt), PREC)                       # [BK, C] @ [C, BV]
     return b_S
 
@@ -759,8 +759,8 @@ def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, h, dgam, b_dS, b_dRl, b_lastp, i_c
     b_kdS = _mm(b_k, b_dS.to(op_dt), PREC)                                          # [C, BK] @ [BK, BV]
     if GATE == 1:   # a scalar gate scales rows: apply it to the [C, BV] side, not to [C, BK]
         b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
-        b_kdS = b_kdS * tl.exp(b_last - b_G)[:, None]
-        b_do = b_do * tl.exp(b_G)[:, None]
+        b_kdS = b_kdS * _exp(b_last - b_G)[:, None]
+        b_do = b_do * _exp(b_G)[:, None]
     if AHEAD != 1 and not PL:
         b_dRl = tl.load(dRl + p_tv, mask=m_tv, other=0.)
     if AHEAD == 2:      # a runtime 1.0: the product cannot take dR_local as its accumulator
@@ -768,9 +768,9 @@ def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, h, dgam, b_dS, b_dRl, b_lastp, i_c
     b_dR = b_dRl.to(tl.float32) + b_kdS
     tl.store(dR + p_tv, b_dR, mask=m_tv)
     if GATE == 2:
-        b_dS *= tl.exp(b_last)[:, None]
+        b_dS *= _exp(b_last)[:, None]
     elif GATE == 1:
-        b_dS *= tl.exp(b_last)
+        b_dS *= _exp(b_last)
     b_dS += scale * _mm(tl.trans(b_q), b_do.to(op_dt), PREC)                       # [BK, C] @ [C, BV]
     if DELTA:
         b_w = tl.load(W + (rows[:, None] * HV + i_h) * K + o_k[None, :], mask=m_tk, other=0.).to(op_dt)
@@ -926,7 +926,7 @@ def _bwd_dv_kernel(q, k, v, beta, G, Tmat, h, R, dR, do, Pmat, Amat, dq, dv, dbe
         b_q = tl.load(q + (rows[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
         b_k = tl.load(k + (rows[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
         if GATE == 1:
-            b_dP = b_dP * tl.exp(tl.where(o_t[:, None] >= o_t[None, :], b_G[:, None] - b_G[None, :], float("-inf")))
+            b_dP = b_dP * _exp(tl.where(o_t[:, None] >= o_t[None, :], b_G[:, None] - b_G[None, :], float("-inf")))
         b_dq += _mm(b_dP, b_k, PREC)                                                      # [C, C] @ [C, BK]
         tl.store(dq + p_hk, b_dq, mask=m_tk)
         if GATE == 1:
@@ -1009,8 +1009,8 @@ def _pairwise_grads_channel(b_dP, b_dPt, b_dA, b_dAt, b_q, b_k, b_kb, b_G, C: tl
     for jb in tl.static_range(C // BC - 1):
         r = jb * BC + BC - 1
         b_Gr = tl.sum(tl.where((o_t == r)[:, None], b_G, 0.), axis=0)                       # [BKW]
-        b_left = tl.exp(tl.where((o_t > r)[:, None], b_G - b_Gr[None, :], float("-inf")))
-        b_right = tl.exp(tl.where(((o_t // BC) == jb)[:, None], b_Gr[None, :] - b_G, float("-inf")))
+        b_left = _exp(tl.where((o_t > r)[:, None], b_G - b_Gr[None, :], float("-inf")))
+        b_right = _exp(tl.where(((o_t // BC) == jb)[:, None], b_Gr[None, :] - b_G, float("-inf")))
         b_kr = b_k * b_right
         b_kr = b_kr.to(OPD)
         b_dqp += _mm(b_dP, b_kr, PREC) * b_left                                            # [C, C] @ [C, BKW]
@@ -1082,13 +1082,13 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
             b_eGh, b_ekendh = _gate_factors(b_Gh, b_lasth, GATE)
             b_dk = b_dkend * b_ekendh
             b_dGm = -b_k * b_dk
-            b_dlasth = tl.sum(b_k * b_dk, axis=0) + tl.exp(b_lasth) * b_dgam            # [BKH]
+            b_dlasth = tl.sum(b_k * b_dk, axis=0) + _exp(b_lasth) * b_dgam            # [BKH]
         elif GATE == 1:
             b_eGh = b_eG
             b_dk = b_dkend * b_ekend
             b_kdk = tl.sum(b_k * b_dk, axis=1)
             b_dGr -= b_kdk
-            b_dlast += tl.sum(b_kdk, axis=0) + tl.exp(b_last) * tl.sum(b_dgam, axis=0)
+            b_dlast += tl.sum(b_kdk, axis=0) + _exp(b_last) * tl.sum(b_dgam, axis=0)
         else:
             b_dk = b_dkend
         if DELTA:
@@ -1121,7 +1121,7 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
         b_dA = _mm(_mm(tl.trans(b_T), b_dT.to(OPD), PREC).to(OPD), tl.trans(b_T), PREC)  # [C, C] @ [C, C] @ [C, C]
         b_dA = tl.where(m_cc & (o_t[:, None] > o_t[None, :]), -b_dA, 0.)
         if GATE == 1:
-            b_dA = b_dA * tl.exp(tl.where(i_ge_j, b_G[:, None] - b_G[None, :], float("-inf")))
+            b_dA = b_dA * _exp(tl.where(i_ge_j, b_G[:, None] - b_G[None, :], float("-inf")))
         tl.store(Amat + p_cc, b_dA, mask=m_cc)
     # pass 2 (per-channel gates: in _bwd_pair_kernel, but for the column blocks that fit one reference with ONE_REF)
     if GATE == 2 and ONE_REF:
@@ -1144,7 +1144,7 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
         tl.debug_barrier()
         b_dPt = tl.load(Pmat + p_ccT, mask=m_cc & (o_t[None, :] >= o_t[:, None]), other=0.)
         if GATE == 1:
-            b_dPt *= tl.exp(tl.where(o_t[None, :] >= o_t[:, None], b_G[None, :] - b_G[:, None], float("-inf")))
+            b_dPt *= _exp(tl.where(o_t[None, :] >= o_t[:, None], b_G[None, :] - b_G[:, None], float("-inf")))
         b_dPt = b_dPt.to(OPD2)
         if DELTA:
             b_dAt = tl.load(Amat + p_ccT, mask=m_cc, other=0.).to(OPD2)
@@ -1286,9 +1286,9 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, dgam, Tmat, 
         b_dwo = b_dw.to(OPD)
         if not EARLY:
             b_G, b_last = _load_gate_cols(G, t0, L, i_h, o_k, m_k, HV, K, C)
-        b_eG = tl.exp(b_G)
+        b_eG = _exp(b_G)
         tl.store(dq + p_hk, b_dq * scale * b_eG, mask=m_tk)
-        b_dk = b_dk * tl.exp(b_last[None, :] - b_G)                                            # a: the state part
+        b_dk = b_dk * _exp(b_last[None, :] - b_G)                                            # a: the state part
         b_Tt = tl.load(Tmat + p_ccT, mask=m_cc & (o_t[None, :] >= o_t[:, None]), other=0.).to(OPD)   # Tᵀ
         b_dx = _mm(b_Tt, b_dwo, PREC)                                                          # [C, C] @ [C, BK]
         b_beta = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.).to(tl.float32)
@@ -1298,7 +1298,7 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, dgam, Tmat, 
         if DGAM:
             for i_p in tl.static_range(NVD):
                 b_dgam += tl.load(dgam + ((i_g * HV + i_h) * NVD + i_p).to(tl.int64) * KD + o_k, mask=m_k, other=0.)
-        b_dlast = tl.sum(b_k * b_dk, axis=0) + tl.exp(b_last) * b_dgam                         # [BK]
+        b_dlast = tl.sum(b_k * b_dk, axis=0) + _exp(b_last) * b_dgam                         # [BK]
         tl.store(dk1 + p_hk, (b_dk + b_dx).to(dk1.dtype.element_ty), mask=m_tk)
         tl.store(dGp + p_hk, b_k * (b_dx - b_dk) + tl.where((o_t == L - 1)[:, None], b_dlast[None, :], 0.), mask=m_tk)
         b_dTp = _mm(b_dwo, tl.trans((b_ke * b_beta[:, None]).to(OPD)), PREC)                   # dW Xᵀ [C, BK] @ [BK, C]
@@ -1312,9 +1312,9 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, dgam, Tmat, 
             b_dk = b_dk * b_ekend
             b_dlast = tl.sum(tl.sum(b_k * b_dk, axis=1), axis=0)
             if not DGAM:
-                b_dlast += tl.exp(b_last) * tl.sum(b_dgam, axis=0)
-            b_dP = tl.where(i_ge_j, b_dP * tl.exp(b_G[:, None] - b_G[None, :]), 0.) * scale
-            b_dPt = tl.where(o_t[None, :] >= o_t[:, None], b_dPt * tl.exp(b_G[None, :] - b_G[:, None]), 0.) * scale
+                b_dlast += _exp(b_last) * tl.sum(b_dgam, axis=0)
+            b_dP = tl.where(i_ge_j, b_dP * _exp(b_G[:, None] - b_G[None, :]), 0.) * scale
+            b_dPt = tl.where(o_t[None, :] >= o_t[:, None], b_dPt * _exp(b_G[None, :] - b_G[:, None]), 0.) * scale
         else:
             b_dq = b_dq * scale
             b_dP = tl.where(i_ge_j, b_dP, 0.) * scale
@@ -1373,7 +1373,7 @@ def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, Ascr, dv, dk, db
     OPD2: tl.constexpr = k.dtype.element_ty if LOWP == 1 else tl.float32
     if GATE == 1:
         b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
-        b_eG = tl.exp(b_G)[:, None]
+        b_eG = _exp(b_G)[:, None]
         b_dGr = tl.zeros([C], dtype=tl.float32)
         s_p = tl.num_programs(1).to(tl.int64) * T          # one column block's share: [B, T, HV]
         for i_p in tl.static_range(NKP):
@@ -1440,9 +1440,9 @@ def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, Ascr, dv, dk, db
         if not DA_SCR:
             b_dAt = tl.where(m_cc & (o_t[None, :] > o_t[:, None]), -b_dAt, 0.)
         if GATE == 1:
-            b_dA = b_dA * tl.exp(tl.where(o_t[:, None] > o_t[None, :], b_G[:, None] - b_G[None, :], float("-inf")))
+            b_dA = b_dA * _exp(tl.where(o_t[:, None] > o_t[None, :], b_G[:, None] - b_G[None, :], float("-inf")))
             if not DA_SCR:
-                b_dAt = b_dAt * tl.exp(tl.where(o_t[None, :] > o_t[:, None], b_G[None, :] - b_G[:, None],
+                b_dAt = b_dAt * _exp(tl.where(o_t[None, :] > o_t[:, None], b_G[None, :] - b_G[:, None],
                                                 float("-inf")))
         if DA_SCR:      # dAᵀ: the chunk's rows of the scratch, read back transposed once every thread has stored
             tl.store(Ascr + p_cc, b_dA, mask=m_cc)
@@ -1483,7 +1483,7 @@ def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, Ascr, dv, dk, db
             b_sds = tl.zeros([KD], dtype=tl.float32)
             for i_p in tl.static_range(NVD):
                 b_sds += tl.load(dgam + ((i_g * HV + i_h) * NVD + i_p).to(tl.int64) * KD + o_d)
-            b_dGr += tl.where(o_t == L - 1, tl.exp(b_last) * tl.sum(b_sds, axis=0), 0.)
+            b_dGr += tl.where(o_t == L - 1, _exp(b_last) * tl.sum(b_sds, axis=0), 0.)
         b_dg = tl.sum(b_dGr, axis=0) - tl.cumsum(b_dGr, axis=0) + b_dGr                         # reverse cumsum
         tl.store(dG + rows * HV + i_h, b_dg, mask=m_t)
 
@@ -1526,8 +1526,8 @@ def _pair_grads_one_ref(q, k, dq, dk, dG, dq_o, dk_o, b_dP, b_dPt, b_dA, b_dAt, 
     gets them and becomes dg (reverse cumsum). b_dP, b_dPt, b_dA, b_dAt: [C, C] fp32 (dP lower, dA strict lower,
     zero elsewhere). Returns dβ's share [C]."""
     m_tk, p_tk, p_hk = _col_offsets(rows, m_t, o_k, m_k, i_h, i_hk, H, HV, K)
-    b_x = tl.exp(b_d)                                                                    # e^{G_i − r}
-    b_y = tl.exp(-b_d)                                                                   # e^{r − G_j}
+    b_x = _exp(b_d)                                                                    # e^{G_i − r}
+    b_y = _exp(-b_d)                                                                   # e^{r − G_j}
     b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
     b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
     b_ky = b_k * b_y

@@ -65,6 +65,24 @@ G_FLOOR = -40.0  # per-token gate clamp (see the module docstring)
 SPAN_MAX = 80.0  # a 16-token block whose per-channel gates sum below -SPAN_MAX takes the exact path
 SPAN_FP16 = 9.0  # KDA's one-reference products from fp16 operands (AP_LOWP 2): every |G_i − G_last / 2| under this
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Every gate factor e^x of the chunk kernels (_exp) as one MUFU.EX2 of x·log2(e) with results under 2^-126 flushed to
+# zero (ex2.approx.ftz.f32), instead of tl.exp's ex2.approx.f32, whose subnormal handling ptxas expands to a compare,
+# two predicated multiplies and a select around the same MUFU.EX2: the same value wherever e^x >= 2^-126 (a factor
+# below that multiplies a term out of every 16-bit output's reach). Offline sm_90 the GDN state-tile pass's two gated
+# [C, C] tiles took 757 of its 3264 instructions; on the H200 (NOTES.md, session 31) ... CHUNKWISE_FAST_EXP=0 takes
+# tl.exp (read at import). The interpreter always takes tl.exp (it runs no PTX)
+FAST_EXP = tl.constexpr(not _INTERPRET and os.environ.get("CHUNKWISE_FAST_EXP", "1") != "0")
+_LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _exp(x):
+    """e^x of an fp32 tile or scalar (FAST_EXP: ex2.approx.ftz.f32 of x·log2(e))."""
+    if FAST_EXP:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x * _LOG2E], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return tl.exp(x)
 
 
 def chunk_slots(N: int, T: int, varlen: bool) -> int:
@@ -320,7 +338,7 @@ def _kda_diag_exact(kf, qf, bk, b_G, skip, BTc: tl.constexpr, BCc: tl.constexpr)
             k_j = tl.sum(tl.where((o_t == j)[:, None], kf, 0.), 0)                      # [BKC]
             G_j = tl.sum(tl.where((o_t == j)[:, None], b_G, 0.), 0)                     # [BKC]
             m_j = (o_t >= j) & (blk == j // BCc)
-            e = tl.exp(tl.where(m_j[:, None], b_G - G_j[None, :], float("-inf")))       # e^{G_i − G_j}
+            e = _exp(tl.where(m_j[:, None], b_G - G_j[None, :], float("-inf")))       # e^{G_i − G_j}
             Ad = tl.where((o_t == j)[None, :], tl.sum(bk * e * k_j[None, :], 1)[:, None], Ad)
             Pd = tl.where((o_t == j)[None, :], tl.sum(qf * e * k_j[None, :], 1)[:, None], Pd)
     return Ad, Pd
@@ -373,11 +391,11 @@ def _kda_ap_rows(A0, A1, A2, A3, P0, P1, P2, P3, kf, qf, b_G, b_beta, k_base, q_
         else:
             s_b = e2
         keep = (blk < b + own)[:, None]                                                  # columns j taken
-        cols = tl.where(keep, kf * tl.exp(tl.where(keep, s_b[None, :] - b_G, 0.)), 0.)   # k_j e^{s_b − G_j}
+        cols = tl.where(keep, kf * _exp(tl.where(keep, s_b[None, :] - b_G, 0.)), 0.)   # k_j e^{s_b − G_j}
         r0 = t0 + b * BCc
         k_b, q_b, g_b = _kqg_tiles(k_base, q_base, g_base, r0, kc0, T_seq, H, HV, K, BCc, BKC, CHK)
         beta_b = tl.load(beta + (bos + r0 + o_c) * HV + i_h, mask=r0 + o_c < T_seq, other=0.).to(tl.float32)
-        x_b = tl.exp(tl.cumsum(tl.where(g_b < g_floor, g_floor, g_b), 0))                # e^{G_i − s_b} ≤ 1
+        x_b = _exp(tl.cumsum(tl.where(g_b < g_floor, g_floor, g_b), 0))                # e^{G_i − s_b} ≤ 1
         cT = tl.trans(cols)
         a_b = _mm(k_b * beta_b[:, None] * x_b, cT, MM_PREC)                             # [BC, BKC] @ [BKC, BT]
         p_b = _mm(q_b * x_b, cT, MM_PREC)                                               # [BC, BKC] @ [BKC, BT]
@@ -510,10 +528,10 @@ def chunk_prepare_kernel(
                 A0, A1, A2, A3, P0, P1, P2, P3 = _kda_ap_rows(
                     A0, A1, A2, A3, P0, P1, P2, P3, kf, qf, b_G, b_beta, k_base, q_base, g_base, beta, bos, t0,
                     T_seq, i_h, H, HV, K, kc0, MM_PREC, BTc, BCc, BKC, g_floor, span_max, CHK)
-                b_qg = qf * tl.exp(b_G)
-                b_kg = kf * tl.exp(G_last[None, :] - b_G)
+                b_qg = qf * _exp(b_G)
+                b_kg = kf * _exp(G_last[None, :] - b_G)
                 if T_FORM:
-                    b_kx = kf * tl.exp(b_G)
+                    b_kx = kf * _exp(b_G)
             else:
                 # one reference for the whole chunk, r = G_last / 2 per channel, when every |G_i − r| of this
                 # column chunk is under span_max: e^{G_i − G_j} = e^{G_i − r} · e^{r − G_j}, both factors in
@@ -528,8 +546,8 @@ def chunk_prepare_kernel(
                 elif AP_ONE_REF:
                     fast = m_Gr < span_max
                 if fast:
-                    x = tl.exp(b_Gr)                                                         # e^{G_i − r}
-                    kinv = kf * tl.exp(-b_Gr)                                                # k_j e^{r − G_j}
+                    x = _exp(b_Gr)                                                         # e^{G_i − r}
+                    kinv = kf * _exp(-b_Gr)                                                # k_j e^{r − G_j}
                     qx = qf * x
                     # AP_LOWP: A from bf16 operands (rounded to nearest; bf16 inputs: e^{±span_max} in range); 2: A and
                     # P from fp16 ones where this column chunk's span is under span16 (e^{±span16} in fp16's range)
@@ -542,25 +560,25 @@ def chunk_prepare_kernel(
                     else:
                         A += _mm(bkx, tl.trans(kinv), A_PREC)                                # [BT, BKC] @ [BKC, BT]
                         P += _mm(qx, tl.trans(kinv), MM_PREC)                                # [BT, BKC] @ [BKC, BT]
-                    b_qg = qx * tl.exp(r)[None, :]
-                    b_kg = kinv * tl.exp(G_last - r)[None, :]
+                    b_qg = qx * _exp(r)[None, :]
+                    b_kg = kinv * _exp(G_last - r)[None, :]
                     if T_FORM:
-                        b_kx = kf * x * tl.exp(r)[None, :]                                   # k e^G
+                        b_kx = kf * x * _exp(r)[None, :]                                   # k e^G
                 else:
                     e0, e1, e2, s_rows, worst = _block_starts(b_G, BTc, BCc)                    # block ends, starts
                     e3 = _row_of(b_G, 4 * BCc - 1, BTc)
                     zero = tl.zeros_like(e0)
                     one = tl.full([BKC], 1., tl.float32)
-                    x = tl.exp(b_G - s_rows)                                                     # e^{G_i − s_b} ≤ 1
-                    ky = kf * tl.exp(_by_block(e0[None, :], e1[None, :], e2[None, :], e3[None, :], BTc, BCc) - b_G)
+                    x = _exp(b_G - s_rows)                                                     # e^{G_i − s_b} ≤ 1
+                    ky = kf * _exp(_by_block(e0[None, :], e1[None, :], e2[None, :], e3[None, :], BTc, BCc) - b_G)
                     bkx = kf * b_beta[:, None] * x                                               # β_i k_i e^{G_i − s_b}
                     qx = qf * x                                                                  # q_i e^{G_i − s_b}
                     # off-diagonal blocks, column block c, rows of block b > c: e^{G_i − e_c} = x_i e^{s_b − e_c}
-                    f = _by_block(zero[None, :], one[None, :], tl.exp(e1 - e0)[None, :], tl.exp(e2 - e0)[None, :], BTc, BCc)
+                    f = _by_block(zero[None, :], one[None, :], _exp(e1 - e0)[None, :], _exp(e2 - e0)[None, :], BTc, BCc)
                     c = tl.trans(tl.where((blk == 0)[:, None], ky, 0.))
                     A += _mm(bkx * f, c, MM_PREC)                                                # [BT, BKC] @ [BKC, BT]
                     P += _mm(qx * f, c, MM_PREC)                                                 # [BT, BKC] @ [BKC, BT]
-                    f = _by_block(zero[None, :], zero[None, :], one[None, :], tl.exp(e2 - e1)[None, :], BTc, BCc)
+                    f = _by_block(zero[None, :], zero[None, :], one[None, :], _exp(e2 - e1)[None, :], BTc, BCc)
                     c = tl.trans(tl.where((blk == 1)[:, None], ky, 0.))
                     A += _mm(bkx * f, c, MM_PREC)                                                # [BT, BKC] @ [BKC, BT]
                     P += _mm(qx * f, c, MM_PREC)                                                 # [BT, BKC] @ [BKC, BT]
@@ -573,7 +591,7 @@ def chunk_prepare_kernel(
                     shift = _by_block(-e0[None, :], (e0 - e1)[None, :], (e1 - e2)[None, :], (e2 - e3)[None, :],
                                       BTc, BCc)
                     if worst > -span_max:
-                        kinv = ky * tl.exp(shift)
+                        kinv = ky * _exp(shift)
                         Ad = _mm(bkx, tl.trans(kinv), MM_PREC)                                   # [BT, BKC] @ [BKC, BT]
                         Pd = _mm(qx, tl.trans(kinv), MM_PREC)                                    # [BT, BKC] @ [BKC, BT]
                     else:
@@ -582,16 +600,16 @@ def chunk_prepare_kernel(
                         NB: tl.constexpr = BTc // BCc
                         blk_min = tl.min(tl.reshape(tl.min(b_G - s_rows, 1), [NB, BCc]), 1)          # [NB]
                         ok = tl.reshape(tl.broadcast_to((blk_min > -span_max)[:, None], [NB, BCc]), [BTc])
-                        kinv = ky * tl.exp(tl.where(ok[:, None], shift, 0.))
+                        kinv = ky * _exp(tl.where(ok[:, None], shift, 0.))
                         Ade, Pde = _kda_diag_exact(kf, qf, kf * b_beta[:, None], b_G, ok.to(tl.int32), BTc, BCc)
                         Ad = tl.where(ok[:, None], _mm(bkx, tl.trans(kinv), MM_PREC), Ade)       # [BT, BKC] @ [BKC, BT]
                         Pd = tl.where(ok[:, None], _mm(qx, tl.trans(kinv), MM_PREC), Pde)        # [BT, BKC] @ [BKC, BT]
                     A += tl.where(same & strict, Ad, 0.)
                     P += tl.where(same & incl, Pd, 0.)
-                    b_qg = qf * tl.exp(b_G)
-                    b_kg = kf * tl.exp(G_last[None, :] - b_G)
+                    b_qg = qf * _exp(b_G)
+                    b_kg = kf * _exp(G_last[None, :] - b_G)
                     if T_FORM:
-                        b_kx = kf * tl.exp(b_G)
+                        b_kx = kf * _exp(b_G)
             # q e^G, k e^{G_last − G} for stage 2 (both exponents ≤ 0)
             tl.store(tl.make_block_ptr(qg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0),
                                        (BTc, BKC), (1, 0)), b_qg.to(qg.dtype.element_ty), boundary_check=CHK)
@@ -601,7 +619,7 @@ def chunk_prepare_kernel(
                 tl.store(tl.make_block_ptr(gcum + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0),
                                            (BTc, BKC), (1, 0)), b_G, boundary_check=CHK)
             o_k = kc0 + tl.arange(0, BKC)
-            tl.store(glast + (slot * HV + i_h) * K + o_k, tl.exp(G_last), mask=o_k < K)
+            tl.store(glast + (slot * HV + i_h) * K + o_k, _exp(G_last), mask=o_k < K)
             if T_FORM:      # k e^G (exponent ≤ 0) for stage 2's (K ⊙ e^G) S, in W's place
                 tl.store(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
                                            (1, 0)), b_kx.to(w.dtype.element_ty), boundary_check=CHK)
@@ -630,11 +648,11 @@ def chunk_prepare_kernel(
             if GC_OUT:
                 tl.store(gcum + (slot * HV + i_h) * BTc + o_t, Gc)
                 tl.store(glast + slot * HV + i_h, tl.sum(tl.where(o_t == BTc - 1, Gc, 0.), 0))
-            dec = tl.exp(tl.where(incl, Gc[:, None] - Gc[None, :], float("-inf")))     # e^{G_i − G_j}, i ≥ j
+            dec = _exp(tl.where(incl, Gc[:, None] - Gc[None, :], float("-inf")))     # e^{G_i − G_j}, i ≥ j
             A = tl.where(strict, KK * dec, 0.) * b_beta[:, None]
             if BWD or STORE_P:
                 P = QK * dec
-            b_ks = b_beta * tl.exp(Gc)                                                  # W's row scale
+            b_ks = b_beta * _exp(Gc)                                                  # W's row scale
         else:
             A = tl.where(strict, KK, 0.) * b_beta[:, None]
             if BWD or STORE_P:
@@ -684,7 +702,7 @@ def chunk_prepare_kernel(
                 b_g = tl.load(tl.make_block_ptr(g + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
                                                 (1, 0)), boundary_check=CHK).to(tl.float32)
                 b_G = tl.cumsum(tl.where(b_g < g_floor, g_floor, b_g), 0)
-                Xk = kf * b_beta[:, None] * tl.exp(b_G)
+                Xk = kf * b_beta[:, None] * _exp(b_G)
                 b_w = _mm(Tm, Xk.to(Tm.dtype), MM_PREC)                                      # [BT, BT] @ [BT, BKC]
                 tl.store(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
                                            (1, 0)), b_w.to(w.dtype.element_ty), boundary_check=CHK)
@@ -726,7 +744,7 @@ def chunk_p_kernel(q, k, g, p, cu_seqlens, chunk_indices, T, NT, H, HV, K,
     P = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)                            # [BT, BK] @ [BK, BT]
     if GATE == 1:
         Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor)                      # [BT]
-        P = P * tl.exp(tl.where(incl, Gc[:, None] - Gc[None, :], float("-inf")))       # e^{G_i − G_j}, i ≥ j
+        P = P * _exp(tl.where(incl, Gc[:, None] - Gc[None, :], float("-inf")))       # e^{G_i − G_j}, i ≥ j
     else:
         P = tl.where(incl, P, 0.)
     tl.store(tl.make_block_ptr(p + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0), (BTc, BTc), (1, 0)),
@@ -751,8 +769,8 @@ def _state_step(i_t, S, k, v, g, bos, T_seq, i_h, i_hk, i_v, H, HV, K, V, BTc: t
     if GATE == 1:
         Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor)                    # [BT]
         G_last = tl.sum(tl.where(o_t == BTc - 1, Gc, 0.), 0)
-        b_dl = tl.exp(G_last)
-        b_v = (b_v.to(tl.float32) * tl.exp(G_last - Gc)[:, None]).to(b_k.dtype)
+        b_dl = _exp(G_last)
+        b_v = (b_v.to(tl.float32) * _exp(G_last - Gc)[:, None]).to(b_k.dtype)
         S = S * b_dl
     else:
         b_dl = tl.full([], 1., tl.float32)
@@ -811,7 +829,7 @@ def _step_gate(g, gcum, b_gl, slot, bos, t0, T_seq, i_h, HV, BTc: tl.constexpr, 
     else:
         Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor)                                  # [BT]
         G_last = tl.sum(tl.where(o_t == BTc - 1, Gc, 0.), 0)
-    return Gc, tl.exp(G_last), tl.exp(Gc), tl.exp(G_last - Gc)
+    return Gc, _exp(G_last), _exp(Gc), _exp(G_last - Gc)
 
 
 @triton.jit
@@ -893,7 +911,7 @@ def _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, 
     else:
         b_P = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)              # [BT, BK] @ [BK, BT]
         if GATE == 1:
-            b_P = b_P * tl.exp(tl.where(o_t[:, None] >= o_t[None, :], Gc[:, None] - Gc[None, :], float("-inf")))
+            b_P = b_P * _exp(tl.where(o_t[:, None] >= o_t[None, :], Gc[:, None] - Gc[None, :], float("-inf")))
         else:
             b_P = tl.where(o_t[:, None] >= o_t[None, :], b_P, 0.)
         b_P = b_P.to(b_q.dtype)
@@ -977,7 +995,7 @@ def _state_output_step_t(i_t, St, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_bas
     else:
         b_Pt = tl.dot(b_kd, tl.trans(b_qd), input_precision=DOT_PREC)            # [BT, BK] @ [BK, BT] = Pᵀ
         if GATE == 1:
-            b_Pt = b_Pt * tl.exp(tl.where(o_t[:, None] <= o_t[None, :], Gc[None, :] - Gc[:, None], float("-inf")))
+            b_Pt = b_Pt * _exp(tl.where(o_t[:, None] <= o_t[None, :], Gc[None, :] - Gc[:, None], float("-inf")))
         else:
             b_Pt = tl.where(o_t[:, None] <= o_t[None, :], b_Pt, 0.)
         b_Pt = b_Pt.to(b_qd.dtype)
