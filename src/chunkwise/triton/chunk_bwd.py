@@ -49,9 +49,9 @@ import triton.language as tl
 
 from ..api import TRITON_MAX_HEAD_DIM as MAX_K   # the backward's kernels fit one H200 SM's shared memory up to it
 from .align import cdiv, cut_state, next_pow2, pad_last, pad_state, padded_dims
-from .chunk_fwd import (WIDE_16BIT_K, _env_choice, _env_switch, _exp, _mm, _num_sms, _overlap, _side_stream,
+from .chunk_fwd import (WIDE_16BIT_K, _env_choice, _env_switch, _exp, _exp_or, _mm, _num_sms, _overlap, _side_stream,
                         _signal_ready, _wait_ready, chunk_slots, chunks_whole, fp16_kda_in_fp32, on_tensor_device,
-                        prec_env, reg_cap, state_dtype, wu_lowp_ok)
+                        prec_env, reg_cap, state_dtype, wu_lowp_ok, FAST_EXP)
 
 CHUNK = 64
 SUB = 16
@@ -78,6 +78,9 @@ BWD_DH_AHEAD = {0: 2, 1: 0, 2: 1}
 # bf16) the product doubled the serial pass: DeltaNet 0.654 -> 1.299 ms, GDN 0.810 -> 1.431 (fwd+bwd 5.70 -> 6.12,
 # 7.25 -> 7.63): the serial loop's tensor-core groups are synchronous (NOTES.md, session 9). CHUNKWISE_BWD_P_IN_DH
 BWD_P_IN_DH = 0
+# KDA's state-tile pass (_bwd_dqk_kernel, per-channel gate) with FAST_EXP's gate factors too (1) or tl.exp's (0);
+# CHUNKWISE_FAST_EXP_KDA_DQK (read at import) overrides. H200: see FAST_EXP (chunk_fwd)
+FAST_EXP_KDA_DQK = tl.constexpr(bool(FAST_EXP) and os.environ.get("CHUNKWISE_FAST_EXP_KDA_DQK", "1") != "0")
 
 
 def _bwd_dh_ahead(gate: int) -> int:
@@ -1286,9 +1289,9 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, dgam, Tmat, 
         b_dwo = b_dw.to(OPD)
         if not EARLY:
             b_G, b_last = _load_gate_cols(G, t0, L, i_h, o_k, m_k, HV, K, C)
-        b_eG = _exp(b_G)
+        b_eG = _exp_or(b_G, FAST_EXP_KDA_DQK)
         tl.store(dq + p_hk, b_dq * scale * b_eG, mask=m_tk)
-        b_dk = b_dk * _exp(b_last[None, :] - b_G)                                            # a: the state part
+        b_dk = b_dk * _exp_or(b_last[None, :] - b_G, FAST_EXP_KDA_DQK)          # a: the state part
         b_Tt = tl.load(Tmat + p_ccT, mask=m_cc & (o_t[None, :] >= o_t[:, None]), other=0.).to(OPD)   # Tᵀ
         b_dx = _mm(b_Tt, b_dwo, PREC)                                                          # [C, C] @ [C, BK]
         b_beta = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.).to(tl.float32)
@@ -1298,7 +1301,7 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, dgam, Tmat, 
         if DGAM:
             for i_p in tl.static_range(NVD):
                 b_dgam += tl.load(dgam + ((i_g * HV + i_h) * NVD + i_p).to(tl.int64) * KD + o_k, mask=m_k, other=0.)
-        b_dlast = tl.sum(b_k * b_dk, axis=0) + _exp(b_last) * b_dgam                         # [BK]
+        b_dlast = tl.sum(b_k * b_dk, axis=0) + _exp_or(b_last, FAST_EXP_KDA_DQK) * b_dgam      # [BK]
         tl.store(dk1 + p_hk, (b_dk + b_dx).to(dk1.dtype.element_ty), mask=m_tk)
         tl.store(dGp + p_hk, b_k * (b_dx - b_dk) + tl.where((o_t == L - 1)[:, None], b_dlast[None, :], 0.), mask=m_tk)
         b_dTp = _mm(b_dwo, tl.trans((b_ke * b_beta[:, None]).to(OPD)), PREC)                   # dW Xᵀ [C, BK] @ [BK, C]

@@ -76,13 +76,19 @@ _LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _exp(x):
-    """e^x of an fp32 tile or scalar (FAST_EXP: ex2.approx.ftz.f32 of x·log2(e))."""
-    if FAST_EXP:
+def _exp_or(x, FAST: tl.constexpr):
+    """e^x of an fp32 tile or scalar: FAST, ex2.approx.ftz.f32 of x·log2(e); else tl.exp."""
+    if FAST:
         return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x * _LOG2E], dtype=tl.float32,
                                          is_pure=True, pack=1)
     else:
         return tl.exp(x)
+
+
+@triton.jit
+def _exp(x):
+    """e^x of an fp32 tile or scalar (FAST_EXP: _exp_or's ex2.approx.ftz.f32)."""
+    return _exp_or(x, FAST_EXP)
 
 
 def chunk_slots(N: int, T: int, varlen: bool) -> int:
