@@ -78,9 +78,11 @@ BWD_DH_AHEAD = {0: 2, 1: 0, 2: 1}
 # bf16) the product doubled the serial pass: DeltaNet 0.654 -> 1.299 ms, GDN 0.810 -> 1.431 (fwd+bwd 5.70 -> 6.12,
 # 7.25 -> 7.63): the serial loop's tensor-core groups are synchronous (NOTES.md, session 9). CHUNKWISE_BWD_P_IN_DH
 BWD_P_IN_DH = 0
-# KDA's state-tile pass (_bwd_dqk_kernel, per-channel gate) with FAST_EXP's gate factors too (1) or tl.exp's (0);
-# CHUNKWISE_FAST_EXP_KDA_DQK (read at import) overrides. H200: see FAST_EXP (chunk_fwd)
-FAST_EXP_KDA_DQK = tl.constexpr(bool(FAST_EXP) and os.environ.get("CHUNKWISE_FAST_EXP_KDA_DQK", "1") != "0")
+# KDA's state-tile pass (_bwd_dqk_kernel, per-channel gate) with FAST_EXP's gate factors too (1) or tl.exp's (0,
+# the default); CHUNKWISE_FAST_EXP_KDA_DQK=1 (read at import) takes FAST_EXP's. On the H200 (KDA B1-T32768-H32 bf16,
+# run of 62b8880, one process each) the pass took 2.38 / 2.39 ms with the fast factors against 2.23 with tl.exp
+# (fwd+bwd 9.90 / 9.92 against 9.78), though offline sm_90 it has 6 % fewer instructions with them (3496 -> 3280)
+FAST_EXP_KDA_DQK = tl.constexpr(bool(FAST_EXP) and os.environ.get("CHUNKWISE_FAST_EXP_KDA_DQK", "0") == "1")
 
 
 def _bwd_dh_ahead(gate: int) -> int:

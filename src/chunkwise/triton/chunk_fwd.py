@@ -66,11 +66,14 @@ SPAN_MAX = 80.0  # a 16-token block whose per-channel gates sum below -SPAN_MAX 
 SPAN_FP16 = 9.0  # KDA's one-reference products from fp16 operands (AP_LOWP 2): every |G_i − G_last / 2| under this
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Every gate factor e^x of the chunk kernels (_exp) as one MUFU.EX2 of x·log2(e) with results under 2^-126 flushed to
-# zero (ex2.approx.ftz.f32), instead of tl.exp's ex2.approx.f32, whose subnormal handling ptxas expands to a compare,
-# two predicated multiplies and a select around the same MUFU.EX2: the same value wherever e^x >= 2^-126 (a factor
-# below that multiplies a term out of every 16-bit output's reach). Offline sm_90 the GDN state-tile pass's two gated
-# [C, C] tiles took 757 of its 3264 instructions; on the H200 (NOTES.md, session 31) ... CHUNKWISE_FAST_EXP=0 takes
-# tl.exp (read at import). The interpreter always takes tl.exp (it runs no PTX)
+# zero (ex2.approx.ftz.f32), instead of tl.exp's ex2.approx.f32, whose subnormal handling ptxas expands to a compare
+# and predicated multiplies around the same MUFU.EX2: the same value wherever e^x >= 2^-126 (a factor below that
+# multiplies a term out of every 16-bit output's reach). Offline sm_90 the GDN state-tile pass's two gated [C, C]
+# tiles took 757 of its 3264 instructions (3056 in all with FAST_EXP), KDA's stage 1 9112 -> 8224. On the H200
+# (B1-T32768-H32 bf16, run of 27e1d28, one process each, tl.exp -> FAST_EXP; NOTES.md session 31): forward KDA 1.676
+# -> 1.423 ms, simple GLA 0.651 -> 0.613, GDN 0.974 -> 0.970; fwd+bwd GDN 5.99 -> 5.92, simple GLA 4.36 -> 4.15,
+# KDA 10.03 -> 9.78 with its state-tile pass on tl.exp (FAST_EXP_KDA_DQK, chunk_bwd), DeltaNet (no gate) unchanged.
+# CHUNKWISE_FAST_EXP=0 takes tl.exp everywhere (read at import). The interpreter always takes tl.exp (it runs no PTX)
 FAST_EXP = tl.constexpr(not _INTERPRET and os.environ.get("CHUNKWISE_FAST_EXP", "1") != "0")
 _LOG2E = tl.constexpr(1.4426950408889634)
 
