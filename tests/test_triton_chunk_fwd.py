@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from chunkwise.triton.chunk_fwd import _rn_tf32, chunk_prepare
+from chunkwise.triton.chunk_fwd import _exp_or, _rn_tf32, chunk_prepare
 from helpers import (CHUNK_OPS, DEVICE, HEAD_DIM_GRID, INTERPRET, ON_GPU, TOL, make_inputs, reference, rel_err,
                      skip_unless_sm90_builds)
 
@@ -995,3 +995,27 @@ def test_stage2_beside_stage1_cuda_graph(fam):
         graph.replay()
         o_e, ht_e = call()
         assert torch.equal(o_g, o_e) and torch.equal(ht_g, ht_e)
+
+
+@triton.jit
+def _exp_pair_kernel(X, Yf, Yt, N, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + o, mask=o < N, other=0.)
+    tl.store(Yf + o, _exp_or(x, True), mask=o < N)
+    tl.store(Yt + o, tl.exp(x), mask=o < N)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the ex2.approx.ftz instruction runs on the GPU only (the interpreter takes tl.exp)")
+def test_fast_exp_matches_tl_exp():
+    """FAST_EXP's gate factor (chunk_fwd._exp_or: ex2.approx.ftz.f32 of x·log2(e)) against tl.exp over the exponents the
+    kernels form (gate differences from 0 down past fp32's subnormals, and up to e^40): the same value to 2 ulp wherever
+    tl.exp's result is a normal number, 0 where it is subnormal, e^-inf = 0, and NaN stays NaN."""
+    x = torch.cat([torch.linspace(-110., 40., 1 << 16), torch.tensor([-87.3, -87.4, -88.0, -103.9, float("-inf"),
+                                                                       float("nan"), 0.])]).to(DEVICE)
+    yf, yt = torch.empty_like(x), torch.empty_like(x)
+    _exp_pair_kernel[(triton.cdiv(x.numel(), 1024),)](x, yf, yt, x.numel(), BLOCK=1024)
+    normal = yt >= torch.finfo(torch.float32).tiny
+    rel = ((yf[normal] - yt[normal]).abs() / yt[normal]).max().item()
+    assert rel <= 2 * torch.finfo(torch.float32).eps, rel
+    assert (yf[~normal & ~x.isnan()] == 0).all()
+    assert yf[x.isnan()].isnan().all() and yf[x == float("-inf")].eq(0).all()

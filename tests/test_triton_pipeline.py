@@ -151,3 +151,46 @@ def test_kda_stage1_form1_builds_for_sm90(dtype, tmp_path):
                        capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "chunk_prepare_kernel" in p.stdout.split(), p.stdout
+
+
+# compiles GDN's and KDA's inference forward for sm_90 on CPU tensors (B1-T256-H2, K = V = 64, bf16) and
+# prints, per compiled kernel, how many ex2 instructions of each kind its PTX holds
+_EX2_BUILD = """
+import glob, json, os, sys
+os.environ["CHUNKWISE_WARM_SM90"] = "1"
+sys.path.insert(0, sys.argv[1])
+import warm_cache
+warm_cache.install_sm90()
+import torch
+from chunkwise.triton.chunk_fwd import chunk_fwd
+B, T, H, K = 1, 256, 2, 64
+for fam in ("gdn", "kda"):
+    q, k, v = (torch.randn(B, T, H, K, dtype=torch.bfloat16) for _ in range(3))
+    g = (torch.randn(B, T, H, K) if fam == "kda" else torch.randn(B, T, H)) * 0.01 - 0.05
+    beta = torch.rand(B, T, H, dtype=torch.bfloat16)
+    chunk_fwd(q, k, v, g, beta, 0.1, None, False, None)
+for f in glob.glob(os.environ["TRITON_CACHE_DIR"] + "/*/*.ptx"):
+    ptx = open(f).read()
+    name = os.path.basename(f)[:-4]
+    print(name, ptx.count("ex2.approx.ftz.f32"), ptx.count("ex2.approx.f32"))
+"""
+
+
+@pytest.mark.parametrize("fast", ["1", "0"])
+def test_gate_factors_take_one_ex2(fast, tmp_path):
+    """FAST_EXP (chunk_fwd, on by default): every gate factor of GDN's and KDA's forward kernels compiles to
+    ex2.approx.ftz.f32 (one MUFU.EX2 in SASS), none to tl.exp's ex2.approx.f32 (whose subnormal handling ptxas wraps
+    in a compare and predicated multiplies); CHUNKWISE_FAST_EXP=0 gives back tl.exp's everywhere. The interpreter,
+    which runs no PTX, always takes tl.exp, so only a compiled build shows which one a kernel took."""
+    p = subprocess.run([sys.executable, "-c", _EX2_BUILD, os.path.join(ROOT, "benchmarks")],
+                       env=_env(tmp_path, {"CHUNKWISE_FAST_EXP": fast}), capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    counts = {}
+    for line in p.stdout.splitlines():
+        name, ftz, plain = line.split()
+        f0, p0 = counts.get(name, (0, 0))
+        counts[name] = (f0 + int(ftz), p0 + int(plain))
+    assert counts.get("chunk_prepare_kernel") and counts.get("chunk_state_output_kernel"), p.stdout
+    for name in ("chunk_prepare_kernel", "chunk_state_output_kernel"):
+        ftz, plain = counts[name]
+        assert (ftz > 0 and plain == 0) if fast == "1" else (ftz == 0 and plain > 0), (name, ftz, plain)
