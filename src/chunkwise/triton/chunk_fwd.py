@@ -71,8 +71,9 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # multiplies a term out of every 16-bit output's reach). Offline sm_90 the GDN state-tile pass's two gated [C, C]
 # tiles took 757 of its 3264 instructions (3056 in all with FAST_EXP), KDA's stage 1 (at 64-channel column chunks)
 # 9112 -> 8224. On the H200 (B1-T32768-H32 bf16, run of 27e1d28, one process each, tl.exp -> FAST_EXP; NOTES.md
-# session 31): forward KDA 1.676 -> 1.423 ms, simple GLA 0.651 -> 0.613, GDN 0.974 -> 0.970; fwd+bwd GDN 5.99 -> 5.92, simple GLA 4.36 -> 4.15,
-# KDA 10.03 -> 9.78 with its state-tile pass on tl.exp (FAST_EXP_KDA_DQK, chunk_bwd), DeltaNet (no gate) unchanged.
+# session 31): forward KDA 1.676 -> 1.423 ms, simple GLA 0.651 -> 0.613, GDN 0.974 -> 0.970; fwd+bwd GDN 5.99 ->
+# 5.92, simple GLA 4.36 -> 4.15, KDA 10.03 -> 9.78 with its state-tile pass on tl.exp (FAST_EXP_KDA_DQK, chunk_bwd),
+# DeltaNet (no gate) unchanged.
 # CHUNKWISE_FAST_EXP=0 takes tl.exp everywhere (read at import). The interpreter always takes tl.exp (it runs no PTX)
 FAST_EXP = tl.constexpr(not _INTERPRET and os.environ.get("CHUNKWISE_FAST_EXP", "1") != "0")
 _LOG2E = tl.constexpr(1.4426950408889634)
