@@ -486,9 +486,9 @@ def test_grads_16_bit_products(fam, level, save, monkeypatch):
 
 
 def test_16_bit_levels_on_the_gpu(monkeypatch):
-    """Off the interpreter, CHUNKWISE_BWD_LOWP takes only the levels that gave right gradients on the H200:
-    level 3 never, level 4 for bf16 at a 128-wide key tile; otherwise the default, with a warning. A
-    malformed value names the variable."""
+    """Off the interpreter, CHUNKWISE_BWD_LOWP takes only the levels that gave right gradients on the H200, or that
+    are opt-in there: level 3 only for bf16 at a 128-wide key tile without a gate (BWD_LOWP3_OPT_IN), level 4 for
+    bf16 at a 128-wide key tile; otherwise the default, with a warning. A malformed value names the variable."""
     import chunkwise.triton.chunk_bwd as cb
     monkeypatch.setattr(cb, "_INTERPRET", False)
     bf16, fp16 = torch.bfloat16, torch.float16
@@ -502,6 +502,11 @@ def test_16_bit_levels_on_the_gpu(monkeypatch):
         monkeypatch.setenv("CHUNKWISE_BWD_LOWP", str(level))
         with pytest.warns(RuntimeWarning, match="CHUNKWISE_BWD_LOWP"):
             assert cb.bwd_lowp_level(dtype, BK) == want
+    monkeypatch.setenv("CHUNKWISE_BWD_LOWP", "3")
+    assert cb.bwd_lowp_level(bf16, 128, 0) == 3                  # opt-in without a gate
+    for dtype, BK, gate, want in ((bf16, 128, 1, 4), (bf16, 128, 2, 4), (bf16, 64, 0, 2), (fp16, 128, 0, 2)):
+        with pytest.warns(RuntimeWarning, match="CHUNKWISE_BWD_LOWP"):
+            assert cb.bwd_lowp_level(dtype, BK, gate) == want
     monkeypatch.setenv("CHUNKWISE_BWD_LOWP", "high")
     with pytest.raises(ValueError, match="CHUNKWISE_BWD_LOWP"):
         cb.bwd_lowp_level(bf16, 128)

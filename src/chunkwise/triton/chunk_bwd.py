@@ -1909,6 +1909,13 @@ BWD_DK1_16 = 1
 # the interpreter (CPU tests) every level runs as asked.
 BWD_LOWP = 2
 BWD_LOWP_BF16_128 = 4
+# Gate kinds that may take level 3 on the GPU by CHUNKWISE_BWD_LOWP=3 (bf16 at a 128-wide key tile): without a gate
+# (DeltaNet) the pairwise products' fp32 operands serve no dg, and fla's dqkwg / wy_bwd take them in bf16 too.
+# Offline sm_90 (bf16, 4 warps, level 4 -> 3): the state-tile pass 255 registers / 56 B spilled / 1568 instructions
+# -> 236 / 0 / 1200, the WY pass 250 / 0 / 2448 -> 242 / 0 / 2264 (on the H200 the level-4 state-tile pass issued
+# 3.7M spill requests: Nsight Compute, session 31). Opt-in, unmeasured on the GPU (NOTES.md session 31); the
+# gated families keep level 3 refused (their dg error passed the bound there, sessions 7-8)
+BWD_LOWP3_OPT_IN = frozenset({0})
 
 
 def gate_scaled_in(g, q) -> bool:
@@ -1939,10 +1946,10 @@ def saved_t_dtype(dtype: torch.dtype, K: int, gate: int, t_form: bool = False) -
     return dtype if bwd_lowp_level(dtype, max(16, next_pow2(K))) in (3, 4) else torch.float32
 
 
-def bwd_lowp_level(dtype: torch.dtype, BK: int) -> int:
-    """The 16-bit product level (above) of inputs of this dtype at key tile BK: 0 for fp32 inputs,
-    CHUNKWISE_BWD_LOWP if set and correct on the GPU for this dtype and tile, else 4 for bf16 at BK = 128 and
-    2 otherwise."""
+def bwd_lowp_level(dtype: torch.dtype, BK: int, gate: int | None = None) -> int:
+    """The 16-bit product level (above) of inputs of this dtype at key tile BK (gate kind ``gate``: 0 none, 1 scalar,
+    2 per channel; None unknown): 0 for fp32 inputs, CHUNKWISE_BWD_LOWP if set and allowed on the GPU for this
+    dtype, tile and gate (BWD_LOWP3_OPT_IN), else 4 for bf16 at BK = 128 and 2 otherwise."""
     if dtype not in (torch.bfloat16, torch.float16):
         return 0
     default = BWD_LOWP_BF16_128 if dtype == torch.bfloat16 and BK == 128 else BWD_LOWP
@@ -1952,7 +1959,8 @@ def bwd_lowp_level(dtype: torch.dtype, BK: int) -> int:
     if env not in ("0", "1", "2", "3", "4"):
         raise ValueError(f"CHUNKWISE_BWD_LOWP={env!r}: expected 0, 1, 2, 3 or 4")
     level = int(env)
-    if not _INTERPRET and (level == 3 or (level == 4 and default != 4)):
+    opt_in = level == 3 and dtype == torch.bfloat16 and BK == 128 and gate in BWD_LOWP3_OPT_IN
+    if not _INTERPRET and ((level == 3 and not opt_in) or (level == 4 and default != 4)):
         # (the warnings registry shows each message once per calling line)
         warnings.warn(f"CHUNKWISE_BWD_LOWP={level} gave wrong gradients on the GPU for {dtype} at key tile {BK} "
                       f"(benchmarks/NOTES.md); using level {default}", RuntimeWarning, stacklevel=3)
@@ -2149,7 +2157,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     prec16 = ("tf32x3" if gate == 2 else "tf32rn") if q.dtype == torch.float16 else "tf32"
     prec = "tf32x3" if q.dtype == torch.float32 else prec_env("CHUNKWISE_BWD_PREC16", prec16)
     # 16-bit product operands (BWD_LOWP), 16-bit inputs only
-    level = bwd_lowp_level(q.dtype, BK)
+    level = bwd_lowp_level(q.dtype, BK, gate)
     # W / U with 16-bit operands only at 128-wide key tiles and value tiles of at least 64, as in the forward's
     # stage 1 (wu_lowp_ok): on the H200 (session 9) KDA's bf16 recompute at K = 64 gave gradient errors of ~1 with them
     lowp, lowp_wu = level >= 1, level >= 2 and wu_lowp_ok(q.dtype, K, v.shape[-1])
