@@ -1087,7 +1087,7 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
             b_eGh, b_ekendh = _gate_factors(b_Gh, b_lasth, GATE)
             b_dk = b_dkend * b_ekendh
             b_dGm = -b_k * b_dk
-            b_dlasth = tl.sum(b_k * b_dk, axis=0) + _exp(b_lasth) * b_dgam            # [BKH]
+            b_dlasth = tl.sum(b_k * b_dk, axis=0) + _exp(b_lasth) * b_dgam              # [BKH]
         elif GATE == 1:
             b_eGh = b_eG
             b_dk = b_dkend * b_ekend
@@ -1531,8 +1531,8 @@ def _pair_grads_one_ref(q, k, dq, dk, dG, dq_o, dk_o, b_dP, b_dPt, b_dA, b_dAt, 
     gets them and becomes dg (reverse cumsum). b_dP, b_dPt, b_dA, b_dAt: [C, C] fp32 (dP lower, dA strict lower,
     zero elsewhere). Returns dβ's share [C]."""
     m_tk, p_tk, p_hk = _col_offsets(rows, m_t, o_k, m_k, i_h, i_hk, H, HV, K)
-    b_x = _exp(b_d)                                                                    # e^{G_i − r}
-    b_y = _exp(-b_d)                                                                   # e^{r − G_j}
+    b_x = _exp(b_d)                                                                      # e^{G_i − r}
+    b_y = _exp(-b_d)                                                                     # e^{r − G_j}
     b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
     b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
     b_ky = b_k * b_y

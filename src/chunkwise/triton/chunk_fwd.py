@@ -348,7 +348,7 @@ def _kda_diag_exact(kf, qf, bk, b_G, skip, BTc: tl.constexpr, BCc: tl.constexpr)
             k_j = tl.sum(tl.where((o_t == j)[:, None], kf, 0.), 0)                      # [BKC]
             G_j = tl.sum(tl.where((o_t == j)[:, None], b_G, 0.), 0)                     # [BKC]
             m_j = (o_t >= j) & (blk == j // BCc)
-            e = _exp(tl.where(m_j[:, None], b_G - G_j[None, :], float("-inf")))       # e^{G_i − G_j}
+            e = _exp(tl.where(m_j[:, None], b_G - G_j[None, :], float("-inf")))         # e^{G_i − G_j}
             Ad = tl.where((o_t == j)[None, :], tl.sum(bk * e * k_j[None, :], 1)[:, None], Ad)
             Pd = tl.where((o_t == j)[None, :], tl.sum(qf * e * k_j[None, :], 1)[:, None], Pd)
     return Ad, Pd
@@ -401,11 +401,11 @@ def _kda_ap_rows(A0, A1, A2, A3, P0, P1, P2, P3, kf, qf, b_G, b_beta, k_base, q_
         else:
             s_b = e2
         keep = (blk < b + own)[:, None]                                                  # columns j taken
-        cols = tl.where(keep, kf * _exp(tl.where(keep, s_b[None, :] - b_G, 0.)), 0.)   # k_j e^{s_b − G_j}
+        cols = tl.where(keep, kf * _exp(tl.where(keep, s_b[None, :] - b_G, 0.)), 0.)     # k_j e^{s_b − G_j}
         r0 = t0 + b * BCc
         k_b, q_b, g_b = _kqg_tiles(k_base, q_base, g_base, r0, kc0, T_seq, H, HV, K, BCc, BKC, CHK)
         beta_b = tl.load(beta + (bos + r0 + o_c) * HV + i_h, mask=r0 + o_c < T_seq, other=0.).to(tl.float32)
-        x_b = _exp(tl.cumsum(tl.where(g_b < g_floor, g_floor, g_b), 0))                # e^{G_i − s_b} ≤ 1
+        x_b = _exp(tl.cumsum(tl.where(g_b < g_floor, g_floor, g_b), 0))                  # e^{G_i − s_b} ≤ 1
         cT = tl.trans(cols)
         a_b = _mm(k_b * beta_b[:, None] * x_b, cT, MM_PREC)                             # [BC, BKC] @ [BKC, BT]
         p_b = _mm(q_b * x_b, cT, MM_PREC)                                               # [BC, BKC] @ [BKC, BT]
@@ -556,8 +556,8 @@ def chunk_prepare_kernel(
                 elif AP_ONE_REF:
                     fast = m_Gr < span_max
                 if fast:
-                    x = _exp(b_Gr)                                                         # e^{G_i − r}
-                    kinv = kf * _exp(-b_Gr)                                                # k_j e^{r − G_j}
+                    x = _exp(b_Gr)                                                           # e^{G_i − r}
+                    kinv = kf * _exp(-b_Gr)                                                  # k_j e^{r − G_j}
                     qx = qf * x
                     # AP_LOWP: A from bf16 operands (rounded to nearest; bf16 inputs: e^{±span_max} in range); 2: A and
                     # P from fp16 ones where this column chunk's span is under span16 (e^{±span16} in fp16's range)
@@ -573,13 +573,13 @@ def chunk_prepare_kernel(
                     b_qg = qx * _exp(r)[None, :]
                     b_kg = kinv * _exp(G_last - r)[None, :]
                     if T_FORM:
-                        b_kx = kf * x * _exp(r)[None, :]                                   # k e^G
+                        b_kx = kf * x * _exp(r)[None, :]                                     # k e^G
                 else:
                     e0, e1, e2, s_rows, worst = _block_starts(b_G, BTc, BCc)                    # block ends, starts
                     e3 = _row_of(b_G, 4 * BCc - 1, BTc)
                     zero = tl.zeros_like(e0)
                     one = tl.full([BKC], 1., tl.float32)
-                    x = _exp(b_G - s_rows)                                                     # e^{G_i − s_b} ≤ 1
+                    x = _exp(b_G - s_rows)                                                       # e^{G_i − s_b} ≤ 1
                     ky = kf * _exp(_by_block(e0[None, :], e1[None, :], e2[None, :], e3[None, :], BTc, BCc) - b_G)
                     bkx = kf * b_beta[:, None] * x                                               # β_i k_i e^{G_i − s_b}
                     qx = qf * x                                                                  # q_i e^{G_i − s_b}
@@ -658,11 +658,11 @@ def chunk_prepare_kernel(
             if GC_OUT:
                 tl.store(gcum + (slot * HV + i_h) * BTc + o_t, Gc)
                 tl.store(glast + slot * HV + i_h, tl.sum(tl.where(o_t == BTc - 1, Gc, 0.), 0))
-            dec = _exp(tl.where(incl, Gc[:, None] - Gc[None, :], float("-inf")))     # e^{G_i − G_j}, i ≥ j
+            dec = _exp(tl.where(incl, Gc[:, None] - Gc[None, :], float("-inf")))       # e^{G_i − G_j}, i ≥ j
             A = tl.where(strict, KK * dec, 0.) * b_beta[:, None]
             if BWD or STORE_P:
                 P = QK * dec
-            b_ks = b_beta * _exp(Gc)                                                  # W's row scale
+            b_ks = b_beta * _exp(Gc)                                                    # W's row scale
         else:
             A = tl.where(strict, KK, 0.) * b_beta[:, None]
             if BWD or STORE_P:
@@ -754,7 +754,7 @@ def chunk_p_kernel(q, k, g, p, cu_seqlens, chunk_indices, T, NT, H, HV, K,
     P = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)                            # [BT, BK] @ [BK, BT]
     if GATE == 1:
         Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor)                      # [BT]
-        P = P * _exp(tl.where(incl, Gc[:, None] - Gc[None, :], float("-inf")))       # e^{G_i − G_j}, i ≥ j
+        P = P * _exp(tl.where(incl, Gc[:, None] - Gc[None, :], float("-inf")))         # e^{G_i − G_j}, i ≥ j
     else:
         P = tl.where(incl, P, 0.)
     tl.store(tl.make_block_ptr(p + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0), (BTc, BTc), (1, 0)),
