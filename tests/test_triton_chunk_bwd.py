@@ -8,6 +8,8 @@ small shapes. On the GPU: bf16 at T=1000, HV=8, K=V=128, errors no larger than f
 """
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -504,6 +506,9 @@ def test_16_bit_levels_on_the_gpu(monkeypatch):
             assert cb.bwd_lowp_level(dtype, BK) == want
     monkeypatch.setenv("CHUNKWISE_BWD_LOWP", "3")
     assert cb.bwd_lowp_level(bf16, 128, 0) == 3                  # opt-in without a gate
+    with warnings.catch_warnings():     # and the forward's choice of T's dtype does not warn of it either
+        warnings.simplefilter("error")
+        assert cb.saved_t_dtype(bf16, 128, 0) == bf16
     for dtype, BK, gate, want in ((bf16, 128, 1, 4), (bf16, 128, 2, 4), (bf16, 64, 0, 2), (fp16, 128, 0, 2)):
         with pytest.warns(RuntimeWarning, match="CHUNKWISE_BWD_LOWP"):
             assert cb.bwd_lowp_level(dtype, BK, gate) == want

@@ -156,7 +156,7 @@ def test_kda_stage1_form1_builds_for_sm90(dtype, tmp_path):
 # compiles GDN's and KDA's inference forward for sm_90 on CPU tensors (B1-T256-H2, K = V = 64, bf16) and
 # prints, per compiled kernel, how many ex2 instructions of each kind its PTX holds
 _EX2_BUILD = """
-import glob, json, os, sys
+import glob, os, sys
 os.environ["CHUNKWISE_WARM_SM90"] = "1"
 sys.path.insert(0, sys.argv[1])
 import warm_cache

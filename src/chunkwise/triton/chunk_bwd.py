@@ -1922,7 +1922,7 @@ def gate_scaled_in(g, q) -> bool:
     """Whether chunk_bwd's serial state passes take q ⊙ e^G and k ⊙ e^{G_last − G} [B, T, HV, K] (KD_IN: per-channel
     gate, 16-bit product operands), which a forward that saves stage 1 can hand over (its stage 1 forms both for
     its own serial stage: saved ``qg``, ``kg``) instead of _gate_scaled_kernel forming them again."""
-    return g is not None and g.dim() == 4 and bwd_lowp_level(q.dtype, max(16, next_pow2(q.shape[-1]))) >= 1 and \
+    return g is not None and g.dim() == 4 and bwd_lowp_level(q.dtype, max(16, next_pow2(q.shape[-1])), 2) >= 1 and \
         _env_switch("CHUNKWISE_BWD_KD_IN", BWD_KD_IN)
 
 
@@ -1943,7 +1943,7 @@ def saved_t_dtype(dtype: torch.dtype, K: int, gate: int, t_form: bool = False) -
     if t_form or gate == 2 or dtype == torch.float32 or not _env_switch("CHUNKWISE_SAVE_T_16", SAVE_T_16[gate]) \
             or not _env_switch("CHUNKWISE_BWD_DQK", BWD_DQK):
         return torch.float32
-    return dtype if bwd_lowp_level(dtype, max(16, next_pow2(K))) in (3, 4) else torch.float32
+    return dtype if bwd_lowp_level(dtype, max(16, next_pow2(K)), gate) in (3, 4) else torch.float32
 
 
 def bwd_lowp_level(dtype: torch.dtype, BK: int, gate: int | None = None) -> int:
