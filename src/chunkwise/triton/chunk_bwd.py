@@ -1916,6 +1916,12 @@ BWD_LOWP_BF16_128 = 4
 # 3.7M spill requests: Nsight Compute, session 31). Opt-in, unmeasured on the GPU (NOTES.md session 31); the
 # gated families keep level 3 refused (their dg error passed the bound there, sessions 7-8)
 BWD_LOWP3_OPT_IN = frozenset({0})
+# At level 4, the state-tile pass's pairwise products (dP K, dPᵀ Q: the dq / dk of P's terms) with 16-bit operands
+# (that pass at level 3, the WY pass staying at level 4), per gate kind; CHUNKWISE_BWD_DQK_PAIR16=0 turns it off. Only
+# without a gate (DeltaNet): no dg reads those products. On the H200 (run of 728c199, B1-T32768-H32 bf16, level 4 ->
+# level 3 in both passes) the state-tile pass went 1.122 -> 0.973 ms (its spills gone) but the WY pass 1.157 -> 1.382,
+# fwd+bwd 4.72 -> 4.81; so the state-tile pass alone takes it
+BWD_DQK_PAIR16 = {0: 1, 1: 0, 2: 0}
 
 
 def gate_scaled_in(g, q) -> bool:
@@ -2163,6 +2169,8 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     lowp, lowp_wu = level >= 1, level >= 2 and wu_lowp_ok(q.dtype, K, v.shape[-1])
     # the key side's LOWP constexpr: level 3 every product in 16 bits (True), level 4 all but the pairwise ones (2)
     lowp_key = {3: True, 4: 2}.get(level, False)
+    # the state-tile pass's (BWD_DQK_PAIR16): level 3 there without a gate
+    lowp_dqk = True if level == 4 and BWD_DQK_PAIR16[gate] and _env_switch("CHUNKWISE_BWD_DQK_PAIR16", 1) else lowp_key
     ns = _num_stages(q.dtype, BK)
     # the per-channel 8-warp picks apply (not with tf32x3 products: at 8 warps they gave wrong KDA gradients at
     # small tiles on the H200, fp32 inputs in session 5, fp16 with CHUNKWISE_BWD_PREC16=tf32x3 in session 8)
@@ -2365,7 +2373,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         _bwd_dqk_kernel[(nka * NT, B * HV)](q, k, v, G, h, dh, R if delta else None, dR, do, dq, dk1, dW, dGp, dgam,
                                             Tmat, beta, dTp, dbs,
                                             scale=scale, H=H, HV=HV, K=K, V=V, BK=bka, BV=bva, C=C, GATE=gate,
-                                            DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_key,
+                                            DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_dqk,
                                             EARLY=_env_switch("CHUNKWISE_BWD_DQK_EARLY", BWD_DQK_EARLY[gate]),
                                             DGAM=dgam_dh, NVD=nvd, KD=BK,
                                             SDS_OWN=not delta or _env_switch("CHUNKWISE_BWD_SDS_OWN", BWD_SDS_OWN),
