@@ -487,6 +487,20 @@ def test_grads_16_bit_products(fam, level, save, monkeypatch):
     _compare(inp, TOL[torch.float16], dtype=torch.float16)
 
 
+@pytest.mark.parametrize("pair16", [0, 1, 2])
+def test_delta_state_tile_pair16(pair16, monkeypatch):
+    """DeltaNet at level 4 with the state-tile pass's pairwise products in 16 bits (CHUNKWISE_BWD_DQK_PAIR16: 0
+    neither, 1 dk's, 2 dq's too): fp16 gradients of every input within the fp16 tolerance, varlen and grouped
+    heads; a malformed value names the variable."""
+    monkeypatch.setenv("CHUNKWISE_BWD_LOWP", "4")
+    monkeypatch.setenv("CHUNKWISE_BWD_DQK_PAIR16", str(pair16))
+    inp = make_inputs("delta", lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, seed=8)
+    _compare(inp, TOL[torch.float16], dtype=torch.float16)
+    monkeypatch.setenv("CHUNKWISE_BWD_DQK_PAIR16", "yes")
+    with pytest.raises(ValueError, match="CHUNKWISE_BWD_DQK_PAIR16"):
+        _compare(inp, TOL[torch.float16], dtype=torch.float16)
+
+
 def test_16_bit_levels_on_the_gpu(monkeypatch):
     """Off the interpreter, CHUNKWISE_BWD_LOWP takes only the levels that gave right gradients on the H200, or that
     are opt-in there: level 3 only for bf16 at a 128-wide key tile without a gate (BWD_LOWP3_OPT_IN), level 4 for

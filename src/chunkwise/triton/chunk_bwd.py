@@ -1205,8 +1205,8 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, dgam, Tmat, 
                      on the last row                       -> dGp[i_k] (summed over column blocks by _bwd_wy_kernel)
 
     R: R = U − W S with the delta rule, V without. LOWP as _bwd_grad_kernel's: the pairwise products (dP, dPᵀ with
-    k, q) take fp32 operands unless LOWP is 1. EARLY: q, k and the gate are loaded before the V loop (their
-    latency under it), else after it. dk1's dtype: fp32, or 16-bit (then the sum with the WY pass's terms is
+    k, q) take fp32 operands unless LOWP is 1; LOWP 3 is 2 with dPᵀ q in 16 bits. EARLY: q, k and the gate are
+    loaded before the V loop (their latency under it), else after it. dk1's dtype: fp32, or 16-bit (then the sum with the WY pass's terms is
     rounded twice, as fla's dk is).
     DGAM: the reverse state pass formed ⟨S, dS'⟩ (its dgam) and the WY pass adds e^{G_last} times it, so that the V
     loop here has no elementwise S ⊙ dS' (the tiles stay product operands).
@@ -1324,8 +1324,9 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, dgam, Tmat, 
             b_dq = b_dq * scale
             b_dP = tl.where(i_ge_j, b_dP, 0.) * scale
             b_dPt = tl.where(o_t[None, :] >= o_t[:, None], b_dPt, 0.) * scale
+        OPD3: tl.constexpr = q.dtype.element_ty if LOWP == 1 or LOWP == 3 else tl.float32   # dk's (LOWP 3)
         b_dq += _mm(b_dP.to(OPD2), b_k.to(OPD2), PREC)                                          # [C, C] @ [C, BK]
-        b_dk += _mm(b_dPt.to(OPD2), b_q.to(OPD2), PREC)                                         # [C, C] @ [C, BK]
+        b_dk += _mm(b_dPt.to(OPD3), b_q.to(OPD3), PREC)                                         # [C, C] @ [C, BK]
         tl.store(dq + p_hk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
         tl.store(dk1 + p_hk, b_dk.to(dk1.dtype.element_ty), mask=m_tk)
         if GATE == 1:
@@ -1916,11 +1917,14 @@ BWD_LOWP_BF16_128 = 4
 # 3.7M spill requests: Nsight Compute, session 31). Opt-in, unmeasured on the GPU (NOTES.md session 31); the
 # gated families keep level 3 refused (their dg error passed the bound there, sessions 7-8)
 BWD_LOWP3_OPT_IN = frozenset({0})
-# At level 4, the state-tile pass's pairwise products (dP K, dPᵀ Q: the dq / dk of P's terms) with 16-bit operands
-# (that pass at level 3, the WY pass staying at level 4), per gate kind; CHUNKWISE_BWD_DQK_PAIR16=0 turns it off. Only
-# without a gate (DeltaNet): no dg reads those products. On the H200 (run of 728c199, B1-T32768-H32 bf16, level 4 ->
-# level 3 in both passes) the state-tile pass went 1.122 -> 0.973 ms (its spills gone) but the WY pass 1.157 -> 1.382,
-# fwd+bwd 4.72 -> 4.81; so the state-tile pass alone takes it
+# At level 4, the state-tile pass's pairwise products in 16 bits, per gate kind: 1 dk's (dPᵀ Q; LOWP 3 there), 2 dq's
+# (dP K) too (level 3 in that pass), 0 neither; the WY pass stays at level 4. Only without a gate (DeltaNet): no dg
+# reads them. CHUNKWISE_BWD_DQK_PAIR16 (0 / 1 / 2) overrides for DeltaNet. On the H200 (B1-T32768-H32 bf16): level 3
+# in both passes (run of 728c199) took the state-tile pass 1.122 -> 0.973 ms (its spills gone) but the WY pass
+# 1.157 -> 1.382, fwd+bwd 4.72 -> 4.81; the state-tile pass alone at level 3 (2, run of 60f375a) 1.124 -> 0.958 ms,
+# fwd+bwd 4.73 -> 4.55, but dq's error rose past fla's (real size, bf16: 4.539e-3 -> 4.613e-3 against fla's
+# 4.607e-3; grouped 4.872e-3 -> 4.944e-3 against 4.937e-3). dk's alone (1): offline sm_90 255 registers / 56 B
+# spilled -> 248 / 0 (2: 236 / 0), dq's error as at 0
 BWD_DQK_PAIR16 = {0: 1, 1: 0, 2: 0}
 
 
@@ -2169,8 +2173,9 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     lowp, lowp_wu = level >= 1, level >= 2 and wu_lowp_ok(q.dtype, K, v.shape[-1])
     # the key side's LOWP constexpr: level 3 every product in 16 bits (True), level 4 all but the pairwise ones (2)
     lowp_key = {3: True, 4: 2}.get(level, False)
-    # the state-tile pass's (BWD_DQK_PAIR16): level 3 there without a gate
-    lowp_dqk = True if level == 4 and BWD_DQK_PAIR16[gate] and _env_switch("CHUNKWISE_BWD_DQK_PAIR16", 1) else lowp_key
+    # the state-tile pass's (BWD_DQK_PAIR16, no gate): dk's pairwise product (3) or both (True) in 16 bits at level 4
+    pair16 = _env_choice("CHUNKWISE_BWD_DQK_PAIR16", BWD_DQK_PAIR16[0], range(3)) if gate == 0 else BWD_DQK_PAIR16[gate]
+    lowp_dqk = {1: 3, 2: True}.get(pair16, lowp_key) if level == 4 else lowp_key
     ns = _num_stages(q.dtype, BK)
     # the per-channel 8-warp picks apply (not with tf32x3 products: at 8 warps they gave wrong KDA gradients at
     # small tiles on the H200, fp32 inputs in session 5, fp16 with CHUNKWISE_BWD_PREC16=tf32x3 in session 8)
