@@ -1914,8 +1914,9 @@ BWD_LOWP_BF16_128 = 4
 # (DeltaNet) the pairwise products' fp32 operands serve no dg, and fla's dqkwg / wy_bwd take them in bf16 too.
 # Offline sm_90 (bf16, 4 warps, level 4 -> 3): the state-tile pass 255 registers / 56 B spilled / 1568 instructions
 # -> 236 / 0 / 1200, the WY pass 250 / 0 / 2448 -> 242 / 0 / 2264 (on the H200 the level-4 state-tile pass issued
-# 3.7M spill requests: Nsight Compute, session 31). Opt-in, unmeasured on the GPU (NOTES.md session 31); the
-# gated families keep level 3 refused (their dg error passed the bound there, sessions 7-8)
+# 3.7M spill requests: Nsight Compute, session 31). Opt-in only: on the H200 (session 32) the WY pass lost more at
+# level 3 than the state-tile pass gained (BWD_DQK_PAIR16 below); the gated families keep level 3 refused (their dg
+# error passed the bound there, sessions 7-8)
 BWD_LOWP3_OPT_IN = frozenset({0})
 # At level 4, the state-tile pass's pairwise products in 16 bits, per gate kind: 1 dk's (dPᵀ Q; LOWP 3 there), 2 dq's
 # (dP K) too (level 3 in that pass), 0 neither; the WY pass stays at level 4. Only without a gate (DeltaNet): no dg
@@ -1924,7 +1925,8 @@ BWD_LOWP3_OPT_IN = frozenset({0})
 # 1.157 -> 1.382, fwd+bwd 4.72 -> 4.81; the state-tile pass alone at level 3 (2, run of 60f375a) 1.124 -> 0.958 ms,
 # fwd+bwd 4.73 -> 4.55, but dq's error rose past fla's (real size, bf16: 4.539e-3 -> 4.613e-3 against fla's
 # 4.607e-3; grouped 4.872e-3 -> 4.944e-3 against 4.937e-3). dk's alone (1): offline sm_90 255 registers / 56 B
-# spilled -> 248 / 0 (2: 236 / 0), dq's error as at 0
+# spilled -> 248 / 0 (2: 236 / 0); on the H200 (run of a69074b) the pass 1.128 -> 1.061 ms, fwd+bwd 4.72 -> 4.65,
+# dq's error bit for bit as at 0, dk's 5.497e-3 -> 5.527e-3 (fla's 5.722e-3)
 BWD_DQK_PAIR16 = {0: 1, 1: 0, 2: 0}
 
 
