@@ -1,3 +1,4 @@
+# device call of session 32; .agents/common.sh is benchmarks/results/h200/s32_common.sh
 source .agents/common.sh
 ( timeout 200 python3 benchmarks/sweep_bwd.py --fams delta --out $OUT/sweep --variants "p16:;p16off:CHUNKWISE_BWD_DQK_PAIR16=0;states:CHUNKWISE_SAVE_STATES=1" ) > $OUT/sweep.log 2>&1
 tail -10 $OUT/sweep.log
@@ -17,11 +18,3 @@ PY
 cat $OUT/errs.txt | grep pair16
 ( timeout 280 python3 benchmarks/bench_forward.py --families gdn,kda,delta,gla --shapes B8-T4096-H32 --out $OUT/fwd_B8 ) > $OUT/fwd_B8.log 2>&1
 tail -8 $OUT/fwd_B8.log
-# sourced by each device call
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1
-export GIT_COMMIT=$(cat .agents/commit)
-mkdir -p /tmp/triton_cache_sm90
-for f in benchmarks/fla_autotune/*.tgz; do tar xzf $f -C /tmp 2>/dev/null; done
-export TRITON_CACHE_DIR=/tmp/triton_cache_sm90 TRITON_CACHE_AUTOTUNING=1
-nvidia-smi -L; python3 -c "import torch, triton, fla; print(torch.__version__, triton.__version__, fla.__version__)"

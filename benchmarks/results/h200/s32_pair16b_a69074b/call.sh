@@ -1,3 +1,4 @@
+# device call of session 32; .agents/common.sh is benchmarks/results/h200/s32_common.sh
 source .agents/common.sh
 ( timeout 200 python3 benchmarks/sweep_bwd.py --fams delta --out $OUT/sweep --variants "p1:;p0:CHUNKWISE_BWD_DQK_PAIR16=0;p2:CHUNKWISE_BWD_DQK_PAIR16=2" ) > $OUT/sweep.log 2>&1
 tail -9 $OUT/sweep.log
@@ -17,11 +18,3 @@ grep pair16 $OUT/errs.txt || tail -5 $OUT/errs.txt
 grep -E "rel err|passed|failed" $OUT/tests.log | tail -12
 ( timeout 230 python3 benchmarks/bench_forward.py --families gdn,kda,delta,gla --shapes B4-T8192-H16/HV32 --out $OUT/fwd_B4 ) > $OUT/fwd_B4.log 2>&1
 grep -o '"shape[^,]*, "family[^,]*, "ours_ms[^,]*\|"fla_ms[^,]*, "speedup[^,]*' $OUT/fwd_B4.log
-# sourced by each device call
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1
-export GIT_COMMIT=$(cat .agents/commit)
-mkdir -p /tmp/triton_cache_sm90
-for f in benchmarks/fla_autotune/*.tgz; do tar xzf $f -C /tmp 2>/dev/null; done
-export TRITON_CACHE_DIR=/tmp/triton_cache_sm90 TRITON_CACHE_AUTOTUNING=1
-nvidia-smi -L; python3 -c "import torch, triton, fla; print(torch.__version__, triton.__version__, fla.__version__)"
