@@ -487,18 +487,35 @@ def test_grads_16_bit_products(fam, level, save, monkeypatch):
     _compare(inp, TOL[torch.float16], dtype=torch.float16)
 
 
-@pytest.mark.parametrize("pair16", [0, 1, 2])
-def test_delta_state_tile_pair16(pair16, monkeypatch):
-    """DeltaNet at level 4 with the state-tile pass's pairwise products in 16 bits (CHUNKWISE_BWD_DQK_PAIR16: 0
-    neither, 1 dk's, 2 dq's too): fp16 gradients of every input within the fp16 tolerance, varlen and grouped
-    heads; a malformed value names the variable."""
+@pytest.mark.parametrize("fam,pair16", [("delta", 0), ("delta", 1), ("delta", 2), ("delta", 3), ("gdn", 3), ("gla", 3)])
+def test_state_tile_pair16(fam, pair16, monkeypatch):
+    """Level 4 with the state-tile pass's pairwise products in 16 bits (CHUNKWISE_BWD_DQK_PAIR16: 0 neither, 1 dk's,
+    2 dq's too, 3 both with dP / dPᵀ split into two 16-bit parts; the scalar gate takes 0 or 3): fp16 gradients of
+    every input within the fp16 tolerance, varlen and grouped heads; a malformed value names the variable."""
     monkeypatch.setenv("CHUNKWISE_BWD_LOWP", "4")
     monkeypatch.setenv("CHUNKWISE_BWD_DQK_PAIR16", str(pair16))
-    inp = make_inputs("delta", lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, seed=8)
+    inp = make_inputs(fam, lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, seed=8)
     _compare(inp, TOL[torch.float16], dtype=torch.float16)
     monkeypatch.setenv("CHUNKWISE_BWD_DQK_PAIR16", "yes")
     with pytest.raises(ValueError, match="CHUNKWISE_BWD_DQK_PAIR16"):
         _compare(inp, TOL[torch.float16], dtype=torch.float16)
+
+
+def test_dqk_pair16_choice(monkeypatch):
+    """Which state-tile pairwise form each gate kind takes: DeltaNet 1 by default and any of 0-3 when asked; the
+    scalar gate 0 by default, 3 when asked, 1 / 2 refused with a warning (its dg); KDA its default whatever is
+    asked (its pairwise products are the pair kernel's)."""
+    import chunkwise.triton.chunk_bwd as cb
+    monkeypatch.delenv("CHUNKWISE_BWD_DQK_PAIR16", raising=False)
+    assert (cb.dqk_pair16(0), cb.dqk_pair16(1), cb.dqk_pair16(2)) == (1, 0, 0)
+    for v in range(4):
+        monkeypatch.setenv("CHUNKWISE_BWD_DQK_PAIR16", str(v))
+        assert cb.dqk_pair16(0) == v and cb.dqk_pair16(2) == 0
+        if v in (1, 2):
+            with pytest.warns(RuntimeWarning, match="CHUNKWISE_BWD_DQK_PAIR16"):
+                assert cb.dqk_pair16(1) == 0
+        else:
+            assert cb.dqk_pair16(1) == v
 
 
 def test_16_bit_levels_on_the_gpu(monkeypatch):

@@ -1205,7 +1205,8 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, dgam, Tmat, 
                      on the last row                       -> dGp[i_k] (summed over column blocks by _bwd_wy_kernel)
 
     R: R = U − W S with the delta rule, V without. LOWP as _bwd_grad_kernel's: the pairwise products (dP, dPᵀ with
-    k, q) take fp32 operands unless LOWP is 1; LOWP 3 is 2 with dPᵀ q in 16 bits. EARLY: q, k and the gate are
+    k, q) take fp32 operands unless LOWP is 1; LOWP 3 is 2 with dPᵀ q in 16 bits; LOWP 4 is 2 with both products
+    from 16-bit q, k and dP / dPᵀ split into two 16-bit parts (_mm_split16). EARLY: q, k and the gate are
     loaded before the V loop (their latency under it), else after it. dk1's dtype: fp32, or 16-bit (then the sum with the WY pass's terms is
     rounded twice, as fla's dk is).
     DGAM: the reverse state pass formed ⟨S, dS'⟩ (its dgam) and the WY pass adds e^{G_last} times it, so that the V
@@ -1281,6 +1282,10 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, dgam, Tmat, 
         tl.store(dW + p_hk, b_dw.to(dW.dtype.element_ty), mask=m_tk)
     if EARLY:
         b_q, b_k = b_q0.to(tl.float32), b_k0.to(tl.float32)
+    elif LOWP == 4:     # (the split products take them in 16 bits)
+        b_q0 = tl.load(q + p_tk, mask=m_tk, other=0.)
+        b_k0 = tl.load(k + p_tk, mask=m_tk, other=0.)
+        b_q, b_k = b_q0.to(tl.float32), b_k0.to(tl.float32)
     else:
         b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
         b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
@@ -1324,14 +1329,28 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, dgam, Tmat, 
             b_dq = b_dq * scale
             b_dP = tl.where(i_ge_j, b_dP, 0.) * scale
             b_dPt = tl.where(o_t[None, :] >= o_t[:, None], b_dPt, 0.) * scale
-        OPD3: tl.constexpr = q.dtype.element_ty if LOWP == 1 or LOWP == 3 else tl.float32   # dk's (LOWP 3)
-        b_dq += _mm(b_dP.to(OPD2), b_k.to(OPD2), PREC)                                          # [C, C] @ [C, BK]
-        b_dk += _mm(b_dPt.to(OPD3), b_q.to(OPD3), PREC)                                         # [C, C] @ [C, BK]
+        if LOWP == 4:   # dP, dPᵀ as two 16-bit parts (hi + lo: ~16 significant bits) against 16-bit q, k
+            b_dq += _mm_split16(b_dP, b_k0, PREC)                                               # [C, C] @ [C, BK]
+            b_dk += _mm_split16(b_dPt, b_q0, PREC)                                              # [C, C] @ [C, BK]
+        else:
+            OPD3: tl.constexpr = q.dtype.element_ty if LOWP == 1 or LOWP == 3 else tl.float32  # dk's (LOWP 3)
+            b_dq += _mm(b_dP.to(OPD2), b_k.to(OPD2), PREC)                                      # [C, C] @ [C, BK]
+            b_dk += _mm(b_dPt.to(OPD3), b_q.to(OPD3), PREC)                                     # [C, C] @ [C, BK]
         tl.store(dq + p_hk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
         tl.store(dk1 + p_hk, b_dk.to(dk1.dtype.element_ty), mask=m_tk)
         if GATE == 1:
             b_dg = tl.sum(b_q * b_dq - b_k * b_dk, axis=1) + tl.where(o_t == L - 1, b_dlast, 0.)
             tl.store(dGp + i_k * (tl.num_programs(1).to(tl.int64) * T) + rows * HV + i_h, b_dg, mask=m_t)
+
+
+@triton.jit
+def _mm_split16(a, b, PREC: tl.constexpr):
+    """a @ b for an fp32 a [M, N] and a 16-bit b [N, P], as two products with 16-bit operands: a = hi + lo, hi its
+    rounding to b's dtype, lo the rounding of the rest (a's 24-bit significand kept to ~16 bits, finer than tf32's
+    10; fp32 accumulation). For bf16 (fp16's narrow range would overflow or flush the parts)."""
+    a_hi = a.to(b.dtype)
+    a_lo = (a - a_hi.to(tl.float32)).to(b.dtype)
+    return _mm(a_hi, b, PREC) + _mm(a_lo, b, PREC)                                             # [M, N] @ [N, P]
 
 
 @triton.jit
@@ -1927,7 +1946,27 @@ BWD_LOWP3_OPT_IN = frozenset({0})
 # 4.607e-3; grouped 4.872e-3 -> 4.944e-3 against 4.937e-3). dk's alone (1): offline sm_90 255 registers / 56 B
 # spilled -> 248 / 0 (2: 236 / 0); on the H200 (run of a69074b) the pass 1.128 -> 1.061 ms, fwd+bwd 4.72 -> 4.65,
 # dq's error bit for bit as at 0, dk's 5.497e-3 -> 5.527e-3 (fla's 5.722e-3)
+# 3: both products from 16-bit q, k with dP / dPᵀ split into two 16-bit parts (_mm_split16: ~16 significant bits of
+# dP against tf32's 10; two bf16 products issue in the time of one tf32 product). Offline sm_90 (bf16, 4 warps; 0 -> 3):
+# DeltaNet 255 registers / 56 B spilled / 1568 instructions -> 252 / 0 / 1528 (1: 248 / 0 / 1376); GDN 255 / 60 B /
+# 3056 -> 255 / 104 B / 2976. Unmeasured on the GPU. Allowed for the scalar gate too (CHUNKWISE_BWD_DQK_PAIR16=3, GDN /
+# simple GLA: dg reads dq, dk, but the split keeps more of dP than tf32 does), where 1 / 2 fall back to 0 with a
+# warning
 BWD_DQK_PAIR16 = {0: 1, 1: 0, 2: 0}
+
+
+def dqk_pair16(gate: int) -> int:
+    """BWD_DQK_PAIR16 for a gate kind with CHUNKWISE_BWD_DQK_PAIR16 applied: any of 0-3 without a gate, 0 or 3 with
+    a scalar gate (1 / 2 warn and give 0: their dg errors passed the bound on the H200, sessions 7-8), the default
+    with a per-channel gate (KDA's pairwise products are the pair kernel's)."""
+    if gate == 2:
+        return BWD_DQK_PAIR16[gate]
+    choice = _env_choice("CHUNKWISE_BWD_DQK_PAIR16", BWD_DQK_PAIR16[gate], range(4))
+    if gate == 1 and choice in (1, 2):
+        warnings.warn(f"CHUNKWISE_BWD_DQK_PAIR16={choice}: the scalar gate's dg takes 0 or 3 only; using 0",
+                      RuntimeWarning, stacklevel=3)
+        return 0
+    return choice
 
 
 def gate_scaled_in(g, q) -> bool:
@@ -2175,9 +2214,9 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     lowp, lowp_wu = level >= 1, level >= 2 and wu_lowp_ok(q.dtype, K, v.shape[-1])
     # the key side's LOWP constexpr: level 3 every product in 16 bits (True), level 4 all but the pairwise ones (2)
     lowp_key = {3: True, 4: 2}.get(level, False)
-    # the state-tile pass's (BWD_DQK_PAIR16, no gate): dk's pairwise product (3) or both (True) in 16 bits at level 4
-    pair16 = _env_choice("CHUNKWISE_BWD_DQK_PAIR16", BWD_DQK_PAIR16[0], range(3)) if gate == 0 else BWD_DQK_PAIR16[gate]
-    lowp_dqk = {1: 3, 2: True}.get(pair16, lowp_key) if level == 4 else lowp_key
+    # the state-tile pass's (BWD_DQK_PAIR16) at level 4: dk's pairwise product (LOWP 3) or both (True) in 16 bits, or
+    # both split (4)
+    lowp_dqk = {1: 3, 2: True, 3: 4}.get(dqk_pair16(gate), lowp_key) if level == 4 else lowp_key
     ns = _num_stages(q.dtype, BK)
     # the per-channel 8-warp picks apply (not with tf32x3 products: at 8 warps they gave wrong KDA gradients at
     # small tiles on the H200, fp32 inputs in session 5, fp16 with CHUNKWISE_BWD_PREC16=tf32x3 in session 8)
