@@ -1347,7 +1347,7 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, dgam, Tmat, 
 def _mm_split16(a, b, PREC: tl.constexpr):
     """a @ b for an fp32 a [M, N] and a 16-bit b [N, P], as two products with 16-bit operands: a = hi + lo, hi its
     rounding to b's dtype, lo the rounding of the rest (a's 24-bit significand kept to ~16 bits, finer than tf32's
-    10; fp32 accumulation). For bf16 (fp16's narrow range would overflow or flush the parts)."""
+    11; fp32 accumulation). For bf16 (fp16's narrow range would overflow or flush the parts)."""
     a_hi = a.to(b.dtype)
     a_lo = (a - a_hi.to(tl.float32)).to(b.dtype)
     return _mm(a_hi, b, PREC) + _mm(a_lo, b, PREC)                                             # [M, N] @ [N, P]
@@ -1947,7 +1947,7 @@ BWD_LOWP3_OPT_IN = frozenset({0})
 # spilled -> 248 / 0 (2: 236 / 0); on the H200 (run of a69074b) the pass 1.128 -> 1.061 ms, fwd+bwd 4.72 -> 4.65,
 # dq's error bit for bit as at 0, dk's 5.497e-3 -> 5.527e-3 (fla's 5.722e-3)
 # 3: both products from 16-bit q, k with dP / dPᵀ split into two 16-bit parts (_mm_split16: ~16 significant bits of
-# dP against tf32's 10; two bf16 products issue in the time of one tf32 product). Offline sm_90 (bf16, 4 warps; 0 -> 3):
+# dP against tf32's 11; two bf16 products issue in the time of one tf32 product). Offline sm_90 (bf16, 4 warps; 0 -> 3):
 # DeltaNet 255 registers / 56 B spilled / 1568 instructions -> 252 / 0 / 1528 (1: 248 / 0 / 1376); GDN 255 / 60 B /
 # 3056 -> 255 / 104 B / 2976. Unmeasured on the GPU. Allowed for the scalar gate too (CHUNKWISE_BWD_DQK_PAIR16=3, GDN /
 # simple GLA: dg reads dq, dk, but the split keeps more of dP than tf32 does), where 1 / 2 fall back to 0 with a
