@@ -387,6 +387,26 @@ def test_real_size_grouped_grads_vs_fla(fam):
             assert e <= e_fla * 1.05 + 1e-4, f"{n}: ours {e:.2e} > fla {e_fla:.2e}"
 
 
+@pytest.mark.skipif(not ON_GPU, reason="real sizes and bf16 need the GPU (bf16 is wrong under the interpreter)")
+@pytest.mark.parametrize("fam,pair16", [("delta", 0), ("delta", 2), ("delta", 3), ("gdn", 3), ("gla", 3)])
+def test_real_size_pair16(fam, pair16, monkeypatch):
+    """The state-tile pass's other pairwise forms (CHUNKWISE_BWD_DQK_PAIR16; the default's are
+    test_real_size_grads_vs_fla's) at real size in bf16, where level 4 takes them: every gradient against the float64
+    reference within the bf16 bound, and no worse than fla's where fla runs its backward (DeltaNet)."""
+    monkeypatch.setenv("CHUNKWISE_BWD_DQK_PAIR16", str(pair16))
+    inp = make_inputs(fam, B=2, T=1000, H=8, HV=8, K=128, V=128, dtype=torch.bfloat16, seed=11, device=DEVICE)
+    ours = _grads(inp, "triton", torch.bfloat16)
+    ref, do, dht = _grads_device64(inp)
+    fla = _fla_grads(inp, do, dht)
+    rows = [(n, rel_err(ours[n], r), None if fla is None else rel_err(fla[n], r)) for n, r in ref.items()]
+    print(f"\n{fam} PAIR16 {pair16} bf16 grads rel err (ours / fla): " +
+          ", ".join(f"{n} {e:.3e}/{'-' if f is None else f'{f:.3e}'}" for n, e, f in rows))
+    for n, e, e_fla in rows:
+        assert e <= TOL[torch.bfloat16], f"{n}: {e:.2e}"
+        if e_fla is not None:
+            assert e <= e_fla * 1.05 + 1e-4, f"{n}: ours {e:.2e} > fla {e_fla:.2e}"
+
+
 @pytest.mark.skipif(not ON_GPU, reason="GPU only")
 @pytest.mark.parametrize("fam", ("gdn", "gla"))
 def test_hopper_triton36_gdn_gla(fam):
