@@ -1207,8 +1207,8 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, dgam, Tmat, 
     R: R = U − W S with the delta rule, V without. LOWP as _bwd_grad_kernel's: the pairwise products (dP, dPᵀ with
     k, q) take fp32 operands unless LOWP is 1; LOWP 3 is 2 with dPᵀ q in 16 bits; LOWP 4 is 2 with both products
     from 16-bit q, k and dP / dPᵀ split into two 16-bit parts (_mm_split16). EARLY: q, k and the gate are
-    loaded before the V loop (their latency under it), else after it. dk1's dtype: fp32, or 16-bit (then the sum with the WY pass's terms is
-    rounded twice, as fla's dk is).
+    loaded before the V loop (their latency under it), else after it. dk1's dtype: fp32, or 16-bit (then the sum
+    with the WY pass's terms is rounded twice, as fla's dk is).
     DGAM: the reverse state pass formed ⟨S, dS'⟩ (its dgam) and the WY pass adds e^{G_last} times it, so that the V
     loop here has no elementwise S ⊙ dS' (the tiles stay product operands).
     SDS_OWN (gates, not DGAM): ⟨S, dS'⟩ from loads of S and dS' of their own (_state_tiles_own). 0 (delta rule only):
@@ -1939,7 +1939,7 @@ BWD_LOWP_BF16_128 = 4
 BWD_LOWP3_OPT_IN = frozenset({0})
 # At level 4, the state-tile pass's pairwise products in 16 bits, per gate kind: 1 dk's (dPᵀ Q; LOWP 3 there), 2 dq's
 # (dP K) too (level 3 in that pass), 0 neither; the WY pass stays at level 4. Only without a gate (DeltaNet): no dg
-# reads them. CHUNKWISE_BWD_DQK_PAIR16 (0 / 1 / 2) overrides for DeltaNet. On the H200 (B1-T32768-H32 bf16): level 3
+# reads them. CHUNKWISE_BWD_DQK_PAIR16 (0-3, dqk_pair16) overrides. On the H200 (B1-T32768-H32 bf16): level 3
 # in both passes (run of 728c199) took the state-tile pass 1.122 -> 0.973 ms (its spills gone) but the WY pass
 # 1.157 -> 1.382, fwd+bwd 4.72 -> 4.81; the state-tile pass alone at level 3 (2, run of 60f375a) 1.124 -> 0.958 ms,
 # fwd+bwd 4.73 -> 4.55, but dq's error rose past fla's (real size, bf16: 4.539e-3 -> 4.613e-3 against fla's
