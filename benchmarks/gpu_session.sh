@@ -15,7 +15,8 @@
 #   kdaverify: KDA's real-size gradient tests alone (bf16, fp16), then bf16 with CHUNKWISE_SAVE_WU_LOWP=1 (~2 x 280 s)
 #   diag:  backward test failures, each test x launch setting in its own process (benchmarks/diag_bwd.py)
 #   pair16: the state-tile pass's pairwise forms (CHUNKWISE_BWD_DQK_PAIR16 0 / 1 / 3 for DeltaNet, 0 / 3 for GDN and
-#          simple GLA): fwd+bwd per kernel, then their real-size errors against float64 and fla (~6 min)
+#          simple GLA): fwd+bwd per kernel, then their real-size errors against float64 and fla; then the WY pass
+#          capped at 168 / 128 registers (sweep_bwd --variants wyregs) (~8 min)
 #   pair:  KDA's pairwise-gradient kernel variants (sweep_bwd.py PAIR_VARIANTS: channels per program, warps, diagonal launch)
 #   ncu:   Nsight Compute reports of the largest kernels (NCU_TARGETS; NCU_EXTRA more ncu arguments; summary by benchmarks/ncu_summary.py)
 #   save:  fwd+bwd with the forward's stage 1 kept for the backward (CHUNKWISE_SAVE_STAGE1=1) against the default
@@ -152,6 +153,8 @@ if has pair16; then     # the state-tile pass's pairwise forms (CHUNKWISE_BWD_DQ
   TAILN=8 step ${PAIR16_TESTS_T:-200} pair16_tests python3 -m pytest -v -s -p no:cacheprovider -o addopts="" --tb=line \
     tests/test_triton_chunk_bwd.py -k "real_size_pair16 or (real_size_grads_vs_fla and (delta or gdn or gla))"
   grep -h "rel err" "$OUT/pair16_tests.log"
+  # the WY pass at a third / fourth program per SM (register caps)
+  TAILN=20 step ${PAIR16_T:-200} wyregs python3 benchmarks/sweep_bwd.py --fams delta,gdn --out "$OUT/wyregs" --variants wyregs
 fi
 if has pair; then       # KDA's pairwise-gradient kernel: channels per program x warps
   TAILN=16 step ${PAIR_T:-150} sweep_pair python3 benchmarks/sweep_bwd.py --fams kda --out "$OUT" --variants "${PAIR_VARIANTS:-pair}"

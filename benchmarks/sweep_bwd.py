@@ -15,7 +15,7 @@ W / U recompute, 3: also the key side, 4: the key side but its pairwise products
     python benchmarks/sweep_bwd.py --out $OUT
     python benchmarks/sweep_bwd.py --fams kda --variants "p32:CHUNKWISE_BWD_PAIR_SPLIT=32;old:CHUNKWISE_BWD_PAIR_SPLIT=0"
 
---variants "name:VAR=value,VAR=value;..." (or "pairregs", "tform", "ahead", "states", "pair", "regs", "save", "lowp", "oneref": the named sets below): time only these environment settings (on top of the defaults),
+--variants "name:VAR=value,VAR=value;..." (or "wyregs", "pairregs", "tform", "ahead", "states", "pair", "regs", "save", "lowp", "oneref": the named sets below): time only these environment settings (on top of the defaults),
 each with its per-kernel profile and its gradients' difference from the first variant's.
 """
 from __future__ import annotations
@@ -150,8 +150,12 @@ TFORMR_VARIANTS = "wu:CHUNKWISE_SAVE_T_FORM=0;tform:CHUNKWISE_SAVE_T_FORM=1;tfor
 FULL_VARIANTS = "full0:CHUNKWISE_BWD_FULL=0;wy:CHUNKWISE_BWD_FULL=bwd_wy;wydqk:CHUNKWISE_BWD_FULL=bwd_wy+bwd_dqk;" \
     "serial:CHUNKWISE_BWD_FULL=fwd_h+bwd_dh;wyserial:CHUNKWISE_BWD_FULL=bwd_wy+fwd_h+bwd_dh;" \
     "all+prep:CHUNKWISE_BWD_FULL=bwd_wy+bwd_dqk+fwd_h+bwd_dh,CHUNKWISE_PREP_FULL=1"
+# the WY pass capped at 168 / 128 registers for a third / fourth 4-warp program per SM (it is 41 % of its memory floor,
+# latency-bound at two; NOTES.md session 32). Offline sm_90 (bf16, level 4): DeltaNet 250 registers, no spill -> 424 B
+# spilled at 168, 644 B at 128; GDN 244 -> 188 B at 168, 744 B at 128
+WYREGS_VARIANTS = "base:;wy168:CHUNKWISE_MAXNREG=bwd_wy:168;wy128:CHUNKWISE_MAXNREG=bwd_wy:128"
 FWDOVL_VARIANTS = "ovl:;ovl0:CHUNKWISE_FWD_OVERLAP=0;ovl1:CHUNKWISE_FWD_OVERLAP=1;ovl2:CHUNKWISE_FWD_OVERLAP=2"
-NAMED = {"full": FULL_VARIANTS, "fwdovl": FWDOVL_VARIANTS, "tformr": TFORMR_VARIANTS, "saver": SAVER_VARIANTS, "gc": GC_VARIANTS, "sds": SDS_VARIANTS, "beside": BESIDE_VARIANTS, "pairregs": PAIRREGS_VARIANTS, "tform": TFORM_VARIANTS, "kdasplit": KDASPLIT_VARIANTS, "dqk": DQK_VARIANTS, "ahead": AHEAD_VARIANTS, "states": STATES_VARIANTS, "pair": PAIR_VARIANTS, "gates": GATES_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
+NAMED = {"wyregs": WYREGS_VARIANTS, "full": FULL_VARIANTS, "fwdovl": FWDOVL_VARIANTS, "tformr": TFORMR_VARIANTS, "saver": SAVER_VARIANTS, "gc": GC_VARIANTS, "sds": SDS_VARIANTS, "beside": BESIDE_VARIANTS, "pairregs": PAIRREGS_VARIANTS, "tform": TFORM_VARIANTS, "kdasplit": KDASPLIT_VARIANTS, "dqk": DQK_VARIANTS, "ahead": AHEAD_VARIANTS, "states": STATES_VARIANTS, "pair": PAIR_VARIANTS, "gates": GATES_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
          "oneref": ONEREF_VARIANTS}
 
 
