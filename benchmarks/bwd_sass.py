@@ -118,7 +118,7 @@ def compile_kernel(name, fam="gdn", num_warps=8, K=128, V=128, num_stages=3, low
             kind = "g"          # KDA's dk1 is dk itself (fp32)
         absent = (arg == "dgam" and not dgam) or (arg == "h" and name == "bwd_dh" and not dgam) or \
                  (arg in ("Ascr", "Pmat") and name == "bwd_wy" and gate != 2 and
-                  not overrides.get("DA_SCR", delta and cb.BWD_WY_DA_SCR[gate])) or (arg == "Pmat" and gate != 2 and name in ("bwd_wy",)) or \
+                  not overrides.get("DA_SCR", delta and cb.BWD_WY_DA_SCR[gate])) or (arg == "Pmat" and gate != 2 and name == "bwd_wy") or \
                  (arg in ("R", "do", "dTp") and name == "bwd_wy" and gate != 2) or \
                  (arg in ("Tmat", "beta", "dTp", "dbs") and name == "bwd_dqk" and gate != 2) or \
                  (arg == "dW" and name in ("bwd_dqk", "bwd_wy") and gate == 2) or \

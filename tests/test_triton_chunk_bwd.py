@@ -345,6 +345,21 @@ def _grads_device64(inp, seed=1):
     return {n: t.grad for n, t in leaves.items()}, do, dht
 
 
+def _assert_grads_vs_fla(inp, dtype, label, digits=2):
+    """Our gradients of every input of ``inp`` (in ``dtype``) against the float64 reference: within the dtype's bound,
+    and no worse than fla's on the same inputs where fla runs its backward. Prints both (``label``, ``digits``)."""
+    ours = _grads(inp, "triton", dtype)
+    ref, do, dht = _grads_device64(inp)
+    fla = _fla_grads(inp, do, dht)
+    rows = [(n, rel_err(ours[n], r), None if fla is None else rel_err(fla[n], r)) for n, r in ref.items()]
+    print(f"\n{label} grads rel err (ours / fla): " +
+          ", ".join(f"{n} {e:.{digits}e}/{'-' if f is None else f'{f:.{digits}e}'}" for n, e, f in rows))
+    for n, e, e_fla in rows:
+        assert e <= TOL[dtype], f"{n}: {e:.2e}"
+        if e_fla is not None:
+            assert e <= e_fla * 1.05 + 1e-4, f"{n}: ours {e:.2e} > fla {e_fla:.2e}"
+
+
 @pytest.mark.skipif(not ON_GPU, reason="real sizes and bf16 need the GPU (bf16 is wrong under the interpreter)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("fam", FAMS)
@@ -352,20 +367,7 @@ def test_real_size_grads_vs_fla(fam, dtype):
     """Gradients of every input at real size in 16 bits against the float64 reference, no worse than fla's
     on the same inputs (where fla runs its backward)."""
     inp = make_inputs(fam, B=2, T=1000, H=8, HV=8, K=128, V=128, dtype=dtype, seed=11, device=DEVICE)
-    ours = _grads(inp, "triton", dtype)
-    ref, do, dht = _grads_device64(inp)
-    fla = _fla_grads(inp, do, dht)
-    rows = []
-    for n, r in ref.items():
-        e = rel_err(ours[n], r)
-        e_fla = None if fla is None else rel_err(fla[n], r)
-        rows.append((n, e, e_fla))
-    print(f"\n{fam} {dtype} grads rel err (ours / fla): " +
-          ", ".join(f"{n} {e:.2e}/{'-' if f is None else f'{f:.2e}'}" for n, e, f in rows))
-    for n, e, e_fla in rows:
-        assert e <= TOL[dtype], f"{n}: {e:.2e}"
-        if e_fla is not None:
-            assert e <= e_fla * 1.05 + 1e-4, f"{n}: ours {e:.2e} > fla {e_fla:.2e}"
+    _assert_grads_vs_fla(inp, dtype, f"{fam} {dtype}")
 
 
 @pytest.mark.skipif(not ON_GPU, reason="real sizes and bf16 need the GPU (bf16 is wrong under the interpreter)")
@@ -375,16 +377,7 @@ def test_real_size_grouped_grads_vs_fla(fam):
     the kernels in bf16 and are summed over the group in fp32 (group_sum); every gradient against the float64
     reference, no worse than fla's given q and k repeated over the group."""
     inp = make_inputs(fam, B=2, T=1000, H=4, HV=8, K=128, V=128, dtype=torch.bfloat16, seed=13, device=DEVICE)
-    ours = _grads(inp, "triton", torch.bfloat16)
-    ref, do, dht = _grads_device64(inp)
-    fla = _fla_grads(inp, do, dht)
-    rows = [(n, rel_err(ours[n], r), None if fla is None else rel_err(fla[n], r)) for n, r in ref.items()]
-    print(f"\n{fam} grouped bf16 grads rel err (ours / fla): " +
-          ", ".join(f"{n} {e:.2e}/{'-' if f is None else f'{f:.2e}'}" for n, e, f in rows))
-    for n, e, e_fla in rows:
-        assert e <= TOL[torch.bfloat16], f"{n}: {e:.2e}"
-        if e_fla is not None:
-            assert e <= e_fla * 1.05 + 1e-4, f"{n}: ours {e:.2e} > fla {e_fla:.2e}"
+    _assert_grads_vs_fla(inp, torch.bfloat16, f"{fam} grouped bf16")
 
 
 @pytest.mark.skipif(not ON_GPU, reason="real sizes and bf16 need the GPU (bf16 is wrong under the interpreter)")
@@ -395,16 +388,7 @@ def test_real_size_pair16(fam, pair16, monkeypatch):
     reference within the bf16 bound, and no worse than fla's where fla runs its backward (DeltaNet)."""
     monkeypatch.setenv("CHUNKWISE_BWD_DQK_PAIR16", str(pair16))
     inp = make_inputs(fam, B=2, T=1000, H=8, HV=8, K=128, V=128, dtype=torch.bfloat16, seed=11, device=DEVICE)
-    ours = _grads(inp, "triton", torch.bfloat16)
-    ref, do, dht = _grads_device64(inp)
-    fla = _fla_grads(inp, do, dht)
-    rows = [(n, rel_err(ours[n], r), None if fla is None else rel_err(fla[n], r)) for n, r in ref.items()]
-    print(f"\n{fam} PAIR16 {pair16} bf16 grads rel err (ours / fla): " +
-          ", ".join(f"{n} {e:.3e}/{'-' if f is None else f'{f:.3e}'}" for n, e, f in rows))
-    for n, e, e_fla in rows:
-        assert e <= TOL[torch.bfloat16], f"{n}: {e:.2e}"
-        if e_fla is not None:
-            assert e <= e_fla * 1.05 + 1e-4, f"{n}: ours {e:.2e} > fla {e_fla:.2e}"
+    _assert_grads_vs_fla(inp, torch.bfloat16, f"{fam} PAIR16 {pair16} bf16", digits=3)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="GPU only")
