@@ -381,7 +381,7 @@ def test_real_size_grouped_grads_vs_fla(fam):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="real sizes and bf16 need the GPU (bf16 is wrong under the interpreter)")
-@pytest.mark.parametrize("fam,pair16", [("delta", 0), ("delta", 2), ("delta", 3), ("gdn", 3), ("gla", 3)])
+@pytest.mark.parametrize("fam,pair16", [("delta", 0), ("delta", 1), ("delta", 2), ("gdn", 0), ("gla", 0)])
 def test_real_size_pair16(fam, pair16, monkeypatch):
     """The state-tile pass's other pairwise forms (CHUNKWISE_BWD_DQK_PAIR16; the default's are
     test_real_size_grads_vs_fla's) at real size in bf16, where level 4 takes them: every gradient against the float64
@@ -506,18 +506,18 @@ def test_state_tile_pair16(fam, pair16, monkeypatch):
 
 
 def test_dqk_pair16_choice(monkeypatch):
-    """Which state-tile pairwise form each gate kind takes: DeltaNet 1 by default and any of 0-3 when asked; the
-    scalar gate 0 by default, 3 when asked, 1 / 2 refused with a warning (its dg); KDA its default whatever is
-    asked (its pairwise products are the pair kernel's)."""
+    """Which state-tile pairwise form each gate kind takes: DeltaNet 3 by default and any of 0-3 when asked; the
+    scalar gate 3 by default, 0 when asked, 1 / 2 refused with a warning and its default taken (its dg); KDA its
+    default whatever is asked (its pairwise products are the pair kernel's)."""
     import chunkwise.triton.chunk_bwd as cb
     monkeypatch.delenv("CHUNKWISE_BWD_DQK_PAIR16", raising=False)
-    assert (cb.dqk_pair16(0), cb.dqk_pair16(1), cb.dqk_pair16(2)) == (1, 0, 0)
+    assert (cb.dqk_pair16(0), cb.dqk_pair16(1), cb.dqk_pair16(2)) == (3, 3, 0)
     for v in range(4):
         monkeypatch.setenv("CHUNKWISE_BWD_DQK_PAIR16", str(v))
         assert cb.dqk_pair16(0) == v and cb.dqk_pair16(2) == 0
         if v in (1, 2):
             with pytest.warns(RuntimeWarning, match="CHUNKWISE_BWD_DQK_PAIR16"):
-                assert cb.dqk_pair16(1) == 0
+                assert cb.dqk_pair16(1) == 3
         else:
             assert cb.dqk_pair16(1) == v
 

@@ -1938,34 +1938,33 @@ BWD_LOWP_BF16_128 = 4
 # error passed the bound there, sessions 7-8)
 BWD_LOWP3_OPT_IN = frozenset({0})
 # At level 4, the state-tile pass's pairwise products in 16 bits, per gate kind: 1 dk's (dPᵀ Q; LOWP 3 there), 2 dq's
-# (dP K) too (level 3 in that pass), 0 neither; the WY pass stays at level 4. Only without a gate (DeltaNet): no dg
-# reads them. CHUNKWISE_BWD_DQK_PAIR16 (0-3, dqk_pair16) overrides. On the H200 (B1-T32768-H32 bf16): level 3
-# in both passes (run of 728c199) took the state-tile pass 1.122 -> 0.973 ms (its spills gone) but the WY pass
-# 1.157 -> 1.382, fwd+bwd 4.72 -> 4.81; the state-tile pass alone at level 3 (2, run of 60f375a) 1.124 -> 0.958 ms,
-# fwd+bwd 4.73 -> 4.55, but dq's error rose past fla's (real size, bf16: 4.539e-3 -> 4.613e-3 against fla's
-# 4.607e-3; grouped 4.872e-3 -> 4.944e-3 against 4.937e-3). dk's alone (1): offline sm_90 255 registers / 56 B
-# spilled -> 248 / 0 (2: 236 / 0); on the H200 (run of a69074b) the pass 1.128 -> 1.061 ms, fwd+bwd 4.72 -> 4.65,
-# dq's error bit for bit as at 0, dk's 5.497e-3 -> 5.527e-3 (fla's 5.722e-3)
-# 3: both products from 16-bit q, k with dP / dPᵀ split into two 16-bit parts (_mm_split16: ~16 significant bits of
-# dP against tf32's 11; two bf16 products issue in the time of one tf32 product). Offline sm_90 (bf16, 4 warps; 0 -> 3):
-# DeltaNet 255 registers / 56 B spilled / 1568 instructions -> 252 / 0 / 1528 (1: 248 / 0 / 1376); GDN 255 / 60 B /
-# 3056 -> 255 / 104 B / 2976. Unmeasured on the GPU. Allowed for the scalar gate too (CHUNKWISE_BWD_DQK_PAIR16=3, GDN /
-# simple GLA: dg reads dq, dk, but the split keeps more of dP than tf32 does), where 1 / 2 fall back to 0 with a
-# warning
-BWD_DQK_PAIR16 = {0: 1, 1: 0, 2: 0}
+# (dP K) too (level 3 in that pass), 3 both from 16-bit q, k with dP / dPᵀ split into two 16-bit parts (_mm_split16,
+# LOWP 4 there: ~16 significant bits of dP against tf32's 11; two bf16 products issue in the time of one tf32
+# product), 0 neither; the WY pass stays at level 4. CHUNKWISE_BWD_DQK_PAIR16 (0-3, dqk_pair16) overrides. On the
+# H200 (B1-T32768-H32 bf16): level 3 in both passes (run of 728c199) took the state-tile pass 1.122 -> 0.973 ms (its
+# spills gone) but the WY pass 1.157 -> 1.382, fwd+bwd 4.72 -> 4.81. DeltaNet, state-tile pass / fwd+bwd ms and
+# real-size bf16 dq / dk errors against float64 (fla's 4.607e-3 / 5.722e-3): 0 1.121 / 4.72, 4.539e-3 / 5.497e-3;
+# 1 1.055 / 4.65, 4.539e-3 / 5.527e-3; 2 0.958 / 4.55, 4.613e-3 (past fla's) / 5.527e-3; 3 (run of 63e52fb) 0.990 /
+# 4.59, 4.534e-3 / 5.494e-3: faster than 1 and closer than 0. The scalar gate at 3 (same run): GDN's pass 1.659 ->
+# 1.517 ms, fwd+bwd 5.93 -> 5.78, dq / dk / dg errors 3.44e-3 / 3.85e-3 / 3.07e-3 -> 3.42e-3 / 3.84e-3 / 3.05e-3;
+# simple GLA's pass 1.550 -> 1.326, fwd+bwd 4.16 -> 3.84, errors lower too. Offline sm_90 (bf16, 4 warps; 0 -> 3):
+# DeltaNet 255 registers / 56 B spilled / 1568 instructions -> 252 / 0 / 1528; GDN 255 / 60 B / 3056 -> 255 / 104 B
+# / 2976. The scalar gate refuses 1 / 2 (its dg reads dq, dk; the split keeps more of dP than tf32 does, 1 / 2 less)
+# with a warning and takes its default; KDA's pairwise products are the pair kernel's
+BWD_DQK_PAIR16 = {0: 3, 1: 3, 2: 0}
 
 
 def dqk_pair16(gate: int) -> int:
     """BWD_DQK_PAIR16 for a gate kind with CHUNKWISE_BWD_DQK_PAIR16 applied: any of 0-3 without a gate, 0 or 3 with
-    a scalar gate (1 / 2 warn and give 0: their dg errors passed the bound on the H200, sessions 7-8), the default
-    with a per-channel gate (KDA's pairwise products are the pair kernel's)."""
+    a scalar gate (1 / 2 warn and give the default: their dg errors passed the bound on the H200, sessions 7-8), the
+    default with a per-channel gate (KDA's pairwise products are the pair kernel's)."""
     if gate == 2:
         return BWD_DQK_PAIR16[gate]
     choice = _env_choice("CHUNKWISE_BWD_DQK_PAIR16", BWD_DQK_PAIR16[gate], range(4))
     if gate == 1 and choice in (1, 2):
-        warnings.warn(f"CHUNKWISE_BWD_DQK_PAIR16={choice}: the scalar gate's dg takes 0 or 3 only; using 0",
-                      RuntimeWarning, stacklevel=3)
-        return 0
+        warnings.warn(f"CHUNKWISE_BWD_DQK_PAIR16={choice}: the scalar gate's dg takes 0 or 3 only; using "
+                      f"{BWD_DQK_PAIR16[gate]}", RuntimeWarning, stacklevel=3)
+        return BWD_DQK_PAIR16[gate]
     return choice
 
 
