@@ -391,6 +391,17 @@ def test_real_size_pair16(fam, pair16, monkeypatch):
     _assert_grads_vs_fla(inp, torch.bfloat16, f"{fam} PAIR16 {pair16} bf16", digits=3)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="real sizes and bf16 need the GPU (bf16 is wrong under the interpreter)")
+@pytest.mark.parametrize("fam", ("delta", "gdn"))
+def test_real_size_wy_pair16(fam, monkeypatch):
+    """The WY pass's split pairwise products (CHUNKWISE_BWD_WY_PAIR16=1) at real size in bf16, where level 4 takes
+    them: every gradient against the float64 reference within the bf16 bound, and no worse than fla's where fla runs
+    its backward (DeltaNet)."""
+    monkeypatch.setenv("CHUNKWISE_BWD_WY_PAIR16", "1")
+    inp = make_inputs(fam, B=2, T=1000, H=8, HV=8, K=128, V=128, dtype=torch.bfloat16, seed=11, device=DEVICE)
+    _assert_grads_vs_fla(inp, torch.bfloat16, f"{fam} WY_PAIR16 1 bf16", digits=3)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="GPU only")
 @pytest.mark.parametrize("fam", ("gdn", "gla"))
 def test_hopper_triton36_gdn_gla(fam):
@@ -499,6 +510,18 @@ def test_state_tile_pair16(fam, pair16, monkeypatch):
     the GPU it is refused at K = 16 (the default level runs; test_real_size_pair16 covers the forms there)."""
     monkeypatch.setenv("CHUNKWISE_BWD_LOWP", "4")
     monkeypatch.setenv("CHUNKWISE_BWD_DQK_PAIR16", str(pair16))
+    inp = make_inputs(fam, lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, seed=8)
+    _compare(inp, TOL[torch.float16], dtype=torch.float16)
+
+
+@pytest.mark.parametrize("fam", ("delta", "gdn"))
+def test_wy_pair16(fam, monkeypatch):
+    """Level 4 with the WY pass's pairwise products dA K, dAᵀ (βK) from 16-bit K and dA, dAᵀ β split into two 16-bit
+    parts (CHUNKWISE_BWD_WY_PAIR16=1), beside the state-tile pass's default form: fp16 gradients of every input within
+    the fp16 tolerance, varlen and grouped heads. Under the interpreter level 4 runs as asked; on the GPU it is
+    refused at K = 16 (test_real_size_wy_pair16 covers the form there)."""
+    monkeypatch.setenv("CHUNKWISE_BWD_LOWP", "4")
+    monkeypatch.setenv("CHUNKWISE_BWD_WY_PAIR16", "1")
     inp = make_inputs(fam, lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, seed=8)
     _compare(inp, TOL[torch.float16], dtype=torch.float16)
 

@@ -1378,7 +1378,9 @@ def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, Ascr, dv, dk, db
         scalar gate: dG = Σ of _bwd_dqk_kernel's NKP column-block shares + Σ_k (X ⊙ dX + βK ⊙ dA K − K ⊙ dAᵀ βK),
                      dg its reverse cumsum in the chunk
     Without the delta rule only the last step runs (dv = dR and dk = dk1 are the caller's). BK: the key loops'
-    column block. LOWP as _bwd_grad_kernel's (T, dW, X, dT in 16 bits from 1, dA with K in 16 bits at 1 only).
+    column block. LOWP as _bwd_grad_kernel's (T, dW, X, dT in 16 bits from 1, dA with K in 16 bits at 1 only); 4 is 2
+    with the last loop's pairwise products dA K and dAᵀ (βK) = (dAᵀ β) K from 16-bit K, dA and dAᵀ β each split into
+    two 16-bit parts (as _mm_split16; 16-bit inputs, bf16 only).
     NVD > 0 (scalar gate): the last row's dG also takes e^{G_last} ⟨S, dS'⟩, summed from the reverse state pass's
     rows in dgam [NC, HV, NVD, KD]. T_TRANS: T is Tᵀ's tile transposed (a loaded tile, not a product's
     accumulator) instead of a second load of Tmat, whose latency the program waited on. DK1_AHEAD: the last key
@@ -1473,11 +1475,19 @@ def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, Ascr, dv, dk, db
             tl.store(Ascr + p_cc, b_dA, mask=m_cc)
             tl.debug_barrier()
             b_dAt = tl.load(Ascr + p_ccT, mask=m_cc, other=0.)
-        b_dA, b_dAt = b_dA.to(OPD2), b_dAt.to(OPD2)
+        if LOWP == 4:   # dA K and dAᵀ (βK) = (dAᵀ β) K from 16-bit K with dA, dAᵀ β split in two 16-bit parts each
+            b_dAh = b_dA.to(k.dtype.element_ty)
+            b_dAl = (b_dA - b_dAh.to(tl.float32)).to(k.dtype.element_ty)
+            b_dAt = b_dAt * b_beta[None, :]
+            b_dAth = b_dAt.to(k.dtype.element_ty)
+            b_dAtl = (b_dAt - b_dAth.to(tl.float32)).to(k.dtype.element_ty)
+        else:
+            b_dA, b_dAt = b_dA.to(OPD2), b_dAt.to(OPD2)
         for i_k in range(tl.cdiv(K, BK)):
             o_k = i_k * BK + tl.arange(0, BK)
             m_tk, p_tk, p_hk = _col_offsets(rows, m_t, o_k, o_k < K, i_h, i_hk, H, HV, K)
-            b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
+            b_k16 = tl.load(k + p_tk, mask=m_tk, other=0.)
+            b_k = b_k16.to(tl.float32)
             b_kb = b_k * b_beta[:, None]
             if GATE == 1:
                 b_ke = b_k * b_eG
@@ -1485,8 +1495,12 @@ def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, Ascr, dv, dk, db
                 b_ke = b_k
             b_dw = tl.load(dW + p_hk, mask=m_tk, other=0.).to(OPD)
             b_dx = _mm(b_Ttl, b_dw, PREC)                                                    # [C, C] @ [C, BK]
-            b_dkb = _mm(b_dA, b_k.to(OPD2), PREC)                                            # [C, C] @ [C, BK]
-            b_dkp = _mm(b_dAt, b_kb.to(OPD2), PREC)                                          # [C, C] @ [C, BK]
+            if LOWP == 4:
+                b_dkb = _mm(b_dAh, b_k16, PREC) + _mm(b_dAl, b_k16, PREC)                    # [C, C] @ [C, BK]
+                b_dkp = _mm(b_dAth, b_k16, PREC) + _mm(b_dAtl, b_k16, PREC)                  # [C, C] @ [C, BK]
+            else:
+                b_dkb = _mm(b_dA, b_k.to(OPD2), PREC)                                        # [C, C] @ [C, BK]
+                b_dkp = _mm(b_dAt, b_kb.to(OPD2), PREC)                                      # [C, C] @ [C, BK]
             if DK1_AHEAD:
                 b_dk1 = b_dk1n
                 b_dk1n = _cols_ahead(dk1, rows, m_t, (i_k + 1) * BK, i_h, HV, K, BK)
@@ -1952,6 +1966,10 @@ BWD_LOWP3_OPT_IN = frozenset({0})
 # / 2976. The scalar gate refuses 1 / 2 (its dg reads dq, dk; the split keeps more of dP than tf32 does, 1 / 2 less)
 # with a warning and takes its default; KDA's pairwise products are the pair kernel's
 BWD_DQK_PAIR16 = {0: 3, 1: 3, 2: 0}
+# At level 4, the WY pass's pairwise products dA K and dAᵀ (βK) of its last key loop (tf32 at 0) from 16-bit K with dA
+# and dAᵀ β split into two 16-bit parts each, as BWD_DQK_PAIR16 3 (scalar / no gate; KDA's are the pair kernel's).
+# CHUNKWISE_BWD_WY_PAIR16 (0 / 1) overrides. Unmeasured on the GPU
+BWD_WY_PAIR16 = 0
 
 
 def dqk_pair16(gate: int) -> int:
@@ -2216,6 +2234,8 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     # the state-tile pass's (BWD_DQK_PAIR16) at level 4: dk's pairwise product (LOWP 3) or both (True) in 16 bits, or
     # both split (4)
     lowp_dqk = {1: 3, 2: True, 3: 4}.get(dqk_pair16(gate), lowp_key) if level == 4 else lowp_key
+    # the WY pass's (BWD_WY_PAIR16) at level 4: its pairwise products dA K, dAᵀ (βK) split as the state-tile pass's
+    lowp_wy = 4 if level == 4 and gate != 2 and _env_switch("CHUNKWISE_BWD_WY_PAIR16", BWD_WY_PAIR16) else lowp_key
     ns = _num_stages(q.dtype, BK)
     # the per-channel 8-warp picks apply (not with tf32x3 products: at 8 warps they gave wrong KDA gradients at
     # small tiles on the H200, fp32 inputs in session 5, fp16 with CHUNKWISE_BWD_PREC16=tf32x3 in session 8)
@@ -2430,7 +2450,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
             _bwd_wy_kernel[grid_c](k, v, beta, G, Tmat, dW, dR, dk1, dbs if gate == 2 else dGp, dgam, Amat, dv, dk,
                                    dbeta, dG, R if delta else None, do, Pmat, dTp, scale=scale, H=H, HV=HV,
                                    K=K, V=V, BK=bkw, BV=BV, C=C, NKP=nka, GATE=gate, DELTA=delta, IS_VARLEN=varlen,
-                                   PREC=prec, LOWP=lowp_key, NVD=nvd, KD=BK,
+                                   PREC=prec, LOWP=lowp_wy, NVD=nvd, KD=BK,
                                    T_TRANS=_env_switch("CHUNKWISE_BWD_WY_T_TRANS", BWD_WY_T_TRANS),
                                    DK1_AHEAD=_env_switch("CHUNKWISE_BWD_WY_DK1_AHEAD", BWD_WY_DK1_AHEAD),
                                    DA_SCR=da_scr, FULL=bwd_full("bwd_wy", gate, T, varlen),
