@@ -1968,7 +1968,10 @@ BWD_LOWP3_OPT_IN = frozenset({0})
 BWD_DQK_PAIR16 = {0: 3, 1: 3, 2: 0}
 # At level 4, the WY pass's pairwise products dA K and dAᵀ (βK) of its last key loop (tf32 at 0) from 16-bit K with dA
 # and dAᵀ β split into two 16-bit parts each, as BWD_DQK_PAIR16 3 (scalar / no gate; KDA's are the pair kernel's).
-# CHUNKWISE_BWD_WY_PAIR16 (0 / 1) overrides. Unmeasured on the GPU
+# CHUNKWISE_BWD_WY_PAIR16 (0 / 1) overrides. Offline sm_90 (bf16, 4 warps; 0 -> 1): DeltaNet 250 registers / 0 spilled /
+# 2448 instructions -> 238 / 0 / 2592, GDN 244 / 0 / 3432 -> 255 / 40 B / 3648. On the H200 (B1-T32768-H32, run of
+# 2c10996) the pass is far slower: DeltaNet 1.159 -> 1.603 ms, GDN 1.412 -> 1.750 (real-size errors the same to 3
+# digits), as level 3 was (its dA K products with 16-bit dA too): off
 BWD_WY_PAIR16 = 0
 
 
