@@ -83,18 +83,20 @@ def test_opcheck_triton(form):
 
 @pytest.mark.skipif(not (ON_GPU or INTERPRET), reason="the triton backend needs a GPU or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("fam,dtype,scaled", [("gdn", torch.float32, "1"), ("kda", torch.float16, "0"),
-                                              ("kda", torch.float16, "1")])
+                                              ("kda", torch.float16, "1"), ("delta", torch.float32, "0")])
 @pytest.mark.parametrize("states", ["0", "1", "r0"])
 @pytest.mark.parametrize("K", [16, 18])
 def test_opcheck_triton_saved_stage1(K, states, fam, dtype, scaled, monkeypatch):
     """The ops that save stage 1 (the default under autograd: the forward returns it for the backward; K = 18 is
     padded, so it returns empty tensors there), R (CHUNKWISE_SAVE_R, the default; not with "r0"), with
     CHUNKWISE_SAVE_STATES=1 the per-chunk states and R, and for
-    KDA with 16-bit inputs and CHUNKWISE_SAVE_GATE_SCALED=1 q ⊙ e^G and k ⊙ e^{G_last − G}, for KDA its G: schema, fake tensors
-    (the same shapes as the real op), autograd registration; its backward's schema and fake tensors."""
+    KDA with 16-bit inputs and CHUNKWISE_SAVE_GATE_SCALED=1 q ⊙ e^G and k ⊙ e^{G_last − G}, for KDA its G, for DeltaNet
+    with R kept and CHUNKWISE_SAVE_HT=1 the final state: schema, fake tensors (the same shapes as the real op),
+    autograd registration; its backward's schema and fake tensors."""
     monkeypatch.setenv("CHUNKWISE_SAVE_STATES", "1" if states == "1" else "0")
     monkeypatch.setenv("CHUNKWISE_SAVE_R", "0" if states == "r0" else "1")
     monkeypatch.setenv("CHUNKWISE_SAVE_GATE_SCALED", scaled)
+    monkeypatch.setenv("CHUNKWISE_SAVE_HT", "1")
     inp = make_inputs(fam, B=1, T=20, H=1, HV=2, K=K, V=16, dtype=dtype, requires_grad=True)
     args = _op_args(inp, 0.25, True, False, backend="triton")
     torch.library.opcheck(_custom_ops.chunk_fwd_saved, args,
@@ -105,11 +107,13 @@ def test_opcheck_triton_saved_stage1(K, states, fam, dtype, scaled, monkeypatch)
     assert [x.numel() > 0 for x in stage1] == \
         [saves, saves and states == "r0", saves, saves] + [saves and states == "1", saves and states != "r0"] + \
         [saves and fam == "kda" and scaled == "1"] * 2 + \
-        [saves and fam == "kda"]        # KDA's G (chunk_fwd.saves_gate_cumsum)
+        [saves and fam == "kda"] + \
+        [saves and fam == "delta" and states == "0"]    # KDA's G (saves_gate_cumsum), DeltaNet's final state
     do, dht = torch.randn_like(inp.v), torch.randn_like(inp.h0)
     torch.library.opcheck(_custom_ops.chunk_bwd_saved,
-                          (inp.q.detach(), inp.k.detach(), inp.v.detach(), inp.g.detach(), inp.beta.detach(), 0.25,
-                           inp.h0.detach(), None, None, False, 16, "triton", *stage1, do, dht, [True] * 6),
+                          (inp.q.detach(), inp.k.detach(), inp.v.detach(), None if inp.g is None else inp.g.detach(),
+                           inp.beta.detach(), 0.25, inp.h0.detach(), None, None, False, 16, "triton", *stage1, do, dht,
+                           [True] * 6),
                           test_utils=("test_schema", "test_faketensor"))
 
 

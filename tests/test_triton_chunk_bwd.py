@@ -1042,6 +1042,29 @@ def test_grads_saved_r(fam, dtype, monkeypatch):
         assert rel_err(with_r[n], without[n]) <= TOL[dtype] / 4, n
 
 
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if ON_GPU else []))
+@pytest.mark.parametrize("final,transpose", [(True, False), (False, False), (True, True)])
+def test_grads_saved_final_state(final, transpose, dtype, monkeypatch):
+    """CHUNKWISE_SAVE_HT=1 (DeltaNet with R kept): the saving forward also keeps its final state (fp32, the state
+    layout; also when the caller does not ask for it), and the reverse state pass forms each chunk's entering state
+    backwards from it, S_c = S_{c+1} − K_cᵀ R_c, with no forward state pass launched: every gradient equals the
+    reference's and, to rounding, the backward with that pass (=0), over a varlen batch with a 1-token, a mid-chunk
+    and a 2-chunk sequence, grouped heads and a carried-in state; the final state read by the loss or not asked for,
+    in either state layout."""
+    inp = make_inputs("delta", lengths=[1, 70, 128, 30], H=1, HV=2, K=16, V=32, seed=23)
+    fwd_h = _count_launches(monkeypatch, "_fwd_h_kernel")
+    rev = _count_launches(monkeypatch, "_bwd_dh_kernel", arg="REV_H")
+    monkeypatch.setenv("CHUNKWISE_SAVE_HT", "1")
+    kept = _grads(inp, "triton", dtype, final=final, transpose=transpose)
+    _compare(inp, TOL[dtype], dtype=dtype, ours=kept, final=final, transpose=transpose)
+    assert fwd_h == [] and rev == [True]
+    monkeypatch.setenv("CHUNKWISE_SAVE_HT", "0")
+    formed = _grads(inp, "triton", dtype, final=final, transpose=transpose)
+    assert len(fwd_h) == 1 and rev == [True, False]
+    for n in formed:
+        assert rel_err(kept[n], formed[n]) <= TOL[dtype] / 4, n
+
+
 @pytest.mark.parametrize("ahead", ["0", "1", "2"])
 @pytest.mark.parametrize("fam", ["delta", "gdn", "kda"])
 def test_reverse_pass_load_forms(fam, ahead, monkeypatch):

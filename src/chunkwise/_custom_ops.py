@@ -272,7 +272,7 @@ recurrent_bwd.register_fake(_backward_fake)
 # triton chunk op that keeps stage 1 for the backward (the default; CHUNKWISE_SAVE_STAGE1=0 recomputes it)
 # ----------------------------------------------------------------------------------------------
 
-_StageTuple = tuple[(torch.Tensor,) * 11]
+_StageTuple = tuple[(torch.Tensor,) * 12]
 
 
 def _save_stage1_wanted(mode, backend, beta, *tensors) -> bool:
@@ -284,17 +284,19 @@ def _save_stage1_wanted(mode, backend, beta, *tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _stage1_shapes(q, v, g, beta, cu_seqlens):
-    """(w, u, p, t, h, r, qg, kg, gc) shapes and dtypes the saving forward returns (empty [0] tensors where it saves
-    nothing; h only with chunk_fwd.saves_states, r with it or chunk_fwd.saves_r; qg, kg only where chunk_bwd.gate_scaled_in; gc, KDA's G, with
-    chunk_fwd.saves_gate_cumsum)."""
+def _stage1_shapes(q, v, g, beta, cu_seqlens, transpose_state_layout=False):
+    """(w, u, p, t, h, r, qg, kg, gc, ht) shapes and dtypes the saving forward returns (empty [0] tensors where it
+    saves nothing; h only with chunk_fwd.saves_states, r with it or chunk_fwd.saves_r; qg, kg only where
+    chunk_bwd.gate_scaled_in; gc, KDA's G, with chunk_fwd.saves_gate_cumsum; ht, the final state fp32 in the state
+    layout, with chunk_fwd.saves_final_state)."""
     from .triton.chunk_bwd import gate_scaled_in, saved_t_dtype
     from .triton.chunk_fwd import (BT, _gate_kind, chunk_slots, keeps_r, save_t_form, saves_gate_cumsum,
-                                   saves_gate_scaled, saves_r, saves_stage1, saves_states, state_dtype)
+                                   saves_final_state, saves_gate_scaled, saves_r, saves_stage1, saves_states,
+                                   state_dtype)
     B, T, HV, K, V = q.shape[0], q.shape[1], v.shape[2], q.shape[3], v.shape[3]
     empty = (_EMPTY_SHAPE, q.dtype)
     if not saves_stage1(q, v, g, beta):
-        return [empty] * 9
+        return [empty] * 10
     gate = _gate_kind(g)
     t_form = save_t_form(gate, q.dtype)
     # (u only where R is not kept: chunk_fwd.keeps_r)
@@ -307,7 +309,10 @@ def _stage1_shapes(q, v, g, beta, cu_seqlens):
     else:
         stage += [empty, ((B, T, HV, V), sdt) if saves_r() else empty]
     stage += [((B, T, HV, K), q.dtype)] * 2 if gate_scaled_in(g, q) and saves_gate_scaled() else [empty] * 2
-    return stage + [((B, T, HV, K), torch.float32) if _gate_kind(g) == 2 and saves_gate_cumsum() else empty]
+    stage += [((B, T, HV, K), torch.float32) if _gate_kind(g) == 2 and saves_gate_cumsum() else empty]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    ht = (N, HV, V, K) if transpose_state_layout else (N, HV, K, V)
+    return stage + [(ht, torch.float32) if keeps_r() and saves_final_state(g, beta) else empty]
 
 
 @torch.library.custom_op("chunkwise::chunk_fwd_saved", mutates_args=())
@@ -326,19 +331,23 @@ def chunk_fwd_saved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Option
     unless it or triton.chunk_fwd.saves_r (the default);
     qg = q ⊙ e^G, kg = k ⊙ e^{G_last − G} [B,T,HV,K] in q's dtype (KDA, what its backward's state passes take:
     triton.chunk_bwd.gate_scaled_in; not with CHUNKWISE_SAVE_GATE_SCALED=0), else empty; gc: KDA's chunk-local
-    cumulative gate G [B,T,HV,K] fp32 (not with CHUNKWISE_SAVE_GATE_CUMSUM=0), else empty."""
+    cumulative gate G [B,T,HV,K] fp32 (not with CHUNKWISE_SAVE_GATE_CUMSUM=0), else empty; ht: the final state fp32
+    in the state layout where triton.chunk_fwd.saves_final_state (DeltaNet with r kept, CHUNKWISE_SAVE_HT), else empty
+    (the same tensor as the final state output when that is asked for)."""
     from .triton.chunk_bwd import gate_scaled_in
     from .triton.chunk_fwd import chunk_fwd as triton_chunk_fwd, saves_gate_scaled
     saved: dict = {}
     o, ht = triton_chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                              chunk_indices=_triton_chunk_indices(cu_seqlens, chunk_indices),
                              transpose_state_layout=transpose_state_layout, saved_out=saved)
+    if saved.get("ht") is not None and saved["ht"] is ht:    # (outputs must not alias: the kept one is a copy)
+        saved["ht"] = ht.clone()
     if not output_final_state or ht is None:
         ht = _empty(q, _compute_dtype(q, initial_state))
     if not (gate_scaled_in(g, q) and saves_gate_scaled()):
         saved.pop("qg", None), saved.pop("kg", None)
     stage = [saved[n] if n in saved else q.new_empty(_EMPTY_SHAPE)
-             for n in ("w", "u", "p", "t", "h", "r", "qg", "kg", "G")]
+             for n in ("w", "u", "p", "t", "h", "r", "qg", "kg", "G", "ht")]
     return (_not_an_alias(o, q, k, v), _not_an_alias(ht, initial_state), *stage)
 
 
@@ -347,7 +356,8 @@ def _(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, ch
       chunk_size, backend):
     o, ht = _forward_fake(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_indices,
                           transpose_state_layout, chunk_size, backend)
-    return (o, ht, *(q.new_empty(shape, dtype=dt) for shape, dt in _stage1_shapes(q, v, g, beta, cu_seqlens)))
+    return (o, ht, *(q.new_empty(shape, dtype=dt)
+                     for shape, dt in _stage1_shapes(q, v, g, beta, cu_seqlens, transpose_state_layout)))
 
 
 @torch.library.custom_op("chunkwise::chunk_bwd_saved", mutates_args=())
@@ -356,11 +366,12 @@ def chunk_bwd_saved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Option
                     cu_seqlens: Optional[torch.Tensor], chunk_indices: Optional[torch.Tensor],
                     transpose_state_layout: bool, chunk_size: int, backend: str, w: torch.Tensor, u: torch.Tensor,
                     p: torch.Tensor, t: torch.Tensor, h: torch.Tensor, r: torch.Tensor, qg: torch.Tensor,
-                    kg: torch.Tensor, gc: torch.Tensor, do: torch.Tensor, dht: Optional[torch.Tensor],
-                    needs_grad: Sequence[bool]) -> _GradTuple:
+                    kg: torch.Tensor, gc: torch.Tensor, ht: torch.Tensor, do: torch.Tensor,
+                    dht: Optional[torch.Tensor], needs_grad: Sequence[bool]) -> _GradTuple:
     """Gradients of chunk_fwd_saved from its stage 1 (p, t and w, u; all recomputed where they are empty, w and u
     alone formed from t), the per-chunk states and R (h, r; recomputed where they are empty) and KDA's q ⊙ e^G,
-    k ⊙ e^{G_last − G} (qg, kg; formed again where they are empty) and G (gc; likewise)."""
+    k ⊙ e^{G_last − G} (qg, kg; formed again where they are empty), G (gc; likewise) and the final state (ht: where
+    kept, the reverse state pass forms the per-chunk states from it)."""
     saved = dict(w=w if w.numel() else None, u=u if u.numel() else None, p=p, t=t) if t.numel() else None
     if saved is not None and h.numel():
         saved.update(h=h)
@@ -370,13 +381,15 @@ def chunk_bwd_saved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Option
         saved.update(qg=qg, kg=kg)
     if saved is not None and gc.numel():
         saved.update(G=gc)
+    if saved is not None and ht.numel():
+        saved.update(ht=ht)
     return _backward_impl("chunk", q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_indices,
                           transpose_state_layout, chunk_size, backend, do, dht, needs_grad, saved=saved)
 
 
 @chunk_bwd_saved.register_fake
 def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_indices, transpose_state_layout, chunk_size, backend,
-      w, u, p, t, h, r, qg, kg, gc, do, dht, needs_grad):
+      w, u, p, t, h, r, qg, kg, gc, ht, do, dht, needs_grad):
     return _backward_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_indices, transpose_state_layout,
                           chunk_size, backend, do, dht, needs_grad)
 

@@ -719,13 +719,15 @@ def _fwd_h_kernel(k, v, G, W, U, h0, h, R, cu_seqlens, T,
 # ------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, h, dgam, b_dS, b_dRl, b_lastp, i_c, bos, eos, boh, i_h, i_hk, o_v,
-                 scale, unit, H: tl.constexpr,
+def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, h, dgam, Rs, b_dS, b_S, b_dRl, b_lastp, i_c, bos, eos, boh, i_h, i_hk,
+                 o_v, scale, unit, H: tl.constexpr,
                  HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                  C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
                  KD_IN: tl.constexpr = 0, AHEAD: tl.constexpr = 1, PL: tl.constexpr = 0, DGAM: tl.constexpr = 0,
-                 FULL: tl.constexpr = 0):
+                 FULL: tl.constexpr = 0, REV_H: tl.constexpr = 0):
     """One chunk of the reverse state pass: store dS', dR = dR_local + Kend dS', dS = γ dS' + ...
+    Returns (dS, S). REV_H (no gate): b_S is the state leaving the chunk; S ← S − Kᵀ R (R: the forward's, Rs) is
+    the state entering it, stored to h (the forward state pass's output, formed backwards from the final state).
     LOWP: the products' operands in the 16-bit input dtype (see _fwd_h_step). KD_IN: q, k are
     _gate_scaled_kernel's qd, kd [B, T, HV, K]. b_dRl, b_lastp: this chunk's dR_local tile and (KD_IN) G_last,
     loaded a step ahead (_step_ahead) where AHEAD, else loaded here. PL: dRl is P [B, T, HV, C] (the forward's
@@ -761,6 +763,11 @@ def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, h, dgam, b_dS, b_dRl, b_lastp, i_c
         b_k = b_k.to(tl.float32) * b_ekend
         b_q = b_q.to(tl.float32) * b_eG
     b_k, b_q = b_k.to(op_dt), b_q.to(op_dt)
+    if REV_H:
+        b_Rs = tl.load(Rs + p_tv, mask=m_tv, other=0.).to(op_dt)
+        b_S -= _mm(tl.trans(b_k), b_Rs, PREC)                                       # [BK, C] @ [C, BV]
+        tl.store(h + (((boh + i_c) * HV + i_h) * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :],
+                 b_S.to(h.dtype.element_ty), mask=m_kv)
     b_kdS = _mm(b_k, b_dS.to(op_dt), PREC)                                          # [C, BK] @ [BK, BV]
     if GATE == 1:   # a scalar gate scales rows: apply it to the [C, BV] side, not to [C, BK]
         b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
@@ -782,7 +789,7 @@ def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, h, dgam, b_dS, b_dRl, b_lastp, i_c
         b_dS -= _mm(tl.trans(b_w), b_dR.to(op_dt), PREC)                            # [BK, C] @ [C, BV]
     if DGAM:
         _dgam_rows(dgam, b_Sp, b_dS, i_c - 1, boh, i_h, HV, BK)
-    return b_dS
+    return b_dS, b_S
 
 
 @triton.jit
@@ -814,8 +821,11 @@ def _bwd_dh_kernel(q, k, G, W, dRl, do, dht, dh, dR, dh0, h, dgam, cu_seqlens, T
                    HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, TRANSPOSE: tl.constexpr,
                    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOOP_WHILE: tl.constexpr, LOWP: tl.constexpr = 0,
                    KD_IN: tl.constexpr = 0, AHEAD: tl.constexpr = 1, PL: tl.constexpr = 0, DGAM: tl.constexpr = 0,
-                   FULL: tl.constexpr = 0):
+                   FULL: tl.constexpr = 0, ht=None, Rs=None, REV_H: tl.constexpr = 0):
     """dR = dR_local + Kend dS';  dS = γ dS' + scale Qgᵀ dO − Wᵀ dR.
+    REV_H (DeltaNet: no gate; the forward kept R and its final state): the states entering the chunks, h, formed
+    here backwards from the final state ht (fp32, the state layout: [N, HV, K, V], TRANSPOSE [N, HV, V, K]),
+    S_c = S_{c+1} − K_cᵀ R_c with the forward's R (Rs), instead of by the forward state pass.
     DGAM (scalar gate): dgam [NC, HV, NV, BK] fp32 gets each chunk's Σ_v S ⊙ dS' per key row over value block i_v
     (h: the states entering the chunks, the forward state pass's)
     PL: dRl is P (the forward's stage 1, [B, T, HV, C]) and each step forms dR_local = scale Pᵀ dO itself.
@@ -828,6 +838,9 @@ def _bwd_dh_kernel(q, k, G, W, dRl, do, dht, dh, dR, dh0, h, dgam, cu_seqlens, T
     b_dS = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_DHT:
         b_dS += tl.load(dht + p0, mask=m_kv, other=0.).to(tl.float32)
+    b_S = tl.zeros([BK, BV], dtype=tl.float32)
+    if REV_H:
+        b_S += tl.load(ht + p0, mask=m_kv, other=0.)
     LAST: tl.constexpr = GATE == 2 and KD_IN and AHEAD == 1
     AH: tl.constexpr = AHEAD == 1 and not PL          # dR_local's tile loaded a step ahead
     b_dRl, b_last = _step_ahead(dRl, G, NTs - 1, bos, eos, i_h, o_v, HV, K, V, BK, BV, C, AH, LAST)
@@ -837,17 +850,17 @@ def _bwd_dh_kernel(q, k, G, W, dRl, do, dht, dh, dR, dh0, h, dgam, cu_seqlens, T
         i_c = NTs - 1
         while i_c >= 0:
             b_dRn, b_lastn = _step_ahead(dRl, G, i_c - 1, bos, eos, i_h, o_v, HV, K, V, BK, BV, C, AH, LAST)
-            b_dS = _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, h, dgam, b_dS, b_dRl, b_last, i_c, bos, eos, boh, i_h,
-                                i_hk, o_v, scale, unit, H, HV, K, V, BK, BV, C, GATE, DELTA, PREC, LOWP, KD_IN, AHEAD,
-                                PL, DGAM, FULL)
+            b_dS, b_S = _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, h, dgam, Rs, b_dS, b_S, b_dRl, b_last, i_c, bos,
+                                     eos, boh, i_h, i_hk, o_v, scale, unit, H, HV, K, V, BK, BV, C, GATE, DELTA, PREC,
+                                     LOWP, KD_IN, AHEAD, PL, DGAM, FULL, REV_H)
             b_dRl, b_last = b_dRn, b_lastn
             i_c -= 1
     else:
         for i_r in range(NTs):
             b_dRn, b_lastn = _step_ahead(dRl, G, NTs - 2 - i_r, bos, eos, i_h, o_v, HV, K, V, BK, BV, C, AH, LAST)
-            b_dS = _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, h, dgam, b_dS, b_dRl, b_last, NTs - 1 - i_r, bos, eos,
-                                boh, i_h, i_hk, o_v, scale, unit, H, HV, K, V, BK, BV, C, GATE, DELTA, PREC, LOWP,
-                                KD_IN, AHEAD, PL, DGAM, FULL)
+            b_dS, b_S = _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, h, dgam, Rs, b_dS, b_S, b_dRl, b_last,
+                                     NTs - 1 - i_r, bos, eos, boh, i_h, i_hk, o_v, scale, unit, H, HV, K, V, BK, BV, C,
+                                     GATE, DELTA, PREC, LOWP, KD_IN, AHEAD, PL, DGAM, FULL, REV_H)
             b_dRl, b_last = b_dRn, b_lastn
     if HAS_H0:
         tl.store(dh0 + p0, b_dS, mask=m_kv)
@@ -2299,6 +2312,9 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     # S ← γ S + Kendᵀ R, without W, U
     states_saved = saved is not None and saved.get("h") is not None
     r_saved = saved is not None and saved.get("r") is not None
+    # the forward kept its final state too (chunk_fwd.saves_final_state, DeltaNet): the reverse state pass forms the
+    # per-chunk states backwards from it (REV_H) and the forward state pass is not launched
+    rev_h = r_saved and not states_saved and gate == 0 and delta and saved.get("ht") is not None
     if saved is not None:
         # the forward's stage 1 (T, W, U in the dtypes the recompute would give; P in the input dtype, as the
         # 16-bit W / U recompute takes it): only dR_local = scale Pᵀ dO is left to form, and W, U where a forward
@@ -2338,8 +2354,8 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     # the forward state pass beside the W / U launch (BWD_OVERLAP): where the forward's stage 1 is saved, _wu_kernel
     # forms dR_local (and W, U where the forward kept T alone, KDA) and the state pass reads only W, U of it: it runs on
     # a high-priority stream of its own, each step waiting for its chunk's W / U (flags) or, with W / U saved, at once
-    beside = saved is not None and not p_in_dh and not states_saved and bwd_overlap(gate, r_saved) and _overlap(
-        grid_s[0] * grid_s[1], _num_sms(dev), NT, dev)
+    beside = saved is not None and not p_in_dh and not states_saved and not rev_h and bwd_overlap(gate, r_saved) and \
+        _overlap(grid_s[0] * grid_s[1], _num_sms(dev), NT, dev)
     ready = side = None
     if beside:
         if wu_from_t and not r_saved:   # (from R the pass reads no W / U: it waits for nothing)
@@ -2378,7 +2394,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                            C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_wu, num_warps=_warps("wu", gate, wide8), **_regs("wu", gate, wide8),
                            num_stages=ns, **common)
 
-    if not states_saved:
+    if not states_saved and not rev_h:
         # (v, W, U in, R out; from a kept R: the no-delta form with R as its v)
         pass_v, pass_w, pass_u, pass_r = (R, None, None, None) if r_saved else (v, W, U, R)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
@@ -2405,7 +2421,8 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                            TRANSPOSE=transpose_state_layout, IS_VARLEN=varlen, PREC=prec, LOOP_WHILE=_INTERPRET,
                            LOWP=lowp, KD_IN=kd_in, AHEAD=_bwd_dh_ahead(gate), PL=p_in_dh, DGAM=dgam_dh,
                            FULL=bwd_full("bwd_dh", gate, T, varlen), num_warps=_warps("bwd_dh", gate, wide8),
-                           **_regs("bwd_dh", gate, wide8), num_stages=ns_dh, **seq)
+                           **_regs("bwd_dh", gate, wide8), num_stages=ns_dh,
+                           ht=saved["ht"].contiguous() if rev_h else None, Rs=R if rev_h else None, REV_H=rev_h, **seq)
     del dRl, q_s, k_s
 
     # gradients go out in the input dtype directly unless finished by the per-channel pair kernels (those accumulate

@@ -1814,6 +1814,20 @@ def saves_r() -> bool:
     return not saves_states() and _env_switch("CHUNKWISE_SAVE_R", SAVE_R)
 
 
+# DeltaNet (no gate) under autograd with R kept (saves_r): stage 2 also keeps the final state, fp32 in the state
+# layout ([N, HV, K, V]: one state per sequence, not per chunk), and the backward's reverse state pass forms each
+# chunk's entering state from it backwards, S_c = S_{c+1} − Kᵀ R_c (the same products the forward added: no gate to
+# divide by), in the steps it takes anyway, instead of a forward state pass of its own (chunk_bwd's REV_H).
+# CHUNKWISE_SAVE_HT (0 / 1) overrides.
+SAVE_HT = 0
+
+
+def saves_final_state(g, beta) -> bool:
+    """Whether a forward that saves stage 1 also keeps the final state for the backward's reverse state pass to
+    form the per-chunk states from (SAVE_HT: DeltaNet, with R kept)."""
+    return beta is not None and g is None and saves_r() and _env_switch("CHUNKWISE_SAVE_HT", SAVE_HT)
+
+
 def keeps_r() -> bool:
     """Whether a forward that saves stage 1 keeps R, alone (saves_r) or with the per-chunk states (saves_states);
     it then keeps no U, which the backward reads only to form R."""
@@ -1974,9 +1988,13 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     # stage 2's outputs first: with the overlap, everything it writes exists before stage 1 is launched
     o = _alloc((B, T, HV, V), q.dtype, q.device)
     ht = None
-    if output_final_state:
+    # (the final state kept for the backward's reverse state pass too: saves_final_state)
+    keep_ht = save and keeps_r() and saves_final_state(g, beta)
+    if output_final_state or keep_ht:
         shape = (N, HV, V, K) if transpose_state_layout else (N, HV, K, V)
         ht = _alloc(shape, torch.float32, q.device)
+        if keep_ht:
+            saved_out.update(ht=ht)
     hs = rs = None
     if save and keeps_r():
         # R (the backward's forward state pass then forms the states from it) and, with SAVE_STATES, the per-chunk
@@ -2063,7 +2081,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
                 stage1["gcum"], o, initial_state, ht, sloc, gam, hs, rs, ready, cu_seqlens, scale, T, NT, len_m,
                 *strides(initial_state), *strides(ht),
                 H=H, HV=HV, K=K, V=V, BTc=BT, BK=_dim(K), BV=bv_m, GATE=gate, DELTA=delta, P_IN=p_in,
-                USE_H0=initial_state is not None, STORE_HT=output_final_state, IS_VARLEN=cu_seqlens is not None,
+                USE_H0=initial_state is not None, STORE_HT=ht is not None, IS_VARLEN=cu_seqlens is not None,
                 DOT_PREC=dot_prec, g_floor=G_FLOOR, LOOP_WHILE=_INTERPRET, SEG=seg_mode, NSEG=nseg_m,
                 SUB=sub if seg_mode == 2 else 1, GC_IN=delta and gate == 1, TMA=tma,
                 TMA_O=tma_o, STORE_HR=1 if hs is not None else (2 if rs is not None else 0), TRANS=int(trans and seg_mode == 0),
@@ -2072,6 +2090,8 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
                 num_warps=warps_m, num_stages=stages_m, **reg_cap("fwd_o"))
     if side is not None:
         torch.cuda.current_stream(q.device).wait_stream(side)
+    if not output_final_state:
+        ht = None
     if padded:
         o, ht = o[..., :V0].contiguous(), cut_state(ht, K0, V0, transpose_state_layout)
     return o, ht
