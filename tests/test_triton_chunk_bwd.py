@@ -853,7 +853,7 @@ def test_grads_saved_t_form(fam, dtype, monkeypatch):
     gradient equals the reference's (varlen with a length-1 sequence, grouped heads, a carried-in state, the final
     state read by the loss) and the W / U-keeping forward's (=0). fp16 inputs keep W and U even so (on the H200 their
     gradients through the T form came out inf at these small tiles)."""
-    from chunkwise.triton.chunk_fwd import chunk_fwd, saves_r
+    from chunkwise.triton.chunk_fwd import chunk_fwd, saves_final_state, saves_r
     inp = make_inputs(fam, lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, seed=19)
     if dtype == torch.float16 and fam in ("gdn", "delta"):
         pytest.skip("GDN / DeltaNet with fp16 inputs save no stage 1 (test_saved_stage1_rule)")
@@ -865,6 +865,7 @@ def test_grads_saved_t_form(fam, dtype, monkeypatch):
     o, ht = chunk_fwd(*args, saved_out=saved)
     scaled = {"qg", "kg", "G"} if fam == "kda" else set()   # (KDA: q ⊙ e^G, k ⊙ e^{G_last − G}, G from stage 1)
     scaled |= {"r"} if saves_r() else set()                 # (R = U − W S from stage 2: chunk_fwd.SAVE_R)
+    scaled |= {"ht"} if saves_final_state(x.g, x.beta) else set()     # (DeltaNet's final state: chunk_fwd.SAVE_HT)
     if _routed(fam, dtype):
         # fp16 KDA's backward runs in fp32 on the GPU (chunk_fwd.fp16_kda_in_fp32): its forward saves nothing
         assert set(saved) == set()
@@ -966,6 +967,7 @@ def test_state_pass_beside_wu(fam, t_form, save_r, monkeypatch):
     monkeypatch.setenv("CHUNKWISE_SAVE_STAGE1", "1")
     monkeypatch.setenv("CHUNKWISE_SAVE_T_FORM", t_form)
     monkeypatch.setenv("CHUNKWISE_SAVE_R", save_r)
+    monkeypatch.setenv("CHUNKWISE_SAVE_HT", "0")        # (with it DeltaNet launches no forward state pass)
     monkeypatch.setenv("CHUNKWISE_BWD_OVERLAP", "1")
     wu = _count_launches(monkeypatch, "_wu_kernel")
     beside = _grads(inp, "triton", torch.float32)
@@ -1008,6 +1010,7 @@ def test_grads_saved_states(fam, dtype, monkeypatch):
     over a varlen batch with a 1-token, a mid-chunk and a 2-chunk sequence, grouped heads and a carried-in state
     (h by slots: chunk_slots), and the pass ran only without saved states."""
     inp = make_inputs(fam, lengths=[1, 70, 128, 30], H=1, HV=2, K=16, V=32, seed=18)
+    monkeypatch.setenv("CHUNKWISE_SAVE_HT", "0")        # (DeltaNet's states from its final state: their own test)
     launches = _count_launches(monkeypatch, "_fwd_h_kernel")
     keeps = _keeps_stage1(fam, dtype)
     monkeypatch.setenv("CHUNKWISE_SAVE_STATES", "1")
@@ -1029,6 +1032,7 @@ def test_grads_saved_r(fam, dtype, monkeypatch):
     DELTA=False): every gradient equals the reference's and the recomputing backward's, over a varlen batch with a
     1-token, a mid-chunk and a 2-chunk sequence, grouped heads and a carried-in state."""
     inp = make_inputs(fam, lengths=[1, 70, 128, 30], H=1, HV=2, K=16, V=32, seed=19)
+    monkeypatch.setenv("CHUNKWISE_SAVE_HT", "0")        # (DeltaNet's states from its final state: their own test)
     deltas = _count_launches(monkeypatch, "_fwd_h_kernel", arg="DELTA")
     keeps = _keeps_stage1(fam, dtype)
     monkeypatch.setenv("CHUNKWISE_SAVE_R", "1")
@@ -1045,7 +1049,7 @@ def test_grads_saved_r(fam, dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if ON_GPU else []))
 @pytest.mark.parametrize("final,transpose", [(True, False), (False, False), (True, True)])
 def test_grads_saved_final_state(final, transpose, dtype, monkeypatch):
-    """CHUNKWISE_SAVE_HT=1 (DeltaNet with R kept): the saving forward also keeps its final state (fp32, the state
+    """CHUNKWISE_SAVE_HT=1 (the default; DeltaNet with R kept): the saving forward also keeps its final state (fp32, the state
     layout; also when the caller does not ask for it), and the reverse state pass forms each chunk's entering state
     backwards from it, S_c = S_{c+1} − K_cᵀ R_c, with no forward state pass launched: every gradient equals the
     reference's and, to rounding, the backward with that pass (=0), over a varlen batch with a 1-token, a mid-chunk
