@@ -333,7 +333,7 @@ def chunk_fwd_saved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Option
     triton.chunk_bwd.gate_scaled_in; not with CHUNKWISE_SAVE_GATE_SCALED=0), else empty; gc: KDA's chunk-local
     cumulative gate G [B,T,HV,K] fp32 (not with CHUNKWISE_SAVE_GATE_CUMSUM=0), else empty; ht: the final state fp32
     in the state layout where triton.chunk_fwd.saves_final_state (DeltaNet with r kept, CHUNKWISE_SAVE_HT), else empty
-    (the same tensor as the final state output when that is asked for)."""
+    (a copy of the final state output where that is asked for too: outputs may not alias)."""
     from .triton.chunk_bwd import gate_scaled_in
     from .triton.chunk_fwd import chunk_fwd as triton_chunk_fwd, saves_gate_scaled
     saved: dict = {}
