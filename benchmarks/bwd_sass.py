@@ -47,7 +47,7 @@ KERNELS = {
                     DA_SCR=0)),
     "bwd_dh": ("_bwd_dh_kernel",
                dict(q="in", k="in", G="fp32", W="s", dRl="s", do="in", dht="fp32", dh="s", dR="s", dh0="fp32",
-                    h="s", dgam="fp32"),
+                    h="s", dgam="fp32", ht="fp32", Rs="s"),
                dict(T="i32", scale="fp32", unit="fp32"), dict(HAS_DHT=True, HAS_H0=True, TRANSPOSE=False, LOOP_WHILE=False)),
     "fwd_h": ("_fwd_h_kernel",
               dict(k="in", v="in", G="fp32", W="s", U="s", h0="fp32", h="s", R="s"),
@@ -116,14 +116,15 @@ def compile_kernel(name, fam="gdn", num_warps=8, K=128, V=128, num_stages=3, low
         dgam = gate > 0 and cb.BWD_DGAM_DH and overrides.get("DGAM", 1) and overrides.get("NVD", 1)
         if arg == "dk1" and gate == 2:
             kind = "g"          # KDA's dk1 is dk itself (fp32)
-        absent = (arg == "dgam" and not dgam) or (arg == "h" and name == "bwd_dh" and not dgam) or \
+        absent = (arg == "dgam" and not dgam) or (arg == "h" and name == "bwd_dh" and not dgam and not overrides.get("REV_H", 0)) or \
                  (arg in ("Ascr", "Pmat") and name == "bwd_wy" and gate != 2 and
                   not overrides.get("DA_SCR", delta and cb.BWD_WY_DA_SCR[gate])) or (arg == "Pmat" and gate != 2 and name == "bwd_wy") or \
                  (arg in ("R", "do", "dTp") and name == "bwd_wy" and gate != 2) or \
                  (arg in ("Tmat", "beta", "dTp", "dbs") and name == "bwd_dqk" and gate != 2) or \
                  (arg == "dW" and name in ("bwd_dqk", "bwd_wy") and gate == 2) or \
                  (arg == "G" and not gate) or (arg in ("beta", "Tmat", "W", "U", "R", "dbeta", "dbp", "dW", "Ascr") and not delta) or \
-                 (arg == "Amat" and not delta) or (arg in ("dG", "dGp") and not gate)
+                 (arg == "Amat" and not delta) or (arg in ("dG", "dGp") and not gate) or \
+                 (arg in ("ht", "Rs") and not overrides.get("REV_H", 0))
         if absent:
             consts[arg] = None
         else:
