@@ -10,7 +10,8 @@
 #   fwdonly: the forward benchmark vs fla at the defaults (no stage-1 sweep)
 #   tests: GPU tests (TESTS="<files>" and TESTS_K="<-k expr>" override the selection) and the MQAR example (SKIP_TRAIN=1 skips it)
 #   bwd:   backward warps sweep, fwd+bwd benchmark vs fla (~6 min)
-#   train: fwd+bwd benchmark vs fla alone (FAMS=delta,kda,gdn; FLA_FAMS=delta times fla for those only)
+#   train: fwd+bwd benchmark vs fla alone (FAMS=delta,kda,gdn; FLA_FAMS=delta times fla for those only; TRAIN_SHAPES
+#          comma-separated bench_forward shape names, default B1-T32768-H32)
 #   verify: the real-size bf16 tests (fwd, bwd, Hopper pin, >2^31 offsets), again with CHUNKWISE_BWD_LOWP=$VERIFY_LOWP (4)
 #   kdaverify: KDA's real-size gradient tests alone (bf16, fp16), then bf16 with CHUNKWISE_SAVE_WU_LOWP=1 (~2 x 280 s)
 #   diag:  backward test failures, each test x launch setting in its own process (benchmarks/diag_bwd.py)
@@ -138,9 +139,9 @@ if has kdaverify; then   # KDA's real-size gradients against fla and float64 at 
     --tb=short -rP tests/test_triton_chunk_bwd.py -k "kda and real_size and bf16"
   grep -h "rel err" "$OUT/kdaverify_lowp.log" | sort -u
 fi
-if has train; then     # fwd+bwd against fla alone (FAMS, default delta,kda,gdn)
+if has train; then     # fwd+bwd against fla alone (FAMS, default delta,kda,gdn; TRAIN_SHAPES, default B1 only)
   TAILN=12 step ${TRAIN_T:-200} bench_train python3 benchmarks/bench_train.py --families ${FAMS:-delta,kda,gdn} \
-    --shapes B1-T32768-H32 --profile --fla-families "${FLA_FAMS:-}" --out "$OUT"
+    --shapes "${TRAIN_SHAPES:-B1-T32768-H32}" --profile --fla-families "${FLA_FAMS:-}" --out "$OUT"
 fi
 if has diag; then       # backward test failures bisected by launch knobs (benchmarks/diag_bwd.py)
   TAILN=70 step ${DIAG_T:-400} diag python3 benchmarks/diag_bwd.py --preset "${DIAG_PRESET:-session5}" --jobs ${NPROC:-12} --out "$OUT"
