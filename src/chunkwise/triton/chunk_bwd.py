@@ -1509,6 +1509,9 @@ def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, Ascr, dv, dk, db
             b_dw = tl.load(dW + p_hk, mask=m_tk, other=0.).to(OPD)
             b_dx = _mm(b_Ttl, b_dw, PREC)                                                    # [C, C] @ [C, BK]
             if LOWP == 4:
+                # (K through registers, so that the products read a shared copy of their own, as the tf32 build's do,
+                # not the software pipeline's buffer of the load, which the register math reads too)
+                b_k16 = tl.where(m_tk, b_k16, 0.)
                 b_dkb = _mm(b_dAh, b_k16, PREC) + _mm(b_dAl, b_k16, PREC)                    # [C, C] @ [C, BK]
                 b_dkp = _mm(b_dAth, b_k16, PREC) + _mm(b_dAtl, b_k16, PREC)                  # [C, C] @ [C, BK]
             else:
@@ -1984,7 +1987,11 @@ BWD_DQK_PAIR16 = {0: 3, 1: 3, 2: 0}
 # CHUNKWISE_BWD_WY_PAIR16 (0 / 1) overrides. Offline sm_90 (bf16, 4 warps; 0 -> 1): DeltaNet 250 registers / 0 spilled /
 # 2448 instructions -> 238 / 0 / 2592, GDN 244 / 0 / 3432 -> 255 / 40 B / 3648. On the H200 (B1-T32768-H32, run of
 # 2c10996) the pass is far slower: DeltaNet 1.159 -> 1.603 ms, GDN 1.412 -> 1.750 (real-size errors the same to 3
-# digits), as level 3 was (its dA K products with 16-bit dA too): off
+# digits), as level 3 was (its dA K products with 16-bit dA too): off. In both slow builds (TTGIR, offline) those
+# products read K straight from the software pipeline's shared buffer of the load (a mutable memdesc, the register
+# math reading the same buffer), where the tf32 build's read a local_alloc of their own. Since then K goes through a
+# register select first, which gives it its own shared copy (offline: 238 registers, no spill, 2624 instructions);
+# that form is untimed
 BWD_WY_PAIR16 = 0
 
 
