@@ -1514,6 +1514,9 @@ def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, Ascr, dv, dk, db
                 b_k16 = tl.where(m_tk, b_k16, 0.)
                 b_dkb = _mm(b_dAh, b_k16, PREC) + _mm(b_dAl, b_k16, PREC)                    # [C, C] @ [C, BK]
                 b_dkp = _mm(b_dAth, b_k16, PREC) + _mm(b_dAtl, b_k16, PREC)                  # [C, C] @ [C, BK]
+            elif LOWP == 1:     # (16-bit K through registers: a shared copy of its own, as at LOWP 4)
+                b_dkb = _mm(b_dA, tl.where(m_tk, b_k16, 0.), PREC)                           # [C, C] @ [C, BK]
+                b_dkp = _mm(b_dAt, b_kb.to(OPD2), PREC)                                      # [C, C] @ [C, BK]
             else:
                 b_dkb = _mm(b_dA, b_k.to(OPD2), PREC)                                        # [C, C] @ [C, BK]
                 b_dkp = _mm(b_dAt, b_kb.to(OPD2), PREC)                                      # [C, C] @ [C, BK]
@@ -1965,7 +1968,9 @@ BWD_LOWP_BF16_128 = 4
 # -> 236 / 0 / 1200, the WY pass 250 / 0 / 2448 -> 242 / 0 / 2264 (on the H200 the level-4 state-tile pass issued
 # 3.7M spill requests: Nsight Compute, session 31). Opt-in only: on the H200 (session 32) the WY pass lost more at
 # level 3 than the state-tile pass gained (BWD_DQK_PAIR16 below); the gated families keep level 3 refused (their dg
-# error passed the bound there, sessions 7-8)
+# error passed the bound there, sessions 7-8). That level-3 WY build read K for dA K straight from the software
+# pipeline's buffer of the load (see BWD_WY_PAIR16); since session 33 K goes through registers there (offline 244
+# registers, no spill), untimed
 BWD_LOWP3_OPT_IN = frozenset({0})
 # At level 4, the state-tile pass's pairwise products in 16 bits, per gate kind: 1 dk's (dPᵀ Q; LOWP 3 there), 2 dq's
 # (dP K) too (level 3 in that pass), 3 both from 16-bit q, k with dP / dPᵀ split into two 16-bit parts (_mm_split16,
