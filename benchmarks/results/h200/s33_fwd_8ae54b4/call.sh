@@ -1,3 +1,4 @@
+# .agents/common.sh of these session-33 calls is benchmarks/results/h200/s32_common.sh, unchanged
 # session 33 call 4: the fixed pair16 GPU tests; the forward rows session 30 / 32 left (varlen16 all four families,
 # simple GLA at B8), fla searched afresh in the same process (bench_forward), one process per shape
 source .agents/common.sh

@@ -1,3 +1,4 @@
+# .agents/common.sh of these session-33 calls is benchmarks/results/h200/s32_common.sh, unchanged
 # session 33 call 3: the GPU backward tests at the PAIR16 3 default (whole file, real sizes in bf16 / fp16 against
 # float64 and fla)
 source .agents/common.sh

@@ -1,3 +1,4 @@
+# .agents/common.sh of these session-33 calls is benchmarks/results/h200/s32_common.sh, unchanged
 # session 33 call 6: DeltaNet's per-chunk states formed backwards in the reverse pass (CHUNKWISE_SAVE_HT=1) timed per
 # kernel, then its real-size errors against float64 and fla, and its GPU gradient test
 source .agents/common.sh

@@ -1,3 +1,4 @@
+# .agents/common.sh of these session-33 calls is benchmarks/results/h200/s32_common.sh, unchanged
 # session 33 call 2: fwd+bwd at the PAIR16 3 default. DeltaNet against fla (fresh search) at B1 in one process; GDN and
 # simple GLA (fla refuses their backward here) ours alone at B1; then ours alone at the other three shapes
 source .agents/common.sh

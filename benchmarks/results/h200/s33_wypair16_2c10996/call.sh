@@ -1,3 +1,4 @@
+# .agents/common.sh of these session-33 calls is benchmarks/results/h200/s32_common.sh, unchanged
 # session 33 call 5: the WY pass's split pairwise products (CHUNKWISE_BWD_WY_PAIR16=1) timed per kernel, then their
 # real-size errors against float64 and fla
 source .agents/common.sh
