@@ -1049,12 +1049,12 @@ def test_grads_saved_r(fam, dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if ON_GPU else []))
 @pytest.mark.parametrize("final,transpose", [(True, False), (False, False), (True, True)])
 def test_grads_saved_final_state(final, transpose, dtype, monkeypatch):
-    """CHUNKWISE_SAVE_HT=1 (the default; DeltaNet with R kept): the saving forward also keeps its final state (fp32, the state
-    layout; also when the caller does not ask for it), and the reverse state pass forms each chunk's entering state
-    backwards from it, S_c = S_{c+1} − K_cᵀ R_c, with no forward state pass launched: every gradient equals the
-    reference's and, to rounding, the backward with that pass (=0), over a varlen batch with a 1-token, a mid-chunk
-    and a 2-chunk sequence, grouped heads and a carried-in state; the final state read by the loss or not asked for,
-    in either state layout."""
+    """CHUNKWISE_SAVE_HT=1 (the default; DeltaNet with R kept): the saving forward also keeps its final state (fp32,
+    the state layout; also when the caller does not ask for it), and the reverse state pass forms each chunk's
+    entering state backwards from it, S_c = S_{c+1} − K_cᵀ R_c, with no forward state pass launched: every gradient
+    equals the reference's and, to rounding, the backward with that pass (=0), over a varlen batch with a 1-token, a
+    mid-chunk and a 2-chunk sequence, grouped heads and a carried-in state; the final state read by the loss or not
+    asked for, in either state layout."""
     inp = make_inputs("delta", lengths=[1, 70, 128, 30], H=1, HV=2, K=16, V=32, seed=23)
     fwd_h = _count_launches(monkeypatch, "_fwd_h_kernel")
     rev = _count_launches(monkeypatch, "_bwd_dh_kernel", arg="REV_H")

@@ -312,7 +312,7 @@ def _stage1_shapes(q, v, g, beta, cu_seqlens, transpose_state_layout=False):
     stage += [((B, T, HV, K), torch.float32) if _gate_kind(g) == 2 and saves_gate_cumsum() else empty]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     ht = (N, HV, V, K) if transpose_state_layout else (N, HV, K, V)
-    return stage + [(ht, torch.float32) if keeps_r() and saves_final_state(g, beta) else empty]
+    return stage + [(ht, torch.float32) if saves_final_state(g, beta) else empty]
 
 
 @torch.library.custom_op("chunkwise::chunk_fwd_saved", mutates_args=())

@@ -1508,17 +1508,17 @@ def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, Ascr, dv, dk, db
                 b_ke = b_k
             b_dw = tl.load(dW + p_hk, mask=m_tk, other=0.).to(OPD)
             b_dx = _mm(b_Ttl, b_dw, PREC)                                                    # [C, C] @ [C, BK]
-            if LOWP == 4:
-                # (K through registers, so that the products read a shared copy of their own, as the tf32 build's do,
-                # not the software pipeline's buffer of the load, which the register math reads too)
-                b_k16 = tl.where(m_tk, b_k16, 0.)
-                b_dkb = _mm(b_dAh, b_k16, PREC) + _mm(b_dAl, b_k16, PREC)                    # [C, C] @ [C, BK]
-                b_dkp = _mm(b_dAth, b_k16, PREC) + _mm(b_dAtl, b_k16, PREC)                  # [C, C] @ [C, BK]
-            elif LOWP == 1:     # (16-bit K through registers: a shared copy of its own, as at LOWP 4)
-                b_dkb = _mm(b_dA, tl.where(m_tk, b_k16, 0.), PREC)                           # [C, C] @ [C, BK]
-                b_dkp = _mm(b_dAt, b_kb.to(OPD2), PREC)                                      # [C, C] @ [C, BK]
+            if LOWP == 4 or LOWP == 1:
+                # 16-bit K through registers, so that the products read a shared copy of their own, as the tf32
+                # build's do, not the software pipeline's buffer of the load, which the register math reads too
+                b_kl = tl.where(m_tk, b_k16, 0.)
             else:
-                b_dkb = _mm(b_dA, b_k.to(OPD2), PREC)                                        # [C, C] @ [C, BK]
+                b_kl = b_k.to(OPD2)
+            if LOWP == 4:
+                b_dkb = _mm(b_dAh, b_kl, PREC) + _mm(b_dAl, b_kl, PREC)                      # [C, C] @ [C, BK]
+                b_dkp = _mm(b_dAth, b_kl, PREC) + _mm(b_dAtl, b_kl, PREC)                    # [C, C] @ [C, BK]
+            else:
+                b_dkb = _mm(b_dA, b_kl, PREC)                                                # [C, C] @ [C, BK]
                 b_dkp = _mm(b_dAt, b_kb.to(OPD2), PREC)                                      # [C, C] @ [C, BK]
             if DK1_AHEAD:
                 b_dk1 = b_dk1n

@@ -1991,7 +1991,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     o = _alloc((B, T, HV, V), q.dtype, q.device)
     ht = None
     # (the final state kept for the backward's reverse state pass too: saves_final_state)
-    keep_ht = save and keeps_r() and saves_final_state(g, beta)
+    keep_ht = save and saves_final_state(g, beta)
     if output_final_state or keep_ht:
         shape = (N, HV, V, K) if transpose_state_layout else (N, HV, K, V)
         ht = _alloc(shape, torch.float32, q.device)
