@@ -38,6 +38,10 @@ KERNELS = {
                 dict(q="in", k="in", v="in", G="fp32", h="s", dh="s", R="s", dR="s", do="in", dq="g", dk1="in",
                      dW="in", dGp="fp32", dgam="fp32", Tmat="fp32", beta="in", dTp="fp32", dbs="fp32"),
                 dict(T="i32", scale="fp32"), dict(BK=cb.BWD_DQK_BK, EARLY=0, KD=128)),
+    "bwd_dqk_sides": ("_bwd_dqk_sides_kernel",   # the same by side, all key columns (BWD_DQK_SIDES)
+                      dict(q="in", k="in", v="in", G="fp32", h="s", dh="s", R="s", dR="s", do="in", dq="g", dk1="in",
+                           dW="in", dGp="fp32"),
+                      dict(T="i32", scale="fp32"), {}),
     "bwd_wy": ("_bwd_wy_kernel",           # scalar / no gate: the gradients through T, per chunk (BWD_DQK)
                dict(k="in", v="in", beta="in", G="fp32", Tmat="fp32", dW="in", dR="s", dk1="in", dGp="fp32",
                     dgam="fp32", Ascr="fp32", dv="in", dk="g", dbeta="fp32", dG="fp32", R="s", do="in", Pmat="fp32",

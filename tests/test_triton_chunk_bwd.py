@@ -402,6 +402,23 @@ def test_real_size_wy_pair16(fam, monkeypatch):
     _assert_grads_vs_fla(inp, torch.bfloat16, f"{fam} WY_PAIR16 1 bf16", digits=3)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="real sizes and bf16 need the GPU (bf16 is wrong under the interpreter)")
+@pytest.mark.parametrize("fam,sides,env", [
+    ("delta", 2, "CHUNKWISE_BWD_WARPS=bwd_dqk_sides:8"), ("delta", 3, ""),
+    ("delta", 3, "CHUNKWISE_MAXNREG=bwd_dqk_sides:168,CHUNKWISE_BWD_DQK_PAIR16=1"),
+    ("gdn", 2, "CHUNKWISE_BWD_WARPS=bwd_dqk_sides:8"), ("gdn", 3, "CHUNKWISE_BWD_WARPS=bwd_dqk_sides:8"),
+    ("gla", 2, "CHUNKWISE_BWD_WARPS=bwd_dqk_sides:8")])
+def test_real_size_sides(fam, sides, env, monkeypatch):
+    """The state-tile pass by side (CHUNKWISE_BWD_DQK_SIDES) at real size in bf16, at the warps / register caps
+    sweep_bwd's "sides" set times: every gradient against the float64 reference within the bf16 bound, and no worse
+    than fla's where fla runs its backward (DeltaNet)."""
+    monkeypatch.setenv("CHUNKWISE_BWD_DQK_SIDES", str(sides))
+    for item in filter(None, env.split(",")):
+        monkeypatch.setenv(*item.split("=", 1))
+    inp = make_inputs(fam, B=2, T=1000, H=8, HV=8, K=128, V=128, dtype=torch.bfloat16, seed=11, device=DEVICE)
+    _assert_grads_vs_fla(inp, torch.bfloat16, f"{fam} SIDES {sides} {env} bf16", digits=3)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="GPU only")
 @pytest.mark.parametrize("fam", ("gdn", "gla"))
 def test_hopper_triton36_gdn_gla(fam):
@@ -524,6 +541,32 @@ def test_wy_pair16(fam, monkeypatch):
     monkeypatch.setenv("CHUNKWISE_BWD_WY_PAIR16", "1")
     inp = make_inputs(fam, lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, seed=8)
     _compare(inp, TOL[torch.float16], dtype=torch.float16)
+
+
+@pytest.mark.parametrize("fam,ns,level,pair16,dgam", [
+    ("delta", 2, 0, None, 0), ("delta", 3, 0, None, 0), ("delta", 2, 4, 3, 0), ("delta", 3, 4, 3, 0),
+    ("delta", 2, 4, 0, 0), ("delta", 2, 4, 1, 0), ("delta", 2, 4, 2, 0), ("gdn", 2, 0, None, 0), ("gdn", 3, 4, 3, 0),
+    ("gdn", 2, 4, 3, 1), ("gla", 3, 4, 3, 0)])
+def test_state_tile_sides(fam, ns, level, pair16, dgam, monkeypatch):
+    """The state-tile pass by side (CHUNKWISE_BWD_DQK_SIDES=2: one program per chunk forms dP, dq and dW over all key
+    columns, the other dPᵀ and dk1) instead of by key column blocks: launched, two programs a chunk, and every input's
+    gradient within the tolerance of float64 (fp32 at level 0; fp16 at level 4 with each pairwise form), varlen with
+    a 1-token sequence, grouped heads; with a gate also with ⟨S, dS'⟩ from the reverse pass (DGAM). With the delta rule
+    3 puts dW in a third program (without it, no dW: two)."""
+    monkeypatch.setenv("CHUNKWISE_BWD_DQK_SIDES", str(ns))
+    monkeypatch.setenv("CHUNKWISE_BWD_DGAM_DH", str(dgam))
+    monkeypatch.setenv("CHUNKWISE_BWD_LOWP", str(level))
+    if pair16 is not None:
+        monkeypatch.setenv("CHUNKWISE_BWD_DQK_PAIR16", str(pair16))
+    sides = _count_launches(monkeypatch, "_bwd_dqk_sides_kernel")
+    cols = _count_launches(monkeypatch, "_bwd_dqk_kernel")
+    inp = make_inputs(fam, lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, seed=8)
+    dtype = torch.float16 if level else torch.float32
+    with warnings.catch_warnings():     # (the scalar gate warns for pair16 1 / 2 and takes 3)
+        warnings.simplefilter("ignore", RuntimeWarning)
+        _compare(inp, TOL[dtype], dtype=dtype)
+    n_chunks = 1 + 2 + 1
+    assert sides == [((ns if fam != "gla" else 2) * n_chunks, 2)] and not cols
 
 
 def test_dqk_pair16_choice(monkeypatch):

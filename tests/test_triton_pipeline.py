@@ -53,6 +53,17 @@ def test_split_pairwise_form_no_hazard(tmp_path):
     assert "0 with a hazard" in p.stdout, p.stdout[-3000:]
 
 
+@pytest.mark.parametrize("sides", ["2", "3"])
+def test_state_tile_sides_no_hazard(sides, tmp_path):
+    """The state-tile pass by side (CHUNKWISE_BWD_DQK_SIDES=2 / 3: each program over all key columns; with a gate the
+    key side's ⟨S, dS'⟩ from tiles of its own) for DeltaNet, GDN and simple GLA in bf16 at K = 128: no hazard."""
+    p = _run(tmp_path, "--dtypes", "bfloat16", "--shapes", "k128", "--fams", "delta,gdn,gla", "-v",
+             env={"CHUNKWISE_BWD_DQK_SIDES": sides})
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert p.stdout.count("_bwd_dqk_sides_kernel") == 3 and "_bwd_dqk_kernel" not in p.stdout, p.stdout[-3000:]
+    assert "0 with a hazard" in p.stdout, p.stdout[-3000:]
+
+
 # the shape of session 24's _bwd_dqk_kernel loop (TTGIR, trimmed): S feeds the product dq (async, not waited in the
 # loop) and a register load; the copy of iteration i + 2 goes to S's slot i (two buffers)
 _RACY = """

@@ -1357,6 +1357,140 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, dgam, Tmat, 
 
 
 @triton.jit
+def _pair_term(b_d, b_x16, PREC: tl.constexpr, LOWP: tl.constexpr, SIXTEEN: tl.constexpr):
+    """b_d @ X for a gated, masked [C, C] fp32 tile b_d and a 16-bit [C, BK] tile X of q or k: split (LOWP 4:
+    _mm_split16), both operands in X's dtype (SIXTEEN), or both in fp32 (the tf32 / ieee product of PREC)."""
+    if LOWP == 4:
+        return _mm_split16(b_d, b_x16, PREC)                                                   # [C, C] @ [C, BK]
+    elif SIXTEEN:
+        return _mm(b_d.to(b_x16.dtype), b_x16, PREC)                                           # [C, C] @ [C, BK]
+    else:
+        return _mm(b_d, b_x16.to(tl.float32), PREC)                                            # [C, C] @ [C, BK]
+
+
+@triton.jit
+def _bwd_dqk_sides_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seqlens, chunk_indices, T, scale,
+                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                          BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
+                          IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr = 0, DGAM: tl.constexpr = 0,
+                          NS: tl.constexpr = 2, FULL: tl.constexpr = 0):
+    """Scalar / no gate: _bwd_dqk_kernel's work split by side instead of by key column block. Two programs per (chunk,
+    value head), each over all BK >= K key columns; the first forms dP and the query side, the second dPᵀ and the key
+    side::
+
+        side 0:  V loop  dP = dO Rᵀ ([C, C]),  dQg = dO Sᵀ,  dW = −dR Sᵀ ([C, BK])        reads dO, R, dR, S
+                 dq = scale dQg ⊙ e^G + (scale tril(dP) ⊙ Γ) K                    -> dq, dW
+        side 1:  V loop  dPᵀ = R dOᵀ ([C, C]),  dK_end = R dS'ᵀ ([C, BK])               reads dO, R, dS'
+                 dk1 = dK_end ⊙ e^{G_last − G} + (scale triu(dPᵀ) ⊙ Γᵀ) Q          -> dk1 (dk without the delta rule)
+
+    By column blocks (_bwd_dqk_kernel) both programs of a chunk form both [C, C] tiles, 4 of their 10 products a V
+    step (and, with a gate, both Γ tiles); here 8 products a chunk, each tile formed and gated once, and every tile
+    read once (S by side 0, dS' by side 1; with a gate side 1 also loads S for ⟨S, dS'⟩, unless DGAM).
+    Scalar gate: side 0 stores Σ_k q ⊙ dq per row in dGp[0], side 1 −Σ_k k ⊙ dk1 in dGp[1], plus on the last row dG_last's
+    share Σ k ⊙ dK_end e^{..} (+ e^{G_last} Σ S ⊙ dS' unless DGAM: then the WY pass adds the reverse pass's rows).
+    LOWP: the pairwise products' operands (_pair_term): 4 split, 1 both 16-bit, 3 only side 1's 16-bit, else fp32.
+    NS 3 (delta rule): dW = −dR Sᵀ in a third program of its own (reads dR, S), so that no program holds more than
+    one [C, C] and two [C, BK] accumulators' worth (side 0 then holds dP and dq only)."""
+    i_s, i_t = tl.program_id(0) % NS, tl.program_id(0) // NS
+    W_IN_0: tl.constexpr = DELTA and NS == 2
+    W_OWN: tl.constexpr = DELTA and NS == 3
+    i_bh = tl.program_id(1)
+    i_b, i_h = i_bh // HV, i_bh % HV
+    i_hk = i_h // (HV // H)
+    t0, L, i_g = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN, FULL)
+    o_t, m_t, rows, m_cc, p_cc, p_ccT = _chunk_rows(t0, L, i_h, HV, C)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    p_h = (i_g * HV + i_h).to(tl.int64) * K * V
+    m_tk, p_tk, p_hk = _col_offsets(rows, m_t, o_k, m_k, i_h, i_hk, H, HV, K)
+    s_p = tl.num_programs(1).to(tl.int64) * T                                                  # one dGp share: [B, T, HV]
+    if i_s == 0:
+        b_dq = tl.zeros([C, BK], dtype=tl.float32)
+        if W_IN_0:
+            b_dw = tl.zeros([C, BK], dtype=tl.float32)
+        b_dP = tl.zeros([C, C], dtype=tl.float32)
+        for i_v in range(tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = o_v < V
+            m_tv = m_t[:, None] & m_v[None, :]
+            p_tv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
+            b_do = tl.load(do + p_tv, mask=m_tv, other=0.)
+            b_S = tl.load(h + p_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.)
+            if DELTA:
+                b_R = tl.load(R + p_tv, mask=m_tv, other=0.)
+            else:
+                b_R = tl.load(v + p_tv, mask=m_tv, other=0.)
+            b_dP += _mm(b_do, tl.trans(b_R), PREC)                                              # [C, BV] @ [BV, C]
+            b_dq += _mm(b_do, tl.trans(b_S), PREC)                                              # [C, BV] @ [BV, BK]
+            if W_IN_0:
+                b_dw -= _mm(tl.load(dR + p_tv, mask=m_tv, other=0.), tl.trans(b_S), PREC)       # [C, BV] @ [BV, BK]
+        if W_IN_0:
+            tl.store(dW + p_hk, b_dw.to(dW.dtype.element_ty), mask=m_tk)
+        b_k16 = tl.load(k + p_tk, mask=m_tk, other=0.)
+        i_ge_j = o_t[:, None] >= o_t[None, :]
+        if GATE == 1:
+            b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
+            b_dq = b_dq * scale * _exp(b_G)[:, None]
+            b_dP = tl.where(i_ge_j, b_dP * _exp(b_G[:, None] - b_G[None, :]), 0.) * scale
+        else:
+            b_dq = b_dq * scale
+            b_dP = tl.where(i_ge_j, b_dP, 0.) * scale
+        b_dq += _pair_term(b_dP, b_k16, PREC, LOWP, LOWP == 1)                                 # [C, C] @ [C, BK]
+        tl.store(dq + p_hk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+        if GATE == 1:
+            b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
+            tl.store(dGp + rows * HV + i_h, tl.sum(b_q * b_dq, axis=1), mask=m_t)
+    if W_OWN:
+        if i_s == 2:
+            b_dw = tl.zeros([C, BK], dtype=tl.float32)
+            for i_v in range(tl.cdiv(V, BV)):
+                o_v = i_v * BV + tl.arange(0, BV)
+                m_v = o_v < V
+                p_tv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
+                b_S = tl.load(h + p_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.)
+                b_dR = tl.load(dR + p_tv, mask=m_t[:, None] & m_v[None, :], other=0.)
+                b_dw -= _mm(b_dR, tl.trans(b_S), PREC)                                          # [C, BV] @ [BV, BK]
+            tl.store(dW + p_hk, b_dw.to(dW.dtype.element_ty), mask=m_tk)
+    if i_s == 1:
+        b_dk = tl.zeros([C, BK], dtype=tl.float32)
+        b_dPt = tl.zeros([C, C], dtype=tl.float32)
+        b_dgam = tl.zeros([BK], dtype=tl.float32)
+        for i_v in range(tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = o_v < V
+            m_kv = m_k[:, None] & m_v[None, :]
+            m_tv = m_t[:, None] & m_v[None, :]
+            p_tv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
+            if GATE == 1 and not DGAM:  # ⟨S, dS'⟩ from loads of their own, first: their latency under the products
+                b_dgam += _state_inner_rows(h, dh, p_h, o_k, o_v, m_kv, V)
+            b_do = tl.load(do + p_tv, mask=m_tv, other=0.)
+            b_dSn = tl.load(dh + p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+            if DELTA:
+                b_R = tl.load(R + p_tv, mask=m_tv, other=0.)
+            else:
+                b_R = tl.load(v + p_tv, mask=m_tv, other=0.)
+            b_dPt += _mm(b_R, tl.trans(b_do), PREC)                                             # [C, BV] @ [BV, C]
+            b_dk += _mm(b_R, tl.trans(b_dSn), PREC)                                             # [C, BV] @ [BV, BK]
+        b_q16 = tl.load(q + p_tk, mask=m_tk, other=0.)
+        j_ge_i = o_t[None, :] >= o_t[:, None]
+        if GATE == 1:
+            b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
+            b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
+            b_dk = b_dk * _exp(b_last - b_G)[:, None]
+            b_dlast = tl.sum(tl.sum(b_k * b_dk, axis=1), axis=0)
+            if not DGAM:
+                b_dlast += _exp(b_last) * tl.sum(b_dgam, axis=0)
+            b_dPt = tl.where(j_ge_i, b_dPt * _exp(b_G[None, :] - b_G[:, None]), 0.) * scale
+        else:
+            b_dPt = tl.where(j_ge_i, b_dPt, 0.) * scale
+        b_dk += _pair_term(b_dPt, b_q16, PREC, LOWP, LOWP == 1 or LOWP == 3)                   # [C, C] @ [C, BK]
+        tl.store(dk1 + p_hk, b_dk.to(dk1.dtype.element_ty), mask=m_tk)
+        if GATE == 1:
+            b_dg = tl.where(o_t == L - 1, b_dlast, 0.) - tl.sum(b_k * b_dk, axis=1)
+            tl.store(dGp + s_p + rows * HV + i_h, b_dg, mask=m_t)
+
+
+@triton.jit
 def _mm_split16(a, b, PREC: tl.constexpr):
     """a @ b for an fp32 a [M, N] and a 16-bit b [N, P], as two products with 16-bit operands: a = hi + lo, hi its
     rounding to b's dtype, lo the rounding of the rest (a's 24-bit significand kept to ~16 bits, finer than tf32's
@@ -1861,7 +1995,7 @@ def _num_stages(dtype: torch.dtype, BK: int, state_pass: bool = False, reverse_p
 # override these (the sweep's knobs).
 BWD_WARPS = {"gate_cumsum": 4, "intra": 4, "intra_diag": 4, "solve": 4, "wu": 4, "fwd_h": 4, "bwd_dh": 4,
              "bwd_dv": 4, "bwd_grad": 4, "bwd_diag": 4, "bwd_pair": 4, "bwd_pair_ref": 4, "prep": 4,
-             "bwd_dqk": 4, "bwd_wy": 4}     # prep: the fused recompute (BWD_FUSED_PREP)
+             "bwd_dqk": 4, "bwd_dqk_sides": 4, "bwd_wy": 4}     # prep: the fused recompute (BWD_FUSED_PREP)
 BWD_WARPS_PER_CHANNEL = {"fwd_h": 8, "bwd_dh": 8, "bwd_grad": 8}     # KDA (per-channel gate)
 # (KDA's bwd_dqk stays at 4 warps: offline sm_90 bf16 255 registers and 240 B of spills against 208 and none at 8, but
 # on the H200 2.41 ms against 2.90 at 8, run of c470c78)
@@ -1875,6 +2009,12 @@ BWD_KSPLIT = 64
 # CHUNKWISE_BWD_DQK_BK sets the column block, CHUNKWISE_BWD_DQK_BV _bwd_dqk_kernel's value block (default: BV, 32)
 BWD_DQK = 1
 BWD_DQK_BK = 64
+# Scalar / no gate: the state-tile pass split by side (_bwd_dqk_sides_kernel: one program forms dP and dq, dW over all
+# key columns, the other dPᵀ and dk1) instead of by BWD_DQK_BK key column blocks (both programs of a chunk forming dP
+# and dPᵀ): 8 products a chunk and V step instead of 10, each [C, C] tile gated once; K <= 128 only (two [C, K] fp32
+# accumulators beside a [C, C] one in side 0); 3, with the delta rule dW in a third program of its own. Built
+# offline, unmeasured on the GPU: off (CHUNKWISE_BWD_DQK_SIDES=2 or 3; 0 by column blocks)
+BWD_DQK_SIDES = 0
 BWD_WY_BK = 32          # _bwd_wy_kernel's key loops' column block (CHUNKWISE_BWD_WY_BK)
 # _bwd_dqk_kernel's q, k (and gate) loads before its V loop, per gate kind (CHUNKWISE_BWD_DQK_EARLY), and dk1 between
 # the two kernels in the 16-bit input dtype (CHUNKWISE_BWD_DK1_16; fp32 otherwise). H200 (run of 05fc501,
@@ -2450,8 +2590,10 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     if dqk:
         # the state tiles' pass split over key column blocks, then the per-chunk WY pass (per channel: then the pair
         # kernel)
+        # by side (BWD_DQK_SIDES: two programs a chunk, two dGp shares) or by key column blocks of bka
+        sides = _env_choice("CHUNKWISE_BWD_DQK_SIDES", BWD_DQK_SIDES, (0, 2, 3)) if gate != 2 and BK <= 128 else 0
         bka = _env_block("CHUNKWISE_BWD_DQK_BK", BWD_DQK_BK, BK)
-        nka = cdiv(K, bka)
+        nka = 2 if sides else cdiv(K, bka)
         bva = _env_block("CHUNKWISE_BWD_DQK_BV", BV, max(16, next_pow2(V)))
         # dk1 (the state and P terms of dk) for the WY pass to finish: fp32, or 16-bit with CHUNKWISE_BWD_DK1_16;
         # per channel fp32 in dk itself (the pair kernel adds to it)
@@ -2467,16 +2609,25 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
             dTp = AP if nka <= 2 else buf(nka, B, T, HV, C)
             dbs = buf(nka, B, T, HV)
         nvd = grid_s[0] if dgam_dh else 0
-        _bwd_dqk_kernel[(nka * NT, B * HV)](q, k, v, G, h, dh, R if delta else None, dR, do, dq, dk1, dW, dGp, dgam,
-                                            Tmat, beta, dTp, dbs,
-                                            scale=scale, H=H, HV=HV, K=K, V=V, BK=bka, BV=bva, C=C, GATE=gate,
-                                            DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_dqk,
-                                            EARLY=_env_switch("CHUNKWISE_BWD_DQK_EARLY", BWD_DQK_EARLY[gate]),
-                                            DGAM=dgam_dh, NVD=nvd, KD=BK,
-                                            SDS_OWN=not delta or _env_switch("CHUNKWISE_BWD_SDS_OWN", BWD_SDS_OWN),
-                                            FULL=bwd_full("bwd_dqk", gate, T, varlen),
-                                            num_warps=_warps("bwd_dqk", gate, wide8), **_regs("bwd_dqk", gate),
-                                            num_stages=ns, **common)
+        if sides:
+            n_sides = 3 if delta and sides == 3 else 2
+            _bwd_dqk_sides_kernel[(n_sides * NT, B * HV)](q, k, v, G, h, dh, R if delta else None, dR, do, dq, dk1, dW, dGp,
+                                                    scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=bva, C=C, GATE=gate,
+                                                    DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_dqk,
+                                                    DGAM=dgam_dh, NS=n_sides, FULL=bwd_full("bwd_dqk", gate, T, varlen),
+                                                    num_warps=_warps("bwd_dqk_sides", gate),
+                                                    **_regs("bwd_dqk_sides", gate), num_stages=ns, **common)
+        else:
+            _bwd_dqk_kernel[(nka * NT, B * HV)](q, k, v, G, h, dh, R if delta else None, dR, do, dq, dk1, dW, dGp, dgam,
+                                                Tmat, beta, dTp, dbs,
+                                                scale=scale, H=H, HV=HV, K=K, V=V, BK=bka, BV=bva, C=C, GATE=gate,
+                                                DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_dqk,
+                                                EARLY=_env_switch("CHUNKWISE_BWD_DQK_EARLY", BWD_DQK_EARLY[gate]),
+                                                DGAM=dgam_dh, NVD=nvd, KD=BK,
+                                                SDS_OWN=not delta or _env_switch("CHUNKWISE_BWD_SDS_OWN", BWD_SDS_OWN),
+                                                FULL=bwd_full("bwd_dqk", gate, T, varlen),
+                                                num_warps=_warps("bwd_dqk", gate, wide8), **_regs("bwd_dqk", gate),
+                                                num_stages=ns, **common)
         if delta or gate:
             bkw = _env_block("CHUNKWISE_BWD_WY_BK", BWD_WY_BK, BK)
             _bwd_wy_kernel[grid_c](k, v, beta, G, Tmat, dW, dR, dk1, dbs if gate == 2 else dGp, dgam, Amat, dv, dk,
