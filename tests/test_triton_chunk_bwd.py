@@ -381,14 +381,17 @@ def test_real_size_grouped_grads_vs_fla(fam):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="real sizes and bf16 need the GPU (bf16 is wrong under the interpreter)")
-@pytest.mark.parametrize("fam,pair16", [("delta", 0), ("delta", 1), ("delta", 2), ("gdn", 0), ("gla", 0)])
-def test_real_size_pair16(fam, pair16, monkeypatch):
-    """The state-tile pass's other pairwise forms (CHUNKWISE_BWD_DQK_PAIR16; the default's are
-    test_real_size_grads_vs_fla's) at real size in bf16, where level 4 takes them: every gradient against the float64
-    reference within the bf16 bound, and no worse than fla's where fla runs its backward (DeltaNet)."""
+@pytest.mark.parametrize("fam,pair16,inplace", [("delta", 0, 0), ("delta", 1, 0), ("delta", 2, 0), ("gdn", 0, 0),
+                                                ("gla", 0, 0), ("delta", 3, 1), ("gdn", 3, 1), ("gla", 3, 1)])
+def test_real_size_pair16(fam, pair16, inplace, monkeypatch):
+    """The state-tile pass's other pairwise forms (CHUNKWISE_BWD_DQK_PAIR16, the split one accumulated in place:
+    CHUNKWISE_BWD_SPLIT_INPLACE; the default's are test_real_size_grads_vs_fla's) at real size in bf16, where level 4
+    takes them: every gradient against the float64 reference within the bf16 bound, and no worse than fla's where fla
+    runs its backward (DeltaNet)."""
     monkeypatch.setenv("CHUNKWISE_BWD_DQK_PAIR16", str(pair16))
+    monkeypatch.setenv("CHUNKWISE_BWD_SPLIT_INPLACE", str(inplace))
     inp = make_inputs(fam, B=2, T=1000, H=8, HV=8, K=128, V=128, dtype=torch.bfloat16, seed=11, device=DEVICE)
-    _assert_grads_vs_fla(inp, torch.bfloat16, f"{fam} PAIR16 {pair16} bf16", digits=3)
+    _assert_grads_vs_fla(inp, torch.bfloat16, f"{fam} PAIR16 {pair16} INPLACE {inplace} bf16", digits=3)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="real sizes and bf16 need the GPU (bf16 is wrong under the interpreter)")
@@ -404,10 +407,9 @@ def test_real_size_wy_pair16(fam, monkeypatch):
 
 @pytest.mark.skipif(not ON_GPU, reason="real sizes and bf16 need the GPU (bf16 is wrong under the interpreter)")
 @pytest.mark.parametrize("fam,sides,env", [
-    ("delta", 2, "CHUNKWISE_BWD_WARPS=bwd_dqk_sides:8"), ("delta", 3, ""),
-    ("delta", 3, "CHUNKWISE_MAXNREG=bwd_dqk_sides:168,CHUNKWISE_BWD_DQK_PAIR16=1"),
-    ("gdn", 2, "CHUNKWISE_BWD_WARPS=bwd_dqk_sides:8"), ("gdn", 3, "CHUNKWISE_BWD_WARPS=bwd_dqk_sides:8"),
-    ("gla", 2, "CHUNKWISE_BWD_WARPS=bwd_dqk_sides:8")])
+    ("delta", 2, ""), ("delta", 3, ""), ("delta", 3, "CHUNKWISE_BWD_WARPS=bwd_dqk_sides:4"),
+    ("delta", 3, "CHUNKWISE_BWD_WARPS=bwd_dqk_sides:4,CHUNKWISE_MAXNREG=bwd_dqk_sides:168"),
+    ("gdn", 2, ""), ("gdn", 3, ""), ("gla", 2, "")])
 def test_real_size_sides(fam, sides, env, monkeypatch):
     """The state-tile pass by side (CHUNKWISE_BWD_DQK_SIDES) at real size in bf16, at the warps / register caps
     sweep_bwd's "sides" set times: every gradient against the float64 reference within the bf16 bound, and no worse
@@ -519,14 +521,17 @@ def test_grads_16_bit_products(fam, level, save, monkeypatch):
     _compare(inp, TOL[torch.float16], dtype=torch.float16)
 
 
-@pytest.mark.parametrize("fam,pair16", [("delta", 0), ("delta", 1), ("delta", 2), ("delta", 3), ("gdn", 3), ("gla", 3)])
-def test_state_tile_pair16(fam, pair16, monkeypatch):
+@pytest.mark.parametrize("fam,pair16,inplace", [("delta", 0, 0), ("delta", 1, 0), ("delta", 2, 0), ("delta", 3, 0),
+                                                ("gdn", 3, 0), ("gla", 3, 0), ("delta", 3, 1), ("gdn", 3, 1)])
+def test_state_tile_pair16(fam, pair16, inplace, monkeypatch):
     """Level 4 with the state-tile pass's pairwise products in 16 bits (CHUNKWISE_BWD_DQK_PAIR16: 0 neither, 1 dk's,
-    2 dq's too, 3 both with dP / dPᵀ split into two 16-bit parts; the scalar gate takes 0 or 3): fp16 gradients of
-    every input within the fp16 tolerance, varlen and grouped heads. Under the interpreter level 4 runs as asked; on
-    the GPU it is refused at K = 16 (the default level runs; test_real_size_pair16 covers the forms there)."""
+    2 dq's too, 3 both with dP / dPᵀ split into two 16-bit parts; the scalar gate takes 0 or 3), the split parts
+    accumulated into dq / dk in place or not (CHUNKWISE_BWD_SPLIT_INPLACE): fp16 gradients of every input within the
+    fp16 tolerance, varlen and grouped heads. Under the interpreter level 4 runs as asked; on the GPU it is refused at
+    K = 16 (the default level runs; test_real_size_pair16 covers the forms there)."""
     monkeypatch.setenv("CHUNKWISE_BWD_LOWP", "4")
     monkeypatch.setenv("CHUNKWISE_BWD_DQK_PAIR16", str(pair16))
+    monkeypatch.setenv("CHUNKWISE_BWD_SPLIT_INPLACE", str(inplace))
     inp = make_inputs(fam, lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, seed=8)
     _compare(inp, TOL[torch.float16], dtype=torch.float16)
 

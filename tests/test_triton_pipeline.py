@@ -42,12 +42,15 @@ def test_no_product_operand_overwritten_under_async_wgmma(dtype, shapes, tmp_pat
     assert "0 with a hazard" in p.stdout
 
 
-def test_split_pairwise_form_no_hazard(tmp_path):
+@pytest.mark.parametrize("inplace", ["0", "1"])
+def test_split_pairwise_form_no_hazard(inplace, tmp_path):
     """The state-tile pass's default pairwise form at level 4 (CHUNKWISE_BWD_DQK_PAIR16=3: q, k tiles feeding both the
-    split products and register math, the pattern of triton #6691) for DeltaNet, GDN and simple GLA in bf16 at K = 128,
-    where level 4 takes it, with the WY pass's split form (CHUNKWISE_BWD_WY_PAIR16=1) too: no hazard."""
+    split products and register math, the pattern of triton #6691), its parts accumulated in place or not
+    (CHUNKWISE_BWD_SPLIT_INPLACE), for DeltaNet, GDN and simple GLA in bf16 at K = 128, where level 4 takes it, with
+    the WY pass's split form (CHUNKWISE_BWD_WY_PAIR16=1) too: no hazard."""
     p = _run(tmp_path, "--dtypes", "bfloat16", "--shapes", "k128", "--fams", "delta,gdn,gla", "-v",
-             env={"CHUNKWISE_BWD_DQK_PAIR16": "3", "CHUNKWISE_BWD_WY_PAIR16": "1"})
+             env={"CHUNKWISE_BWD_DQK_PAIR16": "3", "CHUNKWISE_BWD_WY_PAIR16": "1",
+                  "CHUNKWISE_BWD_SPLIT_INPLACE": inplace})
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert p.stdout.count("_bwd_dqk_kernel") == 3 and p.stdout.count("_bwd_wy_kernel") >= 2, p.stdout[-3000:]
     assert "0 with a hazard" in p.stdout, p.stdout[-3000:]

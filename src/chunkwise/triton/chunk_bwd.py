@@ -49,7 +49,7 @@ import triton.language as tl
 
 from ..api import TRITON_MAX_HEAD_DIM as MAX_K   # the backward's kernels fit one H200 SM's shared memory up to it
 from .align import cdiv, cut_state, next_pow2, pad_last, pad_state, padded_dims
-from .chunk_fwd import (WIDE_16BIT_K, _env_choice, _env_switch, _exp, _exp_or, _mm, _num_sms, _overlap, _side_stream,
+from .chunk_fwd import (WIDE_16BIT_K, _env_choice, _env_switch, _exp, _exp_or, _mm, _mm_acc, _num_sms, _overlap, _side_stream,
                         _signal_ready, _wait_ready, chunk_slots, chunks_whole, fp16_kda_in_fp32, on_tensor_device,
                         prec_env, reg_cap, state_dtype, wu_lowp_ok, FAST_EXP)
 
@@ -1205,7 +1205,7 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, dgam, Tmat, 
                     BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
                     IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr = 0, EARLY: tl.constexpr = 0,
                     DGAM: tl.constexpr = 0, NVD: tl.constexpr = 0, KD: tl.constexpr = 16, SDS_OWN: tl.constexpr = 1,
-                    FULL: tl.constexpr = 0):
+                    FULL: tl.constexpr = 0, INPLACE: tl.constexpr = 0):
     """Scalar / no gate, one program per (key column block of BK, chunk, value head); everything that needs the
     chunk's state tiles h (S) and dh (dS'), read once::
 
@@ -1221,7 +1221,8 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, dgam, Tmat, 
     k, q) take fp32 operands unless LOWP is 1; LOWP 3 is 2 with dPᵀ q in 16 bits; LOWP 4 is 2 with both products
     from 16-bit q, k and dP / dPᵀ split into two 16-bit parts (_mm_split16). EARLY: q, k and the gate are
     loaded before the V loop (their latency under it), else after it. dk1's dtype: fp32, or 16-bit (then the sum
-    with the WY pass's terms is rounded twice, as fla's dk is).
+    with the WY pass's terms is rounded twice, as fla's dk is). INPLACE (LOWP 4): the split products accumulate into
+    dq / dk themselves (_mm_split16) instead of into a zeroed tile added after (one [C, BK] fp32 tile fewer live).
     DGAM: the reverse state pass formed ⟨S, dS'⟩ (its dgam) and the WY pass adds e^{G_last} times it, so that the V
     loop here has no elementwise S ⊙ dS' (the tiles stay product operands).
     SDS_OWN (gates, not DGAM): ⟨S, dS'⟩ from loads of S and dS' of their own (_state_tiles_own). 0 (delta rule only):
@@ -1343,8 +1344,12 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, dgam, Tmat, 
             b_dP = tl.where(i_ge_j, b_dP, 0.) * scale
             b_dPt = tl.where(o_t[None, :] >= o_t[:, None], b_dPt, 0.) * scale
         if LOWP == 4:   # dP, dPᵀ as two 16-bit parts (hi + lo: ~16 significant bits) against 16-bit q, k
-            b_dq += _mm_split16(b_dP, b_k0, PREC)                                               # [C, C] @ [C, BK]
-            b_dk += _mm_split16(b_dPt, b_q0, PREC)                                              # [C, C] @ [C, BK]
+            if INPLACE:     # both parts' products accumulate into dq / dk themselves
+                b_dq = _mm_split16(b_dq, b_dP, b_k0, PREC)                                      # [C, C] @ [C, BK]
+                b_dk = _mm_split16(b_dk, b_dPt, b_q0, PREC)                                     # [C, C] @ [C, BK]
+            else:           # (a second [C, BK] accumulator live for the parts' sum)
+                b_dq += _mm_split16(tl.zeros([C, BK], dtype=tl.float32), b_dP, b_k0, PREC)      # [C, C] @ [C, BK]
+                b_dk += _mm_split16(tl.zeros([C, BK], dtype=tl.float32), b_dPt, b_q0, PREC)     # [C, C] @ [C, BK]
         else:
             OPD3: tl.constexpr = q.dtype.element_ty if LOWP == 1 or LOWP == 3 else tl.float32  # dk's (LOWP 3)
             b_dq += _mm(b_dP.to(OPD2), b_k.to(OPD2), PREC)                                      # [C, C] @ [C, BK]
@@ -1357,15 +1362,16 @@ def _bwd_dqk_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, dgam, Tmat, 
 
 
 @triton.jit
-def _pair_term(b_d, b_x16, PREC: tl.constexpr, LOWP: tl.constexpr, SIXTEEN: tl.constexpr):
-    """b_d @ X for a gated, masked [C, C] fp32 tile b_d and a 16-bit [C, BK] tile X of q or k: split (LOWP 4:
-    _mm_split16), both operands in X's dtype (SIXTEEN), or both in fp32 (the tf32 / ieee product of PREC)."""
+def _pair_term(acc, b_d, b_x16, PREC: tl.constexpr, LOWP: tl.constexpr, SIXTEEN: tl.constexpr):
+    """acc + b_d @ X for a gated, masked [C, C] fp32 tile b_d and a 16-bit [C, BK] tile X of q or k, accumulated into
+    acc [C, BK]: split (LOWP 4: _mm_split16), both operands in X's dtype (SIXTEEN), or both in fp32 (the tf32 / ieee
+    product of PREC)."""
     if LOWP == 4:
-        return _mm_split16(b_d, b_x16, PREC)                                                   # [C, C] @ [C, BK]
+        return _mm_split16(acc, b_d, b_x16, PREC)                                              # [C, C] @ [C, BK]
     elif SIXTEEN:
-        return _mm(b_d.to(b_x16.dtype), b_x16, PREC)                                           # [C, C] @ [C, BK]
+        return _mm_acc(acc, b_d.to(b_x16.dtype), b_x16, PREC)                                  # [C, C] @ [C, BK]
     else:
-        return _mm(b_d, b_x16.to(tl.float32), PREC)                                            # [C, C] @ [C, BK]
+        return _mm_acc(acc, b_d, b_x16.to(tl.float32), PREC)                                   # [C, C] @ [C, BK]
 
 
 @triton.jit
@@ -1435,7 +1441,7 @@ def _bwd_dqk_sides_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seq
         else:
             b_dq = b_dq * scale
             b_dP = tl.where(i_ge_j, b_dP, 0.) * scale
-        b_dq += _pair_term(b_dP, b_k16, PREC, LOWP, LOWP == 1)                                 # [C, C] @ [C, BK]
+        b_dq = _pair_term(b_dq, b_dP, b_k16, PREC, LOWP, LOWP == 1)                            # [C, C] @ [C, BK]
         tl.store(dq + p_hk, b_dq.to(dq.dtype.element_ty), mask=m_tk)
         if GATE == 1:
             b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
@@ -1483,7 +1489,7 @@ def _bwd_dqk_sides_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seq
             b_dPt = tl.where(j_ge_i, b_dPt * _exp(b_G[None, :] - b_G[:, None]), 0.) * scale
         else:
             b_dPt = tl.where(j_ge_i, b_dPt, 0.) * scale
-        b_dk += _pair_term(b_dPt, b_q16, PREC, LOWP, LOWP == 1 or LOWP == 3)                   # [C, C] @ [C, BK]
+        b_dk = _pair_term(b_dk, b_dPt, b_q16, PREC, LOWP, LOWP == 1 or LOWP == 3)              # [C, C] @ [C, BK]
         tl.store(dk1 + p_hk, b_dk.to(dk1.dtype.element_ty), mask=m_tk)
         if GATE == 1:
             b_dg = tl.where(o_t == L - 1, b_dlast, 0.) - tl.sum(b_k * b_dk, axis=1)
@@ -1491,13 +1497,14 @@ def _bwd_dqk_sides_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seq
 
 
 @triton.jit
-def _mm_split16(a, b, PREC: tl.constexpr):
-    """a @ b for an fp32 a [M, N] and a 16-bit b [N, P], as two products with 16-bit operands: a = hi + lo, hi its
-    rounding to b's dtype, lo the rounding of the rest (a's 24-bit significand kept to ~16 bits, finer than tf32's
-    11; fp32 accumulation). For bf16 (fp16's narrow range would overflow or flush the parts)."""
+def _mm_split16(acc, a, b, PREC: tl.constexpr):
+    """acc + a @ b for an fp32 a [M, N] and a 16-bit b [N, P], as two products with 16-bit operands: a = hi + lo, hi
+    its rounding to b's dtype, lo the rounding of the rest (a's 24-bit significand kept to ~16 bits, finer than
+    tf32's 11; fp32 accumulation). For bf16 (fp16's narrow range would overflow or flush the parts). Both products
+    accumulate into acc (_mm_acc): ``acc + (hi b + lo b)`` kept a second [M, P] fp32 accumulator live."""
     a_hi = a.to(b.dtype)
     a_lo = (a - a_hi.to(tl.float32)).to(b.dtype)
-    return _mm(a_hi, b, PREC) + _mm(a_lo, b, PREC)                                             # [M, N] @ [N, P]
+    return _mm_acc(_mm_acc(acc, a_hi, b, PREC), a_lo, b, PREC)                                 # [M, N] @ [N, P]
 
 
 @triton.jit
@@ -1995,7 +2002,7 @@ def _num_stages(dtype: torch.dtype, BK: int, state_pass: bool = False, reverse_p
 # override these (the sweep's knobs).
 BWD_WARPS = {"gate_cumsum": 4, "intra": 4, "intra_diag": 4, "solve": 4, "wu": 4, "fwd_h": 4, "bwd_dh": 4,
              "bwd_dv": 4, "bwd_grad": 4, "bwd_diag": 4, "bwd_pair": 4, "bwd_pair_ref": 4, "prep": 4,
-             "bwd_dqk": 4, "bwd_dqk_sides": 4, "bwd_wy": 4}     # prep: the fused recompute (BWD_FUSED_PREP)
+             "bwd_dqk": 4, "bwd_dqk_sides": 8, "bwd_wy": 4}     # prep: the fused recompute (BWD_FUSED_PREP)
 BWD_WARPS_PER_CHANNEL = {"fwd_h": 8, "bwd_dh": 8, "bwd_grad": 8}     # KDA (per-channel gate)
 # (KDA's bwd_dqk stays at 4 warps: offline sm_90 bf16 255 registers and 240 B of spills against 208 and none at 8, but
 # on the H200 2.41 ms against 2.90 at 8, run of c470c78)
@@ -2012,9 +2019,17 @@ BWD_DQK_BK = 64
 # Scalar / no gate: the state-tile pass split by side (_bwd_dqk_sides_kernel: one program forms dP and dq, dW over all
 # key columns, the other dPᵀ and dk1) instead of by BWD_DQK_BK key column blocks (both programs of a chunk forming dP
 # and dPᵀ): 8 products a chunk and V step instead of 10, each [C, C] tile gated once; K <= 128 only (two [C, K] fp32
-# accumulators beside a [C, C] one in side 0); 3, with the delta rule dW in a third program of its own. Built
-# offline, unmeasured on the GPU: off (CHUNKWISE_BWD_DQK_SIDES=2 or 3; 0 by column blocks)
+# accumulators beside a [C, C] one in side 0); 3, with the delta rule dW in a third program of its own. Offline sm_90
+# (bf16, level 4, 8 warps; registers / spill B): DeltaNet 2: 147 / 0, 3: 110 / 0 (two 8-warp programs per SM, twice
+# the column blocks' warps); GDN 224 / 0 and 182 / 0; simple GLA 185 / 0 (4 warps: spills, but for DeltaNet 3 at 174 /
+# 0). Built offline, unmeasured on the GPU: off (CHUNKWISE_BWD_DQK_SIDES=2 or 3; 0 by column blocks)
 BWD_DQK_SIDES = 0
+# The column-block pass's split pairwise products (PAIR16 3) accumulated into dq / dk by the products themselves (1)
+# or summed into a zeroed tile that is then added (0, as measured so far). Offline sm_90 (bf16, level 4, 4 warps;
+# registers / spill B / instructions, 0 -> 1): DeltaNet 250 / 0 / 1544 -> 236 / 0 / 1472, GDN 255 / 104 / 2976 ->
+# 255 / 52 / 2928, simple GLA 255 / 88 / 2672 -> 255 / 36 / 2568. Unmeasured on the GPU: off
+# (CHUNKWISE_BWD_SPLIT_INPLACE=1). _bwd_dqk_sides_kernel always accumulates in place
+BWD_SPLIT_INPLACE = 0
 BWD_WY_BK = 32          # _bwd_wy_kernel's key loops' column block (CHUNKWISE_BWD_WY_BK)
 # _bwd_dqk_kernel's q, k (and gate) loads before its V loop, per gate kind (CHUNKWISE_BWD_DQK_EARLY), and dk1 between
 # the two kernels in the 16-bit input dtype (CHUNKWISE_BWD_DK1_16; fp32 otherwise). H200 (run of 05fc501,
@@ -2626,6 +2641,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                                                 DGAM=dgam_dh, NVD=nvd, KD=BK,
                                                 SDS_OWN=not delta or _env_switch("CHUNKWISE_BWD_SDS_OWN", BWD_SDS_OWN),
                                                 FULL=bwd_full("bwd_dqk", gate, T, varlen),
+                                                INPLACE=_env_switch("CHUNKWISE_BWD_SPLIT_INPLACE", BWD_SPLIT_INPLACE),
                                                 num_warps=_warps("bwd_dqk", gate, wide8), **_regs("bwd_dqk", gate),
                                                 num_stages=ns, **common)
         if delta or gate:

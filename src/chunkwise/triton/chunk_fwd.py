@@ -166,6 +166,20 @@ def _rn_tf32(x):
 
 
 @triton.jit
+def _mm_acc(acc, a, b, MM_PREC: tl.constexpr):
+    """acc + a @ b at _mm's product precision, accumulated into acc by the product itself: no second [M, P]
+    accumulator is live, as it is for ``acc + _mm(a, b)`` where the compiler cannot fold the sum into the product."""
+    if MM_PREC == "tf32rn":
+        return tl.dot(_rn_tf32(a), _rn_tf32(b), acc=acc, input_precision="tf32")
+    elif MM_PREC == "bf16":
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc=acc)
+    elif MM_PREC == "fp16":
+        return tl.dot(a.to(tl.float16), b.to(tl.float16), acc=acc)
+    else:
+        return tl.dot(a, b, acc=acc, input_precision=MM_PREC)
+
+
+@triton.jit
 def _mm(a, b, MM_PREC: tl.constexpr):
     """tl.dot at a product precision (chunk_fwd's fp32 factor products and solve, every product of chunk_bwd):
     MM_PREC "tf32" / "tf32x3" / "ieee" as tl.dot takes them, "tf32rn": tf32 with fp32 operands rounded to nearest
