@@ -409,7 +409,8 @@ def test_real_size_wy_pair16(fam, monkeypatch):
 @pytest.mark.parametrize("fam,sides,env", [
     ("delta", 2, ""), ("delta", 3, ""), ("delta", 3, "CHUNKWISE_BWD_WARPS=bwd_dqk_sides:4"),
     ("delta", 3, "CHUNKWISE_BWD_WARPS=bwd_dqk_sides:4,CHUNKWISE_MAXNREG=bwd_dqk_sides:168"),
-    ("gdn", 2, ""), ("gdn", 3, ""), ("gla", 2, "")])
+    ("gdn", 2, ""), ("gdn", 3, ""), ("gdn", 3, "CHUNKWISE_MAXNREG=bwd_dqk_sides:128"), ("gla", 2, ""),
+    ("gla", 2, "CHUNKWISE_MAXNREG=bwd_dqk_sides:128")])
 def test_real_size_sides(fam, sides, env, monkeypatch):
     """The state-tile pass by side (CHUNKWISE_BWD_DQK_SIDES) at real size in bf16, at the warps / register caps
     sweep_bwd's "sides" set times: every gradient against the float64 reference within the bf16 bound, and no worse

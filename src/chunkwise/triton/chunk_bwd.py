@@ -1481,9 +1481,8 @@ def _bwd_dqk_sides_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seq
         j_ge_i = o_t[None, :] >= o_t[:, None]
         if GATE == 1:
             b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
-            b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
             b_dk = b_dk * _exp(b_last - b_G)[:, None]
-            b_dlast = tl.sum(tl.sum(b_k * b_dk, axis=1), axis=0)
+            b_dlast = tl.sum(tl.sum(tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32) * b_dk, axis=1), axis=0)
             if not DGAM:
                 b_dlast += _exp(b_last) * tl.sum(b_dgam, axis=0)
             b_dPt = tl.where(j_ge_i, b_dPt * _exp(b_G[None, :] - b_G[:, None]), 0.) * scale
@@ -1492,7 +1491,8 @@ def _bwd_dqk_sides_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seq
         b_dk = _pair_term(b_dk, b_dPt, b_q16, PREC, LOWP, LOWP == 1 or LOWP == 3)              # [C, C] @ [C, BK]
         tl.store(dk1 + p_hk, b_dk.to(dk1.dtype.element_ty), mask=m_tk)
         if GATE == 1:
-            b_dg = tl.where(o_t == L - 1, b_dlast, 0.) - tl.sum(b_k * b_dk, axis=1)
+            b_k = tl.load(k + p_tk, mask=m_tk, other=0., cache_modifier=".cg").to(tl.float32)   # (again: not live
+            b_dg = tl.where(o_t == L - 1, b_dlast, 0.) - tl.sum(b_k * b_dk, axis=1)           # across the product)
             tl.store(dGp + s_p + rows * HV + i_h, b_dg, mask=m_t)
 
 
@@ -2021,8 +2021,9 @@ BWD_DQK_BK = 64
 # and dPᵀ): 8 products a chunk and V step instead of 10, each [C, C] tile gated once; K <= 128 only (two [C, K] fp32
 # accumulators beside a [C, C] one in side 0); 3, with the delta rule dW in a third program of its own. Offline sm_90
 # (bf16, level 4, 8 warps; registers / spill B): DeltaNet 2: 147 / 0, 3: 110 / 0 (two 8-warp programs per SM, twice
-# the column blocks' warps); GDN 224 / 0 and 182 / 0; simple GLA 185 / 0 (4 warps: spills, but for DeltaNet 3 at 174 /
-# 0). Built offline, unmeasured on the GPU: off (CHUNKWISE_BWD_DQK_SIDES=2 or 3; 0 by column blocks)
+# the column blocks' warps); GDN 231 / 0 and 176 / 0 (capped at 128: 52 B); simple GLA 181 / 0 (4 warps: spills, but
+# for DeltaNet 3 at 174 / 0). Built offline, unmeasured on the GPU: off (CHUNKWISE_BWD_DQK_SIDES=2 or 3; 0 by column
+# blocks)
 BWD_DQK_SIDES = 0
 # The column-block pass's split pairwise products (PAIR16 3) accumulated into dq / dk by the products themselves (1)
 # or summed into a zeroed tile that is then added (0, as measured so far). Offline sm_90 (bf16, level 4, 4 warps;
