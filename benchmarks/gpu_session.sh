@@ -18,6 +18,8 @@
 #   pair16: the state-tile pass's pairwise forms (CHUNKWISE_BWD_DQK_PAIR16 0 / 1 / 3 for DeltaNet, 0 / 3 for GDN and
 #          simple GLA): fwd+bwd per kernel, then their real-size errors against float64 and fla; then the WY pass
 #          capped at 168 / 128 registers (sweep_bwd --variants wyregs) (~8 min)
+#   sides: the state-tile pass by side and the column blocks' split products in place (sweep_bwd --variants sides, one
+#          process per family: DeltaNet, GDN, simple GLA), then their real-size errors against float64 and fla (~9 min)
 #   pair:  KDA's pairwise-gradient kernel variants (sweep_bwd.py PAIR_VARIANTS: channels per program, warps, diagonal launch)
 #   ncu:   Nsight Compute reports of the largest kernels (NCU_TARGETS; NCU_EXTRA more ncu arguments; summary by benchmarks/ncu_summary.py)
 #   save:  fwd+bwd with the forward's stage 1 kept for the backward (CHUNKWISE_SAVE_STAGE1=1) against the default
@@ -156,6 +158,14 @@ if has pair16; then     # the state-tile pass's pairwise forms (CHUNKWISE_BWD_DQ
   grep -h "rel err" "$OUT/pair16_tests.log"
   # the WY pass at a third / fourth program per SM (register caps)
   TAILN=20 step ${PAIR16_T:-200} wyregs python3 benchmarks/sweep_bwd.py --fams delta,gdn --out "$OUT/wyregs" --variants wyregs
+fi
+if has sides; then      # the state-tile pass by side (CHUNKWISE_BWD_DQK_SIDES, session 34): time per family, then errors
+  for f in delta gdn gla; do    # one process per family
+    TAILN=12 step ${SIDES_T:-150} sides_$f python3 benchmarks/sweep_bwd.py --fams $f --out "$OUT/sides_$f" --variants sides
+  done
+  TAILN=8 step ${SIDES_TESTS_T:-240} sides_tests python3 -m pytest -v -s -p no:cacheprovider -o addopts="" --tb=line \
+    tests/test_triton_chunk_bwd.py -k "real_size_sides or (real_size_pair16 and 3-1)"
+  grep -h "rel err" "$OUT/sides_tests.log"
 fi
 if has pair; then       # KDA's pairwise-gradient kernel: channels per program x warps
   TAILN=16 step ${PAIR_T:-150} sweep_pair python3 benchmarks/sweep_bwd.py --fams kda --out "$OUT" --variants "${PAIR_VARIANTS:-pair}"
