@@ -1390,8 +1390,9 @@ def _bwd_dqk_sides_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seq
                  dk1 = dK_end ⊙ e^{G_last − G} + (scale triu(dPᵀ) ⊙ Γᵀ) Q          -> dk1 (dk without the delta rule)
 
     By column blocks (_bwd_dqk_kernel) both programs of a chunk form both [C, C] tiles, 4 of their 10 products a V
-    step (and, with a gate, both Γ tiles); here 8 products a chunk, each tile formed and gated once, and every tile
-    read once (S by side 0, dS' by side 1; with a gate side 1 also loads S for ⟨S, dS'⟩, unless DGAM).
+    step (and, with a gate, both Γ tiles); here 8 products a chunk and V step, each [C, C] tile formed and gated once,
+    and each state tile read by one program (S by side 0, dS' by side 1; with a gate side 1 also loads S for
+    ⟨S, dS'⟩, unless DGAM). The pairwise products accumulate into dq / dk in place (_pair_term).
     Scalar gate: side 0 stores Σ_k q ⊙ dq per row in dGp[0], side 1 −Σ_k k ⊙ dk1 in dGp[1], plus on the last row dG_last's
     share Σ k ⊙ dK_end e^{..} (+ e^{G_last} Σ S ⊙ dS' unless DGAM: then the WY pass adds the reverse pass's rows).
     LOWP: the pairwise products' operands (_pair_term): 4 split, 1 both 16-bit, 3 only side 1's 16-bit, else fp32.
