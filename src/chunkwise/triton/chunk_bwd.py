@@ -965,6 +965,24 @@ def _col_offsets(rows, m_t, o_k, m_k, i_h, i_hk, H: tl.constexpr, HV: tl.constex
 
 
 @triton.jit
+def _value_block(i_v, rows, m_t, m_k, i_h, HV: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+    """Value block i_v of the chunk's rows: (value columns o_v [BV], the state-tile mask [BK, BV] under key mask m_k,
+    the token-tile mask [C, BV] and offsets into a per value head [., HV, V] tensor such as dO, R, dR, v)."""
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    return o_v, m_k[:, None] & m_v[None, :], m_t[:, None] & m_v[None, :], (rows[:, None] * HV + i_h) * V + o_v[None, :]
+
+
+@triton.jit
+def _r_tile(R, v, p_tv, m_tv, DELTA: tl.constexpr):
+    """The chunk's R tile at p_tv: R = U − W S with the delta rule, V itself without."""
+    if DELTA:
+        return tl.load(R + p_tv, mask=m_tv, other=0.)
+    else:
+        return tl.load(v + p_tv, mask=m_tv, other=0.)
+
+
+@triton.jit
 def _key_side_vloop(h, dh, R, dR, v, p_h, rows, i_h, o_k, m_k, m_t, HV: tl.constexpr, V: tl.constexpr,
                     C: tl.constexpr, BKW: tl.constexpr, BV: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr):
     """The key side's loop over value blocks, for the key channels o_k [BKW]:
@@ -974,11 +992,7 @@ def _key_side_vloop(h, dh, R, dR, v, p_h, rows, i_h, o_k, m_k, m_t, HV: tl.const
     b_dkend = tl.zeros([C, BKW], dtype=tl.float32)
     b_dgam = tl.zeros([BKW], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        m_kv = m_k[:, None] & m_v[None, :]
-        m_tv = m_t[:, None] & m_v[None, :]
-        p_tv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
+        o_v, m_kv, m_tv, p_tv = _value_block(i_v, rows, m_t, m_k, i_h, HV, V, BV)
         b_S = tl.load(h + p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
         b_dSn = tl.load(dh + p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
         if DELTA:
@@ -1417,16 +1431,10 @@ def _bwd_dqk_sides_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seq
             b_dw = tl.zeros([C, BK], dtype=tl.float32)
         b_dP = tl.zeros([C, C], dtype=tl.float32)
         for i_v in range(tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            m_v = o_v < V
-            m_tv = m_t[:, None] & m_v[None, :]
-            p_tv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
+            o_v, m_kv, m_tv, p_tv = _value_block(i_v, rows, m_t, m_k, i_h, HV, V, BV)
             b_do = tl.load(do + p_tv, mask=m_tv, other=0.)
-            b_S = tl.load(h + p_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.)
-            if DELTA:
-                b_R = tl.load(R + p_tv, mask=m_tv, other=0.)
-            else:
-                b_R = tl.load(v + p_tv, mask=m_tv, other=0.)
+            b_S = tl.load(h + p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+            b_R = _r_tile(R, v, p_tv, m_tv, DELTA)
             b_dP += _mm(b_do, tl.trans(b_R), PREC)                                              # [C, BV] @ [BV, C]
             b_dq += _mm(b_do, tl.trans(b_S), PREC)                                              # [C, BV] @ [BV, BK]
             if W_IN_0:
@@ -1451,11 +1459,9 @@ def _bwd_dqk_sides_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seq
         if i_s == 2:
             b_dw = tl.zeros([C, BK], dtype=tl.float32)
             for i_v in range(tl.cdiv(V, BV)):
-                o_v = i_v * BV + tl.arange(0, BV)
-                m_v = o_v < V
-                p_tv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
-                b_S = tl.load(h + p_h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.)
-                b_dR = tl.load(dR + p_tv, mask=m_t[:, None] & m_v[None, :], other=0.)
+                o_v, m_kv, m_tv, p_tv = _value_block(i_v, rows, m_t, m_k, i_h, HV, V, BV)
+                b_S = tl.load(h + p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+                b_dR = tl.load(dR + p_tv, mask=m_tv, other=0.)
                 b_dw -= _mm(b_dR, tl.trans(b_S), PREC)                                          # [C, BV] @ [BV, BK]
             tl.store(dW + p_hk, b_dw.to(dW.dtype.element_ty), mask=m_tk)
     if i_s == 1:
@@ -1463,19 +1469,12 @@ def _bwd_dqk_sides_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seq
         b_dPt = tl.zeros([C, C], dtype=tl.float32)
         b_dgam = tl.zeros([BK], dtype=tl.float32)
         for i_v in range(tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            m_v = o_v < V
-            m_kv = m_k[:, None] & m_v[None, :]
-            m_tv = m_t[:, None] & m_v[None, :]
-            p_tv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
+            o_v, m_kv, m_tv, p_tv = _value_block(i_v, rows, m_t, m_k, i_h, HV, V, BV)
             if GATE == 1 and not DGAM:  # ⟨S, dS'⟩ from loads of their own, first: their latency under the products
                 b_dgam += _state_inner_rows(h, dh, p_h, o_k, o_v, m_kv, V)
             b_do = tl.load(do + p_tv, mask=m_tv, other=0.)
             b_dSn = tl.load(dh + p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
-            if DELTA:
-                b_R = tl.load(R + p_tv, mask=m_tv, other=0.)
-            else:
-                b_R = tl.load(v + p_tv, mask=m_tv, other=0.)
+            b_R = _r_tile(R, v, p_tv, m_tv, DELTA)
             b_dPt += _mm(b_R, tl.trans(b_do), PREC)                                             # [C, BV] @ [BV, C]
             b_dk += _mm(b_R, tl.trans(b_dSn), PREC)                                             # [C, BV] @ [BV, BK]
         b_q16 = tl.load(q + p_tk, mask=m_tk, other=0.)
