@@ -49,8 +49,8 @@ import triton.language as tl
 
 from ..api import TRITON_MAX_HEAD_DIM as MAX_K   # the backward's kernels fit one H200 SM's shared memory up to it
 from .align import cdiv, cut_state, next_pow2, pad_last, pad_state, padded_dims
-from .chunk_fwd import (WIDE_16BIT_K, _env_choice, _env_switch, _exp, _exp_or, _mm, _mm_acc, _num_sms, _overlap, _side_stream,
-                        _signal_ready, _wait_ready, chunk_slots, chunks_whole, fp16_kda_in_fp32, on_tensor_device,
+from .chunk_fwd import (WIDE_16BIT_K, _env_choice, _env_switch, _exp, _exp_or, _mm, _mm_acc, _num_sms, _overlap,
+                        _side_stream, _signal_ready, _wait_ready, chunk_slots, chunks_whole, fp16_kda_in_fp32, on_tensor_device,
                         prec_env, reg_cap, state_dtype, wu_lowp_ok, FAST_EXP)
 
 CHUNK = 64
@@ -1407,8 +1407,9 @@ def _bwd_dqk_sides_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seq
     step (and, with a gate, both Γ tiles); here 8 products a chunk and V step, each [C, C] tile formed and gated once,
     and each state tile read by one program (S by side 0, dS' by side 1; with a gate side 1 also loads S for
     ⟨S, dS'⟩, unless DGAM). The pairwise products accumulate into dq / dk in place (_pair_term).
-    Scalar gate: side 0 stores Σ_k q ⊙ dq per row in dGp[0], side 1 −Σ_k k ⊙ dk1 in dGp[1], plus on the last row dG_last's
-    share Σ k ⊙ dK_end e^{..} (+ e^{G_last} Σ S ⊙ dS' unless DGAM: then the WY pass adds the reverse pass's rows).
+    Scalar gate: side 0 stores Σ_k q ⊙ dq per row in dGp[0], side 1 −Σ_k k ⊙ dk1 in dGp[1], plus on the last row
+    dG_last's share Σ k ⊙ dK_end e^{..} (+ e^{G_last} Σ S ⊙ dS' unless DGAM: then the WY pass adds the reverse
+    pass's rows).
     LOWP: the pairwise products' operands (_pair_term): 4 split, 1 both 16-bit, 3 only side 1's 16-bit, else fp32.
     NS 3 (delta rule): dW = −dR Sᵀ in a third program of its own (reads dR, S), so that no program holds more than
     one [C, C] and two [C, BK] accumulators' worth (side 0 then holds dP and dq only)."""
@@ -1424,7 +1425,7 @@ def _bwd_dqk_sides_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seq
     m_k = o_k < K
     p_h = (i_g * HV + i_h).to(tl.int64) * K * V
     m_tk, p_tk, p_hk = _col_offsets(rows, m_t, o_k, m_k, i_h, i_hk, H, HV, K)
-    s_p = tl.num_programs(1).to(tl.int64) * T                                                  # one dGp share: [B, T, HV]
+    s_p = tl.num_programs(1).to(tl.int64) * T                                               # one dGp share: [B, T, HV]
     if i_s == 0:
         b_dq = tl.zeros([C, BK], dtype=tl.float32)
         if W_IN_0:
@@ -2627,7 +2628,8 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         nvd = grid_s[0] if dgam_dh else 0
         if sides:
             n_sides = 3 if delta and sides == 3 else 2
-            _bwd_dqk_sides_kernel[(n_sides * NT, B * HV)](q, k, v, G, h, dh, R if delta else None, dR, do, dq, dk1, dW, dGp,
+            _bwd_dqk_sides_kernel[(n_sides * NT, B * HV)](q, k, v, G, h, dh, R if delta else None, dR, do, dq, dk1,
+                                                    dW, dGp,
                                                     scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=bva, C=C, GATE=gate,
                                                     DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_dqk,
                                                     DGAM=dgam_dh, NS=n_sides, FULL=bwd_full("bwd_dqk", gate, T, varlen),
