@@ -50,8 +50,8 @@ import triton.language as tl
 from ..api import TRITON_MAX_HEAD_DIM as MAX_K   # the backward's kernels fit one H200 SM's shared memory up to it
 from .align import cdiv, cut_state, next_pow2, pad_last, pad_state, padded_dims
 from .chunk_fwd import (WIDE_16BIT_K, _env_choice, _env_switch, _exp, _exp_or, _mm, _mm_acc, _num_sms, _overlap,
-                        _side_stream, _signal_ready, _wait_ready, chunk_slots, chunks_whole, fp16_kda_in_fp32, on_tensor_device,
-                        prec_env, reg_cap, state_dtype, wu_lowp_ok, FAST_EXP)
+                        _side_stream, _signal_ready, _wait_ready, chunk_slots, chunks_whole, fp16_kda_in_fp32,
+                        on_tensor_device, prec_env, reg_cap, state_dtype, wu_lowp_ok, FAST_EXP)
 
 CHUNK = 64
 SUB = 16
