@@ -2605,9 +2605,8 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     dG = buf(*g.shape) if gate else None
     bkp = _env_block("CHUNKWISE_BWD_PAIR_SPLIT", BWD_PAIR_SPLIT, BK)   # the pair kernel's channel block (0: all)
     if dqk:
-        # the state tiles' pass split over key column blocks, then the per-chunk WY pass (per channel: then the pair
-        # kernel)
-        # by side (BWD_DQK_SIDES: two programs a chunk, two dGp shares) or by key column blocks of bka
+        # the state tiles' pass split over key column blocks of bka, or by side (BWD_DQK_SIDES: two dGp shares), then
+        # the per-chunk WY pass (per channel: then the pair kernel)
         sides = _env_choice("CHUNKWISE_BWD_DQK_SIDES", BWD_DQK_SIDES, (0, 2, 3)) if gate != 2 and BK <= 128 else 0
         bka = _env_block("CHUNKWISE_BWD_DQK_BK", BWD_DQK_BK, BK)
         nka = 2 if sides else cdiv(K, bka)
@@ -2628,13 +2627,11 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         nvd = grid_s[0] if dgam_dh else 0
         if sides:
             n_sides = 3 if delta and sides == 3 else 2
-            _bwd_dqk_sides_kernel[(n_sides * NT, B * HV)](q, k, v, G, h, dh, R if delta else None, dR, do, dq, dk1,
-                                                    dW, dGp,
-                                                    scale=scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=bva, C=C, GATE=gate,
-                                                    DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_dqk,
-                                                    DGAM=dgam_dh, NS=n_sides, FULL=bwd_full("bwd_dqk", gate, T, varlen),
-                                                    num_warps=_warps("bwd_dqk_sides", gate),
-                                                    **_regs("bwd_dqk_sides", gate), num_stages=ns, **common)
+            _bwd_dqk_sides_kernel[(n_sides * NT, B * HV)](
+                q, k, v, G, h, dh, R if delta else None, dR, do, dq, dk1, dW, dGp, scale=scale, H=H, HV=HV, K=K, V=V,
+                BK=BK, BV=bva, C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_dqk, DGAM=dgam_dh,
+                NS=n_sides, FULL=bwd_full("bwd_dqk", gate, T, varlen), num_warps=_warps("bwd_dqk_sides", gate),
+                **_regs("bwd_dqk_sides", gate), num_stages=ns, **common)
         else:
             _bwd_dqk_kernel[(nka * NT, B * HV)](q, k, v, G, h, dh, R if delta else None, dR, do, dq, dk1, dW, dGp, dgam,
                                                 Tmat, beta, dTp, dbs,

@@ -167,8 +167,9 @@ def _rn_tf32(x):
 
 @triton.jit
 def _mm_acc(acc, a, b, MM_PREC: tl.constexpr):
-    """acc + a @ b at _mm's product precision, accumulated into acc by the product itself: no second [M, P]
-    accumulator is live, as it is for ``acc + _mm(a, b)`` where the compiler cannot fold the sum into the product."""
+    """acc + a @ b at _mm's product precision, accumulated into acc by the product itself (acc None: a @ b): no
+    second [M, P] accumulator is live, as it is for ``acc + _mm(a, b)`` where the compiler cannot fold the sum into
+    the product."""
     if MM_PREC == "tf32rn":
         return tl.dot(_rn_tf32(a), _rn_tf32(b), acc=acc, input_precision="tf32")
     elif MM_PREC == "bf16":
@@ -185,14 +186,7 @@ def _mm(a, b, MM_PREC: tl.constexpr):
     MM_PREC "tf32" / "tf32x3" / "ieee" as tl.dot takes them, "tf32rn": tf32 with fp32 operands rounded to nearest
     first, or "bf16" / "fp16": both operands rounded to that type (fp32 accumulation; fp16 overflows past 65504 to
     inf). 16-bit operands go to the tensor cores as they are at any setting."""
-    if MM_PREC == "tf32rn":
-        return tl.dot(_rn_tf32(a), _rn_tf32(b), input_precision="tf32")
-    elif MM_PREC == "bf16":
-        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-    elif MM_PREC == "fp16":
-        return tl.dot(a.to(tl.float16), b.to(tl.float16))
-    else:
-        return tl.dot(a, b, input_precision=MM_PREC)
+    return _mm_acc(None, a, b, MM_PREC)
 
 
 @triton.jit
