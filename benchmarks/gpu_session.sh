@@ -18,8 +18,9 @@
 #   pair16: the state-tile pass's pairwise forms (CHUNKWISE_BWD_DQK_PAIR16 0 / 1 / 3 for DeltaNet, 0 / 3 for GDN and
 #          simple GLA): fwd+bwd per kernel, then their real-size errors against float64 and fla; then the WY pass
 #          capped at 168 / 128 registers (sweep_bwd --variants wyregs) (~8 min)
-#   sides: the state-tile pass by side and the column blocks' split products in place (sweep_bwd --variants sides, one
-#          process per family: DeltaNet, GDN, simple GLA), then their real-size errors against float64 and fla (~9 min)
+#   sides: the state-tile pass by side, with the WY pass's work in its key side, and the column blocks' split products
+#          in place (sweep_bwd --variants sides, one process per family: DeltaNet, GDN, simple GLA), then their
+#          real-size errors against float64 and fla (~11 min)
 #   pair:  KDA's pairwise-gradient kernel variants (sweep_bwd.py PAIR_VARIANTS: channels per program, warps, diagonal launch)
 #   ncu:   Nsight Compute reports of the largest kernels (NCU_TARGETS; NCU_EXTRA more ncu arguments; summary by benchmarks/ncu_summary.py)
 #   save:  fwd+bwd with the forward's stage 1 kept for the backward (CHUNKWISE_SAVE_STAGE1=1) against the default
@@ -161,7 +162,7 @@ if has pair16; then     # the state-tile pass's pairwise forms (CHUNKWISE_BWD_DQ
 fi
 if has sides; then      # the state-tile pass by side (CHUNKWISE_BWD_DQK_SIDES, session 34): time per family, then errors
   for f in delta gdn gla; do    # one process per family
-    TAILN=12 step ${SIDES_T:-150} sides_$f python3 benchmarks/sweep_bwd.py --fams $f --out "$OUT/sides_$f" --variants sides
+    TAILN=15 step ${SIDES_T:-200} sides_$f python3 benchmarks/sweep_bwd.py --fams $f --out "$OUT/sides_$f" --variants sides
   done
   TAILN=8 step ${SIDES_TESTS_T:-240} sides_tests python3 -m pytest -v -s -p no:cacheprovider -o addopts="" --tb=line \
     tests/test_triton_chunk_bwd.py -k "real_size_sides or (real_size_pair16 and 3-1)"

@@ -160,12 +160,16 @@ WYREGS_VARIANTS = "base:;wy168:CHUNKWISE_MAXNREG=bwd_wy:168;wy128:CHUNKWISE_MAXN
 # place (BWD_SPLIT_INPLACE). Offline sm_90 (bf16, level 4, 3 stages; registers / spill B): DeltaNet 2: 147 / 0, 3: 110
 # / 0 (two 8-warp programs per SM), 3 at 4 warps 174 / 0, capped at 168 8 B; GDN 2: 231 / 0, 3: 176 / 0, capped at
 # 128 (two programs per SM) 52 B; simple GLA 2: 181 / 0, capped at 128 84 B; the column blocks in place: DeltaNet 250
-# -> 236 registers, GDN's spills 104 -> 52 B, GLA's 88 -> 36
+# -> 236 registers, GDN's spills 104 -> 52 B, GLA's 88 -> 36. wyf: the WY pass's work in the key side (BWD_WY_FUSED 1:
+# one launch, 2: a launch per side; scr: dAᵀ through the scratch, GDN's default). Offline 8 warps: side 0 DeltaNet 111 /
+# 0, GDN 123 / 0; side 1 DeltaNet 255 / 244 (scr 84), GDN 255 / 400, simple GLA 179 / 0
 SIDES_VARIANTS = ("cols:;inplace:CHUNKWISE_BWD_SPLIT_INPLACE=1;s2:CHUNKWISE_BWD_DQK_SIDES=2;"
                   "s3:CHUNKWISE_BWD_DQK_SIDES=3;s3w4:CHUNKWISE_BWD_DQK_SIDES=3,CHUNKWISE_BWD_WARPS=bwd_dqk_sides:4;"
                   "s3w4c168:CHUNKWISE_BWD_DQK_SIDES=3,CHUNKWISE_BWD_WARPS=bwd_dqk_sides:4,"
                   "CHUNKWISE_MAXNREG=bwd_dqk_sides:168;"
-                  "s3c128:CHUNKWISE_BWD_DQK_SIDES=3,CHUNKWISE_MAXNREG=bwd_dqk_sides:128")
+                  "s3c128:CHUNKWISE_BWD_DQK_SIDES=3,CHUNKWISE_MAXNREG=bwd_dqk_sides:128;"
+                  "wyf1:CHUNKWISE_BWD_WY_FUSED=1;wyf2:CHUNKWISE_BWD_WY_FUSED=2;"
+                  "wyf2scr:CHUNKWISE_BWD_WY_FUSED=2,CHUNKWISE_BWD_WY_DA_SCR=1")
 FWDOVL_VARIANTS = "ovl:;ovl0:CHUNKWISE_FWD_OVERLAP=0;ovl1:CHUNKWISE_FWD_OVERLAP=1;ovl2:CHUNKWISE_FWD_OVERLAP=2"
 NAMED = {"sides": SIDES_VARIANTS, "wyregs": WYREGS_VARIANTS, "full": FULL_VARIANTS, "fwdovl": FWDOVL_VARIANTS, "tformr": TFORMR_VARIANTS, "saver": SAVER_VARIANTS, "gc": GC_VARIANTS, "sds": SDS_VARIANTS, "beside": BESIDE_VARIANTS, "pairregs": PAIRREGS_VARIANTS, "tform": TFORM_VARIANTS, "kdasplit": KDASPLIT_VARIANTS, "dqk": DQK_VARIANTS, "ahead": AHEAD_VARIANTS, "states": STATES_VARIANTS, "pair": PAIR_VARIANTS, "gates": GATES_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
          "oneref": ONEREF_VARIANTS}

@@ -188,6 +188,24 @@ def _gate_cumsum_kernel(g, G, cu_seqlens, chunk_indices, T, floor,
 
 
 @triton.jit
+def _dg_rows_kernel(dGp, dG, cu_seqlens, chunk_indices, T, HV: tl.constexpr, C: tl.constexpr, NKP: tl.constexpr,
+                    IS_VARLEN: tl.constexpr):
+    """dg = the reverse cumsum in each chunk of Σ_p dGp[p]: the scalar gate's per-row shares ([NKP, B, T, HV] fp32)
+    summed before the scan, as _bwd_wy_kernel does (the shares cancel, their separate scans would not)."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // HV, i_bh % HV
+    t0, L, _ = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
+    o_t = tl.arange(0, C)
+    m_t = o_t < L
+    p = (t0 + o_t).to(tl.int64) * HV + i_h
+    s_p = tl.num_programs(1).to(tl.int64) * T                               # one share: [B, T, HV]
+    b_d = tl.zeros([C], dtype=tl.float32)
+    for i_p in tl.static_range(NKP):
+        b_d += tl.load(dGp + i_p * s_p + p, mask=m_t, other=0.)
+    tl.store(dG + p, tl.sum(b_d, axis=0) - tl.cumsum(b_d, axis=0) + b_d, mask=m_t)                # reverse cumsum
+
+
+@triton.jit
 def _load_gate_cols(G, t0, L, i_h, o_k, m_k, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr):
     """Columns o_k of a per-channel chunk gate: (G [C, BKH] with rows past L = G_last, G_last [BKH])."""
     o_t = tl.arange(0, C)
@@ -1389,11 +1407,13 @@ def _pair_term(acc, b_d, b_x16, PREC: tl.constexpr, LOWP: tl.constexpr, SIXTEEN:
 
 
 @triton.jit
-def _bwd_dqk_sides_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seqlens, chunk_indices, T, scale,
+def _bwd_dqk_sides_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, beta, Tmat, Ascr, dv, dbeta, dG, cu_seqlens,
+                          chunk_indices, T, scale,
                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                           BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
                           IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr = 0, DGAM: tl.constexpr = 0,
-                          NS: tl.constexpr = 2, FULL: tl.constexpr = 0):
+                          NS: tl.constexpr = 2, FULL: tl.constexpr = 0, WY: tl.constexpr = 0,
+                          LOWP_WY: tl.constexpr = 0, DA_SCR: tl.constexpr = 0, SIDE: tl.constexpr = -1):
     """Scalar / no gate: _bwd_dqk_kernel's work split by side instead of by key column block. Two programs per (chunk,
     value head), each over all BK >= K key columns; the first forms dP and the query side, the second dPᵀ and the key
     side::
@@ -1412,10 +1432,30 @@ def _bwd_dqk_sides_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seq
     pass's rows).
     LOWP: the pairwise products' operands (_pair_term): 4 split, 1 both 16-bit, 3 only side 1's 16-bit, else fp32.
     NS 3 (delta rule): dW = −dR Sᵀ in a third program of its own (reads dR, S), so that no program holds more than
-    one [C, C] and two [C, BK] accumulators' worth (side 0 then holds dP and dq only)."""
-    i_s, i_t = tl.program_id(0) % NS, tl.program_id(0) // NS
-    W_IN_0: tl.constexpr = DELTA and NS == 2
+    one [C, C] and two [C, BK] accumulators' worth (side 0 then holds dP and dq only).
+
+    WY (NS 2, not DGAM): side 1 also does _bwd_wy_kernel's work on its chunk, with dk1 and dW in its registers, so that
+    neither goes to memory and back and the WY pass is not launched::
+
+        side 1:  V loop  as above, + dW = −dR Sᵀ ([C, BK]),  dT = dR (βV)ᵀ,  dTᵀ = (βV) dRᵀ (not DA_SCR),
+                         dv = β (Tᵀ dR),  dβ = Σ_v V ⊙ Tᵀ dR                       reads + S, dR, V, T
+                 dk1 as above;  dT += dW Xᵀ, dTᵀ += X dWᵀ,  dA, dAᵀ (_wy_dA);  dk = dk1 + _wy_key_terms
+                 its rows' share of dg with the WY pass's terms in dGp[1]         -> dk (at dk1), dv, dβ
+
+    and side 0 forms dP and dq only; _dg_rows_kernel then sums the two shares and takes their reverse cumsum.
+    LOWP_WY: the WY products' operand level (_bwd_wy_kernel's LOWP); DA_SCR: dAᵀ through the chunk's rows of Ascr.
+    SIDE 0 / 1: that side alone, one program a chunk (a launch of its own, with its own register count: in one launch
+    every program takes the key side's under WY); -1: NS programs a chunk, side = program id mod NS."""
+    if SIDE >= 0:
+        i_s: tl.constexpr = SIDE
+        i_t = tl.program_id(0)
+    else:
+        i_s, i_t = tl.program_id(0) % NS, tl.program_id(0) // NS
+    W_IN_0: tl.constexpr = DELTA and NS == 2 and not WY
     W_OWN: tl.constexpr = DELTA and NS == 3
+    WYD: tl.constexpr = DELTA and WY                                    # the WY pass's delta-rule work in side 1
+    OPD: tl.constexpr = k.dtype.element_ty if LOWP_WY else tl.float32  # its products' operands (_bwd_wy_kernel's)
+    OPD2: tl.constexpr = k.dtype.element_ty if LOWP_WY == 1 else tl.float32
     i_bh = tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
     i_hk = i_h // (HV // H)
@@ -1469,6 +1509,14 @@ def _bwd_dqk_sides_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seq
         b_dk = tl.zeros([C, BK], dtype=tl.float32)
         b_dPt = tl.zeros([C, C], dtype=tl.float32)
         b_dgam = tl.zeros([BK], dtype=tl.float32)
+        if WYD:
+            b_dw = tl.zeros([C, BK], dtype=tl.float32)
+            b_beta = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.).to(tl.float32)
+            b_Tt = tl.load(Tmat + p_ccT, mask=m_cc & (o_t[None, :] >= o_t[:, None]), other=0.)        # Tᵀ [C, C]
+            b_Ttv = b_Tt.to(dR.dtype.element_ty)
+            b_dT = tl.zeros([C, C], dtype=tl.float32)
+            b_dTt = tl.zeros([C, C], dtype=tl.float32)
+            b_db = tl.zeros([C], dtype=tl.float32)
         for i_v in range(tl.cdiv(V, BV)):
             o_v, m_kv, m_tv, p_tv = _value_block(i_v, rows, m_t, m_k, i_h, HV, V, BV)
             if GATE == 1 and not DGAM:  # ⟨S, dS'⟩ from loads of their own, first: their latency under the products
@@ -1478,6 +1526,12 @@ def _bwd_dqk_sides_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seq
             b_R = _r_tile(R, v, p_tv, m_tv, DELTA)
             b_dPt += _mm(b_R, tl.trans(b_do), PREC)                                             # [C, BV] @ [BV, C]
             b_dk += _mm(b_R, tl.trans(b_dSn), PREC)                                             # [C, BV] @ [BV, BK]
+            if WYD:
+                b_S = tl.load(h + p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
+                b_dR = tl.load(dR + p_tv, mask=m_tv, other=0.)
+                b_dw -= _mm(b_dR, tl.trans(b_S), PREC)                                          # [C, BV] @ [BV, BK]
+                b_dT, b_dTt, b_db = _wy_value_step(b_dR, tl.load(v + p_tv, mask=m_tv, other=0.), b_beta, b_Ttv,
+                                                   b_dT, b_dTt, b_db, dv, p_tv, m_tv, PREC, not DA_SCR)
         b_q16 = tl.load(q + p_tk, mask=m_tk, other=0.)
         j_ge_i = o_t[None, :] >= o_t[:, None]
         if GATE == 1:
@@ -1490,10 +1544,36 @@ def _bwd_dqk_sides_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seq
         else:
             b_dPt = tl.where(j_ge_i, b_dPt, 0.) * scale
         b_dk = _pair_term(b_dk, b_dPt, b_q16, PREC, LOWP, LOWP == 1 or LOWP == 3)              # [C, C] @ [C, BK]
-        tl.store(dk1 + p_hk, b_dk.to(dk1.dtype.element_ty), mask=m_tk)
+        if not WY:
+            tl.store(dk1 + p_hk, b_dk.to(dk1.dtype.element_ty), mask=m_tk)
         if GATE == 1:
             b_k = tl.load(k + p_tk, mask=m_tk, other=0., cache_modifier=".cg").to(tl.float32)   # (again: not live
             b_dg = tl.where(o_t == L - 1, b_dlast, 0.) - tl.sum(b_k * b_dk, axis=1)           # across the product)
+        if WYD:     # the WY pass's work, dk1 (b_dk) and dW in registers
+            b_k16 = tl.load(k + p_tk, mask=m_tk, other=0.)
+            b_x = b_k16.to(tl.float32) * b_beta[:, None]                                       # X = β e^G K
+            if GATE == 1:
+                b_eG = _exp(b_G)[:, None]
+                b_x = b_x * b_eG
+            b_x = b_x.to(OPD)
+            b_dwo = b_dw.to(OPD)
+            b_dT += _mm(b_dwo, tl.trans(b_x), PREC)                                             # [C, BK] @ [BK, C]
+            b_Ttl = b_Tt.to(OPD)
+            b_Tl = b_Ttl
+            if not DA_SCR:
+                b_dTt += _mm(b_x, tl.trans(b_dwo), PREC)                                        # [C, BK] @ [BK, C]
+                b_Tl = tl.trans(b_Ttl)                                                          # T
+            b_dA, b_dAt = _wy_dA(b_Ttl, b_Tl, b_dT, b_dTt, b_G if GATE == 1 else b_beta, o_t, m_cc, p_cc, p_ccT,
+                                 Ascr, OPD, PREC, GATE, DA_SCR)
+            b_dAh, b_dAl, b_dAth, b_dAtl = _wy_pair_operands(b_dA, b_dAt, b_beta, k.dtype.element_ty, OPD2, LOWP_WY)
+            b_dk, b_dbk, b_dGk = _wy_key_terms(b_k16, b_dwo, b_dk, b_Ttl, b_dAh, b_dAl, b_dAth, b_dAtl, b_beta,
+                                               b_eG if GATE == 1 else b_beta, m_tk, OPD2, PREC, LOWP_WY, GATE, True)
+            tl.store(dbeta + rows * HV + i_h, b_db + b_dbk, mask=m_t)
+            if GATE == 1:
+                b_dg += b_dGk
+        if WY:
+            tl.store(dk1 + p_hk, b_dk.to(dk1.dtype.element_ty), mask=m_tk)
+        if GATE == 1:
             tl.store(dGp + s_p + rows * HV + i_h, b_dg, mask=m_t)
 
 
@@ -1513,6 +1593,134 @@ def _cols_ahead(X, rows, m_t, k0, i_h, HV: tl.constexpr, K: tl.constexpr, BK: tl
     """Columns [k0, k0 + BK) of a [B, T, HV, K] tensor at the chunk's rows (zeros past K)."""
     o_k = k0 + tl.arange(0, BK)
     return tl.load(X + (rows[:, None] * HV + i_h) * K + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :], other=0.)
+
+
+@triton.jit
+def _wy_value_step(b_dR, b_v, b_beta, b_Ttv, b_dT, b_dTt, b_db, dv, p_tv, m_tv, PREC: tl.constexpr,
+                   DTT: tl.constexpr):
+    """One value block [C, BV] of the WY pass: dT += dR (βV)ᵀ, dTᵀ += (βV) dRᵀ (DTT), dv = β (Tᵀ dR) stored at p_tv,
+    dβ += Σ_v V ⊙ Tᵀ dR. Returns (dT, dTᵀ, dβ)."""
+    b_vb = (b_v.to(tl.float32) * b_beta[:, None]).to(b_dR.dtype)
+    b_dT += _mm(b_dR, tl.trans(b_vb), PREC)                                                  # [C, BV] @ [BV, C]
+    if DTT:
+        b_dTt += _mm(b_vb, tl.trans(b_dR), PREC)                                             # [C, BV] @ [BV, C]
+    b_dy = _mm(b_Ttv, b_dR, PREC)                                                            # [C, C] @ [C, BV]
+    tl.store(dv + p_tv, (b_dy * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
+    b_db += tl.sum(b_v.to(tl.float32) * b_dy, axis=1)
+    return b_dT, b_dTt, b_db
+
+
+@triton.jit
+def _wy_dA(b_Ttl, b_Tl, b_dT, b_dTt, b_G, o_t, m_cc, p_cc, p_ccT, Ascr, OPD: tl.constexpr, PREC: tl.constexpr,
+           GATE: tl.constexpr, DA_SCR: tl.constexpr):
+    """The gradient through A from dT: dA = −Tᵀ dT Tᵀ (strict lower) and dAᵀ = −T dTᵀ T (strict upper), with a scalar
+    gate each ⊙ its factor Γ / Γᵀ. DA_SCR: dAᵀ is read back transposed from the chunk's rows of the fp32 scratch Ascr
+    once dA is stored there and the program's threads meet at a barrier (b_Tl, b_dTt unused). GATE 2: dA alone
+    (dAᵀ returned as dA), no gate factor. b_Ttl: Tᵀ, b_Tl: T, as product operands of type OPD."""
+    b_dA = _mm(_mm(b_Ttl, b_dT.to(OPD), PREC).to(OPD), b_Ttl, PREC)                          # [C, C] @ [C, C] @ [C, C]
+    if not DA_SCR and GATE != 2:
+        b_dAt = _mm(_mm(b_Tl, b_dTt.to(OPD), PREC).to(OPD), b_Tl, PREC)                      # [C, C] @ [C, C] @ [C, C]
+    b_dA = tl.where(m_cc & (o_t[:, None] > o_t[None, :]), -b_dA, 0.)
+    if GATE != 2:
+        if not DA_SCR:
+            b_dAt = tl.where(m_cc & (o_t[None, :] > o_t[:, None]), -b_dAt, 0.)
+        if GATE == 1:
+            b_dA = b_dA * _exp(tl.where(o_t[:, None] > o_t[None, :], b_G[:, None] - b_G[None, :], float("-inf")))
+            if not DA_SCR:
+                b_dAt = b_dAt * _exp(tl.where(o_t[None, :] > o_t[:, None], b_G[None, :] - b_G[:, None],
+                                                float("-inf")))
+        if DA_SCR:      # dAᵀ: the chunk's rows of the scratch, read back transposed once every thread has stored
+            tl.store(Ascr + p_cc, b_dA, mask=m_cc)
+            tl.debug_barrier()
+            b_dAt = tl.load(Ascr + p_ccT, mask=m_cc, other=0.)
+    else:
+        b_dAt = b_dA
+    return b_dA, b_dAt
+
+
+@triton.jit
+def _wy_pair_operands(b_dA, b_dAt, b_beta, dt: tl.constexpr, OPD2: tl.constexpr, LOWP: tl.constexpr):
+    """dA and dAᵀ as the key loop's products take them: LOWP 4, dA and dAᵀ β each split into two parts of the 16-bit
+    dtype dt (high, low); else dA, dAᵀ in OPD2 (low parts returned as the high ones, unused)."""
+    if LOWP == 4:
+        b_dAh = b_dA.to(dt)
+        b_dAl = (b_dA - b_dAh.to(tl.float32)).to(dt)
+        b_dAt = b_dAt * b_beta[None, :]
+        b_dAth = b_dAt.to(dt)
+        b_dAtl = (b_dAt - b_dAth.to(tl.float32)).to(dt)
+    else:
+        b_dAh, b_dAth = b_dA.to(OPD2), b_dAt.to(OPD2)
+        b_dAl, b_dAtl = b_dAh, b_dAth
+    return b_dAh, b_dAl, b_dAth, b_dAtl
+
+
+@triton.jit
+def _wy_key_terms(b_k16, b_dw, b_dk1, b_Ttl, b_dAh, b_dAl, b_dAth, b_dAtl, b_beta, b_eG, m_tk, OPD2: tl.constexpr,
+                  PREC: tl.constexpr, LOWP: tl.constexpr, GATE: tl.constexpr, SEQ: tl.constexpr = 0):
+    """dk for key columns [C, BK] from dk1 (the state-tile pass's share) and the WY pass's, with that share's row sums
+    into dβ and (GATE 1) dG: dX = Tᵀ dW, dk = dk1 + β e^G dX + dAᵀ (βK) + β (dA K). b_k16: K as loaded, b_dw: dW in
+    the products' dtype, the dA operands as _wy_pair_operands gives them, b_eG: e^G [C, 1] (GATE 1). SEQ: each product
+    added into dk before the next is formed (one [C, BK] product live beside dk, the last one accumulated by the
+    product itself without a gate), not all three formed first. Returns (dk, dβ share, dG share)."""
+    b_k = b_k16.to(tl.float32)
+    b_kb = b_k * b_beta[:, None]
+    if GATE == 1:
+        b_ke = b_k * b_eG
+    else:
+        b_ke = b_k
+    if LOWP == 4 or LOWP == 1:
+        # 16-bit K through registers, so that the products read a shared copy of their own, as the tf32 build's do,
+        # not the software pipeline's buffer of the load, which the register math reads too
+        b_kl = tl.where(m_tk, b_k16, 0.)
+    else:
+        b_kl = b_k.to(OPD2)
+    b_dg = tl.zeros([b_k.shape[0]], dtype=tl.float32)
+    if SEQ:
+        b_dxk = _mm(b_Ttl, b_dw, PREC)                                                       # [C, C] @ [C, BK]
+        b_db = tl.sum(b_ke * b_dxk, axis=1)
+        if GATE == 1:
+            b_dxk = b_beta[:, None] * b_eG * b_dxk
+        else:
+            b_dxk = b_beta[:, None] * b_dxk
+        if GATE == 1:
+            b_dg += tl.sum(b_k * b_dxk, axis=1)
+        b_dk = b_dk1 + b_dxk
+        if LOWP == 4:
+            b_dkb = _mm_acc(_mm(b_dAh, b_kl, PREC), b_dAl, b_kl, PREC)                       # [C, C] @ [C, BK]
+        else:
+            b_dkb = _mm(b_dAh, b_kl, PREC)                                                   # [C, C] @ [C, BK]
+        b_db += tl.sum(b_k * b_dkb, axis=1)
+        if GATE == 1:
+            b_dg += tl.sum(b_kb * b_dkb, axis=1)
+        b_dk += b_beta[:, None] * b_dkb
+        if GATE == 1:
+            if LOWP == 4:
+                b_dkp = _mm_acc(_mm(b_dAth, b_kl, PREC), b_dAtl, b_kl, PREC)                 # [C, C] @ [C, BK]
+            else:
+                b_dkp = _mm(b_dAth, b_kb.to(OPD2), PREC)                                     # [C, C] @ [C, BK]
+            b_dg -= tl.sum(b_k * b_dkp, axis=1)
+            b_dk += b_dkp
+        elif LOWP == 4:
+            b_dk = _mm_acc(_mm_acc(b_dk, b_dAth, b_kl, PREC), b_dAtl, b_kl, PREC)             # [C, C] @ [C, BK]
+        else:
+            b_dk = _mm_acc(b_dk, b_dAth, b_kb.to(OPD2), PREC)                                # [C, C] @ [C, BK]
+    else:
+        b_dx = _mm(b_Ttl, b_dw, PREC)                                                        # [C, C] @ [C, BK]
+        if LOWP == 4:
+            b_dkb = _mm(b_dAh, b_kl, PREC) + _mm(b_dAl, b_kl, PREC)                          # [C, C] @ [C, BK]
+            b_dkp = _mm(b_dAth, b_kl, PREC) + _mm(b_dAtl, b_kl, PREC)                        # [C, C] @ [C, BK]
+        else:
+            b_dkb = _mm(b_dAh, b_kl, PREC)                                                   # [C, C] @ [C, BK]
+            b_dkp = _mm(b_dAth, b_kb.to(OPD2), PREC)                                         # [C, C] @ [C, BK]
+        if GATE == 1:
+            b_dxk = b_beta[:, None] * b_eG * b_dx
+        else:
+            b_dxk = b_beta[:, None] * b_dx
+        b_dk = b_dk1 + b_dxk + b_dkp + b_beta[:, None] * b_dkb
+        b_db = tl.sum(b_ke * b_dx + b_k * b_dkb, axis=1)
+        if GATE == 1:
+            b_dg = tl.sum(b_k * b_dxk + b_kb * b_dkb - b_k * b_dkp, axis=1)
+    return b_dk, b_db, b_dg
 
 
 @triton.jit
@@ -1575,13 +1783,8 @@ def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, Ascr, dv, dk, db
             p_tv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
             b_dR = tl.load(dR + p_tv, mask=m_tv, other=0.)
             b_v = tl.load(v + p_tv, mask=m_tv, other=0.)
-            b_vb = (b_v.to(tl.float32) * b_beta[:, None]).to(dR.dtype.element_ty)
-            b_dT += _mm(b_dR, tl.trans(b_vb), PREC)                                          # [C, BV] @ [BV, C]
-            if not DA_SCR and GATE != 2:
-                b_dTt += _mm(b_vb, tl.trans(b_dR), PREC)                                     # [C, BV] @ [BV, C]
-            b_dy = _mm(b_Ttv, b_dR, PREC)                                                    # [C, C] @ [C, BV]
-            tl.store(dv + p_tv, (b_dy * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
-            b_db += tl.sum(b_v.to(tl.float32) * b_dy, axis=1)
+            b_dT, b_dTt, b_db = _wy_value_step(b_dR, b_v, b_beta, b_Ttv, b_dT, b_dTt, b_db, dv, p_tv, m_tv, PREC,
+                                               not DA_SCR and GATE != 2)
             if GATE == 2:
                 b_dP += _mm(tl.load(do + p_tv, mask=m_tv, other=0.),
                             tl.trans(tl.load(R + p_tv, mask=m_tv, other=0.)), PREC)          # [C, BV] @ [BV, C]
@@ -1603,78 +1806,38 @@ def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, Ascr, dv, dk, db
                 b_dT += _mm(b_dw, tl.trans(b_x), PREC)                                       # [C, BK] @ [BK, C]
                 if not DA_SCR:
                     b_dTt += _mm(b_x, tl.trans(b_dw), PREC)                                  # [C, BK] @ [BK, C]
-            if not DA_SCR:
-                if T_TRANS:
-                    b_Tl = tl.trans(b_Ttl)                                                  # T
-                else:
-                    b_Tl = tl.load(Tmat + p_cc, mask=m_cc & (o_t[:, None] >= o_t[None, :]), other=0.).to(OPD)
+        b_Tl = b_Ttl
+        if GATE != 2 and not DA_SCR:
+            if T_TRANS:
+                b_Tl = tl.trans(b_Ttl)                                                      # T
+            else:
+                b_Tl = tl.load(Tmat + p_cc, mask=m_cc & (o_t[:, None] >= o_t[None, :]), other=0.).to(OPD)
         if DK1_AHEAD and GATE != 2:     # the first column block of dk1, its latency under the dA products
             b_dk1n = _cols_ahead(dk1, rows, m_t, 0, i_h, HV, K, BK)
-        b_dA = _mm(_mm(b_Ttl, b_dT.to(OPD), PREC).to(OPD), b_Ttl, PREC)                     # [C, C] @ [C, C] @ [C, C]
-        if not DA_SCR and GATE != 2:
-            b_dAt = _mm(_mm(b_Tl, b_dTt.to(OPD), PREC).to(OPD), b_Tl, PREC)                 # [C, C] @ [C, C] @ [C, C]
-        b_dA = tl.where(m_cc & (o_t[:, None] > o_t[None, :]), -b_dA, 0.)
+        b_dA, b_dAt = _wy_dA(b_Ttl, b_Tl, b_dT, b_dTt, b_G if GATE == 1 else b_beta, o_t, m_cc, p_cc, p_ccT, Ascr,
+                             OPD, PREC, GATE, DA_SCR)
     if DELTA and GATE == 2:     # dA and dP for the pair kernel
         tl.store(Ascr + p_cc, b_dA, mask=m_cc)
         tl.store(Pmat + p_cc, tl.where(o_t[:, None] >= o_t[None, :], b_dP * scale, 0.), mask=m_cc)
         tl.store(dbeta + rows * HV + i_h, b_db, mask=m_t)
     elif DELTA:
-        if not DA_SCR:
-            b_dAt = tl.where(m_cc & (o_t[None, :] > o_t[:, None]), -b_dAt, 0.)
-        if GATE == 1:
-            b_dA = b_dA * _exp(tl.where(o_t[:, None] > o_t[None, :], b_G[:, None] - b_G[None, :], float("-inf")))
-            if not DA_SCR:
-                b_dAt = b_dAt * _exp(tl.where(o_t[None, :] > o_t[:, None], b_G[None, :] - b_G[:, None],
-                                                float("-inf")))
-        if DA_SCR:      # dAᵀ: the chunk's rows of the scratch, read back transposed once every thread has stored
-            tl.store(Ascr + p_cc, b_dA, mask=m_cc)
-            tl.debug_barrier()
-            b_dAt = tl.load(Ascr + p_ccT, mask=m_cc, other=0.)
-        if LOWP == 4:   # dA K and dAᵀ (βK) = (dAᵀ β) K from 16-bit K with dA, dAᵀ β split in two 16-bit parts each
-            b_dAh = b_dA.to(k.dtype.element_ty)
-            b_dAl = (b_dA - b_dAh.to(tl.float32)).to(k.dtype.element_ty)
-            b_dAt = b_dAt * b_beta[None, :]
-            b_dAth = b_dAt.to(k.dtype.element_ty)
-            b_dAtl = (b_dAt - b_dAth.to(tl.float32)).to(k.dtype.element_ty)
-        else:
-            b_dA, b_dAt = b_dA.to(OPD2), b_dAt.to(OPD2)
+        # dA K and dAᵀ (βK) from 16-bit K with dA, dAᵀ β split in two 16-bit parts each (LOWP 4)
+        b_dAh, b_dAl, b_dAth, b_dAtl = _wy_pair_operands(b_dA, b_dAt, b_beta, k.dtype.element_ty, OPD2, LOWP)
         for i_k in range(tl.cdiv(K, BK)):
             o_k = i_k * BK + tl.arange(0, BK)
             m_tk, p_tk, p_hk = _col_offsets(rows, m_t, o_k, o_k < K, i_h, i_hk, H, HV, K)
             b_k16 = tl.load(k + p_tk, mask=m_tk, other=0.)
-            b_k = b_k16.to(tl.float32)
-            b_kb = b_k * b_beta[:, None]
-            if GATE == 1:
-                b_ke = b_k * b_eG
-            else:
-                b_ke = b_k
             b_dw = tl.load(dW + p_hk, mask=m_tk, other=0.).to(OPD)
-            b_dx = _mm(b_Ttl, b_dw, PREC)                                                    # [C, C] @ [C, BK]
-            if LOWP == 4 or LOWP == 1:
-                # 16-bit K through registers, so that the products read a shared copy of their own, as the tf32
-                # build's do, not the software pipeline's buffer of the load, which the register math reads too
-                b_kl = tl.where(m_tk, b_k16, 0.)
-            else:
-                b_kl = b_k.to(OPD2)
-            if LOWP == 4:
-                b_dkb = _mm(b_dAh, b_kl, PREC) + _mm(b_dAl, b_kl, PREC)                      # [C, C] @ [C, BK]
-                b_dkp = _mm(b_dAth, b_kl, PREC) + _mm(b_dAtl, b_kl, PREC)                    # [C, C] @ [C, BK]
-            else:
-                b_dkb = _mm(b_dA, b_kl, PREC)                                                # [C, C] @ [C, BK]
-                b_dkp = _mm(b_dAt, b_kb.to(OPD2), PREC)                                      # [C, C] @ [C, BK]
             if DK1_AHEAD:
                 b_dk1 = b_dk1n
                 b_dk1n = _cols_ahead(dk1, rows, m_t, (i_k + 1) * BK, i_h, HV, K, BK)
             else:
                 b_dk1 = tl.load(dk1 + p_hk, mask=m_tk, other=0.)
+            b_dk, b_dbk, b_dGk = _wy_key_terms(b_k16, b_dw, b_dk1, b_Ttl, b_dAh, b_dAl, b_dAth, b_dAtl, b_beta,
+                                               b_eG if GATE == 1 else b_beta, m_tk, OPD2, PREC, LOWP, GATE)
+            b_db += b_dbk
             if GATE == 1:
-                b_dxk = b_beta[:, None] * b_eG * b_dx
-            else:
-                b_dxk = b_beta[:, None] * b_dx
-            b_dk = b_dk1 + b_dxk + b_dkp + b_beta[:, None] * b_dkb
-            b_db += tl.sum(b_ke * b_dx + b_k * b_dkb, axis=1)
-            if GATE == 1:
-                b_dGr += tl.sum(b_k * b_dxk + b_kb * b_dkb - b_k * b_dkp, axis=1)
+                b_dGr += b_dGk
             tl.store(dk + p_hk, b_dk.to(dk.dtype.element_ty), mask=m_tk)
         tl.store(dbeta + rows * HV + i_h, b_db, mask=m_t)
     if GATE == 1:
@@ -2026,6 +2189,15 @@ BWD_DQK_BK = 64
 # for DeltaNet 3 at 174 / 0). Built offline, unmeasured on the GPU: off (CHUNKWISE_BWD_DQK_SIDES=2 or 3; 0 by column
 # blocks)
 BWD_DQK_SIDES = 0
+# Scalar / no gate: the WY pass's work in the by-side pass's key side (_bwd_dqk_sides_kernel WY, two programs a chunk):
+# dk1 and dW stay in registers and the WY launch goes (DeltaNet B1-T32768-H32 bf16, in [T, HV, 128] bf16 tensors X of
+# DRAM traffic, of the backward's 46.5: ~5X less in one launch, ~0.3 ms at the copy bandwidth; ~1X in two, where dO, R
+# and S are read by both launches rather than shared in L2 by a chunk's adjacent programs). Built offline, unmeasured: off
+# (CHUNKWISE_BWD_WY_FUSED=1: both sides in one launch, where every program takes the key side's registers; 2: side 0,
+# then side 1 in launches of their own; not with CHUNKWISE_BWD_DGAM_DH). Offline sm_90 (bf16, level 4, 8 warps;
+# registers / spill B): side 0 DeltaNet 111 / 0, GDN 123 / 0; side 1 DeltaNet 255 / 244 (DA_SCR 84), GDN 255 / 400
+# (DA_SCR), simple GLA 179 / 0; the spills are in the WY part after the V loop
+BWD_WY_FUSED = 0
 # The column-block pass's split pairwise products (PAIR16 3) accumulated into dq / dk by the products themselves (1)
 # or summed into a zeroed tile that is then added (0, as measured so far). Offline sm_90 (bf16, level 4, 4 warps;
 # registers / spill B / instructions, 0 -> 1): DeltaNet 250 / 0 / 1544 -> 236 / 0 / 1472, GDN 255 / 104 / 2976 ->
@@ -2608,6 +2780,12 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         # the state tiles' pass split over key column blocks of bka, or by side (BWD_DQK_SIDES: two dGp shares), then
         # the per-chunk WY pass (per channel: then the pair kernel)
         sides = _env_choice("CHUNKWISE_BWD_DQK_SIDES", BWD_DQK_SIDES, (0, 2, 3)) if gate != 2 and BK <= 128 else 0
+        # the WY pass's work in the by-side pass's key side (BWD_WY_FUSED): two sides, no dk1 / dW buffers
+        # (1: both sides in one launch; 2: side 0, then side 1 in a launch of its own)
+        wy_fused = gate != 2 and BK <= 128 and (delta or gate) and not dgam_dh and \
+            _env_choice("CHUNKWISE_BWD_WY_FUSED", BWD_WY_FUSED, (0, 1, 2))
+        if wy_fused:
+            sides = 2
         bka = _env_block("CHUNKWISE_BWD_DQK_BK", BWD_DQK_BK, BK)
         nka = 2 if sides else cdiv(K, bka)
         bva = _env_block("CHUNKWISE_BWD_DQK_BV", BV, max(16, next_pow2(V)))
@@ -2615,8 +2793,9 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         # per channel fp32 in dk itself (the pair kernel adds to it)
         dk1_16 = delta and gate != 2 and q.dtype != torch.float32 and _env_switch("CHUNKWISE_BWD_DK1_16", BWD_DK1_16)
         dk1_dt = q.dtype if dk1_16 else torch.float32
-        dk1 = dk if not delta or dk.dtype == dk1_dt else buf(B, T, HV, K, dtype=dk1_dt)
-        dW = buf(B, T, HV, K, dtype=q.dtype if lowp_key else torch.float32) if delta and gate != 2 else None
+        dk1 = dk if not delta or dk.dtype == dk1_dt or wy_fused else buf(B, T, HV, K, dtype=dk1_dt)
+        dW = buf(B, T, HV, K, dtype=q.dtype if lowp_key else torch.float32) \
+            if delta and gate != 2 and not wy_fused else None
         # the gate's shares: per column block and row (scalar gate), or dG itself per channel; per channel also dT's and
         # dβ's shares by column block (dTp in Amat / Pmat where two blocks or fewer: the WY pass reads its rows first)
         dGp = None if not gate else (dG if gate == 2 else buf(nka, B, T, HV))
@@ -2627,11 +2806,16 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         nvd = grid_s[0] if dgam_dh else 0
         if sides:
             n_sides = 3 if delta and sides == 3 else 2
-            _bwd_dqk_sides_kernel[(n_sides * NT, B * HV)](
-                q, k, v, G, h, dh, R if delta else None, dR, do, dq, dk1, dW, dGp, scale=scale, H=H, HV=HV, K=K, V=V,
-                BK=BK, BV=bva, C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_dqk, DGAM=dgam_dh,
-                NS=n_sides, FULL=bwd_full("bwd_dqk", gate, T, varlen), num_warps=_warps("bwd_dqk_sides", gate),
-                **_regs("bwd_dqk_sides", gate), num_stages=ns, **common)
+            wy = (beta, Tmat, Amat if da_scr else None, dv, dbeta, dG) if wy_fused else (None,) * 6
+            for side in (0, 1) if wy_fused == 2 else (-1,):
+                _bwd_dqk_sides_kernel[((n_sides if side < 0 else 1) * NT, B * HV)](
+                    q, k, v, G, h, dh, R if delta else None, dR, do, dq, dk1, dW, dGp, *wy, scale=scale, H=H, HV=HV,
+                    K=K, V=V, BK=BK, BV=bva, C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_dqk,
+                    DGAM=dgam_dh, NS=n_sides, FULL=bwd_full("bwd_dqk", gate, T, varlen), WY=bool(wy_fused),
+                    LOWP_WY=lowp_wy, DA_SCR=da_scr, SIDE=side, num_warps=_warps("bwd_dqk_sides", gate),
+                    **_regs("bwd_dqk_sides", gate), num_stages=ns, **common)
+            if wy_fused and gate:   # dg from the two sides' shares
+                _dg_rows_kernel[grid_c](dGp, dG, HV=HV, C=C, NKP=2, IS_VARLEN=varlen, **common)
         else:
             _bwd_dqk_kernel[(nka * NT, B * HV)](q, k, v, G, h, dh, R if delta else None, dR, do, dq, dk1, dW, dGp, dgam,
                                                 Tmat, beta, dTp, dbs,
@@ -2644,7 +2828,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                                                 INPLACE=_env_switch("CHUNKWISE_BWD_SPLIT_INPLACE", BWD_SPLIT_INPLACE),
                                                 num_warps=_warps("bwd_dqk", gate, wide8), **_regs("bwd_dqk", gate),
                                                 num_stages=ns, **common)
-        if delta or gate:
+        if (delta or gate) and not wy_fused:
             bkw = _env_block("CHUNKWISE_BWD_WY_BK", BWD_WY_BK, BK)
             _bwd_wy_kernel[grid_c](k, v, beta, G, Tmat, dW, dR, dk1, dbs if gate == 2 else dGp, dgam, Amat, dv, dk,
                                    dbeta, dG, R if delta else None, do, Pmat, dTp, scale=scale, H=H, HV=HV,
