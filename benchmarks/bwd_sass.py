@@ -41,7 +41,7 @@ KERNELS = {
     "bwd_dqk_sides": ("_bwd_dqk_sides_kernel",   # the same by side, all key columns (BWD_DQK_SIDES)
                       dict(q="in", k="in", v="in", G="fp32", h="s", dh="s", R="s", dR="s", do="in", dq="g", dk1="in",
                            dW="in", dGp="fp32", beta="in", Tmat="t", Ascr="fp32", dv="in", dbeta="fp32", dG="fp32"),
-                      dict(T="i32", scale="fp32"), {}),   # (beta .. dG: with the WY pass's work, WY=1)
+                      dict(T="i32", scale="fp32"), dict(WY=0, LOWP_WY=0, SIDE=-1)),   # (beta .. dG: with WY=1)
     "bwd_wy": ("_bwd_wy_kernel",           # scalar / no gate: the gradients through T, per chunk (BWD_DQK)
                dict(k="in", v="in", beta="in", G="fp32", Tmat="fp32", dW="in", dR="s", dk1="in", dGp="fp32",
                     dgam="fp32", Ascr="fp32", dv="in", dk="g", dbeta="fp32", dG="fp32", R="s", do="in", Pmat="fp32",
