@@ -35,7 +35,7 @@ from bench_train import bench, fwd_bwd, leaves, profile  # noqa: E402
 KERNELS = {"_gate_cumsum_kernel": "gate_cumsum", "_intra_kernel": "intra", "_intra_diag_kernel": "intra_diag",
            "_solve_kernel": "solve", "_wu_kernel": "wu", "_fwd_h_kernel": "fwd_h", "_bwd_dh_kernel": "bwd_dh",
            "_bwd_dv_kernel": "bwd_dv", "_bwd_grad_kernel": "bwd_grad", "_bwd_dqk_kernel": "bwd_dqk", "_bwd_wy_kernel": "bwd_wy",
-           "_bwd_dqk_sides_kernel": "bwd_dqk_sides",
+           "_bwd_dqk_sides_kernel": "bwd_dqk_sides", "_dg_rows_kernel": "dg_rows",
            "_bwd_pair_kernel": "bwd_pair", "chunk_prepare_kernel": "prep", "chunk_state_output_kernel": "fwd_o"}     # prep: the forward's stage 1 + the
 # backward's fused recompute (BWD_FUSED_PREP); only the latter changes with the backward's warps
 
