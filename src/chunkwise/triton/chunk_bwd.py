@@ -1567,7 +1567,7 @@ def _bwd_dqk_sides_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, beta, 
                                  Ascr, OPD, PREC, GATE, DA_SCR)
             b_dAh, b_dAl, b_dAth, b_dAtl = _wy_pair_operands(b_dA, b_dAt, b_beta, k.dtype.element_ty, OPD2, LOWP_WY)
             b_dk, b_dbk, b_dGk = _wy_key_terms(b_k16, b_dwo, b_dk, b_Ttl, b_dAh, b_dAl, b_dAth, b_dAtl, b_beta,
-                                               b_eG if GATE == 1 else b_beta, m_tk, OPD2, PREC, LOWP_WY, GATE, True)
+                                               b_eG if GATE == 1 else b_beta, m_tk, OPD2, PREC, LOWP_WY, GATE)
             tl.store(dbeta + rows * HV + i_h, b_db + b_dbk, mask=m_t)
             if GATE == 1:
                 b_dg += b_dGk
@@ -1656,70 +1656,40 @@ def _wy_pair_operands(b_dA, b_dAt, b_beta, dt: tl.constexpr, OPD2: tl.constexpr,
 
 @triton.jit
 def _wy_key_terms(b_k16, b_dw, b_dk1, b_Ttl, b_dAh, b_dAl, b_dAth, b_dAtl, b_beta, b_eG, m_tk, OPD2: tl.constexpr,
-                  PREC: tl.constexpr, LOWP: tl.constexpr, GATE: tl.constexpr, SEQ: tl.constexpr = 0):
+                  PREC: tl.constexpr, LOWP: tl.constexpr, GATE: tl.constexpr):
     """dk for key columns [C, BK] from dk1 (the state-tile pass's share) and the WY pass's, with that share's row sums
     into dβ and (GATE 1) dG: dX = Tᵀ dW, dk = dk1 + β e^G dX + dAᵀ (βK) + β (dA K). b_k16: K as loaded, b_dw: dW in
-    the products' dtype, the dA operands as _wy_pair_operands gives them, b_eG: e^G [C, 1] (GATE 1). SEQ: each product
-    added into dk before the next is formed (one [C, BK] product live beside dk, the last one accumulated by the
-    product itself without a gate), not all three formed first. Returns (dk, dβ share, dG share)."""
+    the products' dtype, the dA operands as _wy_pair_operands gives them, b_eG: e^G [C, 1] (GATE 1). Returns (dk,
+    dβ share, dG share)."""
     b_k = b_k16.to(tl.float32)
     b_kb = b_k * b_beta[:, None]
     if GATE == 1:
         b_ke = b_k * b_eG
     else:
         b_ke = b_k
+    b_dx = _mm(b_Ttl, b_dw, PREC)                                                            # [C, C] @ [C, BK]
     if LOWP == 4 or LOWP == 1:
         # 16-bit K through registers, so that the products read a shared copy of their own, as the tf32 build's do,
         # not the software pipeline's buffer of the load, which the register math reads too
         b_kl = tl.where(m_tk, b_k16, 0.)
     else:
         b_kl = b_k.to(OPD2)
-    b_dg = tl.zeros([b_k.shape[0]], dtype=tl.float32)
-    if SEQ:
-        b_dxk = _mm(b_Ttl, b_dw, PREC)                                                       # [C, C] @ [C, BK]
-        b_db = tl.sum(b_ke * b_dxk, axis=1)
-        if GATE == 1:
-            b_dxk = b_beta[:, None] * b_eG * b_dxk
-        else:
-            b_dxk = b_beta[:, None] * b_dxk
-        if GATE == 1:
-            b_dg += tl.sum(b_k * b_dxk, axis=1)
-        b_dk = b_dk1 + b_dxk
-        if LOWP == 4:
-            b_dkb = _mm_acc(_mm(b_dAh, b_kl, PREC), b_dAl, b_kl, PREC)                       # [C, C] @ [C, BK]
-        else:
-            b_dkb = _mm(b_dAh, b_kl, PREC)                                                   # [C, C] @ [C, BK]
-        b_db += tl.sum(b_k * b_dkb, axis=1)
-        if GATE == 1:
-            b_dg += tl.sum(b_kb * b_dkb, axis=1)
-        b_dk += b_beta[:, None] * b_dkb
-        if GATE == 1:
-            if LOWP == 4:
-                b_dkp = _mm_acc(_mm(b_dAth, b_kl, PREC), b_dAtl, b_kl, PREC)                 # [C, C] @ [C, BK]
-            else:
-                b_dkp = _mm(b_dAth, b_kb.to(OPD2), PREC)                                     # [C, C] @ [C, BK]
-            b_dg -= tl.sum(b_k * b_dkp, axis=1)
-            b_dk += b_dkp
-        elif LOWP == 4:
-            b_dk = _mm_acc(_mm_acc(b_dk, b_dAth, b_kl, PREC), b_dAtl, b_kl, PREC)             # [C, C] @ [C, BK]
-        else:
-            b_dk = _mm_acc(b_dk, b_dAth, b_kb.to(OPD2), PREC)                                # [C, C] @ [C, BK]
+    if LOWP == 4:
+        b_dkb = _mm(b_dAh, b_kl, PREC) + _mm(b_dAl, b_kl, PREC)                              # [C, C] @ [C, BK]
+        b_dkp = _mm(b_dAth, b_kl, PREC) + _mm(b_dAtl, b_kl, PREC)                            # [C, C] @ [C, BK]
     else:
-        b_dx = _mm(b_Ttl, b_dw, PREC)                                                        # [C, C] @ [C, BK]
-        if LOWP == 4:
-            b_dkb = _mm(b_dAh, b_kl, PREC) + _mm(b_dAl, b_kl, PREC)                          # [C, C] @ [C, BK]
-            b_dkp = _mm(b_dAth, b_kl, PREC) + _mm(b_dAtl, b_kl, PREC)                        # [C, C] @ [C, BK]
-        else:
-            b_dkb = _mm(b_dAh, b_kl, PREC)                                                   # [C, C] @ [C, BK]
-            b_dkp = _mm(b_dAth, b_kb.to(OPD2), PREC)                                         # [C, C] @ [C, BK]
-        if GATE == 1:
-            b_dxk = b_beta[:, None] * b_eG * b_dx
-        else:
-            b_dxk = b_beta[:, None] * b_dx
-        b_dk = b_dk1 + b_dxk + b_dkp + b_beta[:, None] * b_dkb
-        b_db = tl.sum(b_ke * b_dx + b_k * b_dkb, axis=1)
-        if GATE == 1:
-            b_dg = tl.sum(b_k * b_dxk + b_kb * b_dkb - b_k * b_dkp, axis=1)
+        b_dkb = _mm(b_dAh, b_kl, PREC)                                                       # [C, C] @ [C, BK]
+        b_dkp = _mm(b_dAth, b_kb.to(OPD2), PREC)                                             # [C, C] @ [C, BK]
+    if GATE == 1:
+        b_dxk = b_beta[:, None] * b_eG * b_dx
+    else:
+        b_dxk = b_beta[:, None] * b_dx
+    b_dk = b_dk1 + b_dxk + b_dkp + b_beta[:, None] * b_dkb
+    b_db = tl.sum(b_ke * b_dx + b_k * b_dkb, axis=1)
+    if GATE == 1:
+        b_dg = tl.sum(b_k * b_dxk + b_kb * b_dkb - b_k * b_dkp, axis=1)
+    else:
+        b_dg = tl.zeros_like(b_db)
     return b_dk, b_db, b_dg
 
 
@@ -2195,7 +2165,7 @@ BWD_DQK_SIDES = 0
 # and S are read by both launches rather than shared in L2 by a chunk's adjacent programs). Built offline, unmeasured: off
 # (CHUNKWISE_BWD_WY_FUSED=1: both sides in one launch, where every program takes the key side's registers; 2: side 0,
 # then side 1 in launches of their own; not with CHUNKWISE_BWD_DGAM_DH). Offline sm_90 (bf16, level 4, 8 warps;
-# registers / spill B): side 0 DeltaNet 111 / 0, GDN 123 / 0; side 1 DeltaNet 255 / 244 (DA_SCR 84), GDN 255 / 400
+# registers / spill B): side 0 DeltaNet 111 / 0, GDN 123 / 0; side 1 DeltaNet 255 / 192 (DA_SCR 52), GDN 255 / 408
 # (DA_SCR), simple GLA 179 / 0; the spills are in the WY part after the V loop
 BWD_WY_FUSED = 0
 # The column-block pass's split pairwise products (PAIR16 3) accumulated into dq / dk by the products themselves (1)
