@@ -162,7 +162,8 @@ if has pair16; then     # the state-tile pass's pairwise forms (CHUNKWISE_BWD_DQ
 fi
 if has sides; then      # the state-tile pass by side (CHUNKWISE_BWD_DQK_SIDES, session 34): time per family, then errors
   for f in delta gdn gla; do    # one process per family
-    TAILN=15 step ${SIDES_T:-200} sides_$f python3 benchmarks/sweep_bwd.py --fams $f --out "$OUT/sides_$f" --variants sides
+    TAILN=15 step ${SIDES_T:-200} sides_$f python3 benchmarks/sweep_bwd.py --fams $f --out "$OUT/sides_$f" \
+      --variants sides
   done
   TAILN=8 step ${SIDES_TESTS_T:-240} sides_tests python3 -m pytest -v -s -p no:cacheprovider -o addopts="" --tb=line \
     tests/test_triton_chunk_bwd.py -k "real_size_sides or (real_size_pair16 and 3-1)"

@@ -2162,7 +2162,8 @@ BWD_DQK_SIDES = 0
 # Scalar / no gate: the WY pass's work in the by-side pass's key side (_bwd_dqk_sides_kernel WY, two programs a chunk):
 # dk1 and dW stay in registers and the WY launch goes (DeltaNet B1-T32768-H32 bf16, in [T, HV, 128] bf16 tensors X of
 # DRAM traffic, of the backward's 46.5: ~5X less in one launch, ~0.3 ms at the copy bandwidth; ~1X in two, where dO, R
-# and S are read by both launches rather than shared in L2 by a chunk's adjacent programs). Built offline, unmeasured: off
+# and S are read by both launches rather than shared in L2 by a chunk's adjacent programs). Built offline, unmeasured:
+# off
 # (CHUNKWISE_BWD_WY_FUSED=1: both sides in one launch, where every program takes the key side's registers; 2: side 0,
 # then side 1 in launches of their own; not with CHUNKWISE_BWD_DGAM_DH). Offline sm_90 (bf16, level 4, 8 warps;
 # registers / spill B): side 0 DeltaNet 111 / 0, GDN 123 / 0; side 1 DeltaNet 255 / 192 (DA_SCR 52), GDN 255 / 408
