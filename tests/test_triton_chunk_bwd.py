@@ -552,6 +552,17 @@ def test_wy_pair16(fam, monkeypatch):
     _compare(inp, TOL[torch.float16], dtype=torch.float16)
 
 
+def _compare_sides(fam, level):
+    """The by-side tests' batch (varlen with a 1-token sequence, grouped heads): every input's gradient within the
+    tolerance of float64, fp32 at level 0 and fp16 otherwise. Returns the batch's chunk count."""
+    inp = make_inputs(fam, lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, seed=8)
+    dtype = torch.float16 if level else torch.float32
+    with warnings.catch_warnings():     # (the scalar gate warns for pair16 1 / 2 and takes 3)
+        warnings.simplefilter("ignore", RuntimeWarning)
+        _compare(inp, TOL[dtype], dtype=dtype)
+    return 1 + 2 + 1
+
+
 @pytest.mark.parametrize("fam,ns,level,pair16,dgam", [
     ("delta", 2, 0, None, 0), ("delta", 3, 0, None, 0), ("delta", 2, 4, 3, 0), ("delta", 3, 4, 3, 0),
     ("delta", 2, 4, 0, 0), ("delta", 2, 4, 1, 0), ("delta", 2, 4, 2, 0), ("gdn", 2, 0, None, 0), ("gdn", 3, 4, 3, 0),
@@ -569,12 +580,7 @@ def test_state_tile_sides(fam, ns, level, pair16, dgam, monkeypatch):
         monkeypatch.setenv("CHUNKWISE_BWD_DQK_PAIR16", str(pair16))
     sides = _count_launches(monkeypatch, "_bwd_dqk_sides_kernel")
     cols = _count_launches(monkeypatch, "_bwd_dqk_kernel")
-    inp = make_inputs(fam, lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, seed=8)
-    dtype = torch.float16 if level else torch.float32
-    with warnings.catch_warnings():     # (the scalar gate warns for pair16 1 / 2 and takes 3)
-        warnings.simplefilter("ignore", RuntimeWarning)
-        _compare(inp, TOL[dtype], dtype=dtype)
-    n_chunks = 1 + 2 + 1
+    n_chunks = _compare_sides(fam, level)
     assert sides == [((ns if fam != "gla" else 2) * n_chunks, 2)] and not cols
 
 
@@ -597,12 +603,7 @@ def test_state_tile_sides_wy(fam, level, pair16, da_scr, wy_pair16, fused, monke
         monkeypatch.setenv("CHUNKWISE_BWD_DQK_PAIR16", str(pair16))
     sides = _count_launches(monkeypatch, "_bwd_dqk_sides_kernel")
     wy = _count_launches(monkeypatch, "_bwd_wy_kernel")
-    inp = make_inputs(fam, lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, seed=8)
-    dtype = torch.float16 if level else torch.float32
-    with warnings.catch_warnings():     # (the scalar gate warns for pair16 1 and takes 3)
-        warnings.simplefilter("ignore", RuntimeWarning)
-        _compare(inp, TOL[dtype], dtype=dtype)
-    n_chunks = 1 + 2 + 1
+    n_chunks = _compare_sides(fam, level)
     assert sides == ([(2 * n_chunks, 2)] if fused == 1 else [(n_chunks, 2)] * 2) and not wy
 
 
