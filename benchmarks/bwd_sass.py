@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import itertools
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -18,6 +19,8 @@ from sass_util import assemble
 from chunkwise.triton import chunk_bwd as cb
 
 GATES = {"delta": 0, "gdn": 1, "kda": 2, "gla": 1}
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_NAMES = {t: n for n, t in TORCH_DTYPES.items()}
 
 # per kernel: pointer arguments -> dtype ("in": the input dtype, "s": 16-bit storage, "g": gradient dtype),
 # then its scalar arguments and its constexprs (beyond the common ones)
@@ -135,8 +138,7 @@ def compile_kernel(name, fam="gdn", num_warps=8, K=128, V=128, num_stages=3, low
         if absent:
             consts[arg] = None
         else:
-            tdt = {"bf16": "bf16", "fp16": "fp16"}.get(dtype, "fp32") if cb.SAVE_T_16[gate] and lowp in (3, 4) \
-                else "fp32"     # the saved T's dtype (chunk_bwd.saved_t_dtype)
+            tdt = DTYPE_NAMES[cb.saved_t_dtype(TORCH_DTYPES[dtype], K, gate)]        # as a saving forward stores T
             sig[arg] = "*" + {"in": dtype, "s": dtype, "g": gdt, "fp32": "fp32", "i32": "i32", "t": tdt}[kind]
     sig.update(scalars)
     params = dict(H=32, HV=32, K=K, V=V, BK=K, BV=32, C=cb.CHUNK, GATE=gate, DELTA=delta, IS_VARLEN=False,

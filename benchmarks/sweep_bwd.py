@@ -162,7 +162,7 @@ WYREGS_VARIANTS = "base:;wy168:CHUNKWISE_MAXNREG=bwd_wy:168;wy128:CHUNKWISE_MAXN
 # 128 (two programs per SM) 52 B; simple GLA 2: 181 / 0, capped at 128 84 B; the column blocks in place: DeltaNet 250
 # -> 236 registers, GDN's spills 104 -> 52 B, GLA's 88 -> 36. wyf: the WY pass's work in the key side (BWD_WY_FUSED 1:
 # one launch, 2: a launch per side; scr: dAᵀ through the scratch, GDN's default). Offline 8 warps: side 0 DeltaNet 111 /
-# 0, GDN 123 / 0; side 1 DeltaNet 255 / 192 (scr 52), GDN 255 / 408, simple GLA 179 / 0
+# 0, GDN 123 / 0; side 1 DeltaNet 255 / 192 (scr 48), GDN 255 / 408, simple GLA 179 / 0
 SIDES_VARIANTS = ("cols:;inplace:CHUNKWISE_BWD_SPLIT_INPLACE=1;s2:CHUNKWISE_BWD_DQK_SIDES=2;"
                   "s3:CHUNKWISE_BWD_DQK_SIDES=3;s3w4:CHUNKWISE_BWD_DQK_SIDES=3,CHUNKWISE_BWD_WARPS=bwd_dqk_sides:4;"
                   "s3w4c168:CHUNKWISE_BWD_DQK_SIDES=3,CHUNKWISE_BWD_WARPS=bwd_dqk_sides:4,"

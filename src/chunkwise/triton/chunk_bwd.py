@@ -188,6 +188,21 @@ def _gate_cumsum_kernel(g, G, cu_seqlens, chunk_indices, T, floor,
 
 
 @triton.jit
+def _rev_cumsum(x):
+    """Σ_{j ≥ i} x_j along the chunk's rows of x [C] (a scalar gate's dg from its per-row terms)."""
+    return tl.sum(x, axis=0) - tl.cumsum(x, axis=0) + x
+
+
+@triton.jit
+def _share_rows(acc, dGp, s_p, rows, i_h, m_t, HV: tl.constexpr, NKP: tl.constexpr):
+    """acc + Σ_i dGp[i] at the token rows `rows` (mask m_t) and value head i_h of NKP per-row shares dGp [NKP, B, T,
+    HV] fp32 (one share: s_p elements)."""
+    for i_p in tl.static_range(NKP):
+        acc += tl.load(dGp + i_p * s_p + rows * HV + i_h, mask=m_t, other=0.)
+    return acc
+
+
+@triton.jit
 def _dg_rows_kernel(dGp, dG, cu_seqlens, chunk_indices, T, HV: tl.constexpr, C: tl.constexpr, NKP: tl.constexpr,
                     IS_VARLEN: tl.constexpr):
     """dg = the reverse cumsum in each chunk of Σ_p dGp[p]: the scalar gate's per-row shares ([NKP, B, T, HV] fp32)
@@ -197,12 +212,10 @@ def _dg_rows_kernel(dGp, dG, cu_seqlens, chunk_indices, T, HV: tl.constexpr, C: 
     t0, L, _ = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
     o_t = tl.arange(0, C)
     m_t = o_t < L
-    p = (t0 + o_t).to(tl.int64) * HV + i_h
-    s_p = tl.num_programs(1).to(tl.int64) * T                               # one share: [B, T, HV]
-    b_d = tl.zeros([C], dtype=tl.float32)
-    for i_p in tl.static_range(NKP):
-        b_d += tl.load(dGp + i_p * s_p + p, mask=m_t, other=0.)
-    tl.store(dG + p, tl.sum(b_d, axis=0) - tl.cumsum(b_d, axis=0) + b_d, mask=m_t)                # reverse cumsum
+    rows = (t0 + o_t).to(tl.int64)
+    b_d = _share_rows(tl.zeros([C], dtype=tl.float32), dGp, tl.num_programs(1).to(tl.int64) * T, rows, i_h, m_t, HV,
+                      NKP)
+    tl.store(dG + rows * HV + i_h, _rev_cumsum(b_d), mask=m_t)
 
 
 @triton.jit
@@ -1222,8 +1235,7 @@ def _bwd_grad_kernel(q, k, v, beta, G, Tmat, Pmat, Amat, h, dh, R, dR, do, dq, d
         tl.store(dbeta + rows * HV + i_h, b_db, mask=m_t)
     if GATE == 1:
         b_dGs = b_dGr + tl.where(o_t == L - 1, b_dlast, 0.)
-        b_dg = tl.sum(b_dGs, axis=0) - tl.cumsum(b_dGs, axis=0) + b_dGs                     # reverse cumsum
-        tl.store(dG + rows * HV + i_h, b_dg, mask=m_t)
+        tl.store(dG + rows * HV + i_h, _rev_cumsum(b_dGs), mask=m_t)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1551,17 +1563,14 @@ def _bwd_dqk_sides_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, beta, 
             b_dg = tl.where(o_t == L - 1, b_dlast, 0.) - tl.sum(b_k * b_dk, axis=1)           # across the product)
         if WYD:     # the WY pass's work, dk1 (b_dk) and dW in registers
             b_k16 = tl.load(k + p_tk, mask=m_tk, other=0.)
-            b_x = b_k16.to(tl.float32) * b_beta[:, None]                                       # X = β e^G K
             if GATE == 1:
                 b_eG = _exp(b_G)[:, None]
-                b_x = b_x * b_eG
-            b_x = b_x.to(OPD)
             b_dwo = b_dw.to(OPD)
-            b_dT += _mm(b_dwo, tl.trans(b_x), PREC)                                             # [C, BK] @ [BK, C]
+            b_dT, b_dTt = _wy_dw_x(b_k16.to(tl.float32), b_dwo, b_beta, b_eG if GATE == 1 else b_beta, b_dT, b_dTt,
+                                   OPD, PREC, GATE, not DA_SCR)
             b_Ttl = b_Tt.to(OPD)
             b_Tl = b_Ttl
             if not DA_SCR:
-                b_dTt += _mm(b_x, tl.trans(b_dwo), PREC)                                        # [C, BK] @ [BK, C]
                 b_Tl = tl.trans(b_Ttl)                                                          # T
             b_dA, b_dAt = _wy_dA(b_Ttl, b_Tl, b_dT, b_dTt, b_G if GATE == 1 else b_beta, o_t, m_cc, p_cc, p_ccT,
                                  Ascr, OPD, PREC, GATE, DA_SCR)
@@ -1608,6 +1617,21 @@ def _wy_value_step(b_dR, b_v, b_beta, b_Ttv, b_dT, b_dTt, b_db, dv, p_tv, m_tv, 
     tl.store(dv + p_tv, (b_dy * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
     b_db += tl.sum(b_v.to(tl.float32) * b_dy, axis=1)
     return b_dT, b_dTt, b_db
+
+
+@triton.jit
+def _wy_dw_x(b_k, b_dw, b_beta, b_eG, b_dT, b_dTt, OPD: tl.constexpr, PREC: tl.constexpr, GATE: tl.constexpr,
+             DTT: tl.constexpr):
+    """The WY pass's dW terms of dT for key columns [C, BK]: dT += dW Xᵀ and (DTT) dTᵀ += X dWᵀ, X = β e^G K (b_eG:
+    e^G [C, 1], GATE 1), b_k fp32 K, b_dw dW; both as OPD operands. Returns (dT, dTᵀ)."""
+    b_x = b_k * b_beta[:, None]
+    if GATE == 1:
+        b_x = b_x * b_eG
+    b_x = b_x.to(OPD)
+    b_dT += _mm(b_dw, tl.trans(b_x), PREC)                                                   # [C, BK] @ [BK, C]
+    if DTT:
+        b_dTt += _mm(b_x, tl.trans(b_dw), PREC)                                              # [C, BK] @ [BK, C]
+    return b_dT, b_dTt
 
 
 @triton.jit
@@ -1734,10 +1758,8 @@ def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, Ascr, dv, dk, db
     if GATE == 1:
         b_G, b_last = _load_gate(G, t0, L, i_h, HV, K, BK, C, False)
         b_eG = _exp(b_G)[:, None]
-        b_dGr = tl.zeros([C], dtype=tl.float32)
         s_p = tl.num_programs(1).to(tl.int64) * T          # one column block's share: [B, T, HV]
-        for i_p in tl.static_range(NKP):
-            b_dGr += tl.load(dGp + i_p * s_p + rows * HV + i_h, mask=m_t, other=0.)
+        b_dGr = _share_rows(tl.zeros([C], dtype=tl.float32), dGp, s_p, rows, i_h, m_t, HV, NKP)
     if DELTA:
         b_beta = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.).to(tl.float32)
         b_Tt = tl.load(Tmat + p_ccT, mask=m_cc & (o_t[None, :] >= o_t[:, None]), other=0.)        # Tᵀ [C, C]
@@ -1767,15 +1789,9 @@ def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, Ascr, dv, dk, db
             for i_k in range(tl.cdiv(K, BK)):
                 o_k = i_k * BK + tl.arange(0, BK)
                 m_tk, p_tk, p_hk = _col_offsets(rows, m_t, o_k, o_k < K, i_h, i_hk, H, HV, K)
-                b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
-                b_x = b_k * b_beta[:, None]
-                if GATE == 1:
-                    b_x = b_x * b_eG
-                b_x = b_x.to(OPD)
-                b_dw = tl.load(dW + p_hk, mask=m_tk, other=0.).to(OPD)
-                b_dT += _mm(b_dw, tl.trans(b_x), PREC)                                       # [C, BK] @ [BK, C]
-                if not DA_SCR:
-                    b_dTt += _mm(b_x, tl.trans(b_dw), PREC)                                  # [C, BK] @ [BK, C]
+                b_dT, b_dTt = _wy_dw_x(tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32),
+                                       tl.load(dW + p_hk, mask=m_tk, other=0.).to(OPD), b_beta,
+                                       b_eG if GATE == 1 else b_beta, b_dT, b_dTt, OPD, PREC, GATE, not DA_SCR)
         b_Tl = b_Ttl
         if GATE != 2 and not DA_SCR:
             if T_TRANS:
@@ -1817,8 +1833,7 @@ def _bwd_wy_kernel(k, v, beta, G, Tmat, dW, dR, dk1, dGp, dgam, Ascr, dv, dk, db
             for i_p in tl.static_range(NVD):
                 b_sds += tl.load(dgam + ((i_g * HV + i_h) * NVD + i_p).to(tl.int64) * KD + o_d)
             b_dGr += tl.where(o_t == L - 1, _exp(b_last) * tl.sum(b_sds, axis=0), 0.)
-        b_dg = tl.sum(b_dGr, axis=0) - tl.cumsum(b_dGr, axis=0) + b_dGr                         # reverse cumsum
-        tl.store(dG + rows * HV + i_h, b_dg, mask=m_t)
+        tl.store(dG + rows * HV + i_h, _rev_cumsum(b_dGr), mask=m_t)
 
 
 @triton.jit
@@ -2163,10 +2178,9 @@ BWD_DQK_SIDES = 0
 # dk1 and dW stay in registers and the WY launch goes (DeltaNet B1-T32768-H32 bf16, in [T, HV, 128] bf16 tensors X of
 # DRAM traffic, of the backward's 46.5: ~5X less in one launch, ~0.3 ms at the copy bandwidth; ~1X in two, where dO, R
 # and S are read by both launches rather than shared in L2 by a chunk's adjacent programs). Built offline, unmeasured:
-# off
-# (CHUNKWISE_BWD_WY_FUSED=1: both sides in one launch, where every program takes the key side's registers; 2: side 0,
-# then side 1 in launches of their own; not with CHUNKWISE_BWD_DGAM_DH). Offline sm_90 (bf16, level 4, 8 warps;
-# registers / spill B): side 0 DeltaNet 111 / 0, GDN 123 / 0; side 1 DeltaNet 255 / 192 (DA_SCR 52), GDN 255 / 408
+# off (CHUNKWISE_BWD_WY_FUSED=1: both sides in one launch, where every program takes the key side's registers; 2: side
+# 0, then side 1 in launches of their own; not with CHUNKWISE_BWD_DGAM_DH). Offline sm_90 (bf16, level 4, 8 warps;
+# registers / spill B): side 0 DeltaNet 111 / 0, GDN 123 / 0; side 1 DeltaNet 255 / 192 (DA_SCR 48), GDN 255 / 408
 # (DA_SCR), simple GLA 179 / 0; the spills are in the WY part after the V loop
 BWD_WY_FUSED = 0
 # The column-block pass's split pairwise products (PAIR16 3) accumulated into dq / dk by the products themselves (1)
