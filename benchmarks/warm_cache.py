@@ -126,7 +126,8 @@ def warm_benchmarks(only: str = ""):
                          ("repeat_bwd", ["--warm", "--fams", "gdn", "--envs", REPEAT_ENVS]),
                          ("repeat_bwd", ["--warm", "--fams", "kda,delta,gla"]),
                          ("sweep_bwd", ["--warm", "--fams", "gdn,kda", "--variants", "sds"]),
-                         ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "gc"])):
+                         ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "gc"]),
+                         ("sweep_bwd", ["--warm", "--fams", "delta,gdn,gla", "--variants", "sides"])):
         cmd = " ".join([script] + argv)
         if not any(cmd == o[1:] if o.startswith("=") else o in cmd for o in only.split("|")):
             continue
