@@ -15,7 +15,7 @@ W / U recompute, 3: also the key side, 4: the key side but its pairwise products
     python benchmarks/sweep_bwd.py --out $OUT
     python benchmarks/sweep_bwd.py --fams kda --variants "p32:CHUNKWISE_BWD_PAIR_SPLIT=32;old:CHUNKWISE_BWD_PAIR_SPLIT=0"
 
---variants "name:VAR=value,VAR=value;..." (or "wyregs", "pairregs", "tform", "ahead", "states", "pair", "regs", "save", "lowp", "oneref": the named sets below): time only these environment settings (on top of the defaults),
+--variants "name:VAR=value,VAR=value;..." (or "sides", "leads", "wyregs", "pairregs", "tform", "ahead", "states", "pair", "regs", "save", "lowp", "oneref": the named sets below): time only these environment settings (on top of the defaults),
 each with its per-kernel profile and its gradients' difference from the first variant's.
 """
 from __future__ import annotations
@@ -170,8 +170,11 @@ SIDES_VARIANTS = ("cols:;inplace:CHUNKWISE_BWD_SPLIT_INPLACE=1;s2:CHUNKWISE_BWD_
                   "s3c128:CHUNKWISE_BWD_DQK_SIDES=3,CHUNKWISE_MAXNREG=bwd_dqk_sides:128;"
                   "wyf1:CHUNKWISE_BWD_WY_FUSED=1;wyf2:CHUNKWISE_BWD_WY_FUSED=2;"
                   "wyf2scr:CHUNKWISE_BWD_WY_FUSED=2,CHUNKWISE_BWD_WY_DA_SCR=1")
+# session 33's untimed leads: the WY pass's split pairwise form with K through registers (BWD_WY_PAIR16), level 3
+# with its dA K the same way (DeltaNet), the reverse pass forming dR_local itself on top of SAVE_HT (BWD_P_IN_DH)
+LEADS_VARIANTS = ("base:;w1:CHUNKWISE_BWD_WY_PAIR16=1;l3:CHUNKWISE_BWD_LOWP=3;pin:CHUNKWISE_BWD_P_IN_DH=1")
 FWDOVL_VARIANTS = "ovl:;ovl0:CHUNKWISE_FWD_OVERLAP=0;ovl1:CHUNKWISE_FWD_OVERLAP=1;ovl2:CHUNKWISE_FWD_OVERLAP=2"
-NAMED = {"sides": SIDES_VARIANTS, "wyregs": WYREGS_VARIANTS, "full": FULL_VARIANTS, "fwdovl": FWDOVL_VARIANTS, "tformr": TFORMR_VARIANTS, "saver": SAVER_VARIANTS, "gc": GC_VARIANTS, "sds": SDS_VARIANTS, "beside": BESIDE_VARIANTS, "pairregs": PAIRREGS_VARIANTS, "tform": TFORM_VARIANTS, "kdasplit": KDASPLIT_VARIANTS, "dqk": DQK_VARIANTS, "ahead": AHEAD_VARIANTS, "states": STATES_VARIANTS, "pair": PAIR_VARIANTS, "gates": GATES_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
+NAMED = {"sides": SIDES_VARIANTS, "leads": LEADS_VARIANTS, "wyregs": WYREGS_VARIANTS, "full": FULL_VARIANTS, "fwdovl": FWDOVL_VARIANTS, "tformr": TFORMR_VARIANTS, "saver": SAVER_VARIANTS, "gc": GC_VARIANTS, "sds": SDS_VARIANTS, "beside": BESIDE_VARIANTS, "pairregs": PAIRREGS_VARIANTS, "tform": TFORM_VARIANTS, "kdasplit": KDASPLIT_VARIANTS, "dqk": DQK_VARIANTS, "ahead": AHEAD_VARIANTS, "states": STATES_VARIANTS, "pair": PAIR_VARIANTS, "gates": GATES_VARIANTS, "regs": REG_VARIANTS, "save": SAVE_VARIANTS, "lowp": LOWP_VARIANTS,
          "oneref": ONEREF_VARIANTS}
 
 

@@ -127,7 +127,8 @@ def warm_benchmarks(only: str = ""):
                          ("repeat_bwd", ["--warm", "--fams", "kda,delta,gla"]),
                          ("sweep_bwd", ["--warm", "--fams", "gdn,kda", "--variants", "sds"]),
                          ("sweep_bwd", ["--warm", "--fams", "kda", "--variants", "gc"]),
-                         ("sweep_bwd", ["--warm", "--fams", "delta,gdn,gla", "--variants", "sides"])):
+                         ("sweep_bwd", ["--warm", "--fams", "delta,gdn,gla", "--variants", "sides"]),
+                         ("sweep_bwd", ["--warm", "--fams", "delta,gdn", "--variants", "leads"])):
         cmd = " ".join([script] + argv)
         if not any(cmd == o[1:] if o.startswith("=") else o in cmd for o in only.split("|")):
             continue
