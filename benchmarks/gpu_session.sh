@@ -19,8 +19,10 @@
 #          simple GLA): fwd+bwd per kernel, then their real-size errors against float64 and fla; then the WY pass
 #          capped at 168 / 128 registers (sweep_bwd --variants wyregs) (~8 min)
 #   sides: the state-tile pass by side, with the WY pass's work in its key side, and the column blocks' split products
-#          in place (sweep_bwd --variants sides, one process per family: DeltaNet, GDN, simple GLA), then their
-#          real-size errors against float64 and fla (~11 min)
+#          in place: their real-size errors against float64 and fla while every variant compiles, then sweep_bwd
+#          --variants sides per family (SIDES_FAMS, default "delta gdn"); ~8 min with a prebuilt cache
+#   leads: session 33's untimed leads (sweep_bwd --variants leads: the WY split form, level 3, P_IN_DH on SAVE_HT),
+#          per family of SIDES_FAMS; with sides in the same call the compiles share one parallel warm-up
 #   pair:  KDA's pairwise-gradient kernel variants (sweep_bwd.py PAIR_VARIANTS: channels per program, warps, diagonal launch)
 #   ncu:   Nsight Compute reports of the largest kernels (NCU_TARGETS; NCU_EXTRA more ncu arguments; summary by benchmarks/ncu_summary.py)
 #   save:  fwd+bwd with the forward's stage 1 kept for the backward (CHUNKWISE_SAVE_STAGE1=1) against the default
@@ -160,14 +162,22 @@ if has pair16; then     # the state-tile pass's pairwise forms (CHUNKWISE_BWD_DQ
   # the WY pass at a third / fourth program per SM (register caps)
   TAILN=20 step ${PAIR16_T:-200} wyregs python3 benchmarks/sweep_bwd.py --fams delta,gdn --out "$OUT/wyregs" --variants wyregs
 fi
-if has sides; then      # the state-tile pass by side (CHUNKWISE_BWD_DQK_SIDES, session 34): time per family, then errors
-  for f in delta gdn gla; do    # one process per family
-    TAILN=15 step ${SIDES_T:-200} sides_$f python3 benchmarks/sweep_bwd.py --fams $f --out "$OUT/sides_$f" \
-      --variants sides
-  done
-  TAILN=8 step ${SIDES_TESTS_T:-240} sides_tests python3 -m pytest -v -s -p no:cacheprovider -o addopts="" --tb=line \
-    tests/test_triton_chunk_bwd.py -k "real_size_sides or (real_size_pair16 and 3-1)"
-  grep -h "rel err" "$OUT/sides_tests.log"
+if has sides || has leads; then   # the state-tile pass by side (sessions 34-35) and session 33's untimed leads
+  # the real-size errors of every sides setting (GPU tests, 4 workers) while every (family, variant) compiles in a
+  # process of its own (~30 processes on 16 cores; a prebuilt .triton_sm90 cache makes them hits), then each family
+  # timed alone: ~8 min with the prebuilt cache (`python benchmarks/warm_cache.py --bench --bench-only "variants
+  # sides|variants leads" tests/test_triton_chunk_bwd.py -k real_size_sides`: 80 s here, 3-4 MB)
+  SETS=$(for p in sides leads; do has $p && echo $p; done | paste -sd' ')
+  ( has sides && timeout ${SIDES_TESTS_T:-200} python3 -m pytest -v -rP -n 4 -p no:cacheprovider -o addopts="" \
+      --tb=line tests/test_triton_chunk_bwd.py -k "real_size_sides" > "$OUT/sides_tests.log" 2>&1 ) &
+  for set in $SETS; do for f in ${SIDES_FAMS:-delta gdn}; do
+    while read -r v; do     # (not a pipe: the jobs must be this shell's for the wait)
+      timeout 150 python3 benchmarks/sweep_bwd.py --warm --fams $f --variants "$v" > "$OUT/warm_${set}_${f}_${v%%:*}.log" 2>&1 &
+    done < <(python3 -c "from sweep_bwd import NAMED; print('\n'.join(NAMED['$set'].split(';')))"); done; done; wait
+  has sides && { echo "== sides_tests"; grep -hE "rel err|passed|failed" "$OUT/sides_tests.log" | tail -30; }
+  for set in $SETS; do for f in ${SIDES_FAMS:-delta gdn}; do    # one process per family and set
+    TAILN=15 step ${SIDES_T:-110} ${set}_$f python3 benchmarks/sweep_bwd.py --fams $f --out "$OUT/${set}_$f" --variants $set
+  done; done
 fi
 if has pair; then       # KDA's pairwise-gradient kernel: channels per program x warps
   TAILN=16 step ${PAIR_T:-150} sweep_pair python3 benchmarks/sweep_bwd.py --fams kda --out "$OUT" --variants "${PAIR_VARIANTS:-pair}"
