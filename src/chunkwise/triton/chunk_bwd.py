@@ -2172,8 +2172,8 @@ BWD_DQK_BK = 64
 # (bf16, level 4, 8 warps; registers / spill B): DeltaNet 2: 147 / 0, 3: 110 / 0 (two 8-warp programs per SM, twice
 # the column blocks' warps); GDN 231 / 0 and 176 / 0 (capped at 128: 52 B); simple GLA 181 / 0 (4 warps: spills, but
 # for DeltaNet 3 at 174 / 0). Built offline, unmeasured on the GPU: off (CHUNKWISE_BWD_DQK_SIDES=2 or 3; 0 by column
-# blocks)
-BWD_DQK_SIDES = 0
+# blocks); per gate kind (KDA's per-channel gate never takes it)
+BWD_DQK_SIDES = {0: 0, 1: 0, 2: 0}
 # Scalar / no gate: the WY pass's work in the by-side pass's key side (_bwd_dqk_sides_kernel WY, two programs a chunk):
 # dk1 and dW stay in registers and the WY launch goes (DeltaNet B1-T32768-H32 bf16, in [T, HV, 128] bf16 tensors X of
 # DRAM traffic, of the backward's 46.5: ~5X less in one launch, ~0.3 ms at the copy bandwidth; ~1X in two, where dO, R
@@ -2181,14 +2181,14 @@ BWD_DQK_SIDES = 0
 # off (CHUNKWISE_BWD_WY_FUSED=1: both sides in one launch, where every program takes the key side's registers; 2: side
 # 0, then side 1 in launches of their own; not with CHUNKWISE_BWD_DGAM_DH). Offline sm_90 (bf16, level 4, 8 warps;
 # registers / spill B): side 0 DeltaNet 111 / 0, GDN 123 / 0; side 1 DeltaNet 255 / 192 (DA_SCR 48), GDN 255 / 408
-# (DA_SCR), simple GLA 179 / 0; the spills are in the WY part after the V loop
-BWD_WY_FUSED = 0
+# (DA_SCR), simple GLA 179 / 0; the spills are in the WY part after the V loop. Per gate kind, as BWD_DQK_SIDES
+BWD_WY_FUSED = {0: 0, 1: 0, 2: 0}
 # The column-block pass's split pairwise products (PAIR16 3) accumulated into dq / dk by the products themselves (1)
 # or summed into a zeroed tile that is then added (0, as measured so far). Offline sm_90 (bf16, level 4, 4 warps;
 # registers / spill B / instructions, 0 -> 1): DeltaNet 250 / 0 / 1544 -> 236 / 0 / 1472, GDN 255 / 104 / 2976 ->
 # 255 / 52 / 2928, simple GLA 255 / 88 / 2672 -> 255 / 36 / 2568. Unmeasured on the GPU: off
-# (CHUNKWISE_BWD_SPLIT_INPLACE=1). _bwd_dqk_sides_kernel always accumulates in place
-BWD_SPLIT_INPLACE = 0
+# (CHUNKWISE_BWD_SPLIT_INPLACE=1), per gate kind. _bwd_dqk_sides_kernel always accumulates in place
+BWD_SPLIT_INPLACE = {0: 0, 1: 0, 2: 0}
 BWD_WY_BK = 32          # _bwd_wy_kernel's key loops' column block (CHUNKWISE_BWD_WY_BK)
 # _bwd_dqk_kernel's q, k (and gate) loads before its V loop, per gate kind (CHUNKWISE_BWD_DQK_EARLY), and dk1 between
 # the two kernels in the 16-bit input dtype (CHUNKWISE_BWD_DK1_16; fp32 otherwise). H200 (run of 05fc501,
@@ -2764,11 +2764,11 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     if dqk:
         # the state tiles' pass split over key column blocks of bka, or by side (BWD_DQK_SIDES: two dGp shares), then
         # the per-chunk WY pass (per channel: then the pair kernel)
-        sides = _env_choice("CHUNKWISE_BWD_DQK_SIDES", BWD_DQK_SIDES, (0, 2, 3)) if gate != 2 and BK <= 128 else 0
+        sides = _env_choice("CHUNKWISE_BWD_DQK_SIDES", BWD_DQK_SIDES[gate], (0, 2, 3)) if gate != 2 and BK <= 128 else 0
         # the WY pass's work in the by-side pass's key side (BWD_WY_FUSED): two sides, no dk1 / dW buffers
         # (1: both sides in one launch; 2: side 0, then side 1 in a launch of its own)
         wy_fused = gate != 2 and BK <= 128 and (delta or gate) and not dgam_dh and \
-            _env_choice("CHUNKWISE_BWD_WY_FUSED", BWD_WY_FUSED, (0, 1, 2))
+            _env_choice("CHUNKWISE_BWD_WY_FUSED", BWD_WY_FUSED[gate], (0, 1, 2))
         if wy_fused:
             sides = 2
         bka = _env_block("CHUNKWISE_BWD_DQK_BK", BWD_DQK_BK, BK)
@@ -2810,7 +2810,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                                                 DGAM=dgam_dh, NVD=nvd, KD=BK,
                                                 SDS_OWN=not delta or _env_switch("CHUNKWISE_BWD_SDS_OWN", BWD_SDS_OWN),
                                                 FULL=bwd_full("bwd_dqk", gate, T, varlen),
-                                                INPLACE=_env_switch("CHUNKWISE_BWD_SPLIT_INPLACE", BWD_SPLIT_INPLACE),
+                                                INPLACE=_env_switch("CHUNKWISE_BWD_SPLIT_INPLACE", BWD_SPLIT_INPLACE[gate]),
                                                 num_warps=_warps("bwd_dqk", gate, wide8), **_regs("bwd_dqk", gate),
                                                 num_stages=ns, **common)
         if (delta or gate) and not wy_fused:
