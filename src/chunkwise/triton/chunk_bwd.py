@@ -189,8 +189,8 @@ def _gate_cumsum_kernel(g, G, cu_seqlens, chunk_indices, T, floor,
 
 @triton.jit
 def _rev_cumsum(x):
-    """Σ_{j ≥ i} x_j along the chunk's rows of x [C] (a scalar gate's dg from its per-row terms)."""
-    return tl.sum(x, axis=0) - tl.cumsum(x, axis=0) + x
+    """Σ_{j ≥ i} x_j along the chunk's rows (axis 0) of x [C] or [C, BK] (a gate's dg from its per-row terms)."""
+    return tl.sum(x, axis=0, keep_dims=True) - tl.cumsum(x, axis=0) + x
 
 
 @triton.jit
@@ -1894,8 +1894,7 @@ def _pair_grads_one_ref(q, k, dq, dk, dG, dq_o, dk_o, b_dP, b_dPt, b_dA, b_dAt, 
     b_dk = tl.load(dk + p_hk, mask=m_tk, other=0.) + b_dkp + b_beta[:, None] * b_dkb
     tl.store(dk_o + p_hk, b_dk.to(dk_o.dtype.element_ty), mask=m_tk)
     b_dG = tl.load(dG + p_hk, mask=m_tk, other=0.) + b_q * b_dq + b_kb * b_dkb - b_k * b_dkp
-    b_dg = tl.sum(b_dG, axis=0)[None, :] - tl.cumsum(b_dG, axis=0) + b_dG                 # reverse cumsum
-    tl.store(dG + p_hk, b_dg, mask=m_tk)
+    tl.store(dG + p_hk, _rev_cumsum(b_dG), mask=m_tk)
     return tl.sum(b_k * b_dkb, axis=1)
 
 
