@@ -40,7 +40,7 @@ KERNELS = {
     "bwd_dqk": ("_bwd_dqk_kernel",         # the state tiles' pass by key column blocks (BWD_DQK, KDA: BWD_DQK_KDA)
                 dict(q="in", k="in", v="in", G="fp32", h="s", dh="s", R="s", dR="s", do="in", dq="g", dk1="in",
                      dW="in", dGp="fp32", dgam="fp32", Tmat="fp32", beta="in", dTp="fp32", dbs="fp32"),
-                dict(T="i32", scale="fp32"), dict(BK=cb.BWD_DQK_BK, EARLY=0, KD=128)),
+                dict(T="i32", scale="fp32"), dict(BK=cb.BWD_DQK_BK, KD=128)),
     "bwd_dqk_sides": ("_bwd_dqk_sides_kernel",   # the same by side, all key columns (BWD_DQK_SIDES)
                       dict(q="in", k="in", v="in", G="fp32", h="s", dh="s", R="s", dR="s", do="in", dq="g", dk1="in",
                            dW="in", dGp="fp32", beta="in", Tmat="t", Ascr="fp32", dv="in", dbeta="fp32", dG="fp32"),
@@ -147,8 +147,20 @@ def compile_kernel(name, fam="gdn", num_warps=8, K=128, V=128, num_stages=3, low
     params.update(extra)
     dgam = int(bool(gate > 0 and cb.BWD_DGAM_DH))      # ⟨S, dS'⟩ from the reverse pass (BWD_DGAM_DH)
     params.update(DGAM=dgam, NVD=4 * dgam, DA_SCR=int(bool(delta and cb.BWD_WY_DA_SCR[gate])))
+    # the switches chunk_bwd sets per gate kind, as it launches them (its CHUNKWISE_* environment overrides too)
+    if name in ("bwd_wy", "bwd_dqk", "bwd_dqk_sides", "fwd_h", "bwd_dh"):
+        params.update(FULL=int(cb.bwd_full("bwd_dqk" if name == "bwd_dqk_sides" else name, gate, 32768, False)))
+    if name == "bwd_dh":
+        params.update(AHEAD=cb._bwd_dh_ahead(gate))
+    if name == "bwd_dqk":
+        params.update(EARLY=cb._env_switch("CHUNKWISE_BWD_DQK_EARLY", cb.BWD_DQK_EARLY[gate]),
+                      SDS_OWN=int(not delta or cb._env_switch("CHUNKWISE_BWD_SDS_OWN", cb.BWD_SDS_OWN)),
+                      INPLACE=cb._env_switch("CHUNKWISE_BWD_SPLIT_INPLACE", cb.BWD_SPLIT_INPLACE[gate]))
     params.update(overrides)
     consts.update({p: v for p, v in params.items() if p in kernel.arg_names})
+    # a constexpr given nowhere above takes the kernel's own default (left out, triton would make it None)
+    consts.update({p.name: p.default for p in kernel.params
+                   if p.is_constexpr and p.has_default and p.name not in consts})
     for arg in list(consts):
         if arg not in kernel.arg_names:
             del consts[arg]
