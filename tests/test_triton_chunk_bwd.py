@@ -12,10 +12,13 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import chunkwise
 
-from helpers import CHUNK_OPS, DEVICE, HEAD_DIM_GRID, ON_GPU, TOL, make_inputs, rel_err, skip_unless_sm90_builds
+from helpers import (CHUNK_OPS, DEVICE, HEAD_DIM_GRID, ON_GPU, TOL, make_inputs, reference, rel_err,
+                     skip_unless_sm90_builds)
 
 FAMS = ("gdn", "kda", "delta", "gla")
 GATED = ("gdn", "kda", "gla")
@@ -27,10 +30,11 @@ def _poison(monkeypatch):
     monkeypatch.setenv("CHUNKWISE_POISON", "1")
 
 
-def _grads(inp, backend, dtype, transpose=False, final=True, seed=1, unread_final=False, **op_kwargs):
+def _grads(inp, backend, dtype, transpose=False, final=True, seed=1, unread_final=False, outs=None, **op_kwargs):
     """Run the family's op on leaf copies of inp's tensors (cast to dtype, on the backend's device),
     loss = Σ o·dO + Σ h_T·dh_T (``final``; ``unread_final``: the final state asked for but not in the loss);
-    return (dict name -> gradient in float64 on the CPU, extra leaves' grads)."""
+    return (dict name -> gradient in float64 on the CPU, extra leaves' grads). ``outs``: a dict that gets the op's
+    outputs o and h_T (None where not asked for)."""
     dev = DEVICE if backend == "triton" else "cpu"
     leaves = {}
     for n in NAMES:
@@ -46,6 +50,8 @@ def _grads(inp, backend, dtype, transpose=False, final=True, seed=1, unread_fina
     cu = None if inp.cu_seqlens is None else inp.cu_seqlens.to(dev)
     o, ht = CHUNK_OPS[inp.fam](*args, initial_state=h0_in, output_final_state=final or unread_final, cu_seqlens=cu,
                                transpose_state_layout=transpose, backend=backend, **extra, **op_kwargs)
+    if outs is not None:
+        outs.update(o=o.detach(), ht=None if ht is None else ht.detach())
     gen = torch.Generator().manual_seed(seed)
     do = torch.randn(o.shape, generator=gen, dtype=torch.float64)
     loss = (o.double() * do.to(o.device)).sum()
@@ -298,6 +304,56 @@ def test_grads_in_op_preludes(fam):
     assert {"A_log", "dt_bias"} <= set(errs)
 
 
+def _gate_terms(inp):
+    """The scale dg's error is measured against: dg is a reverse cumsum over tokens of terms like q ⊙ dq − k ⊙ dk,
+    which cancel to exactly 0 in float64 where the gate multiplies nothing (a lone token with no initial state, a
+    gate of −1e4) and leave fp32 rounding of their own size there. The scale is ‖dg‖ + ‖|q ⊙ dq| + |k ⊙ dk|‖
+    (summed over K for a scalar gate; a key head's on each of its value heads): each token's terms once, not
+    their reverse cumsum, whose norm grows with T as dg's does not (100-500x ‖dg‖ at T = 70-150)."""
+    def terms(ref):
+        q, k = inp.q.detach().double().cpu(), inp.k.detach().double().cpu()
+        t = (q * ref["q"]).abs() + (k * ref["k"]).abs()                         # [B, T, H, K]
+        t = t.repeat_interleave(inp.g.shape[2] // q.shape[2], dim=2)             # [B, T, HV, K]
+        t = t if inp.g.dim() == 4 else t.sum(-1)
+        return (ref["g"].norm() + t.norm()).reshape(1)
+    return terms
+
+
+# on the GPU each head dim is another build: fewer examples, the head dims the other small-tile tests build
+_PROP_K, _PROP_V, _PROP_N = ((16, 32, 64), (16, 32), 10) if ON_GPU else ((8, 16, 18, 24, 40, 64), (8, 10, 16, 48), 30)
+
+
+@settings(max_examples=_PROP_N, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(fam=st.sampled_from(FAMS), H=st.integers(1, 2), group=st.integers(1, 3), K=st.sampled_from(_PROP_K),
+       V=st.sampled_from(_PROP_V), batch=st.tuples(st.integers(1, 2), st.integers(1, 200)),
+       lengths=st.lists(st.sampled_from([0, 1, 2, 63, 64, 65, 100]), min_size=1, max_size=4) | st.none(),
+       gate=st.sampled_from(["normal", "zero", "strong"]), h0=st.booleans(), final=st.booleans(),
+       transpose=st.booleans(), seed=st.integers(0, 2**16))
+def test_property_random_shapes_grads(fam, H, group, K, V, batch, lengths, gate, h0, final, transpose, seed):
+    """Random shapes (sequence lengths around the 64-token chunk, empty and 1-token sequences in a varlen batch,
+    grouped value heads, head dims that are no power of two) and options (initial state, final state in the loss,
+    transposed state layout, zero / normal / very negative gates): the output, the final state and every gradient
+    equal the float64 reference's. dg is measured against its cancelling terms (_gate_terms). A hard reset
+    (g = −1e4 at token T // 3) at a lone sequence's first token would make dh0 exactly 0, which no relative error
+    measures: there the gate stays normal."""
+    if lengths is not None and sum(lengths) == 0:
+        lengths = lengths + [1]
+    B, T = (1, sum(lengths)) if lengths is not None else batch
+    if gate == "strong" and T < 3:
+        gate = "normal"
+    inp = make_inputs(fam, B=B, T=T, H=H, HV=H * group, K=K, V=V, h0=h0, gate=gate, lengths=lengths, seed=seed)
+    fwd = {}
+    ours = _grads(inp, "triton", torch.float32, final=final, transpose=transpose, outs=fwd)
+    _compare(inp, TOL[torch.float32], ours=ours, final=final, transpose=transpose,
+             scales={"g": _gate_terms(inp)} if inp.g is not None else None)
+    o_ref, h_ref = reference(inp)
+    assert rel_err(fwd["o"], o_ref) <= TOL[torch.float32], f"o: {rel_err(fwd['o'], o_ref):.2e}"
+    if final:
+        ht = fwd["ht"].transpose(-1, -2) if transpose else fwd["ht"]
+        assert rel_err(ht, h_ref) <= TOL[torch.float32], f"final state: {rel_err(ht, h_ref):.2e}"
+
+
 # --------------------------------------------------------------------------------------------
 # GPU only: bf16 at real size, against fp64 autograd of the torch backend, next to fla
 # --------------------------------------------------------------------------------------------
@@ -338,6 +394,8 @@ def _grads_device64(inp, seed=1):
               if getattr(inp, n) is not None}
     args = [leaves["q"], leaves["k"], leaves["v"]] + [leaves[n] for n in ("g", "beta") if n in leaves]
     o, ht = CHUNK_OPS[inp.fam](*args, initial_state=leaves["h0"], output_final_state=True, backend="torch")
+    if outs is not None:
+        outs.update(o=o.detach(), ht=None if ht is None else ht.detach())
     gen = torch.Generator().manual_seed(seed)
     do = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.device)
     dht = torch.randn(ht.shape, generator=gen, dtype=torch.float64).to(o.device)

@@ -1,7 +1,9 @@
 """Triton backend. The API (chunkwise.api.run) has already checked every argument and applied the
-in-op preludes (L2 norm, beta sigmoid, gate from projections); kernels never validate.
+in-op preludes (L2 norm, beta sigmoid, gate from projections); kernels never validate. Autograd and
+torch.compile reach the launchers through the custom ops of chunkwise._custom_ops: chunk_fwd.chunk_fwd
+(the chunk forward, and the saving forward for the backward), chunk_bwd.chunk_bwd, recurrent.recurrent_fwd.
 
-Canonical inputs of both entry points:
+Canonical inputs of the launchers:
     q, k: [B, T, H, K]  fp16 / bf16 / fp32
     v:    [B, T, HV, V] same dtype; HV % H == 0
     g:    None | [B, T, HV] fp32 (scalar log-decay per token) | [B, T, HV, K] fp32 (per channel, KDA)
@@ -9,7 +11,6 @@ Canonical inputs of both entry points:
     scale: float
     initial_state: None | [N, HV, K, V] ([N, HV, V, K] if transpose_state_layout), any float dtype
     cu_seqlens: None | [N + 1] int (then B == 1)
-Both return (o [B, T, HV, V] in q's dtype, final_state fp32 in the chosen layout or None).
+The forward launchers return (o [B, T, HV, V] in q's dtype, final_state fp32 in the chosen layout or None).
 """
-from .chunk import chunk  # noqa: F401
 from .recurrent import recurrent  # noqa: F401
