@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
 
 import chunkwise
 from chunkwise.api import DELTA, GDN, GLA, KDA, gate_from_projections  # noqa: F401
@@ -129,3 +131,31 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 # the error a dtype may cost against the float64 recurrence (DESIGN.md §4; bf16/fp16 at fla's level)
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 8e-3}
+
+
+# --------------------------------------------------------------------------------------------
+# random shapes for the Triton ops' property tests (hypothesis)
+# --------------------------------------------------------------------------------------------
+
+# on the GPU each head dim is another build: fewer examples, the head dims the other small-tile tests build
+_PROP_K, _PROP_V, _PROP_N = ((16, 32, 64), (16, 32), 10) if ON_GPU else ((8, 16, 18, 24, 40, 64), (8, 10, 16, 48), 30)
+PROPERTY_SETTINGS = settings(max_examples=_PROP_N, deadline=None, derandomize=True,
+                             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+PROPERTY_SHAPES = dict(
+    fam=st.sampled_from(("gdn", "kda", "delta", "gla")), H=st.integers(1, 2), group=st.integers(1, 3),
+    K=st.sampled_from(_PROP_K), V=st.sampled_from(_PROP_V), batch=st.tuples(st.integers(1, 2), st.integers(1, 200)),
+    lengths=st.lists(st.sampled_from([0, 1, 2, 63, 64, 65, 100]), min_size=1, max_size=4) | st.none(),
+    gate=st.sampled_from(["normal", "zero", "strong"]), h0=st.booleans(), final=st.booleans(),
+    transpose=st.booleans(), seed=st.integers(0, 2**16))
+
+
+def property_inputs(fam, H, group, K, V, batch, lengths, gate, h0, seed) -> Inputs:
+    """fp32 inputs for PROPERTY_SHAPES' draw: ``batch`` (B, T) unless ``lengths`` (a varlen batch; all-empty gets a
+    1-token sequence). A hard reset (g = −1e4 at token T // 3) at a lone sequence's first token would make dh0 exactly
+    0, which no relative error measures: there the gate stays normal."""
+    if lengths is not None and sum(lengths) == 0:
+        lengths = lengths + [1]
+    B, T = (1, sum(lengths)) if lengths is not None else batch
+    if gate == "strong" and T < 3:
+        gate = "normal"
+    return make_inputs(fam, B=B, T=T, H=H, HV=H * group, K=K, V=V, h0=h0, gate=gate, lengths=lengths, seed=seed)

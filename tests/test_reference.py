@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from chunkwise import api
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -291,6 +292,10 @@ GRAD_CASES = {
     "kda_lower_bound": dict(use_gate_in_kernel=True, lower_bound=-5.0),
     "all_options": dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True),
     "transposed_state_varlen": dict(transpose_state_layout=True, lengths=[9, 31]),
+    # fla 0.6.0's spellings
+    "neg_eigval": dict(use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True),
+    "kda_lower_bound_no_a_log": dict(use_gate_in_kernel=True, lower_bound=-5.0, A_log=False),
+    "gla_g_gamma": dict(g_gamma=True),
 }
 
 
@@ -302,7 +307,9 @@ def _grad_params():
                 continue
             if not spec.delta and ("beta" in name or case.get("use_beta_sigmoid_in_kernel")):
                 continue
-            if name == "kda_lower_bound" and spec.gate != "channel":
+            if name.startswith("kda_lower_bound") and spec.gate != "channel":
+                continue
+            if name.startswith("gla") and (spec.delta or spec.gate != "scalar"):
                 continue
             yield pytest.param(fam, name, id=f"{fam}-{name}")
 
@@ -324,11 +331,14 @@ def test_gradients_chunk_equal_recurrence(fam, case):
     if spec.delta:
         leaves["beta"] = (rnd(gen, inp.beta.shape)
                           if opts.get("use_beta_sigmoid_in_kernel") else inp.beta)
-    if spec.gate != "none":
+    if opts.pop("g_gamma", False):
+        leaves["g_gamma"] = -torch.rand(HV, generator=gen, dtype=F64) * 0.5   # simple GLA: the decay per head
+    elif spec.gate != "none":
         leaves["g"] = inp.g
         if opts.get("use_gate_in_kernel"):
             leaves["g"] = rnd(gen, inp.g.shape)     # the raw projection a
-            leaves["A_log"] = rnd(gen, HV) * 0.5
+            if opts.pop("A_log", True) is not False:
+                leaves["A_log"] = rnd(gen, HV) * 0.5
             if opts.pop("dt_bias", True) is not False:
                 leaves["dt_bias"] = rnd(gen, HV if spec.gate == "scalar" else HV * K)
     opts.pop("dt_bias", None)
@@ -375,7 +385,10 @@ def by_hand_softplus(x):
     return torch.log1p(torch.exp(x))
 
 
-OPTION_CASES = ["l2norm", "beta_sigmoid", "gate", "gate_no_dt_bias", "kda_dt_bias_2d", "kda_lower_bound"]
+# neg_eigval, kda_lower_bound_no_a_log, gla_g_gamma: fla 0.6.0's spellings (allow_neg_eigval, A_log=None with
+# lower_bound, simple GLA's g_gamma)
+OPTION_CASES = ["l2norm", "beta_sigmoid", "gate", "gate_no_dt_bias", "kda_dt_bias_2d", "kda_lower_bound",
+                "neg_eigval", "kda_lower_bound_no_a_log", "gla_g_gamma"]
 
 
 def _option_params():
@@ -384,9 +397,11 @@ def _option_params():
         for case in OPTION_CASES:
             if case.startswith("gate") and spec.gate == "none":
                 continue
-            if case == "beta_sigmoid" and not spec.delta:
+            if case in ("beta_sigmoid", "neg_eigval") and not spec.delta:
                 continue
             if case.startswith("kda") and spec.gate != "channel":
+                continue
+            if case.startswith("gla") and (spec.delta or spec.gate != "scalar"):
                 continue
             yield pytest.param(fam, case, id=f"{fam}-{case}")
 
@@ -410,10 +425,20 @@ def test_in_op_options_equal_doing_them_by_hand(fam, case, form):
         raw["k"] = rnd(gen, inp.k.shape) * 3
         done.q, done.k = by_hand_l2(raw["q"]), by_hand_l2(raw["k"])
         kw["use_qk_l2norm_in_kernel"] = True
-    elif case == "beta_sigmoid":
+    elif case in ("beta_sigmoid", "neg_eigval"):
         raw["beta"] = rnd(gen, inp.beta.shape) * 2
-        done.beta = 1 / (1 + torch.exp(-raw["beta"]))
+        done.beta = (2 if case == "neg_eigval" else 1) / (1 + torch.exp(-raw["beta"]))
         kw["use_beta_sigmoid_in_kernel"] = True
+        kw["allow_neg_eigval"] = case == "neg_eigval"
+    elif case.startswith("gla"):
+        del raw["g"]
+        kw["g_gamma"] = -torch.rand(HV, generator=gen, dtype=F64) * 0.5
+        done.g = kw["g_gamma"].expand(*inp.v.shape[:3])
+    elif case == "kda_lower_bound_no_a_log":
+        raw["g"] = rnd(gen, inp.g.shape) * 2
+        bias2d = rnd(gen, HV, K)
+        kw.update(use_gate_in_kernel=True, lower_bound=-5.0, dt_bias=bias2d.reshape(HV * K), safe_gate=True)
+        done.g = -5.0 * torch.sigmoid(raw["g"] + bias2d)
     else:
         a = rnd(gen, inp.g.shape) * 2
         A_log = rnd(gen, HV) * 0.5
@@ -442,9 +467,46 @@ def test_in_op_options_equal_doing_them_by_hand(fam, case, form):
     o, ht = op(**raw, initial_state=inp.h0, output_final_state=True, backend="torch", **kw)
     assert_close(o, o_ref, 1e-10, "o")
     assert_close(ht, h_ref, 1e-10, "final state")
-    if case in ("l2norm", "beta_sigmoid"):         # the option really does something: without it, another result
-        o_plain, _ = op(**raw, initial_state=inp.h0, output_final_state=True, backend="torch")
+    if case in ("l2norm", "beta_sigmoid", "neg_eigval"):   # the option really does something: without it, another
+        plain = dict(use_beta_sigmoid_in_kernel=True) if case == "neg_eigval" else {}
+        o_plain, _ = op(**raw, initial_state=inp.h0, output_final_state=True, backend="torch", **plain)
         assert rel_err(o_plain, o_ref) > 1e-3
+
+
+@pytest.mark.parametrize("form", ["chunk", "recurrent"])
+@pytest.mark.parametrize("fam", FAMS)
+def test_state_v_first_is_transpose_state_layout(fam, form):
+    """fla 0.6.0 renamed transpose_state_layout to state_v_first: both take and give states as [N, HV, V, K]."""
+    inp = make_inputs(fam, B=2, T=30, H=1, HV=2, K=8, V=6, dtype=F64, seed=9)
+    op = (CHUNK_OPS if form == "chunk" else RECURRENT_OPS)[fam]
+    h0 = inp.h0.transpose(-1, -2).contiguous()
+    o1, h1 = op(*inp.args(), initial_state=h0, output_final_state=True, backend="torch", state_v_first=True)
+    o2, h2 = op(*inp.args(), initial_state=h0, output_final_state=True, backend="torch", transpose_state_layout=True)
+    o_ref, h_ref = reference(inp)
+    assert torch.equal(o1, o2) and torch.equal(h1, h2)
+    assert_close(h1.transpose(-1, -2), h_ref, 1e-10, "final state")
+
+
+def test_fla_option_errors():
+    """fla 0.6.0's options refused as fla refuses them, each error naming the argument."""
+    gdn, kda, gla = (make_inputs(f, B=1, T=8, H=1, HV=2, K=8, V=4, dtype=F64) for f in ("gdn", "kda", "gla"))
+    with pytest.raises(ValueError, match="allow_neg_eigval=True needs use_beta_sigmoid_in_kernel"):
+        CHUNK_OPS["gdn"](*gdn.args(), allow_neg_eigval=True)
+    with pytest.raises(ValueError, match="safe_gate=True with use_gate_in_kernel=True needs lower_bound in"):
+        CHUNK_OPS["kda"](*kda.args(), use_gate_in_kernel=True, A_log=torch.zeros(2, dtype=F64), safe_gate=True)
+    with pytest.raises(ValueError, match="lower_bound in \\[-5, 0\\), got -6"):
+        CHUNK_OPS["kda"](*kda.args(), use_gate_in_kernel=True, lower_bound=-6.0, safe_gate=True)
+    with pytest.raises(ValueError, match="safe_gate is only available for KDA"):
+        api.run(api.GDN, "chunk", *gdn.args(), None, None, False, None, safe_gate=True)
+    with pytest.raises(ValueError, match="needs A_log"):
+        CHUNK_OPS["kda"](*kda.args(), use_gate_in_kernel=True)
+    with pytest.raises(ValueError, match="or g_gamma \\[HV\\], not both"):
+        CHUNK_OPS["gla"](*gla.args(), g_gamma=torch.zeros(2, dtype=F64))
+    with pytest.raises(ValueError, match="g_gamma must have shape \\[HV\\] = \\[2\\]"):
+        CHUNK_OPS["gla"](gla.q, gla.k, gla.v, g_gamma=torch.zeros(3, dtype=F64))
+    with pytest.raises(ValueError, match="use_gate_in_kernel is not available with it"):
+        CHUNK_OPS["gla"](gla.q, gla.k, gla.v, g_gamma=torch.zeros(2, dtype=F64), use_gate_in_kernel=True,
+                         A_log=torch.zeros(2, dtype=F64))
 
 
 # ----------------------------------------------------------------------------------------------

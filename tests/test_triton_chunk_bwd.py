@@ -12,13 +12,12 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import given
 
 import chunkwise
 
-from helpers import (CHUNK_OPS, DEVICE, HEAD_DIM_GRID, ON_GPU, TOL, make_inputs, reference, rel_err,
-                     skip_unless_sm90_builds)
+from helpers import (CHUNK_OPS, DEVICE, HEAD_DIM_GRID, ON_GPU, PROPERTY_SETTINGS, PROPERTY_SHAPES, TOL, make_inputs,
+                     property_inputs, reference, rel_err, skip_unless_sm90_builds)
 
 FAMS = ("gdn", "kda", "delta", "gla")
 GATED = ("gdn", "kda", "gla")
@@ -304,6 +303,21 @@ def test_grads_in_op_preludes(fam):
     assert {"A_log", "dt_bias"} <= set(errs)
 
 
+@pytest.mark.parametrize("fam", FAMS)
+def test_grads_fla_options(fam):
+    """fla 0.6.0's spellings through the Triton op: β = 2·sigmoid(logits) (allow_neg_eigval: β up to 2, the
+    eigenvalues of I − β k kᵀ down to −1) for the delta families, simple GLA's g_gamma [HV] (one decay per head):
+    every gradient, g_gamma's included, equals the reference's."""
+    inp = make_inputs(fam, lengths=[1, 70, 30], H=1, HV=2, K=16, V=16, seed=23)
+    gen = torch.Generator().manual_seed(23)
+    if fam == "gla":
+        inp.g = None
+        _compare(inp, TOL[torch.float32], params={"g_gamma": -torch.rand(2, generator=gen) * 0.5})
+    else:
+        inp.beta = (torch.randn(inp.beta.shape, generator=gen) * 2).to(inp.beta)      # logits
+        _compare(inp, TOL[torch.float32], use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True)
+
+
 def _gate_terms(inp):
     """The scale dg's error is measured against: dg is a reverse cumsum over tokens of terms like q ⊙ dq − k ⊙ dk,
     which cancel to exactly 0 in float64 where the gate multiplies nothing (a lone token with no initial state, a
@@ -319,30 +333,14 @@ def _gate_terms(inp):
     return terms
 
 
-# on the GPU each head dim is another build: fewer examples, the head dims the other small-tile tests build
-_PROP_K, _PROP_V, _PROP_N = ((16, 32, 64), (16, 32), 10) if ON_GPU else ((8, 16, 18, 24, 40, 64), (8, 10, 16, 48), 30)
-
-
-@settings(max_examples=_PROP_N, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(fam=st.sampled_from(FAMS), H=st.integers(1, 2), group=st.integers(1, 3), K=st.sampled_from(_PROP_K),
-       V=st.sampled_from(_PROP_V), batch=st.tuples(st.integers(1, 2), st.integers(1, 200)),
-       lengths=st.lists(st.sampled_from([0, 1, 2, 63, 64, 65, 100]), min_size=1, max_size=4) | st.none(),
-       gate=st.sampled_from(["normal", "zero", "strong"]), h0=st.booleans(), final=st.booleans(),
-       transpose=st.booleans(), seed=st.integers(0, 2**16))
+@PROPERTY_SETTINGS
+@given(**PROPERTY_SHAPES)
 def test_property_random_shapes_grads(fam, H, group, K, V, batch, lengths, gate, h0, final, transpose, seed):
     """Random shapes (sequence lengths around the 64-token chunk, empty and 1-token sequences in a varlen batch,
     grouped value heads, head dims that are no power of two) and options (initial state, final state in the loss,
     transposed state layout, zero / normal / very negative gates): the output, the final state and every gradient
-    equal the float64 reference's. dg is measured against its cancelling terms (_gate_terms). A hard reset
-    (g = −1e4 at token T // 3) at a lone sequence's first token would make dh0 exactly 0, which no relative error
-    measures: there the gate stays normal."""
-    if lengths is not None and sum(lengths) == 0:
-        lengths = lengths + [1]
-    B, T = (1, sum(lengths)) if lengths is not None else batch
-    if gate == "strong" and T < 3:
-        gate = "normal"
-    inp = make_inputs(fam, B=B, T=T, H=H, HV=H * group, K=K, V=V, h0=h0, gate=gate, lengths=lengths, seed=seed)
+    equal the float64 reference's. dg is measured against its cancelling terms (_gate_terms)."""
+    inp = property_inputs(fam, H, group, K, V, batch, lengths, gate, h0, seed)
     fwd = {}
     ours = _grads(inp, "triton", torch.float32, final=final, transpose=transpose, outs=fwd)
     _compare(inp, TOL[torch.float32], ours=ours, final=final, transpose=transpose,

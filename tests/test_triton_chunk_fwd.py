@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
 import triton
 import triton.language as tl
 
 from chunkwise.triton.chunk_fwd import _exp_or, _rn_tf32, chunk_prepare
-from helpers import (CHUNK_OPS, DEVICE, HEAD_DIM_GRID, INTERPRET, ON_GPU, TOL, make_inputs, reference, rel_err,
-                     skip_unless_sm90_builds)
+from helpers import (CHUNK_OPS, DEVICE, HEAD_DIM_GRID, INTERPRET, ON_GPU, PROPERTY_SETTINGS, PROPERTY_SHAPES, TOL,
+                     make_inputs, property_inputs, reference, rel_err, skip_unless_sm90_builds)
 
 FAMS = ("gdn", "kda", "delta", "gla")
 GATED = ("gdn", "kda", "gla")
@@ -77,6 +78,20 @@ def test_cases_fp32(fam, case):
     inp = make_inputs(fam, dtype=torch.float32, seed=list(CASES).index(case), **mk)
     o, ht = _run(inp, **run)
     _check(inp, o, ht, TOL[torch.float32], final=run.get("final", True))
+
+
+@PROPERTY_SETTINGS
+@given(**PROPERTY_SHAPES)
+def test_property_random_shapes(fam, H, group, K, V, batch, lengths, gate, h0, final, transpose, seed):
+    """The inference forward (no autograd: the launches that keep nothing for a backward) over random shapes and
+    options (helpers.PROPERTY_SHAPES: lengths around the chunk, empty and 1-token sequences in a varlen batch,
+    grouped value heads, head dims no power of two, zero / normal / very negative gates, states in and out, either
+    layout): the output and the final state equal the float64 recurrence's. The training forward's are
+    test_triton_chunk_bwd.py's test_property_random_shapes_grads."""
+    inp = property_inputs(fam, H, group, K, V, batch, lengths, gate, h0, seed)
+    with torch.no_grad():
+        o, ht = _run(inp, transpose=transpose, final=final)
+    _check(inp, o, ht, TOL[torch.float32], final=final)
 
 
 @pytest.mark.parametrize("gate", ["zero", "strong"])

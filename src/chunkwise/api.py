@@ -111,7 +111,7 @@ def _check_inputs(fam: Family, q, k, v, g, beta, scale, initial_state, cu_seqlen
             raise ValueError(f"{fam.name} takes no gate g")
     else:
         if g is None:
-            raise ValueError(f"{fam.name} needs the gate g")
+            raise ValueError(f"{fam.name} needs the gate g" + ("" if fam.delta else " (or g_gamma [HV]; g = 0 for no decay)"))
         want = (B, T, HV) if fam.gate == "scalar" else (B, T, HV, K)
         _check_tensor("g", g)
         _check_float("g", g)
@@ -135,11 +135,13 @@ def _check_inputs(fam: Family, q, k, v, g, beta, scale, initial_state, cu_seqlen
     if use_gate_in_kernel:
         if fam.gate == "none":
             raise ValueError(f"{fam.name} has no gate: use_gate_in_kernel is not available")
-        if A_log is None:
-            raise ValueError("use_gate_in_kernel=True needs A_log [HV]")
-        _check_tensor("A_log", A_log)
-        if tuple(A_log.shape) != (HV,):
-            raise ValueError(f"A_log must have shape [HV] = [{HV}], got {_shape(A_log)}")
+        if A_log is None and lower_bound is None:
+            raise ValueError("use_gate_in_kernel=True needs A_log [HV] (KDA: or lower_bound, for "
+                             "g = lower_bound·sigmoid(a + dt_bias))")
+        if A_log is not None:
+            _check_tensor("A_log", A_log)
+            if tuple(A_log.shape) != (HV,):
+                raise ValueError(f"A_log must have shape [HV] = [{HV}], got {_shape(A_log)}")
         if dt_bias is not None:
             _check_tensor("dt_bias", dt_bias)
             ok = [(HV,)] if fam.gate == "scalar" else [(HV * K,), (HV, K)]
@@ -201,13 +203,13 @@ def l2norm(x: torch.Tensor) -> torch.Tensor:
 def gate_from_projections(fam: Family, a: torch.Tensor, A_log: torch.Tensor, dt_bias, lower_bound):
     """GDN: g = −exp(A_log) · softplus(a + dt_bias), a [B, T, HV].
     KDA: the same per channel, a [B, T, HV, K], dt_bias [HV·K]; with ``lower_bound``:
-    g = lower_bound · sigmoid(exp(A_log) · (a + dt_bias)).
+    g = lower_bound · sigmoid(exp(A_log) · (a + dt_bias)), or lower_bound · sigmoid(a + dt_bias) without A_log.
     """
     ct = torch.float64 if a.dtype == torch.float64 else torch.float32
     a = a.to(ct)
-    A = A_log.to(ct).exp()
+    A = A_log.to(ct).exp() if A_log is not None else torch.ones((), dtype=ct, device=a.device)
     if fam.gate == "channel":
-        A = A[:, None]
+        A = A[:, None] if A.dim() else A
         if dt_bias is not None:
             a = a + dt_bias.to(ct).reshape(a.shape[-2], a.shape[-1])
     elif dt_bias is not None:
@@ -218,11 +220,13 @@ def gate_from_projections(fam: Family, a: torch.Tensor, A_log: torch.Tensor, dt_
 
 
 def _prelude(fam, q, k, g, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
-             use_gate_in_kernel, A_log, dt_bias, lower_bound):
+             use_gate_in_kernel, A_log, dt_bias, lower_bound, allow_neg_eigval=False):
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     if fam.delta and use_beta_sigmoid_in_kernel:
         beta = beta.float().sigmoid() if beta.dtype != torch.float64 else beta.sigmoid()
+        if allow_neg_eigval:      # β in (0, 2): eigenvalues of I − β k kᵀ in (−1, 1]
+            beta = 2 * beta
     if use_gate_in_kernel:
         g = gate_from_projections(fam, g, A_log, dt_bias, lower_bound)
     elif g is not None and g.dtype not in (torch.float32, torch.float64):
@@ -258,11 +262,49 @@ def _to_kv(state, transpose_state_layout):
     return None if state is None else (state.transpose(-1, -2) if transpose_state_layout else state)
 
 
+def _fla_options(fam: Family, q, v, g, use_beta_sigmoid_in_kernel, use_gate_in_kernel, lower_bound,
+                 allow_neg_eigval, safe_gate, g_gamma, transpose_state_layout, state_v_first):
+    """fla 0.6.0's spellings: state_v_first (transpose_state_layout's new name), allow_neg_eigval (β = 2·sigmoid of
+    the logits), KDA's safe_gate (a promise that the gate lies in [lower_bound, 0): fla's faster path; checked as fla
+    checks it, our kernels take any gate), simple GLA's g_gamma ([HV] decay per head, the same at every token; fla
+    also runs simple GLA with neither gate, which here stays an error: pass g = 0 for no decay). Returns (g, layout)."""
+    if allow_neg_eigval:
+        if not fam.delta:
+            raise ValueError(f"{fam.name} has no beta: allow_neg_eigval is not available")
+        if not use_beta_sigmoid_in_kernel:
+            raise ValueError("allow_neg_eigval=True needs use_beta_sigmoid_in_kernel=True (beta = 2·sigmoid(beta))")
+    if safe_gate:
+        if fam.gate != "channel":
+            raise ValueError("safe_gate is only available for KDA's per-channel gate")
+        if use_gate_in_kernel and (lower_bound is None or not -5 <= lower_bound < 0):
+            raise ValueError(f"safe_gate=True with use_gate_in_kernel=True needs lower_bound in [-5, 0), got {lower_bound}")
+    if fam.gate == "scalar" and not fam.delta:
+        if g_gamma is not None:
+            if g is not None:
+                raise ValueError("pass the gate g [B, T, HV] or g_gamma [HV], not both")
+            if use_gate_in_kernel:
+                raise ValueError("g_gamma is a decay already: use_gate_in_kernel is not available with it")
+            _check_tensor("g_gamma", g_gamma, 1)
+            _check_float("g_gamma", g_gamma)
+            if isinstance(v, torch.Tensor) and v.dim() == 4:
+                if tuple(g_gamma.shape) != (v.shape[2],):
+                    raise ValueError(f"g_gamma must have shape [HV] = [{v.shape[2]}], got {_shape(g_gamma)}")
+                ct = torch.float64 if g_gamma.dtype == torch.float64 else torch.float32
+                g = g_gamma.to(ct).expand(v.shape[0], v.shape[1], v.shape[2]).contiguous()
+    elif g_gamma is not None:
+        raise ValueError(f"g_gamma is simple GLA's; {fam.name} takes no g_gamma")
+    return g, bool(transpose_state_layout or state_v_first)
+
+
 def run(fam: Family, mode: str, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, *,
         use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, use_gate_in_kernel=False,
         A_log=None, dt_bias=None, lower_bound=None, transpose_state_layout=False, chunk_size=32,
-        backend="auto", cu_seqlens_cpu=None, chunk_indices=None, state_indices=None, cp_group=None):
+        backend="auto", cu_seqlens_cpu=None, chunk_indices=None, state_indices=None, cp_group=None,
+        allow_neg_eigval=False, safe_gate=False, g_gamma=None, state_v_first=False):
     """The one path behind every public op. mode: "chunk" or "recurrent"."""
+    g, transpose_state_layout = _fla_options(fam, q, v, g, use_beta_sigmoid_in_kernel, use_gate_in_kernel,
+                                             lower_bound, allow_neg_eigval, safe_gate, g_gamma,
+                                             transpose_state_layout, state_v_first)
     if cp_group is not None:   # context parallelism: cu_seqlens/initial_state describe the whole batch; checked there
         from .distributed import chunk_cp
         return chunk_cp(fam, mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
@@ -270,7 +312,8 @@ def run(fam: Family, mode: str, q, k, v, g, beta, scale, initial_state, output_f
                         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
                         A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
                         transpose_state_layout=transpose_state_layout, chunk_size=chunk_size, backend=backend,
-                        cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices, state_indices=state_indices)
+                        cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices, state_indices=state_indices,
+                        allow_neg_eigval=allow_neg_eigval)
     B, T, H, HV, K, V, N = _check_inputs(
         fam, q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, transpose_state_layout,
         backend, use_gate_in_kernel, A_log, dt_bias, lower_bound, state_indices)
@@ -278,7 +321,7 @@ def run(fam: Family, mode: str, q, k, v, g, beta, scale, initial_state, output_f
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     scale = K ** -0.5 if scale is None else float(scale)
     q, k, g, beta = _prelude(fam, q, k, g, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
-                             use_gate_in_kernel, A_log, dt_bias, lower_bound)
+                             use_gate_in_kernel, A_log, dt_bias, lower_bound, allow_neg_eigval)
     which = _choose_backend(backend, q.device, K, V)
 
     if which == "triton":

@@ -244,7 +244,7 @@ def _carried_segment(fam: api.Family, q, k, v, g, beta, scale, chunk_size, backe
 def chunk_cp(fam: api.Family, mode: str, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, *,
              cp_group, use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, use_gate_in_kernel=False,
              A_log=None, dt_bias=None, lower_bound=None, transpose_state_layout=False, chunk_size=32,
-             backend="auto", cu_seqlens_cpu=None, chunk_indices=None, state_indices=None):
+             backend="auto", cu_seqlens_cpu=None, chunk_indices=None, state_indices=None, allow_neg_eigval=False):
     """`api.run` for a call with ``cp_group``: the module docstring gives the conventions and the math.
 
     chunk_indices is a per-batch planning hint for the global batch; each rank plans its own slice,
@@ -324,7 +324,7 @@ def chunk_cp(fam: api.Family, mode: str, q, k, v, g, beta, scale, initial_state,
 
     scale = K ** -0.5 if scale is None else float(scale)
     q, k, g, beta = api._prelude(fam, q, k, g, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
-                                 use_gate_in_kernel, A_log, dt_bias, lower_bound)
+                                 use_gate_in_kernel, A_log, dt_bias, lower_bound, allow_neg_eigval)
     ct = api._compute_dtype(q, initial_state)
     me = plan_rank(rank, lengths, cu, B)
     h0 = api._to_kv(initial_state, transpose_state_layout)

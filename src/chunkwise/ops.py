@@ -30,6 +30,7 @@ _COMMON = """
             FlashAttention's varlen API. Each sequence starts from its own initial state.
         use_qk_l2norm_in_kernel: L2-normalise q and k over K inside the op (x / sqrt(Σx² + 1e-6)).
 {beta_sigmoid}{gate_args}        transpose_state_layout: states as [N, HV, V, K] (vLLM / FlashInfer layout) instead of [N, HV, K, V].
+        state_v_first: fla 0.6.0's name for transpose_state_layout (either one sets that layout).
         chunk_size: chunk length of the torch backend's chunk algorithm (32: the fastest on the CPU,
             README "CPU performance"); the result does not depend on it. The triton kernels use 64.
         backend: "auto" (triton for CUDA tensors when triton is installed, torch otherwise), "torch" or "triton".
@@ -47,12 +48,21 @@ _G_CHANNEL = ("        g: [B, T, HV, K] log-space decay per token, value head an
               "            use_gate_in_kernel it is the raw projection a and g = −exp(A_log)·softplus(a + dt_bias),\n"
               "            or lower_bound·sigmoid(exp(A_log)·(a + dt_bias)) when lower_bound is given.\n")
 _BETA = "        beta: [B, T, HV] write strength, usually in (0, 1).\n"
-_BETA_SIG = "        use_beta_sigmoid_in_kernel: apply sigmoid to beta inside the op (beta holds logits).\n"
+_BETA_SIG = ("        use_beta_sigmoid_in_kernel: apply sigmoid to beta inside the op (beta holds logits).\n"
+             "        allow_neg_eigval: with use_beta_sigmoid_in_kernel, beta = 2·sigmoid(logits) in (0, 2), so that\n"
+             "            I − β k kᵀ has eigenvalues down to −1 (fla's allow_neg_eigval).\n")
 _GATE_SCALAR = ("        use_gate_in_kernel: compute g from raw projections with A_log [HV] and dt_bias [HV].\n"
                 "        A_log, dt_bias: gate parameters for use_gate_in_kernel (differentiable).\n")
 _GATE_CHANNEL = ("        use_gate_in_kernel: compute g from raw projections with A_log [HV] and dt_bias [HV·K].\n"
                  "        A_log, dt_bias: gate parameters for use_gate_in_kernel (differentiable).\n"
-                 "        lower_bound: optional negative float: the sigmoid-bounded gate of Kimi Linear.\n")
+                 "        lower_bound: optional negative float: the sigmoid-bounded gate of Kimi Linear; A_log may\n"
+                 "            then be None: g = lower_bound·sigmoid(a + dt_bias).\n"
+                 "        safe_gate: fla's promise that g lies in [lower_bound, 0) (its faster path); with\n"
+                 "            use_gate_in_kernel it needs lower_bound in [-5, 0), as fla checks. Our kernels take any\n"
+                 "            gate, so it changes nothing else.\n")
+_GATE_GLA = _GATE_SCALAR + (
+    "        g_gamma: [HV] log-space decay per value head, the same at every token (fla's g_gamma; then g is\n"
+    "            None).\n")
 _POOL = ("        state_indices: [N] int, vLLM-style state pool: initial_state is then a pool [P, HV, K, V] (or\n"
          "            [P, HV, V, K]); sequence n reads pool[state_indices[n]] and writes its final state back\n"
          "            there in place (in the pool's dtype, fp32 or bf16). -1 marks a padding slot: skipped, its\n"
@@ -76,33 +86,35 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                            scale: float | None = None, initial_state: torch.Tensor | None = None,
                            output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None, *,
                            use_qk_l2norm_in_kernel: bool = False, use_beta_sigmoid_in_kernel: bool = False,
-                           use_gate_in_kernel: bool = False, A_log: torch.Tensor | None = None,
-                           dt_bias: torch.Tensor | None = None, transpose_state_layout: bool = False,
-                           chunk_size: int = 32, backend: str = "auto", cu_seqlens_cpu: torch.Tensor | None = None,
-                           chunk_indices: torch.Tensor | None = None,
-                           cp_group=None):
+                           allow_neg_eigval: bool = False, use_gate_in_kernel: bool = False,
+                           A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+                           transpose_state_layout: bool = False, state_v_first: bool = False, chunk_size: int = 32,
+                           backend: str = "auto", cu_seqlens_cpu: torch.Tensor | None = None,
+                           chunk_indices: torch.Tensor | None = None, cp_group=None):
     return run(GDN, "chunk", q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-               use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
-               transpose_state_layout=transpose_state_layout, chunk_size=chunk_size, backend=backend,
-               cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices, cp_group=cp_group)
+               allow_neg_eigval=allow_neg_eigval, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+               transpose_state_layout=transpose_state_layout, state_v_first=state_v_first, chunk_size=chunk_size,
+               backend=backend, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices, cp_group=cp_group)
 
 
 def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                      beta: torch.Tensor, scale: float | None = None,
                                      initial_state: torch.Tensor | None = None, output_final_state: bool = False,
                                      cu_seqlens: torch.Tensor | None = None, *, use_qk_l2norm_in_kernel: bool = False,
-                                     use_beta_sigmoid_in_kernel: bool = False, use_gate_in_kernel: bool = False,
-                                     A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
-                                     transpose_state_layout: bool = False, chunk_size: int = 32,
-                                     backend: str = "auto", cu_seqlens_cpu: torch.Tensor | None = None,
+                                     use_beta_sigmoid_in_kernel: bool = False, allow_neg_eigval: bool = False,
+                                     use_gate_in_kernel: bool = False, A_log: torch.Tensor | None = None,
+                                     dt_bias: torch.Tensor | None = None, transpose_state_layout: bool = False,
+                                     state_v_first: bool = False, chunk_size: int = 32, backend: str = "auto",
+                                     cu_seqlens_cpu: torch.Tensor | None = None,
                                      chunk_indices: torch.Tensor | None = None,
                                      state_indices: torch.Tensor | None = None):
     return run(GDN, "recurrent", q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-               use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
-               transpose_state_layout=transpose_state_layout, chunk_size=chunk_size, backend=backend,
-               cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices, state_indices=state_indices)
+               allow_neg_eigval=allow_neg_eigval, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+               transpose_state_layout=transpose_state_layout, state_v_first=state_v_first, chunk_size=chunk_size,
+               backend=backend, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
+               state_indices=state_indices)
 
 
 _GDN_EQ = "S_t = (I − β_t k_t k_tᵀ) exp(g_t) S_{t−1} + β_t k_t v_tᵀ,   o_t = scale · S_tᵀ q_t   (g scalar per head)"
@@ -115,35 +127,38 @@ fused_recurrent_gated_delta_rule.__doc__ = _doc("Gated DeltaNet, token-recurrent
 # --- Kimi Delta Attention ------------------------------------------------------------------------
 
 def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-              scale: float | None = None, initial_state: torch.Tensor | None = None,
-              output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None, *,
-              use_qk_l2norm_in_kernel: bool = False, use_beta_sigmoid_in_kernel: bool = False,
-              use_gate_in_kernel: bool = False, A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
-              lower_bound: float | None = None, transpose_state_layout: bool = False, chunk_size: int = 32,
+              scale: float | None = None, initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+              cu_seqlens: torch.Tensor | None = None, *, use_qk_l2norm_in_kernel: bool = False,
+              use_beta_sigmoid_in_kernel: bool = False, allow_neg_eigval: bool = False,
+              use_gate_in_kernel: bool = False, A_log: torch.Tensor | None = None,
+              dt_bias: torch.Tensor | None = None, lower_bound: float | None = None, safe_gate: bool = False,
+              transpose_state_layout: bool = False, state_v_first: bool = False, chunk_size: int = 32,
               backend: str = "auto", cu_seqlens_cpu: torch.Tensor | None = None,
-              chunk_indices: torch.Tensor | None = None,
-              cp_group=None):
+              chunk_indices: torch.Tensor | None = None, cp_group=None):
     return run(KDA, "chunk", q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-               use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-               transpose_state_layout=transpose_state_layout, chunk_size=chunk_size, backend=backend,
-               cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices, cp_group=cp_group)
+               allow_neg_eigval=allow_neg_eigval, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+               lower_bound=lower_bound, safe_gate=safe_gate, transpose_state_layout=transpose_state_layout,
+               state_v_first=state_v_first, chunk_size=chunk_size, backend=backend, cu_seqlens_cpu=cu_seqlens_cpu,
+               chunk_indices=chunk_indices, cp_group=cp_group)
 
 
 def fused_recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                         scale: float | None = None, initial_state: torch.Tensor | None = None,
                         output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None, *,
                         use_qk_l2norm_in_kernel: bool = False, use_beta_sigmoid_in_kernel: bool = False,
-                        use_gate_in_kernel: bool = False, A_log: torch.Tensor | None = None,
-                        dt_bias: torch.Tensor | None = None, lower_bound: float | None = None,
-                        transpose_state_layout: bool = False, chunk_size: int = 32, backend: str = "auto",
-                        cu_seqlens_cpu: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None,
-                        state_indices: torch.Tensor | None = None):
+                        allow_neg_eigval: bool = False, use_gate_in_kernel: bool = False,
+                        A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+                        lower_bound: float | None = None, safe_gate: bool = False,
+                        transpose_state_layout: bool = False, state_v_first: bool = False, chunk_size: int = 32,
+                        backend: str = "auto", cu_seqlens_cpu: torch.Tensor | None = None,
+                        chunk_indices: torch.Tensor | None = None, state_indices: torch.Tensor | None = None):
     return run(KDA, "recurrent", q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-               use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-               transpose_state_layout=transpose_state_layout, chunk_size=chunk_size, backend=backend,
-               cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices, state_indices=state_indices)
+               allow_neg_eigval=allow_neg_eigval, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+               lower_bound=lower_bound, safe_gate=safe_gate, transpose_state_layout=transpose_state_layout,
+               state_v_first=state_v_first, chunk_size=chunk_size, backend=backend, cu_seqlens_cpu=cu_seqlens_cpu,
+               chunk_indices=chunk_indices, state_indices=state_indices)
 
 
 _KDA_EQ = "S_t = (I − β_t k_t k_tᵀ) diag(exp(g_t)) S_{t−1} + β_t k_t v_tᵀ,   o_t = scale · S_tᵀ q_t   (g per channel)"
@@ -158,26 +173,30 @@ def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: to
                      scale: float | None = None, initial_state: torch.Tensor | None = None,
                      output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None, *,
                      use_qk_l2norm_in_kernel: bool = False, use_beta_sigmoid_in_kernel: bool = False,
-                     transpose_state_layout: bool = False, chunk_size: int = 32, backend: str = "auto",
+                     allow_neg_eigval: bool = False, transpose_state_layout: bool = False,
+                     state_v_first: bool = False, chunk_size: int = 32, backend: str = "auto",
                      cu_seqlens_cpu: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None,
                      cp_group=None):
     return run(DELTA, "chunk", q, k, v, None, beta, scale, initial_state, output_final_state, cu_seqlens,
                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-               transpose_state_layout=transpose_state_layout, chunk_size=chunk_size, backend=backend,
-               cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices, cp_group=cp_group)
+               allow_neg_eigval=allow_neg_eigval, transpose_state_layout=transpose_state_layout,
+               state_v_first=state_v_first, chunk_size=chunk_size, backend=backend, cu_seqlens_cpu=cu_seqlens_cpu,
+               chunk_indices=chunk_indices, cp_group=cp_group)
 
 
 def fused_recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
                                scale: float | None = None, initial_state: torch.Tensor | None = None,
                                output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None, *,
                                use_qk_l2norm_in_kernel: bool = False, use_beta_sigmoid_in_kernel: bool = False,
-                               transpose_state_layout: bool = False, chunk_size: int = 32, backend: str = "auto",
+                               allow_neg_eigval: bool = False, transpose_state_layout: bool = False,
+                               state_v_first: bool = False, chunk_size: int = 32, backend: str = "auto",
                                cu_seqlens_cpu: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None,
                                state_indices: torch.Tensor | None = None):
     return run(DELTA, "recurrent", q, k, v, None, beta, scale, initial_state, output_final_state, cu_seqlens,
                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-               transpose_state_layout=transpose_state_layout, chunk_size=chunk_size, backend=backend,
-               cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices, state_indices=state_indices)
+               allow_neg_eigval=allow_neg_eigval, transpose_state_layout=transpose_state_layout,
+               state_v_first=state_v_first, chunk_size=chunk_size, backend=backend, cu_seqlens_cpu=cu_seqlens_cpu,
+               chunk_indices=chunk_indices, state_indices=state_indices)
 
 
 _DELTA_EQ = "S_t = (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ,   o_t = scale · S_tᵀ q_t   (no decay)"
@@ -187,37 +206,40 @@ fused_recurrent_delta_rule.__doc__ = _doc("DeltaNet, token-recurrent form (decod
 
 # --- simple GLA / Mamba2 SSD ---------------------------------------------------------------------
 
-def chunk_simple_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+def chunk_simple_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None = None,
                      scale: float | None = None, initial_state: torch.Tensor | None = None,
                      output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None, *,
                      use_qk_l2norm_in_kernel: bool = False, use_gate_in_kernel: bool = False,
-                     A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
-                     transpose_state_layout: bool = False, chunk_size: int = 32, backend: str = "auto",
+                     g_gamma: torch.Tensor | None = None, A_log: torch.Tensor | None = None,
+                     dt_bias: torch.Tensor | None = None, transpose_state_layout: bool = False,
+                     state_v_first: bool = False, chunk_size: int = 32, backend: str = "auto",
                      cu_seqlens_cpu: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None,
                      cp_group=None):
     return run(GLA, "chunk", q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens,
                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-               A_log=A_log, dt_bias=dt_bias, transpose_state_layout=transpose_state_layout, chunk_size=chunk_size,
-               backend=backend, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices, cp_group=cp_group)
+               g_gamma=g_gamma, A_log=A_log, dt_bias=dt_bias, transpose_state_layout=transpose_state_layout,
+               state_v_first=state_v_first, chunk_size=chunk_size, backend=backend, cu_seqlens_cpu=cu_seqlens_cpu,
+               chunk_indices=chunk_indices, cp_group=cp_group)
 
 
-def fused_recurrent_simple_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+def fused_recurrent_simple_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None = None,
                                scale: float | None = None, initial_state: torch.Tensor | None = None,
                                output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None, *,
                                use_qk_l2norm_in_kernel: bool = False, use_gate_in_kernel: bool = False,
-                               A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
-                               transpose_state_layout: bool = False, chunk_size: int = 32, backend: str = "auto",
+                               g_gamma: torch.Tensor | None = None, A_log: torch.Tensor | None = None,
+                               dt_bias: torch.Tensor | None = None, transpose_state_layout: bool = False,
+                               state_v_first: bool = False, chunk_size: int = 32, backend: str = "auto",
                                cu_seqlens_cpu: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None,
                                state_indices: torch.Tensor | None = None):
     return run(GLA, "recurrent", q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens,
                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-               A_log=A_log, dt_bias=dt_bias, transpose_state_layout=transpose_state_layout, chunk_size=chunk_size,
-               backend=backend, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
-               state_indices=state_indices)
+               g_gamma=g_gamma, A_log=A_log, dt_bias=dt_bias, transpose_state_layout=transpose_state_layout,
+               state_v_first=state_v_first, chunk_size=chunk_size, backend=backend, cu_seqlens_cpu=cu_seqlens_cpu,
+               chunk_indices=chunk_indices, state_indices=state_indices)
 
 
 _GLA_EQ = "S_t = exp(g_t) S_{t−1} + k_t v_tᵀ,   o_t = scale · S_tᵀ q_t   (Mamba2 SSD: q=C, k=B, v=x·dt, g=A·dt, scale=1)"
 chunk_simple_gla.__doc__ = _doc("Simple GLA (scalar decay, no delta rule; Mamba2's SSD), chunk form.", _GLA_EQ,
-                                _G_SCALAR, beta=False, gate_args=_GATE_SCALAR, cp=True)
+                                _G_SCALAR, beta=False, gate_args=_GATE_GLA, cp=True)
 fused_recurrent_simple_gla.__doc__ = _doc("Simple GLA, token-recurrent form (decode).", _GLA_EQ, _G_SCALAR,
-                                          beta=False, gate_args=_GATE_SCALAR, pool=True)
+                                          beta=False, gate_args=_GATE_GLA, pool=True)
