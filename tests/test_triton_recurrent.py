@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
 
 from chunkwise.reference.recurrent import recurrent_forward
 from chunkwise.triton.recurrent import recurrent, recurrent_fwd
-from helpers import DEVICE, FAMILIES, INTERPRET, ON_GPU, RECURRENT_OPS, TOL, make_inputs, reference, rel_err
+from helpers import (DEVICE, FAMILIES, INTERPRET, ON_GPU, PROPERTY_SETTINGS, PROPERTY_SHAPES, RECURRENT_OPS, TOL,
+                     make_inputs, property_inputs, reference, rel_err)
 
 FAMS = list(FAMILIES)
 
@@ -48,6 +50,26 @@ def test_fp32_against_float64(fam, T):
     assert o.dtype == inp.q.dtype and ht.dtype == torch.float32 and ht.shape == rht.shape
     assert rel_err(o, ro) < TOL[torch.float32]
     assert rel_err(ht, rht) < TOL[torch.float32]
+
+
+@PROPERTY_SETTINGS
+@given(**PROPERTY_SHAPES)
+def test_property_random_shapes(fam, H, group, K, V, batch, lengths, gate, h0, final, transpose, seed):
+    """The decode kernel over random shapes and options (helpers.PROPERTY_SHAPES: 1-200 tokens, varlen batches with
+    empty and 1-token sequences, grouped value heads, head dims no power of two, zero / normal / very negative gates,
+    states in and out, either layout): the output and the final state equal the float64 recurrence's."""
+    inp = property_inputs(fam, H, group, K, V, batch, lengths, gate, h0, seed)
+    h0_in = None if inp.h0 is None else (inp.h0.transpose(-1, -2).contiguous() if transpose else inp.h0)
+    with torch.no_grad():
+        o, ht = RECURRENT_OPS[fam](*inp.args(), initial_state=h0_in, output_final_state=final,
+                                   cu_seqlens=inp.cu_seqlens, transpose_state_layout=transpose, backend="triton")
+    ro, rht = reference(inp)
+    assert rel_err(o, ro) <= TOL[torch.float32], f"o: {rel_err(o, ro):.2e}"
+    if final:
+        ht = ht.transpose(-1, -2) if transpose else ht
+        assert rel_err(ht, rht) <= TOL[torch.float32], f"final state: {rel_err(ht, rht):.2e}"
+    else:
+        assert ht is None
 
 
 @pytest.mark.parametrize("fam", FAMS)
