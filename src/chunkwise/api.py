@@ -287,6 +287,8 @@ def _fla_options(fam: Family, q, v, g, use_beta_sigmoid_in_kernel, use_gate_in_k
             _check_tensor("g_gamma", g_gamma, 1)
             _check_float("g_gamma", g_gamma)
             if isinstance(v, torch.Tensor) and v.dim() == 4:
+                if g_gamma.device != v.device:
+                    raise ValueError(f"all tensors must be on one device, got g_gamma on {g_gamma.device}, v on {v.device}")
                 if tuple(g_gamma.shape) != (v.shape[2],):
                     raise ValueError(f"g_gamma must have shape [HV] = [{v.shape[2]}], got {_shape(g_gamma)}")
                 ct = torch.float64 if g_gamma.dtype == torch.float64 else torch.float32
