@@ -262,7 +262,7 @@ def _to_kv(state, transpose_state_layout):
     return None if state is None else (state.transpose(-1, -2) if transpose_state_layout else state)
 
 
-def _fla_options(fam: Family, q, v, g, use_beta_sigmoid_in_kernel, use_gate_in_kernel, lower_bound,
+def _fla_options(fam: Family, v, g, use_beta_sigmoid_in_kernel, use_gate_in_kernel, lower_bound,
                  allow_neg_eigval, safe_gate, g_gamma, transpose_state_layout, state_v_first):
     """fla 0.6.0's spellings: state_v_first (transpose_state_layout's new name), allow_neg_eigval (β = 2·sigmoid of
     the logits), KDA's safe_gate (a promise that the gate lies in [lower_bound, 0): fla's faster path; checked as fla
@@ -304,7 +304,7 @@ def run(fam: Family, mode: str, q, k, v, g, beta, scale, initial_state, output_f
         backend="auto", cu_seqlens_cpu=None, chunk_indices=None, state_indices=None, cp_group=None,
         allow_neg_eigval=False, safe_gate=False, g_gamma=None, state_v_first=False):
     """The one path behind every public op. mode: "chunk" or "recurrent"."""
-    g, transpose_state_layout = _fla_options(fam, q, v, g, use_beta_sigmoid_in_kernel, use_gate_in_kernel,
+    g, transpose_state_layout = _fla_options(fam, v, g, use_beta_sigmoid_in_kernel, use_gate_in_kernel,
                                              lower_bound, allow_neg_eigval, safe_gate, g_gamma,
                                              transpose_state_layout, state_v_first)
     if cp_group is not None:   # context parallelism: cu_seqlens/initial_state describe the whole batch; checked there
