@@ -22,13 +22,17 @@ TOL = cli.TOLERANCE[cli._dtype("auto", cli._device("auto"))]
 def test_check_quick_passes(capsys):
     assert cli.main(["check", "--quick", "--seed", "1"]) == 0
     out = capsys.readouterr().out
-    assert f"all {4 * len(FAMS)} ops match" in out
+    assert f"all {4 * len(FAMS)} ops match the float64 recurrence and gradients" in out
     for fam in FAMS:
         for form in ("chunk", "recurrent", "decode", "varlen"):
             line = next(ln for ln in out.splitlines() if ln.startswith(f"{fam} {form} "))
             assert line.rstrip().endswith("ok"), line
-            err = float(line.split()[-3])           # the "max rel err" column
-            assert 0 < err < TOL
+            err, grad_err = line.split()[-4:-2]     # the "max rel err" and "grad rel err" columns
+            assert 0 < float(err) < TOL
+            if form in ("chunk", "varlen"):          # the chunk ops train: their gradients are checked
+                assert 0 < float(grad_err) < TOL
+            else:
+                assert grad_err == "-"
 
 
 def _perturbed(op, rel):
@@ -52,6 +56,27 @@ def test_check_planted_mismatch_fails(monkeypatch, capsys, factor):
     assert rows["gdn chunk"].rstrip().endswith("MISMATCH") and rows["gdn varlen"].rstrip().endswith("MISMATCH")
     assert rows["gdn recurrent"].rstrip().endswith("ok") and rows["gdn decode"].rstrip().endswith("ok")
     assert "2 of 4 ops FAILED" in captured.err
+
+
+def test_check_planted_gradient_mismatch_fails(monkeypatch, capsys):
+    """The chunk op right in the forward but with dq off by 3x the tolerance: its chunk and varlen rows fail on the
+    gradient check alone, and --no-grads passes them."""
+    op = chunkwise.chunk_kda
+
+    def wrong_dq(q, *args, **kwargs):
+        if q.requires_grad:
+            q = q.view_as(q)
+            q.register_hook(lambda dq: dq * (1 + 3 * TOL))
+        return op(q, *args, **kwargs)
+    monkeypatch.setattr(chunkwise, "chunk_kda", wrong_dq)
+    assert cli.main(["check", "--quick", "--ops", "kda"]) == 1
+    captured = capsys.readouterr()
+    rows = {" ".join(ln.split()[:2]): ln.split() for ln in captured.out.splitlines() if ln.startswith("kda ")}
+    for form in ("chunk", "varlen"):
+        assert rows[f"kda {form}"][-1] == "MISMATCH" and float(rows[f"kda {form}"][-4]) < TOL
+    assert rows["kda recurrent"][-1] == "ok"
+    assert "2 of 4 ops FAILED" in captured.err and "gradient relative error" in captured.err
+    assert cli.main(["check", "--quick", "--ops", "kda", "--no-grads"]) == 0
 
 
 def test_check_op_that_raises_fails(monkeypatch, capsys):

@@ -221,6 +221,28 @@ def _reference(case: Case, family: str):
                              case.kwargs.get("cu_seqlens"), dtype=torch.float64)
 
 
+def _grad_error(case: Case, family: str) -> float:
+    """fwd+bwd of the case's op (autograd through whatever backend it runs on) against autograd of the PyTorch chunk
+    form in float64 on the same inputs (its gradients equal the token recurrence's to 1e-9: tests/test_reference.py;
+    autograd through the token loop itself took minutes on the CPU): the largest relative error over the gradients
+    of q, k, v, g, beta and the initial state, for a random dO and dh_T (drawn in the output's dtype, so that both
+    sides differentiate the same loss)."""
+    from . import ops
+    gen = torch.Generator().manual_seed(1)
+    leaves = [a.detach().clone().requires_grad_(True) for a in case.args]
+    h0 = case.kwargs["initial_state"].detach().clone().requires_grad_(True)
+    o, ht = _op(case.op)(*leaves, **dict(case.kwargs, initial_state=h0))
+    do = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(device=o.device, dtype=o.dtype)
+    dht = torch.randn(ht.shape, generator=gen, dtype=torch.float64).to(device=ht.device, dtype=ht.dtype)
+    torch.autograd.backward((o, ht), (do, dht))
+    refs = [a.detach().double().requires_grad_(True) for a in (*case.args, case.kwargs["initial_state"])]
+    cu = case.kwargs.get("cu_seqlens")
+    ref_o, ref_ht = getattr(ops, case.op)(*refs[:-1], initial_state=refs[-1], output_final_state=True,
+                                          cu_seqlens=cu, backend="torch", chunk_size=64)
+    torch.autograd.backward((ref_o, ref_ht), (do.double(), dht.double()))
+    return max(rel_err(x.grad, r.grad) for x, r in zip((*leaves, h0), refs))
+
+
 def _progress(items, desc: str):
     """tqdm when installed, else one line per item."""
     try:
@@ -262,23 +284,30 @@ def cmd_check(a: argparse.Namespace) -> int:
             ref_o, ref_ht = _reference(case, family)
             err = max(rel_err(o, ref_o), rel_err(ht, ref_ht))
             ms = time_ms(fn, device, reps=1 if a.quick else 3, warmup=0)
-            ok = err < tol
+            # the chunk ops train: their gradients too (the recurrent ones serve decode)
+            grad_err = _grad_error(case, family) if a.grads and case.op.startswith("chunk") else None
+            ok = err < tol and (grad_err is None or grad_err < tol)
             rows.append([case.label, case.shape, backend, str(dtype).replace("torch.", ""), f"{err:.2e}",
-                         f"{case.tokens / ms * 1e3:,.0f}", "ok" if ok else "MISMATCH"])
-            if not ok:
+                         "-" if grad_err is None else f"{grad_err:.2e}", f"{case.tokens / ms * 1e3:,.0f}",
+                         "ok" if ok else "MISMATCH"])
+            if err >= tol:
                 failures.append(f"{case.label} ({case.op}): relative error {err:.3e} >= {tol:.0e}")
+            if grad_err is not None and grad_err >= tol:
+                failures.append(f"{case.label} ({case.op}): gradient relative error {grad_err:.3e} >= {tol:.0e}")
         except Exception as e:  # an op that cannot run is a failure, reported with the others
-            rows.append([case.label, case.shape, backend, str(dtype).replace("torch.", ""), "-", "-", "ERROR"])
+            rows.append([case.label, case.shape, backend, str(dtype).replace("torch.", ""), "-", "-", "-", "ERROR"])
             failures.append(f"{case.label} ({case.op}): {type(e).__name__}: {e}")
     if bar is not None:
         bar.close()
-    print(_table(["op", "shape", "backend", "dtype", "max rel err", "tokens/s", "status"], rows))
+    print(_table(["op", "shape", "backend", "dtype", "max rel err", "grad rel err", "tokens/s", "status"], rows))
     if failures:
-        print(f"\n{len(failures)} of {len(cases)} ops FAILED:", file=sys.stderr)
+        bad = sum(r[-1] != "ok" for r in rows)
+        print(f"\n{bad} of {len(cases)} ops FAILED:", file=sys.stderr)
         for f in failures:
             print("  " + f, file=sys.stderr)
         return 1
-    print(f"\nall {len(cases)} ops match the float64 recurrence (max rel err < {tol:.0e})")
+    grads = " and gradients" if a.grads else ""
+    print(f"\nall {len(cases)} ops match the float64 recurrence{grads} (max rel err < {tol:.0e})")
     return 0
 
 
@@ -503,8 +532,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check", help="run every op on random inputs and compare with the float64 recurrence",
                        description="Run every op (4 families x chunk / fused_recurrent, a T=1 decode step and a "
                                    "varlen batch) on random inputs on the best device present, compare with the "
-                                   "float64 token recurrence and print error and throughput. Exit status 1 on "
-                                   "any mismatch.")
+                                   "float64 token recurrence (the chunk ops' gradients too) and print error and "
+                                   "throughput. Exit status 1 on any mismatch.")
     c.add_argument("--device", default="auto", help="auto (cuda if present, else cpu), cpu, cuda or cuda:N")
     c.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                    help="input dtype; auto: bfloat16 on a GPU, float32 on the CPU")
@@ -513,6 +542,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=0, help="random seed of the inputs (default 0)")
     c.add_argument("--tol", type=float, default=None,
                    help="relative error allowed; default by dtype: float32 1e-4, float16 5e-3, bfloat16 1e-2")
+    c.add_argument("--no-grads", dest="grads", action="store_false",
+                   help="skip the gradient check (by default the chunk and varlen rows also run forward + "
+                        "backward and compare every gradient with autograd of the float64 recurrence)")
     c.set_defaults(func=cmd_check)
 
     b = sub.add_parser("bench", help="time the chunk ops over sequence lengths (fla side by side if installed)",
