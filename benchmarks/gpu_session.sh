@@ -104,7 +104,7 @@ if has tests; then
     -k "${TESTS_K:-fp16 or unaligned or real_size or grads or compile or opcheck or hopper or wide or gradients or cuda_graph or decode_step or prefill}"
   wait
   echo "== mqar"; tail -n 2 "$OUT/mqar_gpu.log"
-  TAILN=14 step 90 chunkwise_check python3 -m chunkwise check      # the README's main job, on the GPU
+  TAILN=14 step 180 chunkwise_check python3 -m chunkwise check     # the README's main job, on the GPU (gradients too: their backward builds compile here)
   [ -s "$OUT/failures.txt" ] && { echo "== failures"; grep "^===" "$OUT/failures.txt" | sort -u | head -20; grep "^E " "$OUT/failures.txt" | sort | uniq -c | sort -rn | head -8; }
 elif has bwd; then
   warm_bwd
