@@ -160,16 +160,13 @@ WYREGS_VARIANTS = "base:;wy168:CHUNKWISE_MAXNREG=bwd_wy:168;wy128:CHUNKWISE_MAXN
 # place (BWD_SPLIT_INPLACE). Offline sm_90 (bf16, level 4, 3 stages; registers / spill B): DeltaNet 2: 147 / 0, 3: 110
 # / 0 (two 8-warp programs per SM), 3 at 4 warps 174 / 0, capped at 168 8 B; GDN 2: 231 / 0, 3: 176 / 0, capped at
 # 128 (two programs per SM) 52 B; simple GLA 2: 181 / 0, capped at 128 84 B; the column blocks in place: DeltaNet 250
-# -> 236 registers, GDN's spills 104 -> 52 B, GLA's 88 -> 36. wyf: the WY pass's work in the key side (BWD_WY_FUSED 1:
-# one launch, 2: a launch per side; scr: dAᵀ through the scratch, GDN's default). Offline 8 warps: side 0 DeltaNet 111 /
-# 0, GDN 123 / 0; side 1 DeltaNet 255 / 192 (scr 48), GDN 255 / 408, simple GLA 179 / 0
+# -> 236 registers, GDN's spills 104 -> 52 B, GLA's 88 -> 36. (wyf1 / wyf2 / wyf2scr, the WY pass's work in the key
+# side, were timed on an H100 in session 37, 0.9-1.5 ms slower, and are refused on the GPU now: chunk_bwd.BWD_WY_FUSED)
 SIDES_VARIANTS = ("cols:;inplace:CHUNKWISE_BWD_SPLIT_INPLACE=1;s2:CHUNKWISE_BWD_DQK_SIDES=2;"
                   "s3:CHUNKWISE_BWD_DQK_SIDES=3;s3w4:CHUNKWISE_BWD_DQK_SIDES=3,CHUNKWISE_BWD_WARPS=bwd_dqk_sides:4;"
                   "s3w4c168:CHUNKWISE_BWD_DQK_SIDES=3,CHUNKWISE_BWD_WARPS=bwd_dqk_sides:4,"
                   "CHUNKWISE_MAXNREG=bwd_dqk_sides:168;"
-                  "s3c128:CHUNKWISE_BWD_DQK_SIDES=3,CHUNKWISE_MAXNREG=bwd_dqk_sides:128;"
-                  "wyf1:CHUNKWISE_BWD_WY_FUSED=1;wyf2:CHUNKWISE_BWD_WY_FUSED=2;"
-                  "wyf2scr:CHUNKWISE_BWD_WY_FUSED=2,CHUNKWISE_BWD_WY_DA_SCR=1")
+                  "s3c128:CHUNKWISE_BWD_DQK_SIDES=3,CHUNKWISE_MAXNREG=bwd_dqk_sides:128")
 # session 33's untimed leads: the WY pass's split pairwise form with K through registers (BWD_WY_PAIR16), level 3
 # with its dA K the same way (DeltaNet), the reverse pass forming dR_local itself on top of SAVE_HT (BWD_P_IN_DH)
 LEADS_VARIANTS = ("base:;w1:CHUNKWISE_BWD_WY_PAIR16=1;l3:CHUNKWISE_BWD_LOWP=3;pin:CHUNKWISE_BWD_P_IN_DH=1")

@@ -2180,8 +2180,26 @@ BWD_DQK_SIDES = {0: 0, 1: 0, 2: 0}
 # off (CHUNKWISE_BWD_WY_FUSED=1: both sides in one launch, where every program takes the key side's registers; 2: side
 # 0, then side 1 in launches of their own; not with CHUNKWISE_BWD_DGAM_DH). Offline sm_90 (bf16, level 4, 8 warps;
 # registers / spill B): side 0 DeltaNet 111 / 0, GDN 123 / 0; side 1 DeltaNet 255 / 192 (DA_SCR 48), GDN 255 / 408
-# (DA_SCR), simple GLA 179 / 0; the spills are in the WY part after the V loop. Per gate kind, as BWD_DQK_SIDES
+# (DA_SCR), simple GLA 179 / 0; the spills are in the WY part after the V loop. Per gate kind, as BWD_DQK_SIDES.
+# Measured (session 37, an H100; B1-T32768-H32 bf16 fwd+bwd ms, separate launches / fused 1 / 2 / 2 with DA_SCR):
+# DeltaNet 5.15 / 6.25 / 6.21 / 6.01, GDN 6.26 / 7.74 / 7.54 / 7.54 (the fused pass 3.3-4.6 ms against the two
+# launches' 2.4-3.2), and at small tiles on the GPU it gave wrong dk / dβ and illegal memory accesses (right at
+# K = V = 128 bf16 and under the interpreter): closed, refused off the interpreter (bwd_wy_fused)
 BWD_WY_FUSED = {0: 0, 1: 0, 2: 0}
+
+
+def bwd_wy_fused(gate: int, BK: int, delta: bool, dgam_dh: bool) -> int:
+    """The WY pass's work in the by-side pass's key side (BWD_WY_FUSED; CHUNKWISE_BWD_WY_FUSED 0 / 1 / 2), where it
+    applies (scalar / no gate, K <= 128, not with ⟨S, dS'⟩ from the reverse pass). Off the interpreter it is refused
+    with a warning: slower on the H100 and wrong at small tiles on the GPU (BWD_WY_FUSED's note)."""
+    if gate == 2 or BK > 128 or not (delta or gate) or dgam_dh:
+        return 0
+    mode = _env_choice("CHUNKWISE_BWD_WY_FUSED", BWD_WY_FUSED[gate], (0, 1, 2))
+    if mode and not _INTERPRET:
+        warnings.warn(f"CHUNKWISE_BWD_WY_FUSED={mode} is refused on the GPU: measured slower (H100, session 37) and "
+                      "wrong at small tiles there; running the separate WY pass", RuntimeWarning, stacklevel=3)
+        return 0
+    return mode
 # The column-block pass's split pairwise products (PAIR16 3) accumulated into dq / dk by the products themselves (1)
 # or summed into a zeroed tile that is then added (0, as measured so far). Offline sm_90 (bf16, level 4, 4 warps;
 # registers / spill B / instructions, 0 -> 1): DeltaNet 250 / 0 / 1544 -> 236 / 0 / 1472, GDN 255 / 104 / 2976 ->
@@ -2766,8 +2784,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         sides = _env_choice("CHUNKWISE_BWD_DQK_SIDES", BWD_DQK_SIDES[gate], (0, 2, 3)) if gate != 2 and BK <= 128 else 0
         # the WY pass's work in the by-side pass's key side (BWD_WY_FUSED): two sides, no dk1 / dW buffers
         # (1: both sides in one launch; 2: side 0, then side 1 in a launch of its own)
-        wy_fused = gate != 2 and BK <= 128 and (delta or gate) and not dgam_dh and \
-            _env_choice("CHUNKWISE_BWD_WY_FUSED", BWD_WY_FUSED[gate], (0, 1, 2))
+        wy_fused = bwd_wy_fused(gate, BK, delta, dgam_dh)
         if wy_fused:
             sides = 2
         bka = _env_block("CHUNKWISE_BWD_DQK_BK", BWD_DQK_BK, BK)
