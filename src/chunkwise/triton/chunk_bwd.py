@@ -2170,8 +2170,10 @@ BWD_DQK_BK = 64
 # accumulators beside a [C, C] one in side 0); 3, with the delta rule dW in a third program of its own. Offline sm_90
 # (bf16, level 4, 8 warps; registers / spill B): DeltaNet 2: 147 / 0, 3: 110 / 0 (two 8-warp programs per SM, twice
 # the column blocks' warps); GDN 231 / 0 and 176 / 0 (capped at 128: 52 B); simple GLA 181 / 0 (4 warps: spills, but
-# for DeltaNet 3 at 174 / 0). Built offline, unmeasured on the GPU: off (CHUNKWISE_BWD_DQK_SIDES=2 or 3; 0 by column
-# blocks); per gate kind (KDA's per-channel gate never takes it)
+# for DeltaNet 3 at 174 / 0). Off (CHUNKWISE_BWD_DQK_SIDES=2 or 3; 0 by column blocks); per gate kind (KDA's
+# per-channel gate never takes it). Session 37, an H100 (B1-T32768-H32 bf16; the pass / fwd+bwd ms, column blocks
+# DeltaNet 1.218 / 5.15, GDN 1.711 / 6.26): 3 at 4 warps 1.175 / 5.10 and 1.658 / 6.19, 3 at 8 warps 1.389 / 5.30 and
+# 2.496 / 8.27, 2 1.757 / 5.66 and 2.540 / 7.04: no default until the H200 says more than ~1 %
 BWD_DQK_SIDES = {0: 0, 1: 0, 2: 0}
 # Scalar / no gate: the WY pass's work in the by-side pass's key side (_bwd_dqk_sides_kernel WY, two programs a chunk):
 # dk1 and dW stay in registers and the WY launch goes (DeltaNet B1-T32768-H32 bf16, in [T, HV, 128] bf16 tensors X of
@@ -2203,8 +2205,9 @@ def bwd_wy_fused(gate: int, BK: int, delta: bool, dgam_dh: bool) -> int:
 # The column-block pass's split pairwise products (PAIR16 3) accumulated into dq / dk by the products themselves (1)
 # or summed into a zeroed tile that is then added (0, as measured so far). Offline sm_90 (bf16, level 4, 4 warps;
 # registers / spill B / instructions, 0 -> 1): DeltaNet 250 / 0 / 1544 -> 236 / 0 / 1472, GDN 255 / 104 / 2976 ->
-# 255 / 52 / 2928, simple GLA 255 / 88 / 2672 -> 255 / 36 / 2568. Unmeasured on the GPU: off
-# (CHUNKWISE_BWD_SPLIT_INPLACE=1), per gate kind. _bwd_dqk_sides_kernel always accumulates in place
+# 255 / 52 / 2928, simple GLA 255 / 88 / 2672 -> 255 / 36 / 2568. Session 37, an H100 (B1-T32768-H32 bf16 fwd+bwd):
+# DeltaNet 5.15 -> 5.15 ms, GDN 6.26 -> 6.19: off until timed on the H200 (CHUNKWISE_BWD_SPLIT_INPLACE=1), per gate
+# kind. _bwd_dqk_sides_kernel always accumulates in place
 BWD_SPLIT_INPLACE = {0: 0, 1: 0, 2: 0}
 BWD_WY_BK = 32          # _bwd_wy_kernel's key loops' column block (CHUNKWISE_BWD_WY_BK)
 # _bwd_dqk_kernel's q, k (and gate) loads before its V loop, per gate kind (CHUNKWISE_BWD_DQK_EARLY), and dk1 between
