@@ -67,17 +67,6 @@ def test_state_tile_sides_no_hazard(sides, tmp_path):
     assert "0 with a hazard" in p.stdout, p.stdout[-3000:]
 
 
-@pytest.mark.parametrize("fused,n", [("1", 3), ("2", 6)])
-def test_state_tile_sides_wy_no_hazard(fused, n, tmp_path):
-    """The WY pass's work in the by-side pass's key side (CHUNKWISE_BWD_WY_FUSED=1: one launch; 2: a launch per side)
-    for DeltaNet, GDN and simple GLA in bf16 at K = 128: no hazard, and no WY launch."""
-    p = _run(tmp_path, "--dtypes", "bfloat16", "--shapes", "k128", "--fams", "delta,gdn,gla", "-v",
-             env={"CHUNKWISE_BWD_WY_FUSED": fused})
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert p.stdout.count("_bwd_dqk_sides_kernel") == n and "_bwd_wy_kernel" not in p.stdout, p.stdout[-3000:]
-    assert "0 with a hazard" in p.stdout, p.stdout[-3000:]
-
-
 # the shape of session 24's _bwd_dqk_kernel loop (TTGIR, trimmed): S feeds the product dq (async, not waited in the
 # loop) and a register load; the copy of iteration i + 2 goes to S's slot i (two buffers)
 _RACY = """
