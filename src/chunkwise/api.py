@@ -207,13 +207,14 @@ def gate_from_projections(fam: Family, a: torch.Tensor, A_log: torch.Tensor, dt_
     """
     ct = torch.float64 if a.dtype == torch.float64 else torch.float32
     a = a.to(ct)
-    A = A_log.to(ct).exp() if A_log is not None else torch.ones((), dtype=ct, device=a.device)
-    if fam.gate == "channel":
-        A = A[:, None] if A.dim() else A
-        if dt_bias is not None:
-            a = a + dt_bias.to(ct).reshape(a.shape[-2], a.shape[-1])
+    if fam.gate == "channel" and dt_bias is not None:
+        a = a + dt_bias.to(ct).reshape(a.shape[-2], a.shape[-1])
     elif dt_bias is not None:
         a = a + dt_bias.to(ct)
+    if A_log is None:           # (checked: only with lower_bound)
+        return lower_bound * torch.sigmoid(a)
+    A = A_log.to(ct).exp()
+    A = A[:, None] if fam.gate == "channel" else A
     if lower_bound is not None:
         return lower_bound * torch.sigmoid(A * a)
     return -A * F.softplus(a)

@@ -2202,6 +2202,8 @@ def bwd_wy_fused(gate: int, BK: int, delta: bool, dgam_dh: bool) -> int:
                       "wrong at small tiles there; running the separate WY pass", RuntimeWarning, stacklevel=3)
         return 0
     return mode
+
+
 # The column-block pass's split pairwise products (PAIR16 3) accumulated into dq / dk by the products themselves (1)
 # or summed into a zeroed tile that is then added (0, as measured so far). Offline sm_90 (bf16, level 4, 4 warps;
 # registers / spill B / instructions, 0 -> 1): DeltaNet 250 / 0 / 1544 -> 236 / 0 / 1472, GDN 255 / 104 / 2976 ->
