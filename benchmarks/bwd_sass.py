@@ -43,8 +43,8 @@ KERNELS = {
                 dict(T="i32", scale="fp32"), dict(BK=cb.BWD_DQK_BK, KD=128)),
     "bwd_dqk_sides": ("_bwd_dqk_sides_kernel",   # the same by side, all key columns (BWD_DQK_SIDES)
                       dict(q="in", k="in", v="in", G="fp32", h="s", dh="s", R="s", dR="s", do="in", dq="g", dk1="in",
-                           dW="in", dGp="fp32", beta="in", Tmat="t", Ascr="fp32", dv="in", dbeta="fp32", dG="fp32"),
-                      dict(T="i32", scale="fp32"), dict(WY=0, LOWP_WY=0, SIDE=-1)),   # (beta .. dG: with WY=1)
+                           dW="in", dGp="fp32"),
+                      dict(T="i32", scale="fp32"), {}),
     "bwd_wy": ("_bwd_wy_kernel",           # scalar / no gate: the gradients through T, per chunk (BWD_DQK)
                dict(k="in", v="in", beta="in", G="fp32", Tmat="fp32", dW="in", dR="s", dk1="in", dGp="fp32",
                     dgam="fp32", Ascr="fp32", dv="in", dk="g", dbeta="fp32", dG="fp32", R="s", do="in", Pmat="fp32",
@@ -131,10 +131,7 @@ def compile_kernel(name, fam="gdn", num_warps=8, K=128, V=128, num_stages=3, low
                  (arg == "dW" and name in ("bwd_dqk", "bwd_wy") and gate == 2) or \
                  (arg == "G" and not gate) or (arg in ("beta", "Tmat", "W", "U", "R", "dbeta", "dbp", "dW", "Ascr") and not delta) or \
                  (arg == "Amat" and not delta) or (arg in ("dG", "dGp") and not gate) or \
-                 (arg in ("ht", "Rs") and not overrides.get("REV_H", 0)) or \
-                 (name == "bwd_dqk_sides" and (
-                     (arg in ("beta", "Tmat", "Ascr", "dv", "dbeta", "dG") and not overrides.get("WY", 0)) or
-                     (arg == "Ascr" and not overrides.get("DA_SCR", 0)) or (arg == "dW" and overrides.get("WY", 0))))
+                 (arg in ("ht", "Rs") and not overrides.get("REV_H", 0))
         if absent:
             consts[arg] = None
         else:

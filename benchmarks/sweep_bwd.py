@@ -35,7 +35,7 @@ from bench_train import bench, fwd_bwd, leaves, profile  # noqa: E402
 KERNELS = {"_gate_cumsum_kernel": "gate_cumsum", "_intra_kernel": "intra", "_intra_diag_kernel": "intra_diag",
            "_solve_kernel": "solve", "_wu_kernel": "wu", "_fwd_h_kernel": "fwd_h", "_bwd_dh_kernel": "bwd_dh",
            "_bwd_dv_kernel": "bwd_dv", "_bwd_grad_kernel": "bwd_grad", "_bwd_dqk_kernel": "bwd_dqk", "_bwd_wy_kernel": "bwd_wy",
-           "_bwd_dqk_sides_kernel": "bwd_dqk_sides", "_dg_rows_kernel": "dg_rows",
+           "_bwd_dqk_sides_kernel": "bwd_dqk_sides",
            "_bwd_pair_kernel": "bwd_pair", "chunk_prepare_kernel": "prep", "chunk_state_output_kernel": "fwd_o"}     # prep: the forward's stage 1 + the
 # backward's fused recompute (BWD_FUSED_PREP); only the latter changes with the backward's warps
 
@@ -161,7 +161,7 @@ WYREGS_VARIANTS = "base:;wy168:CHUNKWISE_MAXNREG=bwd_wy:168;wy128:CHUNKWISE_MAXN
 # / 0 (two 8-warp programs per SM), 3 at 4 warps 174 / 0, capped at 168 8 B; GDN 2: 231 / 0, 3: 176 / 0, capped at
 # 128 (two programs per SM) 52 B; simple GLA 2: 181 / 0, capped at 128 84 B; the column blocks in place: DeltaNet 250
 # -> 236 registers, GDN's spills 104 -> 52 B, GLA's 88 -> 36. (wyf1 / wyf2 / wyf2scr, the WY pass's work in the key
-# side, were timed on an H100 in session 37, 0.9-1.5 ms slower, and are refused on the GPU now: chunk_bwd.BWD_WY_FUSED)
+# side, were timed on an H100 in session 37, 0.9-1.5 ms slower, and removed in session 38: NOTES.md)
 SIDES_VARIANTS = ("cols:;inplace:CHUNKWISE_BWD_SPLIT_INPLACE=1;s2:CHUNKWISE_BWD_DQK_SIDES=2;"
                   "s3:CHUNKWISE_BWD_DQK_SIDES=3;s3w4:CHUNKWISE_BWD_DQK_SIDES=3,CHUNKWISE_BWD_WARPS=bwd_dqk_sides:4;"
                   "s3w4c168:CHUNKWISE_BWD_DQK_SIDES=3,CHUNKWISE_BWD_WARPS=bwd_dqk_sides:4,"

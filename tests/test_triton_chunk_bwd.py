@@ -468,8 +468,7 @@ def test_real_size_wy_pair16(fam, monkeypatch):
 def test_real_size_sides(fam, sides, env, monkeypatch):
     """The state-tile pass by side (CHUNKWISE_BWD_DQK_SIDES) at real size in bf16, at the warps / register caps
     sweep_bwd's "sides" set times: every gradient against the float64 reference within the bf16 bound, and no worse
-    than fla's where fla runs its backward (DeltaNet). (The fused WY form passed here too on the H100, session 37, but
-    is refused on the GPU: test_wy_fused_refused_on_the_gpu.)"""
+    than fla's where fla runs its backward (DeltaNet)."""
     monkeypatch.setenv("CHUNKWISE_BWD_DQK_SIDES", str(sides))
     for item in filter(None, env.split(",")):
         monkeypatch.setenv(*item.split("=", 1))
@@ -634,71 +633,6 @@ def test_state_tile_sides(fam, ns, level, pair16, dgam, monkeypatch):
     cols = _count_launches(monkeypatch, "_bwd_dqk_kernel")
     n_chunks = _compare_sides(fam, level)
     assert sides == [((ns if fam != "gla" else 2) * n_chunks, 2)] and not cols
-
-
-@pytest.mark.parametrize("fam,level,pair16,da_scr,wy_pair16,fused", [
-    ("delta", 0, None, 0, 0, 1), ("delta", 0, None, 1, 0, 2), ("delta", 4, 3, 0, 0, 2), ("delta", 4, 3, 0, 1, 1),
-    ("delta", 4, 1, 1, 0, 1), ("gdn", 0, None, 1, 0, 1), ("gdn", 4, 3, 1, 0, 2), ("gdn", 4, 3, 0, 1, 1),
-    ("gla", 0, None, 0, 0, 2), ("gla", 4, 3, 0, 0, 1)])
-@pytest.mark.skipif(not INTERPRET, reason="refused off the interpreter (test_wy_fused_refused_on_the_gpu): on the "
-                                          "H100 these small tiles gave wrong dk / dβ and illegal memory accesses")
-def test_state_tile_sides_wy(fam, level, pair16, da_scr, wy_pair16, fused, monkeypatch):
-    """The WY pass's work in the by-side pass's key side (CHUNKWISE_BWD_WY_FUSED: dk1 and dW never leave the program;
-    1: both sides in one launch, two programs a chunk; 2: a launch per side, one program a chunk each): no WY
-    launch, and every input's gradient within the tolerance of float64 (fp32 at level 0; fp16 at level 4 with the
-    state-tile and WY pairwise forms), varlen with a 1-token sequence, grouped heads; dAᵀ by products and through the
-    scratch (DA_SCR)."""
-    monkeypatch.setenv("CHUNKWISE_BWD_WY_FUSED", str(fused))
-    monkeypatch.setenv("CHUNKWISE_BWD_DQK_SIDES", "3")      # (the fused form takes two sides whatever is asked)
-    monkeypatch.setenv("CHUNKWISE_BWD_LOWP", str(level))
-    monkeypatch.setenv("CHUNKWISE_BWD_WY_DA_SCR", str(da_scr))
-    monkeypatch.setenv("CHUNKWISE_BWD_WY_PAIR16", str(wy_pair16))
-    if pair16 is not None:
-        monkeypatch.setenv("CHUNKWISE_BWD_DQK_PAIR16", str(pair16))
-    sides = _count_launches(monkeypatch, "_bwd_dqk_sides_kernel")
-    wy = _count_launches(monkeypatch, "_bwd_wy_kernel")
-    n_chunks = _compare_sides(fam, level)
-    assert sides == ([(2 * n_chunks, 2)] if fused == 1 else [(n_chunks, 2)] * 2) and not wy
-
-
-def test_wy_fused_refused_on_the_gpu(monkeypatch):
-    """Off the interpreter CHUNKWISE_BWD_WY_FUSED is refused with a warning (measured slower on the H100, wrong at small
-    tiles there) and the separate WY pass runs; where the form does not apply (KDA, wide keys, ⟨S, dS'⟩ from the
-    reverse pass) it is 0 without a warning; a malformed value names the variable."""
-    import chunkwise.triton.chunk_bwd as cb
-    monkeypatch.setattr(cb, "_INTERPRET", False)
-    for mode in ("1", "2"):
-        monkeypatch.setenv("CHUNKWISE_BWD_WY_FUSED", mode)
-        with pytest.warns(RuntimeWarning, match=f"CHUNKWISE_BWD_WY_FUSED={mode} is refused on the GPU"):
-            assert cb.bwd_wy_fused(0, 128, True, False) == 0
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            assert cb.bwd_wy_fused(2, 128, True, False) == 0 and cb.bwd_wy_fused(1, 256, True, False) == 0
-            assert cb.bwd_wy_fused(1, 128, True, True) == 0
-    monkeypatch.setattr(cb, "_INTERPRET", True)
-    assert cb.bwd_wy_fused(0, 128, True, False) == 2 and cb.bwd_wy_fused(1, 128, False, False) == 2
-    monkeypatch.setenv("CHUNKWISE_BWD_WY_FUSED", "yes")
-    with pytest.raises(ValueError, match="CHUNKWISE_BWD_WY_FUSED"):
-        cb.bwd_wy_fused(0, 128, True, False)
-    if ON_GPU and DEVICE == "cuda":     # and the op itself: the separate WY pass, the gradients right
-        monkeypatch.setattr(cb, "_INTERPRET", False)
-        monkeypatch.setenv("CHUNKWISE_BWD_WY_FUSED", "1")
-        monkeypatch.setenv("CHUNKWISE_BWD_DQK_SIDES", "2")
-        wy = _count_launches(monkeypatch, "_bwd_wy_kernel")
-        with pytest.warns(RuntimeWarning, match="CHUNKWISE_BWD_WY_FUSED=1 is refused"):
-            _compare(make_inputs("delta", lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, seed=8), TOL[torch.float32])
-        assert len(wy) == 1
-
-
-def test_state_tile_sides_wy_dgam(monkeypatch):
-    """With ⟨S, dS'⟩ from the reverse pass (CHUNKWISE_BWD_DGAM_DH=1) the fused form is not taken (its key side sums
-    no reverse-pass rows): the separate WY pass runs, and GDN's gradients stay right."""
-    monkeypatch.setenv("CHUNKWISE_BWD_WY_FUSED", "1")
-    monkeypatch.setenv("CHUNKWISE_BWD_DGAM_DH", "1")
-    wy = _count_launches(monkeypatch, "_bwd_wy_kernel")
-    inp = make_inputs("gdn", lengths=[1, 70, 30], H=1, HV=2, K=16, V=32, seed=8)
-    _compare(inp, TOL[torch.float32])
-    assert len(wy) == 1
 
 
 def test_dqk_pair16_choice(monkeypatch):

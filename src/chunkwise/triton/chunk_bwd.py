@@ -203,22 +203,6 @@ def _share_rows(acc, dGp, s_p, rows, i_h, m_t, HV: tl.constexpr, NKP: tl.constex
 
 
 @triton.jit
-def _dg_rows_kernel(dGp, dG, cu_seqlens, chunk_indices, T, HV: tl.constexpr, C: tl.constexpr, NKP: tl.constexpr,
-                    IS_VARLEN: tl.constexpr):
-    """dg = the reverse cumsum in each chunk of Σ_p dGp[p]: the scalar gate's per-row shares ([NKP, B, T, HV] fp32)
-    summed before the scan, as _bwd_wy_kernel does (the shares cancel, their separate scans would not)."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // HV, i_bh % HV
-    t0, L, _ = _chunk_bounds(i_t, i_b, cu_seqlens, chunk_indices, T, C, IS_VARLEN)
-    o_t = tl.arange(0, C)
-    m_t = o_t < L
-    rows = (t0 + o_t).to(tl.int64)
-    b_d = _share_rows(tl.zeros([C], dtype=tl.float32), dGp, tl.num_programs(1).to(tl.int64) * T, rows, i_h, m_t, HV,
-                      NKP)
-    tl.store(dG + rows * HV + i_h, _rev_cumsum(b_d), mask=m_t)
-
-
-@triton.jit
 def _load_gate_cols(G, t0, L, i_h, o_k, m_k, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr):
     """Columns o_k of a per-channel chunk gate: (G [C, BKH] with rows past L = G_last, G_last [BKH])."""
     o_t = tl.arange(0, C)
@@ -1419,13 +1403,11 @@ def _pair_term(acc, b_d, b_x16, PREC: tl.constexpr, LOWP: tl.constexpr, SIXTEEN:
 
 
 @triton.jit
-def _bwd_dqk_sides_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, beta, Tmat, Ascr, dv, dbeta, dG, cu_seqlens,
-                          chunk_indices, T, scale,
+def _bwd_dqk_sides_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, cu_seqlens, chunk_indices, T, scale,
                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                           BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
                           IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr = 0, DGAM: tl.constexpr = 0,
-                          NS: tl.constexpr = 2, FULL: tl.constexpr = 0, WY: tl.constexpr = 0,
-                          LOWP_WY: tl.constexpr = 0, DA_SCR: tl.constexpr = 0, SIDE: tl.constexpr = -1):
+                          NS: tl.constexpr = 2, FULL: tl.constexpr = 0):
     """Scalar / no gate: _bwd_dqk_kernel's work split by side instead of by key column block. Two programs per (chunk,
     value head), each over all BK >= K key columns; the first forms dP and the query side, the second dPᵀ and the key
     side::
@@ -1445,29 +1427,11 @@ def _bwd_dqk_sides_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, beta, 
     LOWP: the pairwise products' operands (_pair_term): 4 split, 1 both 16-bit, 3 only side 1's 16-bit, else fp32.
     NS 3 (delta rule): dW = −dR Sᵀ in a third program of its own (reads dR, S), so that no program holds more than
     one [C, C] and two [C, BK] accumulators' worth (side 0 then holds dP and dq only).
-
-    WY (NS 2, not DGAM): side 1 also does _bwd_wy_kernel's work on its chunk, with dk1 and dW in its registers, so that
-    neither goes to memory and back and the WY pass is not launched::
-
-        side 1:  V loop  as above, + dW = −dR Sᵀ ([C, BK]),  dT = dR (βV)ᵀ,  dTᵀ = (βV) dRᵀ (not DA_SCR),
-                         dv = β (Tᵀ dR),  dβ = Σ_v V ⊙ Tᵀ dR                       reads + S, dR, V, T
-                 dk1 as above;  dT += dW Xᵀ, dTᵀ += X dWᵀ,  dA, dAᵀ (_wy_dA);  dk = dk1 + _wy_key_terms
-                 its rows' share of dg with the WY pass's terms in dGp[1]         -> dk (at dk1), dv, dβ
-
-    and side 0 forms dP and dq only; _dg_rows_kernel then sums the two shares and takes their reverse cumsum.
-    LOWP_WY: the WY products' operand level (_bwd_wy_kernel's LOWP); DA_SCR: dAᵀ through the chunk's rows of Ascr.
-    SIDE 0 / 1: that side alone, one program a chunk (a launch of its own, with its own register count: in one launch
-    every program takes the key side's under WY); -1: NS programs a chunk, side = program id mod NS."""
-    if SIDE >= 0:
-        i_s: tl.constexpr = SIDE
-        i_t = tl.program_id(0)
-    else:
-        i_s, i_t = tl.program_id(0) % NS, tl.program_id(0) // NS
-    W_IN_0: tl.constexpr = DELTA and NS == 2 and not WY
+    (Session 35's form with the WY pass's work in side 1, dk1 and dW kept in registers, was measured slower on an
+    H100 and wrong at small tiles on the GPU in session 37, and removed in session 38: benchmarks/NOTES.md.)"""
+    i_s, i_t = tl.program_id(0) % NS, tl.program_id(0) // NS
+    W_IN_0: tl.constexpr = DELTA and NS == 2
     W_OWN: tl.constexpr = DELTA and NS == 3
-    WYD: tl.constexpr = DELTA and WY                                    # the WY pass's delta-rule work in side 1
-    OPD: tl.constexpr = k.dtype.element_ty if LOWP_WY else tl.float32  # its products' operands (_bwd_wy_kernel's)
-    OPD2: tl.constexpr = k.dtype.element_ty if LOWP_WY == 1 else tl.float32
     i_bh = tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
     i_hk = i_h // (HV // H)
@@ -1521,14 +1485,6 @@ def _bwd_dqk_sides_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, beta, 
         b_dk = tl.zeros([C, BK], dtype=tl.float32)
         b_dPt = tl.zeros([C, C], dtype=tl.float32)
         b_dgam = tl.zeros([BK], dtype=tl.float32)
-        if WYD:
-            b_dw = tl.zeros([C, BK], dtype=tl.float32)
-            b_beta = tl.load(beta + rows * HV + i_h, mask=m_t, other=0.).to(tl.float32)
-            b_Tt = tl.load(Tmat + p_ccT, mask=m_cc & (o_t[None, :] >= o_t[:, None]), other=0.)        # Tᵀ [C, C]
-            b_Ttv = b_Tt.to(dR.dtype.element_ty)
-            b_dT = tl.zeros([C, C], dtype=tl.float32)
-            b_dTt = tl.zeros([C, C], dtype=tl.float32)
-            b_db = tl.zeros([C], dtype=tl.float32)
         for i_v in range(tl.cdiv(V, BV)):
             o_v, m_kv, m_tv, p_tv = _value_block(i_v, rows, m_t, m_k, i_h, HV, V, BV)
             if GATE == 1 and not DGAM:  # ⟨S, dS'⟩ from loads of their own, first: their latency under the products
@@ -1538,12 +1494,6 @@ def _bwd_dqk_sides_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, beta, 
             b_R = _r_tile(R, v, p_tv, m_tv, DELTA)
             b_dPt += _mm(b_R, tl.trans(b_do), PREC)                                             # [C, BV] @ [BV, C]
             b_dk += _mm(b_R, tl.trans(b_dSn), PREC)                                             # [C, BV] @ [BV, BK]
-            if WYD:
-                b_S = tl.load(h + p_h + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.)
-                b_dR = tl.load(dR + p_tv, mask=m_tv, other=0.)
-                b_dw -= _mm(b_dR, tl.trans(b_S), PREC)                                          # [C, BV] @ [BV, BK]
-                b_dT, b_dTt, b_db = _wy_value_step(b_dR, tl.load(v + p_tv, mask=m_tv, other=0.), b_beta, b_Ttv,
-                                                   b_dT, b_dTt, b_db, dv, p_tv, m_tv, PREC, not DA_SCR)
         b_q16 = tl.load(q + p_tk, mask=m_tk, other=0.)
         j_ge_i = o_t[None, :] >= o_t[:, None]
         if GATE == 1:
@@ -1556,32 +1506,10 @@ def _bwd_dqk_sides_kernel(q, k, v, G, h, dh, R, dR, do, dq, dk1, dW, dGp, beta, 
         else:
             b_dPt = tl.where(j_ge_i, b_dPt, 0.) * scale
         b_dk = _pair_term(b_dk, b_dPt, b_q16, PREC, LOWP, LOWP == 1 or LOWP == 3)              # [C, C] @ [C, BK]
-        if not WY:
-            tl.store(dk1 + p_hk, b_dk.to(dk1.dtype.element_ty), mask=m_tk)
+        tl.store(dk1 + p_hk, b_dk.to(dk1.dtype.element_ty), mask=m_tk)
         if GATE == 1:
             b_k = tl.load(k + p_tk, mask=m_tk, other=0., cache_modifier=".cg").to(tl.float32)   # (again: not live
             b_dg = tl.where(o_t == L - 1, b_dlast, 0.) - tl.sum(b_k * b_dk, axis=1)           # across the product)
-        if WYD:     # the WY pass's work, dk1 (b_dk) and dW in registers
-            b_k16 = tl.load(k + p_tk, mask=m_tk, other=0.)
-            if GATE == 1:
-                b_eG = _exp(b_G)[:, None]
-            b_dwo = b_dw.to(OPD)
-            b_dT, b_dTt = _wy_dw_x(b_k16.to(tl.float32), b_dwo, b_beta, b_eG if GATE == 1 else b_beta, b_dT, b_dTt,
-                                   OPD, PREC, GATE, not DA_SCR)
-            b_Ttl = b_Tt.to(OPD)
-            b_Tl = b_Ttl
-            if not DA_SCR:
-                b_Tl = tl.trans(b_Ttl)                                                          # T
-            b_dA, b_dAt = _wy_dA(b_Ttl, b_Tl, b_dT, b_dTt, b_G if GATE == 1 else b_beta, o_t, m_cc, p_cc, p_ccT,
-                                 Ascr, OPD, PREC, GATE, DA_SCR)
-            b_dAh, b_dAl, b_dAth, b_dAtl = _wy_pair_operands(b_dA, b_dAt, b_beta, k.dtype.element_ty, OPD2, LOWP_WY)
-            b_dk, b_dbk, b_dGk = _wy_key_terms(b_k16, b_dwo, b_dk, b_Ttl, b_dAh, b_dAl, b_dAth, b_dAtl, b_beta,
-                                               b_eG if GATE == 1 else b_beta, m_tk, OPD2, PREC, LOWP_WY, GATE)
-            tl.store(dbeta + rows * HV + i_h, b_db + b_dbk, mask=m_t)
-            if GATE == 1:
-                b_dg += b_dGk
-        if WY:
-            tl.store(dk1 + p_hk, b_dk.to(dk1.dtype.element_ty), mask=m_tk)
         if GATE == 1:
             tl.store(dGp + s_p + rows * HV + i_h, b_dg, mask=m_t)
 
@@ -2175,35 +2103,6 @@ BWD_DQK_BK = 64
 # DeltaNet 1.218 / 5.15, GDN 1.711 / 6.26): 3 at 4 warps 1.175 / 5.10 and 1.658 / 6.19, 3 at 8 warps 1.389 / 5.30 and
 # 2.496 / 8.27, 2 1.757 / 5.66 and 2.540 / 7.04: no default until the H200 says more than ~1 %
 BWD_DQK_SIDES = {0: 0, 1: 0, 2: 0}
-# Scalar / no gate: the WY pass's work in the by-side pass's key side (_bwd_dqk_sides_kernel WY, two programs a chunk):
-# dk1 and dW stay in registers and the WY launch goes (DeltaNet B1-T32768-H32 bf16, in [T, HV, 128] bf16 tensors X of
-# DRAM traffic, of the backward's 46.5: ~5X less in one launch, ~0.3 ms at the copy bandwidth; ~1X in two, where dO, R
-# and S are read by both launches rather than shared in L2 by a chunk's adjacent programs). Built offline, unmeasured:
-# off (CHUNKWISE_BWD_WY_FUSED=1: both sides in one launch, where every program takes the key side's registers; 2: side
-# 0, then side 1 in launches of their own; not with CHUNKWISE_BWD_DGAM_DH). Offline sm_90 (bf16, level 4, 8 warps;
-# registers / spill B): side 0 DeltaNet 111 / 0, GDN 123 / 0; side 1 DeltaNet 255 / 192 (DA_SCR 48), GDN 255 / 408
-# (DA_SCR), simple GLA 179 / 0; the spills are in the WY part after the V loop. Per gate kind, as BWD_DQK_SIDES.
-# Measured (session 37, an H100; B1-T32768-H32 bf16 fwd+bwd ms, separate launches / fused 1 / 2 / 2 with DA_SCR):
-# DeltaNet 5.15 / 6.25 / 6.21 / 6.01, GDN 6.26 / 7.74 / 7.54 / 7.54 (the fused pass 3.3-4.6 ms against the two
-# launches' 2.4-3.2), and at small tiles on the GPU it gave wrong dk / dβ and illegal memory accesses (right at
-# K = V = 128 bf16 and under the interpreter): closed, refused off the interpreter (bwd_wy_fused)
-BWD_WY_FUSED = {0: 0, 1: 0, 2: 0}
-
-
-def bwd_wy_fused(gate: int, BK: int, delta: bool, dgam_dh: bool) -> int:
-    """The WY pass's work in the by-side pass's key side (BWD_WY_FUSED; CHUNKWISE_BWD_WY_FUSED 0 / 1 / 2), where it
-    applies (scalar / no gate, K <= 128, not with ⟨S, dS'⟩ from the reverse pass). Off the interpreter it is refused
-    with a warning: slower on the H100 and wrong at small tiles on the GPU (BWD_WY_FUSED's note)."""
-    if gate == 2 or BK > 128 or not (delta or gate) or dgam_dh:
-        return 0
-    mode = _env_choice("CHUNKWISE_BWD_WY_FUSED", BWD_WY_FUSED[gate], (0, 1, 2))
-    if mode and not _INTERPRET:
-        warnings.warn(f"CHUNKWISE_BWD_WY_FUSED={mode} is refused on the GPU: measured slower (H100, session 37) and "
-                      "wrong at small tiles there; running the separate WY pass", RuntimeWarning, stacklevel=3)
-        return 0
-    return mode
-
-
 # The column-block pass's split pairwise products (PAIR16 3) accumulated into dq / dk by the products themselves (1)
 # or summed into a zeroed tile that is then added (0, as measured so far). Offline sm_90 (bf16, level 4, 4 warps;
 # registers / spill B / instructions, 0 -> 1): DeltaNet 250 / 0 / 1544 -> 236 / 0 / 1472, GDN 255 / 104 / 2976 ->
@@ -2787,11 +2686,6 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         # the state tiles' pass split over key column blocks of bka, or by side (BWD_DQK_SIDES: two dGp shares), then
         # the per-chunk WY pass (per channel: then the pair kernel)
         sides = _env_choice("CHUNKWISE_BWD_DQK_SIDES", BWD_DQK_SIDES[gate], (0, 2, 3)) if gate != 2 and BK <= 128 else 0
-        # the WY pass's work in the by-side pass's key side (BWD_WY_FUSED): two sides, no dk1 / dW buffers
-        # (1: both sides in one launch; 2: side 0, then side 1 in a launch of its own)
-        wy_fused = bwd_wy_fused(gate, BK, delta, dgam_dh)
-        if wy_fused:
-            sides = 2
         bka = _env_block("CHUNKWISE_BWD_DQK_BK", BWD_DQK_BK, BK)
         nka = 2 if sides else cdiv(K, bka)
         bva = _env_block("CHUNKWISE_BWD_DQK_BV", BV, max(16, next_pow2(V)))
@@ -2799,9 +2693,8 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         # per channel fp32 in dk itself (the pair kernel adds to it)
         dk1_16 = delta and gate != 2 and q.dtype != torch.float32 and _env_switch("CHUNKWISE_BWD_DK1_16", BWD_DK1_16)
         dk1_dt = q.dtype if dk1_16 else torch.float32
-        dk1 = dk if not delta or dk.dtype == dk1_dt or wy_fused else buf(B, T, HV, K, dtype=dk1_dt)
-        dW = buf(B, T, HV, K, dtype=q.dtype if lowp_key else torch.float32) \
-            if delta and gate != 2 and not wy_fused else None
+        dk1 = dk if not delta or dk.dtype == dk1_dt else buf(B, T, HV, K, dtype=dk1_dt)
+        dW = buf(B, T, HV, K, dtype=q.dtype if lowp_key else torch.float32) if delta and gate != 2 else None
         # the gate's shares: per column block and row (scalar gate), or dG itself per channel; per channel also dT's and
         # dβ's shares by column block (dTp in Amat / Pmat where two blocks or fewer: the WY pass reads its rows first)
         dGp = None if not gate else (dG if gate == 2 else buf(nka, B, T, HV))
@@ -2812,16 +2705,11 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         nvd = grid_s[0] if dgam_dh else 0
         if sides:
             n_sides = 3 if delta and sides == 3 else 2
-            wy = (beta, Tmat, Amat if da_scr else None, dv, dbeta, dG) if wy_fused else (None,) * 6
-            for side in (0, 1) if wy_fused == 2 else (-1,):
-                _bwd_dqk_sides_kernel[((n_sides if side < 0 else 1) * NT, B * HV)](
-                    q, k, v, G, h, dh, R if delta else None, dR, do, dq, dk1, dW, dGp, *wy, scale=scale, H=H, HV=HV,
-                    K=K, V=V, BK=BK, BV=bva, C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_dqk,
-                    DGAM=dgam_dh, NS=n_sides, FULL=bwd_full("bwd_dqk", gate, T, varlen), WY=bool(wy_fused),
-                    LOWP_WY=lowp_wy, DA_SCR=da_scr, SIDE=side, num_warps=_warps("bwd_dqk_sides", gate),
-                    **_regs("bwd_dqk_sides", gate), num_stages=ns, **common)
-            if wy_fused and gate:   # dg from the two sides' shares
-                _dg_rows_kernel[grid_c](dGp, dG, HV=HV, C=C, NKP=2, IS_VARLEN=varlen, **common)
+            _bwd_dqk_sides_kernel[(n_sides * NT, B * HV)](
+                q, k, v, G, h, dh, R if delta else None, dR, do, dq, dk1, dW, dGp, scale=scale, H=H, HV=HV, K=K, V=V,
+                BK=BK, BV=bva, C=C, GATE=gate, DELTA=delta, IS_VARLEN=varlen, PREC=prec, LOWP=lowp_dqk, DGAM=dgam_dh,
+                NS=n_sides, FULL=bwd_full("bwd_dqk", gate, T, varlen), num_warps=_warps("bwd_dqk_sides", gate),
+                **_regs("bwd_dqk_sides", gate), num_stages=ns, **common)
         else:
             _bwd_dqk_kernel[(nka * NT, B * HV)](q, k, v, G, h, dh, R if delta else None, dR, do, dq, dk1, dW, dGp, dgam,
                                                 Tmat, beta, dTp, dbs,
@@ -2834,7 +2722,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                                                 INPLACE=_env_switch("CHUNKWISE_BWD_SPLIT_INPLACE", BWD_SPLIT_INPLACE[gate]),
                                                 num_warps=_warps("bwd_dqk", gate, wide8), **_regs("bwd_dqk", gate),
                                                 num_stages=ns, **common)
-        if (delta or gate) and not wy_fused:
+        if delta or gate:
             bkw = _env_block("CHUNKWISE_BWD_WY_BK", BWD_WY_BK, BK)
             _bwd_wy_kernel[grid_c](k, v, beta, G, Tmat, dW, dR, dk1, dbs if gate == 2 else dGp, dgam, Amat, dv, dk,
                                    dbeta, dG, R if delta else None, do, Pmat, dTp, scale=scale, H=H, HV=HV,
