@@ -16,7 +16,7 @@ from hypothesis import given
 
 import chunkwise
 
-from helpers import (CHUNK_OPS, DEVICE, HEAD_DIM_GRID, INTERPRET, ON_GPU, PROPERTY_SETTINGS, PROPERTY_SHAPES, TOL, make_inputs,
+from helpers import (CHUNK_OPS, DEVICE, HEAD_DIM_GRID, ON_GPU, PROPERTY_SETTINGS, PROPERTY_SHAPES, TOL, make_inputs,
                      property_inputs, reference, rel_err, skip_unless_sm90_builds)
 
 FAMS = ("gdn", "kda", "delta", "gla")
