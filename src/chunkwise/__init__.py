@@ -1,7 +1,7 @@
 """chunkwise: chunkwise-parallel linear attention (Gated DeltaNet, KDA, DeltaNet, simple GLA / Mamba2 SSD)."""
 from . import _custom_ops  # noqa: F401  (registers the torch.ops.chunkwise.* custom ops)
 from . import hf  # noqa: F401  (transformers drop-ins: chunkwise.hf.use_chunkwise)
-from .api import prepare_chunk_indices
+from .utils import prepare_chunk_indices
 from .layers import GatedDeltaNet, KimiDeltaAttention, LinearAttentionCache
 from .mamba2 import mamba_chunk_scan_combined
 from .ops import (

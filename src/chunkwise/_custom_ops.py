@@ -55,7 +55,8 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _dispatch_mode
 
 from .reference.chunk import chunk_forward
-from .reference.recurrent import recurrent_forward
+from .reference.recurrent import pool_step as torch_pool_step, recurrent_forward
+from .utils import prepare_chunk_indices
 
 _EMPTY_SHAPE = (0,)
 
@@ -129,7 +130,6 @@ def _autograd_inside_op():
 def _triton_chunk_indices(cu_seqlens, chunk_indices):
     if cu_seqlens is None or chunk_indices is not None:
         return chunk_indices
-    from .api import prepare_chunk_indices
     return prepare_chunk_indices(cu_seqlens).to(cu_seqlens.device)
 
 
@@ -461,8 +461,7 @@ def _pool_impl(q, k, v, g, beta, scale, pool, state_indices, cu_seqlens, transpo
         o, _ = launch(q, k, v, g, beta, scale, pool, False, cu_seqlens, state_indices=state_indices,
                       transpose_state_layout=transpose_state_layout)
     else:
-        from .api import _torch_pool_step
-        o, _ = _torch_pool_step(q, k, v, g, beta, scale, pool, False, cu_seqlens, state_indices,
+        o, _ = torch_pool_step(q, k, v, g, beta, scale, pool, False, cu_seqlens, state_indices,
                                 transpose_state_layout, _compute_dtype(q, pool))
     return _not_an_alias(o, q, k, v)
 

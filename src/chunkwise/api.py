@@ -11,11 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from ._custom_ops import _eager_plain
-from .reference.recurrent import recurrent_forward
+from .utils import FLOAT_DTYPES, TRITON_MAX_HEAD_DIM, prepare_chunk_indices  # noqa: F401
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 BACKENDS = ("auto", "torch", "triton")
-TRITON_MAX_HEAD_DIM = 256
 L2NORM_EPS = 1e-6
 
 
@@ -302,21 +300,12 @@ def _fla_options(fam: Family, v, g, use_beta_sigmoid_in_kernel, use_gate_in_kern
 def run(fam: Family, mode: str, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, *,
         use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, use_gate_in_kernel=False,
         A_log=None, dt_bias=None, lower_bound=None, transpose_state_layout=False, chunk_size=32,
-        backend="auto", cu_seqlens_cpu=None, chunk_indices=None, state_indices=None, cp_group=None,
+        backend="auto", cu_seqlens_cpu=None, chunk_indices=None, state_indices=None,
         allow_neg_eigval=False, safe_gate=False, g_gamma=None, state_v_first=False):
     """The one path behind every public op. mode: "chunk" or "recurrent"."""
     g, transpose_state_layout = _fla_options(fam, v, g, use_beta_sigmoid_in_kernel, use_gate_in_kernel,
                                              lower_bound, allow_neg_eigval, safe_gate, g_gamma,
                                              transpose_state_layout, state_v_first)
-    if cp_group is not None:   # context parallelism: cu_seqlens/initial_state describe the whole batch; checked there
-        from .distributed import chunk_cp
-        return chunk_cp(fam, mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                        cp_group=cp_group, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-                        A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-                        transpose_state_layout=transpose_state_layout, chunk_size=chunk_size, backend=backend,
-                        cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices, state_indices=state_indices,
-                        allow_neg_eigval=allow_neg_eigval)
     B, T, H, HV, K, V, N = _check_inputs(
         fam, q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, transpose_state_layout,
         backend, use_gate_in_kernel, A_log, dt_bias, lower_bound, state_indices)
@@ -342,39 +331,3 @@ def run(fam: Family, mode: str, q, k, v, g, beta, scale, initial_state, output_f
                                      cu_seqlens, transpose_state_layout, chunk_size, which)
     return _custom_ops.forward(mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                chunk_indices, transpose_state_layout, chunk_size, which)
-
-
-def _torch_pool_step(q, k, v, g, beta, scale, pool, output_final_state, cu_seqlens, state_indices,
-                     transpose_state_layout, ct):
-    """Token recurrence over a vLLM-style state pool: sequence n reads and writes pool[state_indices[n]]
-    in place; -1 skips (zero output, slot untouched). ct: the arithmetic dtype."""
-    idx = state_indices.long()
-    live = idx >= 0
-    h0 = _to_kv(pool, transpose_state_layout)[idx.clamp_min(0)]
-    h0 = torch.where(live[:, None, None, None], h0, torch.zeros_like(h0))
-    o, ht = recurrent_forward(q, k, v, g, beta, scale, h0, cu_seqlens, dtype=ct)
-    # outputs of skipped (padding) sequences are zero
-    if cu_seqlens is None:
-        o = o * live[:, None, None, None]
-    else:
-        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-        o = o * torch.repeat_interleave(live, lengths)[None, :, None, None]
-    with torch.no_grad():
-        target = _to_kv(pool, transpose_state_layout)
-        target[idx[live]] = ht[live].to(pool.dtype)
-    return o.to(q.dtype), (pool if output_final_state else None)
-
-
-def prepare_chunk_indices(cu_seqlens: torch.Tensor, chunk_size: int = 64) -> torch.Tensor:
-    """For varlen calls: [NT, 2] int32 rows (sequence n, chunk i within n) over all chunks.
-
-    Compute it once per batch (it reads cu_seqlens on the host) and pass it with ``chunk_indices``
-    so that the Triton kernels launch without a device-to-host sync.
-    """
-    cu = cu_seqlens.detach().to("cpu", torch.long)
-    n_chunks = (cu[1:] - cu[:-1] + chunk_size - 1) // chunk_size
-    seq = torch.repeat_interleave(torch.arange(n_chunks.numel()), n_chunks)
-    first = torch.cumsum(n_chunks, 0) - n_chunks
-    within = torch.arange(int(n_chunks.sum())) - first[seq]
-    return torch.stack([seq, within], 1).to(device=cu_seqlens.device, dtype=torch.int32)
-

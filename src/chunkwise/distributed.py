@@ -244,7 +244,8 @@ def _carried_segment(fam: api.Family, q, k, v, g, beta, scale, chunk_size, backe
 def chunk_cp(fam: api.Family, mode: str, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, *,
              cp_group, use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, use_gate_in_kernel=False,
              A_log=None, dt_bias=None, lower_bound=None, transpose_state_layout=False, chunk_size=32,
-             backend="auto", cu_seqlens_cpu=None, chunk_indices=None, state_indices=None, allow_neg_eigval=False):
+             backend="auto", cu_seqlens_cpu=None, chunk_indices=None, state_indices=None, allow_neg_eigval=False,
+             safe_gate=False, g_gamma=None, state_v_first=False):
     """`api.run` for a call with ``cp_group``: the module docstring gives the conventions and the math.
 
     chunk_indices is a per-batch planning hint for the global batch; each rank plans its own slice,
@@ -252,6 +253,9 @@ def chunk_cp(fam: api.Family, mode: str, q, k, v, g, beta, scale, initial_state,
     """
     if mode != "chunk":
         raise ValueError("cp_group (context parallelism) is available for the chunk ops only")
+    g, transpose_state_layout = api._fla_options(fam, v, g, use_beta_sigmoid_in_kernel, use_gate_in_kernel,
+                                                 lower_bound, allow_neg_eigval, safe_gate, g_gamma,
+                                                 transpose_state_layout, state_v_first)
     if state_indices is not None:
         raise ValueError("state_indices (a decode-time state pool) cannot be combined with cp_group")
     if not (dist.is_available() and dist.is_initialized()):

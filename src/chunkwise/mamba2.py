@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .api import FLOAT_DTYPES, _shape, check_cu_seqlens
+from .api import _shape, check_cu_seqlens
+from .utils import FLOAT_DTYPES
 from .ops import chunk_simple_gla
 
 

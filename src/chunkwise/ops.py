@@ -14,7 +14,16 @@ from __future__ import annotations
 
 import torch
 
-from .api import DELTA, GDN, GLA, KDA, run
+from . import api
+from .api import DELTA, GDN, GLA, KDA
+from .distributed import chunk_cp
+
+
+def run(fam, mode, *args, cp_group=None, **kwargs):
+    """``api.run``, or ``distributed.chunk_cp`` for a call split over the ranks of ``cp_group``."""
+    if cp_group is not None:
+        return chunk_cp(fam, mode, *args, cp_group=cp_group, **kwargs)
+    return api.run(fam, mode, *args, **kwargs)
 
 _COMMON = """
     Args:

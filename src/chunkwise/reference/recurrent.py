@@ -73,3 +73,24 @@ def recurrent_forward(
     else:
         o = torch.cat(outputs)[None]                                    # [1, T, HV, V]
     return o, torch.stack(finals)
+
+
+def pool_step(q, k, v, g, beta, scale, pool, output_final_state, cu_seqlens, state_indices,
+              transpose_state_layout, ct):
+    """Token recurrence over a vLLM-style state pool: sequence n reads and writes pool[state_indices[n]]
+    in place; -1 skips (zero output, slot untouched). ct: the arithmetic dtype."""
+    idx = state_indices.long()
+    live = idx >= 0
+    h0 = (pool.transpose(-1, -2) if transpose_state_layout else pool)[idx.clamp_min(0)]
+    h0 = torch.where(live[:, None, None, None], h0, torch.zeros_like(h0))
+    o, ht = recurrent_forward(q, k, v, g, beta, scale, h0, cu_seqlens, dtype=ct)
+    # outputs of skipped (padding) sequences are zero
+    if cu_seqlens is None:
+        o = o * live[:, None, None, None]
+    else:
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        o = o * torch.repeat_interleave(live, lengths)[None, :, None, None]
+    with torch.no_grad():
+        target = pool.transpose(-1, -2) if transpose_state_layout else pool
+        target[idx[live]] = ht[live].to(pool.dtype)
+    return o.to(q.dtype), (pool if output_final_state else None)

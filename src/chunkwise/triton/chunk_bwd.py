@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..api import TRITON_MAX_HEAD_DIM as MAX_K   # the backward's kernels fit one H200 SM's shared memory up to it
+from ..utils import TRITON_MAX_HEAD_DIM as MAX_K   # the backward's kernels fit one H200 SM's shared memory up to it
 from .align import cdiv, cut_state, next_pow2, pad_last, pad_state, padded_dims
 from .chunk_fwd import (WIDE_16BIT_K, _env_choice, _env_switch, _exp, _exp_or, _mm, _mm_acc, _num_sms, _overlap,
                         _side_stream, _signal_ready, _wait_ready, chunk_slots, chunks_whole, fp16_kda_in_fp32,
@@ -2462,7 +2462,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     varlen = cu_seqlens is not None
     if varlen:
         if chunk_indices is None:
-            from ..api import prepare_chunk_indices
+            from ..utils import prepare_chunk_indices
             chunk_indices = prepare_chunk_indices(cu_seqlens, C).to(dev)
         N = cu_seqlens.numel() - 1
         NT = chunk_indices.shape[0]

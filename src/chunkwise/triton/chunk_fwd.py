@@ -1992,7 +1992,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     if gate == 2:
         p_in = True
     if cu_seqlens is not None and chunk_indices is None and (delta or p_in):
-        from ..api import prepare_chunk_indices
+        from ..utils import prepare_chunk_indices
         chunk_indices = prepare_chunk_indices(cu_seqlens, BT)
 
     # stage 2's outputs first: with the overlap, everything it writes exists before stage 1 is launched

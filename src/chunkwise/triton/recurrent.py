@@ -331,10 +331,9 @@ def _needs_grad(*xs) -> bool:
 def _recurrent_autograd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                         state_indices, transpose_state_layout):
     """Differentiable fallback: the PyTorch token recurrence in fp32 on the same device."""
-    from ..api import _torch_pool_step
-    from ..reference.recurrent import recurrent_forward
+    from ..reference.recurrent import pool_step, recurrent_forward
     if state_indices is not None:
-        return _torch_pool_step(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+        return pool_step(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                 state_indices, transpose_state_layout, torch.float32)
     h0 = None if initial_state is None else (
         initial_state.transpose(-1, -2) if transpose_state_layout else initial_state)
