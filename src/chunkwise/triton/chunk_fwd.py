@@ -50,144 +50,22 @@ The backward may import ``chunk_prepare`` (recompute w, u, P) and the kernels th
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .align import cdiv, cut_state, next_pow2, pad_last, pad_state, padded_dims
-
-BT = 64          # chunk length
-BC = 16          # sub-block of the triangular solve and of the per-channel factorisation
-G_FLOOR = -40.0  # per-token gate clamp (see the module docstring)
-SPAN_MAX = 80.0  # a 16-token block whose per-channel gates sum below -SPAN_MAX takes the exact path
-SPAN_FP16 = 9.0  # KDA's one-reference products from fp16 operands (AP_LOWP 2): every |G_i − G_last / 2| under this
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# Every gate factor e^x of the chunk kernels (_exp) as one MUFU.EX2 of x·log2(e) with results under 2^-126 flushed to
-# zero (ex2.approx.ftz.f32), instead of tl.exp's ex2.approx.f32, whose subnormal handling ptxas expands to a compare
-# and predicated multiplies around the same MUFU.EX2: the same value wherever e^x >= 2^-126 (a factor below that
-# multiplies a term out of every 16-bit output's reach). Offline sm_90 the GDN state-tile pass's two gated [C, C]
-# tiles took 757 of its 3264 instructions (3056 in all with FAST_EXP), KDA's stage 1 (at 64-channel column chunks)
-# 9112 -> 8224. On the H200 (B1-T32768-H32 bf16, run of 27e1d28, one process each, tl.exp -> FAST_EXP; NOTES.md
-# session 31): forward KDA 1.676 -> 1.423 ms, simple GLA 0.651 -> 0.613, GDN 0.974 -> 0.970; fwd+bwd GDN 5.99 ->
-# 5.92, simple GLA 4.36 -> 4.15, KDA 10.03 -> 9.78 with its state-tile pass on tl.exp (FAST_EXP_KDA_DQK, chunk_bwd),
-# DeltaNet (no gate) unchanged.
-# CHUNKWISE_FAST_EXP=0 takes tl.exp everywhere (read at import). The interpreter always takes tl.exp (it runs no PTX)
-FAST_EXP = tl.constexpr(not _INTERPRET and os.environ.get("CHUNKWISE_FAST_EXP", "1") != "0")
-_LOG2E = tl.constexpr(1.4426950408889634)
-
-
-@triton.jit
-def _exp_or(x, FAST: tl.constexpr):
-    """e^x of an fp32 tile or scalar: FAST, ex2.approx.ftz.f32 of x·log2(e); else tl.exp."""
-    if FAST:
-        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x * _LOG2E], dtype=tl.float32,
-                                         is_pure=True, pack=1)
-    else:
-        return tl.exp(x)
-
-
-@triton.jit
-def _exp(x):
-    """e^x of an fp32 tile or scalar (FAST_EXP: _exp_or's ex2.approx.ftz.f32)."""
-    return _exp_or(x, FAST_EXP)
-
-
-def chunk_slots(N: int, T: int, varlen: bool) -> int:
-    """Per-chunk slots of a batch (stage 1's glast, read by stage 2; the saved and the backward's per-chunk states
-    h): N·⌈T / BT⌉ for N sequences of T tokens, N + T // BT for N packed ones of T tokens in all (sequence n's
-    chunks at n + bos_n // BT + [0, chunks), as _chunk_span numbers them: distinct across sequences, known from
-    the shapes alone)."""
-    return N + T // BT if varlen else N * cdiv(T, BT)
-
-
-def state_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the per-chunk states and R kept between passes (the backward's h, dh, R, dR, W, U; the saved
-    ones): the input dtype when it is 16-bit (as fla keeps h, w, u, v_new), else fp32."""
-    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
-
-
-def on_tensor_device(fn):
-    """Run a launcher with the CUDA current device set to its first argument's device. Triton launches on the
-    current device (and its current stream): without this, tensors on cuda:1 while cuda:0 is current would be
-    handed to kernels running on cuda:0. A no-op for CPU tensors (the interpreter) and when the device is current."""
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
-        x = args[0]
-        if isinstance(x, torch.Tensor) and x.is_cuda and x.device.index != torch.cuda.current_device():
-            with torch.cuda.device(x.device):
-                return fn(*args, **kwargs)
-        return fn(*args, **kwargs)
-    return wrapped
-
-
-def _poison() -> bool:
-    """CHUNKWISE_POISON=1 (tests) pre-fills every tensor the launchers allocate with NaN."""
-    return os.environ.get("CHUNKWISE_POISON") == "1"
-
-
-def _alloc(shape, dtype, device):
-    return torch.full(shape, float("nan"), dtype=dtype, device=device) if _poison() else \
-        torch.empty(shape, dtype=dtype, device=device)
-
-
-def _dim(n: int) -> int:
-    return max(16, next_pow2(n))
-
+from .common import (BC, BT, FAST_EXP, G_FLOOR, SPAN_FP16, SPAN_MAX, _INTERPRET, _alloc, _by_block,  # noqa: F401
+                     _chunk_span, _dim, _ensure_allocator, _exp, _exp_or, _gate_kind, _mm, _mm_acc, _num_sms, _overlap,
+                     _poison, _row_of, _rn_tf32, _side_stream, _signal_ready, _wait_ready, cdiv, chunk_slots,
+                     chunks_whole, cut_state, next_pow2, on_tensor_device, pad_last, pad_state, padded_dims,
+                     state_dtype)
+from .configs import WIDE_16BIT_K, fp16_kda_in_fp32, wu_lowp_ok  # noqa: F401
 
 # ------------------------------------------------------------------------------------------------
 # 1. prepare: A, (I + A)^-1, W, U, P per chunk, on whole 64-row tiles
 # ------------------------------------------------------------------------------------------------
-
-@triton.jit
-def _row_of(x, r: tl.constexpr, BTc: tl.constexpr):
-    """Row r of x [BT, D] as [D] (exact: a masked sum of one term)."""
-    o_t = tl.arange(0, BTc)
-    return tl.sum(tl.where((o_t == r)[:, None], x, 0.), 0)
-
-
-@triton.jit
-def _by_block(v0, v1, v2, v3, BTc: tl.constexpr, BCc: tl.constexpr):
-    """[BT, D] tile whose rows in 16-row block b are v_b [D] (or scalars)."""
-    blk = (tl.arange(0, BTc) // BCc)[:, None]
-    return tl.where(blk == 0, v0, tl.where(blk == 1, v1, tl.where(blk == 2, v2, v3)))
-
-
-@triton.jit
-def _rn_tf32(x):
-    """fp32 rounded to the nearest tf32 (10-bit mantissa, ties away from zero); other dtypes as they are. The
-    tensor cores truncate fp32 operands toward zero, a bias that adds up over long sums (triton#4574)."""
-    if x.dtype == tl.float32:
-        return ((x.to(tl.uint32, bitcast=True) + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
-    else:
-        return x
-
-
-@triton.jit
-def _mm_acc(acc, a, b, MM_PREC: tl.constexpr):
-    """acc + a @ b at _mm's product precision, accumulated into acc by the product itself (acc None: a @ b): no
-    second [M, P] accumulator is live, as it is for ``acc + _mm(a, b)`` where the compiler cannot fold the sum into
-    the product."""
-    if MM_PREC == "tf32rn":
-        return tl.dot(_rn_tf32(a), _rn_tf32(b), acc=acc, input_precision="tf32")
-    elif MM_PREC == "bf16":
-        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc=acc)
-    elif MM_PREC == "fp16":
-        return tl.dot(a.to(tl.float16), b.to(tl.float16), acc=acc)
-    else:
-        return tl.dot(a, b, acc=acc, input_precision=MM_PREC)
-
-
-@triton.jit
-def _mm(a, b, MM_PREC: tl.constexpr):
-    """tl.dot at a product precision (chunk_fwd's fp32 factor products and solve, every product of chunk_bwd):
-    MM_PREC "tf32" / "tf32x3" / "ieee" as tl.dot takes them, "tf32rn": tf32 with fp32 operands rounded to nearest
-    first, or "bf16" / "fp16": both operands rounded to that type (fp32 accumulation; fp16 overflows past 65504 to
-    inf). 16-bit operands go to the tensor cores as they are at any setting."""
-    return _mm_acc(None, a, b, MM_PREC)
-
 
 @triton.jit
 def _solve_unit_lower(A, PREC: tl.constexpr, BTc: tl.constexpr, BCc: tl.constexpr, DOUBLING: tl.constexpr = 0):
@@ -246,60 +124,6 @@ def _solve_unit_lower(A, PREC: tl.constexpr, BTc: tl.constexpr, BCc: tl.constexp
     Y = eye - M
     Y = Y + _mm(Y, M2, PREC)                                                               # [BT, BT] @ [BT, BT]
     return _mm(Y, Dinv, PREC)                                                              # [BT, BT] @ [BT, BT]
-
-
-@triton.jit
-def _chunk_span(i_t, i_b, cu_seqlens, chunk_indices, T, NT, BTc: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Program i_t of batch row i_b of the chunk-parallel kernels -> (bos, T_seq, t0, slot): the
-    sequence's first token row, its length, the chunk's first token in it, and the chunk's slot in
-    per-chunk buffers (n·NT + i, or n + start_token // 64 with cu_seqlens)."""
-    if IS_VARLEN:
-        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int64)
-        i_c = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-        slot = i_n + (bos + i_c * BTc) // BTc
-    else:
-        i_c = i_t.to(tl.int64)
-        bos = i_b.to(tl.int64) * T
-        eos = bos + T
-        slot = i_b.to(tl.int64) * NT + i_c
-    return bos, (eos - bos).to(tl.int32), (i_c * BTc).to(tl.int32), slot
-
-
-@triton.jit
-def _signal_ready(ready, slot, i_h, HV):
-    """Stage 1 beside stage 2 (SIGNAL): publish this program's chunk. Every thread's stores first (the barrier),
-    then one release write of 1 to ready[slot, head], which stage 2's acquire reads (_wait_ready)."""
-    tl.debug_barrier()
-    tl.atomic_xchg(ready + slot * HV + i_h, 1, sem="release", scope="gpu")
-
-
-# stage 2's spin on a chunk's ready flag (_wait_ready) as one PTX loop of acquire loads, so that the chunk loop it sits
-# in stays Triton's innermost loop (with a Triton while loop nested in it, the loop was not software-pipelined: offline
-# sm_90 its tile loads became plain LDG and its shared memory fell from 168 KB to 53 KB); with FENCE a proxy fence
-# after it, for the tensor-descriptor (async proxy) loads that follow
-_SPIN_PTX = ("{\n.reg .pred %spin_p;\nSPIN_${:uid}:\nld.acquire.gpu.global.b32 $0, [$1];\nsetp.eq.s32 %spin_p, $0, 0;\n"
-             "@%spin_p bra SPIN_${:uid};\n}")
-_SPIN = tl.constexpr(_SPIN_PTX)
-_SPIN_FENCE = tl.constexpr(_SPIN_PTX + "\nfence.proxy.async.global;")
-
-
-@triton.jit
-def _wait_ready(ready, slot, i_h, HV, FENCE: tl.constexpr, SPIN_ASM: tl.constexpr):
-    """Stage 2 beside stage 1 (WAIT): spin until stage 1 has published chunk ``slot`` of head i_h (acquire: the
-    loads after it see stage 1's stores). SPIN_ASM: the loop in PTX (_SPIN; compiled), else a Triton loop of
-    atomic reads (the interpreter). FENCE: the loads that follow go through tensor descriptors (the async proxy)."""
-    flag = ready + slot * HV + i_h
-    if SPIN_ASM:
-        if FENCE:
-            tl.inline_asm_elementwise(_SPIN_FENCE, "=r,l", [flag], dtype=tl.int32, is_pure=False, pack=1)
-        else:
-            tl.inline_asm_elementwise(_SPIN, "=r,l", [flag], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        r = tl.atomic_add(flag, 0, sem="acquire", scope="gpu")
-        while r == 0:
-            r = tl.atomic_add(flag, 0, sem="acquire", scope="gpu")
 
 
 @triton.jit
@@ -1221,10 +1045,6 @@ def chunk_state_output_kernel(
 # launchers
 # ------------------------------------------------------------------------------------------------
 
-def _gate_kind(g) -> int:
-    return 0 if g is None else (1 if g.dim() == 3 else 2)
-
-
 PRECISIONS = ("tf32", "tf32rn", "tf32x3", "ieee")
 
 
@@ -1338,18 +1158,6 @@ def reg_cap(name: str) -> dict:
     return {}
 
 
-def wu_lowp_ok(dtype: torch.dtype, K: int, V: int) -> bool:
-    """Whether stage 1 (chunk_prepare_kernel, forward or the backward's recompute) may form W / U with 16-bit
-    product operands: 16-bit inputs at a 128-wide key tile and a value tile of at least 64 only. On the H200 (triton
-    3.6, session 8) the 16-bit W / U products at K = 16 and 64 (bf16) crashed with an illegal memory access in
-    chunk_prepare_kernel or gave wrong gradients (rel. error ~1), and fp16 at K = 16 gave inf gradients; with fp32
-    operands (CHUNKWISE_PREP_WU_LOWP=0) the same tests passed. K = 128 (also K = 100, padded to 128) passed every
-    real-size test in both forms. At K = 128 with V = 16 or 32 (bf16, GDN / DeltaNet) the saving forward's stage 1
-    raised an illegal memory access too, where V = 64 and 128 ran (session 28, NOTES.md;
-    test_grads_bf16_small_tiles)."""
-    return dtype != torch.float32 and _dim(K) == 128 and _dim(V) >= 64
-
-
 def prep_config(gate: int) -> tuple[int, int, int, int]:
     """The stage-1 launch of a gate kind: PREP_CONFIG, overridden by CHUNKWISE_PREP_CONFIG
     ("gate:lowp,warps[,bkc[,form]];..." as the sweep prints it) and then by CHUNKWISE_PREP_WU_LOWP /
@@ -1415,12 +1223,6 @@ def prep_stages(gate: int = 0, dtype: torch.dtype = torch.float32, K: int = 0) -
 # 0.907 -> 0.913; the training forward's stage 1 GDN 1.413 -> 1.371, DeltaNet 0.667 -> 0.638, KDA 2.055 -> 1.972.
 # On (1) for every family. CHUNKWISE_PREP_FULL (0 / 1) overrides.
 PREP_FULL = 1
-
-
-def chunks_whole(T: int, varlen: bool) -> bool:
-    """Whether every chunk of a launch is BT rows long: no varlen and T a multiple of BT (the condition under which
-    stage 1's FULL_ROWS and the backward's FULL leave their row bounds checks out)."""
-    return not varlen and T % BT == 0
 
 
 def prep_full(T: int, K: int, V: int, varlen: bool) -> tuple[bool, bool]:
@@ -1593,31 +1395,6 @@ def _pick_stages(elt: int, BK: int, bv: int, delta: bool, p_in: bool, busy: bool
     return max(1, min(3, ((216 if t_tile and trans else 212 if t_tile else 200) * 1024) // per_stage))
 
 
-# 16-bit inputs with K above this run the chunk forward and backward in fp32 (inputs upcast, outputs and gradients
-# returned in the input dtype): on the H200 (run of e1f8201, benchmarks/results/h200/diag_e1f8201) the sm_90 builds
-# at K = 256 with fp16 inputs raised illegal memory accesses (DeltaNet's stage 1, the backward's forward state
-# pass with 16-bit products) or gave wrong gradients (KDA), while every family passed in fp32 at K = 160 and 256.
-WIDE_16BIT_K = 128
-
-
-# fp16 inputs with a per-channel gate (KDA) run the backward in fp32 on the GPU, and the forward saves nothing for it
-# (as 16-bit inputs with K > WIDE_16BIT_K; chunk_bwd, saves_stage1): on the H200 (triton 3.6) their fp16 build gave inf dk / dg / dβ (dv 1.7-2.6, at times dq 0.67) on small varlen batches
-# with grouped heads (lengths 1 / 70 / 30, V = 32) at K = 16, 32, 64 and 128, stage 1 saved or recomputed, the scaled
-# keys on or off, with the tf32x3 and tf32rn products (tf32 passed at K = 128 but is less accurate than fla at real size,
-# session 9), where the interpreter is right; the same inputs in fp32 pass there (runs of 2eb2b43, 252c515 and
-# e5e82b3 + 1, NOTES.md sessions 20 and 23). Real-size fp16 (B2-T1000-H8, K = V = 128) had passed against fla, but
-# which input property breaks the build is not isolated. CHUNKWISE_BWD_FP16_KDA_FP32=0 keeps fp16 (diagnosis).
-FP16_KDA_FP32 = 1
-
-
-def fp16_kda_in_fp32(q, g) -> bool:
-    """Whether chunk_bwd runs these inputs in fp32 and the forward saves nothing for it (FP16_KDA_FP32): fp16 with a
-    per-channel gate, a CUDA tensor outside the interpreter (or benchmarks/warm_cache.py compiling the GPU's kernels:
-    CHUNKWISE_WARM_SM90)."""
-    on_gpu = q.is_cuda or os.environ.get("CHUNKWISE_WARM_SM90") == "1"
-    return q.dtype == torch.float16 and g is not None and g.dim() == 4 and on_gpu and not _INTERPRET and \
-        _env_switch("CHUNKWISE_BWD_FP16_KDA_FP32", FP16_KDA_FP32)
-
 SEG_MIN_CHUNKS = 16   # simple GLA's segments: at least this many chunks each (the split's overhead, once per segment)
 SEG_P1_BV = 128       # simple GLA's split: the value block of its first pass (local end states), at 4 warps, 3 stages
 
@@ -1694,24 +1471,6 @@ FWD_TRANS_GLA = 0      # simple GLA: 0.469 plain against 0.526 transposed at B8-
 # 2.470 at 2), 2.630 / 2.066, 2.607 / 2.048, 2.709 / 2.146, and with steep gates (about −3 per token, every chunk
 # flagged) 7.035 / 6.436. CHUNKWISE_FWD_T_FORM (0 / 1) overrides
 FWD_T_FORM = {0: 1, 1: 1, 2: 1}
-
-
-def _torch_scratch(size: int, alignment: int, stream):
-    """Triton's scratch memory for tensor descriptors made inside a kernel, from torch's caching allocator (on the
-    current device, where Triton launches; capture-safe under CUDA graphs)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _ensure_allocator():
-    """Tensor descriptors made inside a kernel need Triton's scratch allocator: ours (_torch_scratch) unless the
-    caller has set their own."""
-    try:
-        from triton.runtime import _allocation
-        unset = isinstance(_allocation._allocator.get(), _allocation.NullAllocator)
-    except (ImportError, AttributeError):       # a triton without this internal: set ours
-        unset = True
-    if unset:
-        triton.set_allocator(_torch_scratch)
 
 
 def _env_choice(name: str, default: int, choices=range(2)) -> int:
@@ -1844,10 +1603,6 @@ def keeps_r() -> bool:
     return saves_states() or saves_r()
 
 
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
-
 # Stage 2 beside stage 1 (the delta rule, where stage 2's grid leaves SMs idle: B1-T32768-H32 runs 64-128 serial
 # programs, each latency-bound at one per SM, while stage 1 is throughput-bound): stage 1 runs its grid chunk-major
 # and publishes each chunk (ready[slot, head], release), stage 2 runs on a high-priority stream that waits for the
@@ -1873,32 +1628,6 @@ def _overlap_mode(requested, gate: int, dtype: torch.dtype, tuned: bool) -> int:
     if os.environ.get("CHUNKWISE_FWD_OVERLAP") is not None:
         return _env_choice("CHUNKWISE_FWD_OVERLAP", 0, range(3))
     return FWD_OVERLAP[gate] if tuned and dtype in (torch.bfloat16, torch.float16) else 0
-
-
-def _overlap(programs: int, n_sm: int, n_chunks: int, device: torch.device) -> bool:
-    """Whether stage 2's ``programs`` can run beside stage 1: fewer than the SMs (the spinning programs must leave
-    stage 1 an SM), at most 65535 chunks (stage 1's chunk-major grid puts them on grid axis 1)."""
-    # (benchmarks/warm_cache.py compiles the GPU's kernels from CPU tensors: CHUNKWISE_WARM_SM90)
-    return 0 < n_chunks <= 65535 and programs < n_sm and (
-        device.type == "cuda" or _INTERPRET or os.environ.get("CHUNKWISE_WARM_SM90") == "1")
-
-
-_SIDE_STREAMS: dict = {}
-
-
-def _side_stream(device: torch.device):
-    """A high-priority stream per device for a serial pass beside a chunk-parallel launch (stage 2 beside stage 1, the
-    backward's forward state pass beside its W / U launch), made to wait for the current stream's work so far: its
-    programs are placed as soon as the launch's first programs leave room, ahead of its later ones. None off CUDA
-    (the interpreter, warm_cache's CPU tensors: launches run one after the other)."""
-    if device.type != "cuda":
-        return None
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SIDE_STREAMS:
-        _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx, priority=-1)
-    side = _SIDE_STREAMS[idx]
-    side.wait_stream(torch.cuda.current_stream(device))
-    return side
 
 
 @on_tensor_device
