@@ -1,26 +1,135 @@
-"""The benchmarks' handling of fla's autotuning (benchmarks/bench_forward.py), on stand-in modules: no fla, no GPU.
-
-fla 0.6.0's autotuners read Triton's kept results from disk whenever its FLA_CACHE_RESULTS is on (the default), and
-some of their keys leave T out, so a timing of fla could run with a pick made in another run or at another shape:
-on the H200 fla's GDN forward at B1-T32768-H32 took 2.12 ms with the picks kept from one run against 1.93 ms after a
-fresh search (benchmarks/NOTES.md, session 30). fla_fresh_search must reach every autotuner fla has loaded, also
-behind triton.heuristics, and only those."""
+"""The benchmarks' harness on the CPU (torch backend, tiny shapes; no GPU, no fla): the shape registry, each
+benchmark's JSON / plot / table, the agreement check against a peer, the handling of fla's autotuning and of its
+Hopper guard (on stand-in modules), and the sweep driver's plan product."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import sys
 import types
 
 import pytest
-import triton
-import triton.language as tl
-from triton.runtime.autotuner import Autotuner
+import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+sys.path.insert(0, BENCH)
+import bench_cpu  # noqa: E402
+import bench_decode  # noqa: E402
 import bench_forward  # noqa: E402
+import bench_train  # noqa: E402
+import common  # noqa: E402
+import shapes  # noqa: E402
+import sweep  # noqa: E402
 
+import chunkwise  # noqa: E402
+
+SMOKE = "B1-T130-H2-HV4-K32"
+
+
+# -- the shape registry ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(shapes.SHAPES))
+def test_shape_name_reads_its_fields(name):
+    s = shapes.SHAPES[name]
+    assert f"-T{s.T}-H{s.H}" in name and (f"-HV{s.HV}" in name) == (s.HV != s.H)
+    assert (f"-K{s.K}" in name) == (s.K != 128)
+    assert name.startswith(f"B{s.B}-") or s.cu_seqlens is not None
+    if s.cu_seqlens is not None:
+        assert s.B == 1 and s.cu_seqlens[0] == 0 and s.cu_seqlens[-1] == s.T
+        assert all(b > a for a, b in zip(s.cu_seqlens, s.cu_seqlens[1:]))
+
+
+def test_sets_name_registered_shapes_and_resolve_keeps_order_once():
+    for names in shapes.SETS.values():
+        assert all(n in shapes.SHAPES for n in names)
+    got = [s.name for s in shapes.resolve("B8-T4096-H32,standing,few-heads")]
+    assert got[0] == "B8-T4096-H32" and len(got) == len(set(got))
+    assert set(got) == set(shapes.SETS["standing"]) | set(shapes.SETS["few-heads"])
+    assert shapes.SHAPES["varlen16-T32768-H32"].sequences == 16
+    with pytest.raises(SystemExit, match="unknown shape"):
+        shapes.resolve("standing,B3-nothing")
+
+
+@pytest.mark.parametrize("op", common.OPS)
+@pytest.mark.parametrize("name", shapes.SETS["smoke"])
+def test_make_inputs_shapes(op, name):
+    s = shapes.SHAPES[name]
+    x = shapes.make_inputs(op, s, torch.bfloat16, "cpu")
+    assert x["q"].shape == (s.B, s.T, s.H, s.K) and x["v"].shape == (s.B, s.T, s.HV, s.V)
+    assert x["q"].dtype == torch.bfloat16
+    assert (x["g"] is None) == (op == "delta") and (x["beta"] is None) == (op == "gla")
+    if x["g"] is not None:
+        assert x["g"].dtype == torch.float32 and x["g"].shape[-1] == (s.K if op == "kda" else s.HV)
+        assert bool((x["g"] <= 0).all())
+    assert torch.allclose(x["k"].float().norm(dim=-1), torch.ones(()), atol=1e-2)
+    if s.cu_seqlens is not None:
+        assert x["cu_seqlens_cpu"].tolist() == list(s.cu_seqlens)
+        assert torch.equal(x["chunk_indices"], chunkwise.prepare_chunk_indices(x["cu_seqlens_cpu"]))
+
+
+# -- each benchmark: JSON, plot, table last, exit status ---------------------------------------------------------
+
+def _run(main, argv, tmp_path, capsys):
+    rc = main(argv + ["--out", str(tmp_path), "--commit", "abc123"])
+    out = capsys.readouterr().out
+    return rc, out
+
+
+@pytest.mark.parametrize("bench, argv, json_name, cols, time_key", [
+    (bench_forward, ["--shapes", f"{SMOKE},varlen3-T130-H2-HV4-K32", "--ops", "gdn"], "bench_forward.json",
+     bench_forward.COLUMNS, "ms"),
+    (bench_train, ["--shapes", SMOKE, "--ops", "gla"], "bench_train.json", bench_train.COLUMNS, "ms"),
+    (bench_decode, ["--shapes", "B2-T1-H2-HV4-K32", "--ops", "kda"], "bench_decode.json", bench_decode.COLUMNS, "us"),
+    (bench_cpu, ["--shapes", SMOKE, "--ops", "delta", "--reps", "1"], "bench_cpu.json", bench_cpu.COLUMNS, "ms"),
+], ids=["forward", "train", "decode", "cpu"])
+def test_benchmark_writes_json_plot_and_table(bench, argv, json_name, cols, time_key, tmp_path, capsys):
+    rc, out = _run(bench.main, argv + ["--device", "cpu", "--dtype", "fp32", "--no-peers"], tmp_path, capsys)
+    assert rc == 0
+    data = json.load(open(tmp_path / json_name))
+    meta, rows = data["meta"], data["rows"]
+    for key in ("device", "torch", "triton", "fla", "commit", "date", "dtype", "benchmark"):
+        assert key in meta
+    assert meta["commit"] == "abc123" and meta["fla"] is None
+    assert rows and all(r["ok"] for r in rows)
+    assert all(r[time_key] > 0 for r in rows)                     # every row timed
+    assert os.path.getsize(tmp_path / json_name.replace(".json", ".png")) > 1000
+    table = out.rstrip().splitlines()[-(len(rows) + 2):]           # the markdown table is printed last
+    assert table[0] == "| " + " | ".join(h for h, _, _ in cols) + " |"
+    assert table[1].startswith("|---") and all(line.startswith("| ") for line in table[2:])
+
+
+def _fake_fla_gdn(shift):
+    """A stand-in for fla's chunk_gated_delta_rule: chunkwise's torch backend, its output shifted by ``shift``."""
+    def fn(q, k, v, g, beta, output_final_state=True, **kw):
+        o, ht = chunkwise.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, backend="torch")
+        return o + shift, ht
+    return fn
+
+
+@pytest.mark.parametrize("shift, rc", [(0.0, 0), (1.0, 1)], ids=["agree", "disagree"])
+def test_forward_checks_outputs_against_peer(shift, rc, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(common, "fla_op", lambda op, mode="chunk": _fake_fla_gdn(shift))
+    monkeypatch.setattr(common, "fla_fresh_search", lambda: None)
+    got, _ = _run(bench_forward.main, ["--shapes", SMOKE, "--ops", "gdn", "--dtype", "fp32", "--device", "cpu"],
+                  tmp_path, capsys)
+    row = json.load(open(tmp_path / "bench_forward.json"))["rows"][0]
+    assert got == rc and row["ok"] == (rc == 0) and row["fla_ms"] > 0
+    assert (row["o_vs_fla"] < 1e-5) == (shift == 0.0) and row["state_vs_fla"] < 1e-5
+
+
+def test_markdown_table_marks_missing_values():
+    t = common.markdown_table([dict(a=1.23456, b=None)], [("A", "a", ".2f"), ("B", "b", ".1f"), ("C", "c", "")])
+    assert t.splitlines() == ["| A | B | C |", "|---|---|---|", "| 1.23 | - | - |"]
+
+
+# -- fla's autotuning and its Hopper guard, on stand-in modules ---------------------------------------------------
 
 def _tuned(wrap: bool):
+    import triton
+    import triton.language as tl
+    from triton.runtime.autotuner import Autotuner
+
     @triton.jit
     def kernel(x, N: tl.constexpr):
         pass
@@ -34,28 +143,63 @@ def _tuned(wrap: bool):
     return at, outer
 
 
-@pytest.fixture
-def stand_ins(monkeypatch):
-    direct, direct_outer = _tuned(wrap=False)
-    wrapped, wrapped_outer = _tuned(wrap=True)
-    other, other_outer = _tuned(wrap=False)
+def test_fla_picks_are_recorded_then_forgotten(monkeypatch):
+    """fla_fresh_search reaches every autotuner fla has loaded, also behind triton.heuristics, and only those."""
+    (direct, direct_outer), (wrapped, wrapped_outer), (other, other_outer) = _tuned(False), _tuned(True), _tuned(False)
     fla_mod = types.ModuleType("fla.ops.stand_in")
     fla_mod.direct, fla_mod.wrapped = direct_outer, wrapped_outer
     other_mod = types.ModuleType("not_fla.ops")
     other_mod.kernel = other_outer
     monkeypatch.setitem(sys.modules, "fla.ops.stand_in", fla_mod)
     monkeypatch.setitem(sys.modules, "not_fla.ops", other_mod)
-    return direct, wrapped, other
-
-
-def test_fla_picks_are_recorded_then_forgotten(stand_ins):
-    direct, wrapped, other = stand_ins
-    picks = bench_forward.fla_autotune_picks()
-    assert picks["kernel"] == {"(64,)": str(direct.configs[1])}
-    assert len([a for a in bench_forward._fla_autotuners() if a in (direct, wrapped)]) == 2
-    assert other not in bench_forward._fla_autotuners()
-    bench_forward.fla_fresh_search()
+    assert common.fla_autotune_picks()["kernel"] == {"(64,)": str(direct.configs[1])}
+    assert {id(a) for a in common._fla_autotuners()} >= {id(direct), id(wrapped)}
+    assert other not in common._fla_autotuners()
+    common.fla_fresh_search()
     for at in (direct, wrapped):
         assert at.cache_results is False and at.cache == {}
     assert other.cache_results is True and other.cache      # not fla's: untouched
-    assert "kernel" not in bench_forward.fla_autotune_picks()
+    assert "kernel" not in common.fla_autotune_picks()
+
+
+@pytest.mark.parametrize("hopper, above", [(True, False), (True, True), (False, False)])
+def test_fla_hopper_guard_lifted_only_where_it_stands(hopper, above, monkeypatch):
+    mods = {n: types.ModuleType(n) for n in ("fla", "fla.ops", "fla.ops.common", "fla.ops.common.chunk_o")}
+    mods["fla"].ops, mods["fla.ops"].common, mods["fla.ops.common"].chunk_o = (
+        mods["fla.ops"], mods["fla.ops.common"], mods["fla.ops.common.chunk_o"])
+    chunk_o = mods["fla.ops.common.chunk_o"]
+    chunk_o.IS_NVIDIA_HOPPER, chunk_o.TRITON_ABOVE_3_7_1 = hopper, above
+    for n, m in mods.items():
+        monkeypatch.setitem(sys.modules, n, m)
+    with bench_train.fla_hopper_guard_lifted() as lifted:
+        assert lifted == (hopper and not above)
+        assert chunk_o.TRITON_ABOVE_3_7_1 is (above or lifted)
+    assert chunk_o.TRITON_ABOVE_3_7_1 is above
+
+
+# -- the sweep driver ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    bv: int = 64
+    num_warps: int = 4
+    tma: bool = True
+    form: str = "t"
+
+
+def test_sweep_builds_the_cartesian_product_over_the_default():
+    sets = sweep.parse_sets(_Plan, ["bv=32,64", "num_warps=4,8", "tma=false"])
+    assert sets == {"bv": [32, 64], "num_warps": [4, 8], "tma": [False]}
+    plans = sweep.product(_Plan(form="w"), sets)
+    assert len(plans) == 4 and len(set(plans)) == 4
+    assert {(p.bv, p.num_warps) for p in plans} == {(32, 4), (32, 8), (64, 4), (64, 8)}
+    assert all(p.tma is False and p.form == "w" for p in plans)   # fields not swept keep the default's value
+    assert sweep.product(_Plan(), {}) == [_Plan()]
+
+
+def test_sweep_names_unknown_fields_and_bad_values():
+    with pytest.raises(SystemExit, match="bv, num_warps, tma, form"):
+        sweep.parse_sets(_Plan, ["warps=4"])
+    with pytest.raises(SystemExit, match="num_warps"):
+        sweep.parse_sets(_Plan, ["num_warps=four"])
+    assert sweep.parse_sets(_Plan, ["form=t,w"]) == {"form": ["t", "w"]}
