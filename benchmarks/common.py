@@ -13,6 +13,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 
 import torch
@@ -266,6 +267,7 @@ def plot_bars(rows: list[dict], path: str, title: str, series: list[tuple[str, s
         ax.set_title(op, fontsize=9)
         ax.set_ylabel(ylabel, fontsize=8)
         ax.legend(fontsize=7)
-    fig.suptitle(title)
+    # wrapped to the figure's width: constrained layout makes room for the title's height, not its width
+    fig.suptitle(textwrap.fill(title, width=int(fig.get_figwidth() * 9)), fontsize=11)
     fig.savefig(path, dpi=110)
     plt.close(fig)
