@@ -17,7 +17,6 @@ bench_decode.png to --out and prints a markdown table last. Exit status 1 if an 
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -113,14 +112,9 @@ def main(argv=None) -> int:
     ops, shapes = common.parse_ops(args.ops), resolve(args.shapes)
     fla = {} if args.no_peers else {op: common.fla_op(op, "recurrent") for op in ops}
     bw = copy_tbps(args.device)
-    rows = []
-    for s in shapes:
-        for op in ops:
-            for mode in ("state", "pool"):
-                row = bench_one(op, s, mode, args, fla.get(op), bw)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-    meta = common.metadata(args, benchmark="decode", copy_TBps=bw,
+    rows, cut = common.collect((lambda s=s, op=op, mode=mode: bench_one(op, s, mode, args, fla.get(op), bw)
+                                for s in shapes for op in ops for mode in ("state", "pool")), args.device)
+    meta = common.metadata(args, benchmark="decode", copy_TBps=bw, cut_short=cut,
                            timing="triton.testing.do_bench median (us); graph: CUDA graph replay")
     common.write_json(os.path.join(args.out, "bench_decode.json"), meta, rows)
     for r in rows:
@@ -133,7 +127,7 @@ def main(argv=None) -> int:
     print(f"\nDecode, {args.dtype}, {meta['device']}{bws}, torch {meta['torch']}, triton {meta['triton']}, "
           f"fla {meta['fla']}, commit {str(meta['commit'])[:10]}, {meta['date']}\n")
     print(common.markdown_table(rows, COLUMNS))
-    return 0 if all(r["ok"] for r in rows) else 1
+    return 0 if all(r["ok"] for r in rows) and not cut else 1
 
 
 if __name__ == "__main__":

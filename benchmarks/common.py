@@ -18,9 +18,6 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from shapes import Shape, resolve  # noqa: E402,F401  (re-exported for the benchmarks)
-
 OPS = ("gdn", "kda", "delta", "gla")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
           "fp32": torch.float32, "float32": torch.float32}
@@ -226,6 +223,24 @@ def metadata(args, **extra) -> dict:
                 backend=backend_of(args), **extra)
 
 
+def collect(jobs, device, on_row=None) -> tuple[list[dict], bool]:
+    """Run each job (a callable returning a row) in order, printing each row as a JSON line as it comes. A SIGINT
+    (gpu_run.sh ends a phase at its limit with ``timeout -s INT``) stops the loop: returns (rows so far, True)."""
+    rows = []
+    try:
+        for job in jobs:
+            rows.append(job())
+            print(json.dumps(rows[-1], default=str), flush=True)
+            if on_row is not None:
+                on_row(rows)
+            if torch.device(device).type == "cuda":
+                torch.cuda.empty_cache()
+    except KeyboardInterrupt:
+        print(f"interrupted: keeping the {len(rows)} rows timed so far", file=sys.stderr)
+        return rows, True
+    return rows, False
+
+
 def write_json(path: str, meta: dict, rows: list[dict]) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as fh:
@@ -250,6 +265,8 @@ def plot_bars(rows: list[dict], path: str, title: str, series: list[tuple[str, s
         import matplotlib.pyplot as plt
     except ImportError:
         print("plot skipped: matplotlib is not installed", file=sys.stderr)
+        return
+    if not rows:
         return
     ops = list(dict.fromkeys(r["op"] for r in rows))
     series = [(label, key) for label, key in series if any(r.get(key) for r in rows)]
