@@ -45,7 +45,8 @@ def plan_api(stage: str):
 
 
 def _parse(text: str, hint):
-    """One value of a field whose type hint is ``hint``."""
+    """One value of a field whose type hint is ``hint`` (bool: true / false / 1 / 0; none: None; a collection or
+    anything else: a Python literal, such as {"fwd_h", "bwd_dh"} for a frozenset)."""
     if text.lower() == "none":
         return None
     args = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -58,9 +59,13 @@ def _parse(text: str, hint):
     if hint in (int, float, str):
         return hint(text)
     try:
-        return ast.literal_eval(text)
+        value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
         return text
+    kind = typing.get_origin(hint) or hint
+    if kind in (frozenset, tuple, list, set, dict) and isinstance(value, (set, tuple, list, dict)):
+        return kind(() if value == {} and kind is not dict else value)       # {} is an empty set there
+    return value
 
 
 def parse_sets(cls, specs: list[str]) -> dict[str, list]:
@@ -100,6 +105,15 @@ def product(default, sets: dict[str, list]) -> list:
     return [dataclasses.replace(default, **dict(zip(names, combo))) for combo in itertools.product(*sets.values())]
 
 
+def _unique(plans: list) -> list:
+    """The plans in order, each once (by equality: a plan may hold a dict, so it need not hash)."""
+    out = []
+    for p in plans:
+        if p not in out:
+            out.append(p)
+    return out
+
+
 def _bind(fn, ctx: dict):
     """Call fn with the arguments its signature names, taken from ctx by name."""
     params = inspect.signature(fn).parameters
@@ -107,6 +121,12 @@ def _bind(fn, ctx: dict):
     if missing:
         raise SystemExit(f"sweep.py cannot fill {fn.__qualname__}'s arguments {missing} (it knows {sorted(ctx)})")
     return fn(**{n: ctx[n] for n in params if n in ctx})
+
+
+def target_arch(device) -> int | None:
+    """The CUDA architecture the kernels are built for (the default plans depend on it)."""
+    from chunkwise.triton.common import target_arch as arch
+    return arch(torch.device(device))
 
 
 def runner(stage: str, launcher, x: dict, op: str):
@@ -139,7 +159,8 @@ def main(argv=None) -> int:
         for op in common.parse_ops(args.ops):
             x = make_inputs(op, s, dtype, dev)
             ctx = dict(x, op=op, family=op, dtype=dtype, device=torch.device(dev), K=s.K, V=s.V, H=s.H, HV=s.HV,
-                       B=s.B, T=s.T, varlen=s.cu_seqlens is not None, stage=args.stage)
+                       B=s.B, T=s.T, varlen=s.cu_seqlens is not None, stage=args.stage, arch=target_arch(dev),
+                       gate={"delta": 0, "gdn": 1, "gla": 1, "kda": 2}[op], delta=op != "gla")
             default = _bind(default_fn, ctx)
             if args.list:
                 print(f"{s.name} {op}: {default}")
@@ -147,7 +168,7 @@ def main(argv=None) -> int:
             run = runner(args.stage, launcher, x, op)
             with torch.no_grad():
                 ref = [t for t in run(default) if isinstance(t, torch.Tensor)]
-                for plan in dict.fromkeys([default, *product(default, sets)]):
+                for plan in _unique([default, *product(default, sets)]):
                     row = dict(shape=s.name, op=op, default=plan == default,
                                plan={n: getattr(plan, n) for n in sets} or dataclasses.asdict(plan))
                     try:

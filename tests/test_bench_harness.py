@@ -185,21 +185,27 @@ class _Plan:
     num_warps: int = 4
     tma: bool = True
     form: str = "t"
+    full: frozenset = frozenset()
+    caps: dict = dataclasses.field(default_factory=dict)      # a plan need not hash
 
 
 def test_sweep_builds_the_cartesian_product_over_the_default():
     sets = sweep.parse_sets(_Plan, ["bv=32,64", "num_warps=4,8", "tma=false"])
     assert sets == {"bv": [32, 64], "num_warps": [4, 8], "tma": [False]}
     plans = sweep.product(_Plan(form="w"), sets)
-    assert len(plans) == 4 and len(set(plans)) == 4
+    assert len(plans) == 4 and len(sweep._unique(plans)) == 4
     assert {(p.bv, p.num_warps) for p in plans} == {(32, 4), (32, 8), (64, 4), (64, 8)}
     assert all(p.tma is False and p.form == "w" for p in plans)   # fields not swept keep the default's value
     assert sweep.product(_Plan(), {}) == [_Plan()]
 
 
 def test_sweep_names_unknown_fields_and_bad_values():
-    with pytest.raises(SystemExit, match="bv, num_warps, tma, form"):
+    with pytest.raises(SystemExit, match="bv, num_warps, tma, form, full, caps"):
         sweep.parse_sets(_Plan, ["warps=4"])
     with pytest.raises(SystemExit, match="num_warps"):
         sweep.parse_sets(_Plan, ["num_warps=four"])
     assert sweep.parse_sets(_Plan, ["form=t,w"]) == {"form": ["t", "w"]}
+    sets = sweep.parse_sets(_Plan, ['full={"fwd_h", "bwd_dh"},{}', 'caps={"wu": 168},{}'])
+    assert sets == {"full": [frozenset({"fwd_h", "bwd_dh"}), frozenset()], "caps": [{"wu": 168}, {}]}
+    plans = sweep._unique([_Plan(), *sweep.product(_Plan(), sets)])
+    assert len(plans) == 4 and plans[0] == _Plan()
