@@ -1,7 +1,7 @@
 """Offline tools for the Triton kernels: sm_90 builds without a GPU, and profiling helpers.
 
-    python benchmarks/tools.py ptx --out DIR [--src PATH] [--cases REGEX] [--list]
-    python benchmarks/tools.py ptx-diff A B [--context 8]
+    python benchmarks/tools.py ptx --out DIR [--src PATH] [--cases REGEX] [--jobs N] [--list]
+    python benchmarks/tools.py ptx-diff A B [--context 8] [--max 3]
     python benchmarks/tools.py warm [--cases REGEX] [--out .triton_sm90/cache.tgz] [-- PYTEST ARGS]
     python benchmarks/tools.py sass PATH [--kernel REGEX] [--lines N]
     python benchmarks/tools.py ncu [--kernels REGEX] [--log FILE] -- COMMAND ...   |   ncu --summary FILE
@@ -309,6 +309,11 @@ def cmd_ptx(a):
         print("\n".join(c["name"] for c in cases))
         return 0
     os.makedirs(os.path.join(a.out, "ptx"), exist_ok=True)
+    if a.jobs > 1:
+        return ptx_jobs(a, cases)
+    if a.part:          # one of ptx_jobs' workers: every a.jobs-th family
+        i, n = map(int, a.part.split("/"))
+        cases = [c for c in cases if list(FAMILIES).index(c["fam"]) % n == i]
     # a fresh Triton cache (kept: its raw PTX / TTGIR by the manifest's "build" hash)
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="cache_", dir=a.out)
     install_sm90(ptx_only=True)
@@ -318,6 +323,16 @@ def cmd_ptx(a):
     plan_decode_as_gpu()
     torch.manual_seed(0)
     memo, manifest, t0 = {}, {}, time.time()
+
+    def write(done):
+        info = dict(src=os.path.dirname(chunkwise.__file__), triton=triton.__version__, torch=torch.__version__,
+                    cases=len(cases), done=done, launches=sum(len(m["launches"]) for m in manifest.values()),
+                    builds=len(memo), distinct_ptx=len({m["sha"] for m in memo.values()}),
+                    kernels=len({m["kernel"] for m in memo.values()}), seconds=round(time.time() - t0))
+        with open(os.path.join(a.out, f"manifest{'.' + a.part.replace('/', 'of') if a.part else ''}.json"), "w") as fh:
+            json.dump(dict(info=info, cases=manifest), fh, indent=1)
+        return info
+
     for i, c in enumerate(cases):
         LAUNCHES.clear()
         t = time.time()
@@ -330,12 +345,29 @@ def cmd_ptx(a):
         manifest[c["name"]] = dict(launches=launches, **({"error": error} if error else {}))
         print(f"[{i + 1}/{len(cases)}] {c['name']}: {len(launches)} launches, {time.time() - t:.1f} s"
               + (f"  ERROR {error}" if error else ""), flush=True)
-    info = dict(src=os.path.dirname(chunkwise.__file__), triton=triton.__version__, torch=torch.__version__,
-                cases=len(cases), launches=sum(len(m["launches"]) for m in manifest.values()),
-                builds=len(memo), distinct_ptx=len({m["sha"] for m in memo.values()}),
-                kernels=len({m["kernel"] for m in memo.values()}), seconds=round(time.time() - t0))
+        if i % 50 == 49:        # (a partial manifest while it runs)
+            write(i + 1)
+    print(json.dumps(write(len(cases))))
+    return 0
+
+
+def ptx_jobs(a, cases) -> int:
+    """The cases in ``a.jobs`` processes, by family (each with its own Triton cache); one manifest."""
+    t0, argv = time.time(), [sys.executable, os.path.abspath(__file__), "ptx", "--out", a.out]
+    argv += (["--src", a.src] if a.src else []) + (["--cases", a.cases] if a.cases else [])
+    procs = [subprocess.Popen(argv + ["--part", f"{i}/{a.jobs}"]) for i in range(a.jobs)]
+    if any(p.wait() for p in procs):
+        sys.exit("ptx: a worker failed")
+    parts = [json.load(open(os.path.join(a.out, f"manifest.{i}of{a.jobs}.json"))) for i in range(a.jobs)]
+    merged = {k: v for p in parts for k, v in p["cases"].items()}
+    info = dict(parts[0]["info"], cases=len(cases), done=len(merged), seconds=round(time.time() - t0), jobs=a.jobs)
+    for key in ("launches", "builds"):
+        info[key] = sum(p["info"][key] for p in parts)
+    builds = [x for c in merged.values() for x in c["launches"]]
+    info.update(distinct_ptx=len({x["sha"] for x in builds}), kernels=len({x["kernel"] for x in builds}))
     with open(os.path.join(a.out, "manifest.json"), "w") as fh:
-        json.dump(dict(info=info, cases=manifest), fh, indent=1)
+        json.dump(dict(info=info, cases={c["name"]: merged[c["name"]] for c in cases if c["name"] in merged}), fh,
+                  indent=1)
     print(json.dumps(info))
     return 0
 
@@ -361,7 +393,7 @@ def pair_launches(la: list, lb: list) -> list:
 
 def cmd_diff(a):
     A, B = (json.load(open(os.path.join(d, "manifest.json"))) for d in (a.a, a.b))
-    rows, details, one_sided, errors = {}, [], [], []
+    rows, details, one_sided, errors, seen = {}, [], [], [], set()
     for name in sorted(set(A["cases"]) | set(B["cases"])):
         ca, cb = A["cases"].get(name), B["cases"].get(name)
         if ca is None or cb is None:
@@ -380,14 +412,19 @@ def cmd_diff(a):
             row = rows.setdefault(key, dict(launches=0, same=set(), diff=set()))
             row["launches"] += 1
             row["same" if same else "diff"].add((x["sha"], y["sha"]))
-            if not same and (x["sha"], y["sha"], str(x["meta"]), str(y["meta"])) not in {d[0] for d in details}:
-                details.append(((x["sha"], y["sha"], str(x["meta"]), str(y["meta"])), name, i, x, y))
+            if not same and (x["sha"], y["sha"], str(x["meta"]), str(y["meta"])) not in seen:
+                seen.add((x["sha"], y["sha"], str(x["meta"]), str(y["meta"])))
+                details.append((key, name, i, x, y))
     w = max([len(k) for k in rows] + [6])
     print(f"{'kernel':{w}s}  launches  builds  identical  DIFFERENT")
     for key, r in sorted(rows.items()):
         n = len(r["same"] | r["diff"])
         print(f"{key:{w}s}  {r['launches']:8d}  {n:6d}  {len(r['same']):9d}  {len(r['diff']):9d}")
-    for _, name, i, x, y in details:
+    shown = {}
+    for key, name, i, x, y in details:
+        shown[key] = shown.get(key, 0) + 1
+        if shown[key] > a.max:
+            continue
         print(f"\nDIFFERENT {name} #{i} {x['kernel']} -> {y['kernel']}")
         for k in sorted(set(x["meta"]) | set(y["meta"])):
             if x["meta"].get(k) != y["meta"].get(k):
@@ -401,13 +438,15 @@ def cmd_diff(a):
             diff = list(difflib.unified_diff(pa, pb, "a", "b", n=2, lineterm=""))
             print("\n".join("  " + ln for ln in diff[2:2 + a.context * 3]))
             print(f"  ({sum(ln[:1] in '+-' for ln in diff[2:])} lines differ; {a.a}/ptx/{x['sha']}.ptx)")
+    for key, n in shown.items():
+        if n > a.max:
+            print(f"\n({key}: {n - a.max} more differing builds not shown; --max)")
     for line in one_sided + errors:
         print(line)
     n_diff = sum(len(r["diff"]) for r in rows.values())
     print(f"\n{sum(r['launches'] for r in rows.values())} launches paired, {n_diff} differing builds, "
           f"{len(one_sided)} one-sided, {len(errors)} changed errors")
     return 1 if n_diff or one_sided or errors else 0
-
 
 
 # ----------------------------------------------------------------------------------------------
@@ -557,22 +596,26 @@ def cmd_ncu(a):
     ncu_summary(a.summary or a.log)
     return 0
 
+
 # ----------------------------------------------------------------------------------------------
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("ptx", help="build every case's kernels for sm_90 and record their normalized PTX")
     p.add_argument("--out", required=True)
     p.add_argument("--src", help="a src/ directory to import chunkwise from (another tree)")
     p.add_argument("--cases", help="only the cases whose name matches this regex")
     p.add_argument("--list", action="store_true", help="list the cases and stop")
+    p.add_argument("--jobs", type=int, default=1, help="processes (by family; only where cores are idle)")
+    p.add_argument("--part", help=argparse.SUPPRESS)
     p.set_defaults(fn=cmd_ptx)
     p = sub.add_parser("ptx-diff", help="compare two ptx outputs; exit 1 if a launch differs")
     p.add_argument("a")
     p.add_argument("b")
     p.add_argument("--context", type=int, default=8, help="diff lines shown per differing build (x3)")
+    p.add_argument("--max", type=int, default=3, help="differing builds shown per kernel")
     p.set_defaults(fn=cmd_diff)
     p = sub.add_parser("warm", help="fill and pack Triton's cache for an sm_90 device run (real ptxas)")
     p.add_argument("--cases", help="the ptx cases whose name matches this regex")
