@@ -552,34 +552,8 @@ def test_state_pool(fam, lengths, pool_dtype, transpose):
 
 
 # ----------------------------------------------------------------------------------------------
-# contract details: NaN, scale, dtypes
+# contract details: scale, dtypes (NaN: test_nan.py)
 # ----------------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("form", ["chunk", "recurrent"])
-@pytest.mark.parametrize("which", ["q", "k", "v", "g", "beta", "h0"])
-@pytest.mark.parametrize("fam", FAMS)
-def test_nan_propagates(fam, which, form):
-    inp = make_inputs(fam, B=2, T=100, dtype=torch.float32)
-    x = getattr(inp, which)
-    if x is None:                                                  # this family has no such input
-        assert (which == "g" and FAMILIES[fam].gate == "none") or (which == "beta" and not FAMILIES[fam].delta)
-        return
-    t = 70
-    if which == "h0":
-        x[1, 0, 0, 0] = float("nan")
-    else:
-        x[1, t] = float("nan")
-    op = (CHUNK_OPS if form == "chunk" else RECURRENT_OPS)[fam]
-    o, ht = call(op, inp)
-    assert torch.isfinite(o[0]).all() and torch.isfinite(ht[0]).all(), "the other sequence must stay finite"
-    if which == "q":
-        assert o[1, t].isnan().any()
-        assert torch.isfinite(ht[1]).all()
-    else:
-        first = 0 if which == "h0" else t
-        assert all(o[1, s].isnan().any() for s in range(first, 100)), "NaN must reach every later output"
-        assert ht[1].isnan().any()
-
 
 @pytest.mark.parametrize("form", ["chunk", "recurrent"])
 @pytest.mark.parametrize("fam", FAMS)

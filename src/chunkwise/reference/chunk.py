@@ -91,16 +91,54 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, 
                   dtype=torch.float32):
     """The chunk algorithm (see `_chunk_forward` for the shapes), differentiable through autograd.
 
+    A non-finite input reaches earlier tokens of its chunk through the triangular products (0 · NaN
+    is NaN), which the recurrence never does; `_causal_nonfinite` puts those tokens right.
+
     On the CPU, without autograd and with several torch threads, the q/k head groups are split over
     that many Python threads that each run `_chunk_forward` single-threaded (the matrix products
     release the GIL). Every op of the chunk loop is small ([B·HV, C, ·], ~0.5 MB), so splitting the
     heads scales far better than intra-op OpenMP threads, which synchronise ~20 times per chunk and
     stall whenever a core is busy. The result is bit-identical to the single-threaded call.
     """
+    o, S, finite = _chunk_forward_heads(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, dtype)
+    # a non-finite k, v, g or β always leaves the final state non-finite, so a check of the state is all the
+    # finite case pays (q enters its own token's row only and cannot reach an earlier one)
+    if not finite:
+        o = _causal_nonfinite(o, q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, dtype)
+    return o, S
+
+
+def _causal_nonfinite(o, q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, dtype):
+    """o with the tokens before each sequence's first non-finite input (any of q, k, v, g, β) taken
+    from a run on that sequence's prefix alone (its later tokens zeroed), as the recurrence gives them;
+    tokens at or after it keep the run's values. The zeroed tokens meet the prefix's rows only through
+    products with the triangular zeros, so those rows are the same as with any finite input there."""
+    after = None                                                        # [B, T]: at or after a non-finite input
+    for x in (q, k, v, g, beta):
+        if x is not None:
+            bad = ~torch.isfinite(x).flatten(2).all(-1)
+            after = bad if after is None else after | bad
+    if not bool(after.any()):
+        return o                                                         # finite inputs that overflowed
+    count = after.cumsum(1)                                              # non-finite tokens up to each one
+    if cu_seqlens is not None:                                           # counted from each sequence's start
+        start = torch.cat([count.new_zeros(1, 1), count], 1)[0, cu_seqlens[:-1].long()]
+        count = count - start.repeat_interleave((cu_seqlens[1:] - cu_seqlens[:-1]).long())[None]
+    after = count > 0
+    clean = [None if x is None else x.masked_fill(after.view(*after.shape, *[1] * (x.dim() - 2)), 0)
+             for x in (q, k, v, g, beta)]
+    o_prefix = _chunk_forward_heads(*clean, scale, initial_state, cu_seqlens, chunk_size, dtype)[0]
+    return torch.where(after[:, :, None, None], o, o_prefix)
+
+
+def _chunk_forward_heads(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, dtype):
+    """`_chunk_forward`, its heads split over threads where that pays (see `chunk_forward`).
+    Returns (o, final state, whether the final state is finite)."""
     workers = min(torch.get_num_threads(), q.shape[2])
     if (workers < 2 or q.device.type != "cpu"
             or _needs_grad(q, k, v, g, beta, initial_state)):
-        return _chunk_forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, dtype)
+        o, S = _chunk_forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, dtype)
+        return o, S, bool(torch.isfinite(S).all())
     H, HV = q.shape[2], v.shape[2]
     bounds = [H * i // workers for i in range(workers + 1)]            # q/k heads of each worker
     group = HV // H
@@ -108,19 +146,20 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, 
     def part(i):
         qk, vh = slice(bounds[i], bounds[i + 1]), slice(bounds[i] * group, bounds[i + 1] * group)
         torch.set_num_threads(1)
-        return _chunk_forward(q[:, :, qk], k[:, :, qk], v[:, :, vh], None if g is None else g[:, :, vh],
+        o, S = _chunk_forward(q[:, :, qk], k[:, :, qk], v[:, :, vh], None if g is None else g[:, :, vh],
                               None if beta is None else beta[:, :, vh], scale,
                               None if initial_state is None else initial_state[:, vh], cu_seqlens,
                               chunk_size, dtype)
+        return o, S, bool(torch.isfinite(S).all())     # (checked here, single-threaded, while S is in cache)
 
     threads = torch.get_num_threads()
     try:
         results = list(_pool(workers).map(part, range(workers)))
     finally:
         torch.set_num_threads(threads)      # the MKL / OpenMP setting is process-wide: restore it
-    # (the parts are concatenated here: workers writing their heads into one shared output measured
-    # 4-6 % slower with one chunk per step, equal with blocks of chunks: 114.5 vs 116.1 ms)
-    return torch.cat([o for o, _ in results], 2), torch.cat([S for _, S in results], 1)
+    # (the parts are concatenated here: workers writing their heads into one shared output were no faster)
+    return (torch.cat([o for o, _, _ in results], 2), torch.cat([S for _, S, _ in results], 1),
+            all(finite for _, _, finite in results))
 
 
 def _chunk_forward(
