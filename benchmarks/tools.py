@@ -186,7 +186,7 @@ DIMS = ((128, 128), (64, 64), (256, 256), (100, 100))
 def case(fam, form, dtype, B, T, H, HV=None, K=128, V=None, *, train=False, lens=None, host=False, h0=None,
          ht=False, tr=False, pool=None, beta32=False) -> dict:
     """One call of the public API. lens: varlen sequence lengths (B = 1, T = their sum); host: with
-    cu_seqlens_cpu and chunk_indices; h0: None / "fp32" / "bf16" initial state; ht: output_final_state (and its
+    cu_seqlens_cpu and chunk_indices; h0: None or the initial state's dtype ("fp32", "bf16", "fp16"); ht: output_final_state (and its
     gradient used); tr: transpose_state_layout; pool: a state pool of that dtype (recurrent, state_indices);
     beta32: beta as logits through use_beta_sigmoid_in_kernel (fp32 beta with 16-bit q)."""
     HV, V = HV or H, V or K
@@ -208,15 +208,20 @@ def all_cases() -> list:
             for K, V in DIMS:
                 for train in (True, False):
                     c = dict(K=K, V=V, train=train)
-                    cases += [case(fam, "chunk", dt, 2, 128, 2, **c, h0="fp32", ht=True),
-                              case(fam, "chunk", dt, 2, 130, 2, 4, **c),
-                              case(fam, "chunk", dt, 1, 0, 2, 4, **c, lens=(1, 63, 66), h0="fp32", ht=True, tr=True),
-                              case(fam, "chunk", dt, 1, 0, 2, 4, **c, lens=(1, 63, 66), host=True, h0="fp32",
-                                   ht=True, tr=True)]
+                    cases += [case(fam, "chunk", dt, 2, 128, 2, **c, h0="fp32", ht=True, tr=True),
+                              case(fam, "chunk", dt, 2, 130, 2, 4, **c, ht=True),
+                              case(fam, "chunk", dt, 1, 0, 2, 4, **c, lens=(1, 63, 66), h0="fp32"),
+                              case(fam, "chunk", dt, 1, 0, 2, 4, **c, lens=(1, 63, 66), host=True, h0="fp32")]
                 cases += [case(fam, "recurrent", dt, 3, 1, 2, 4, K=K, V=V, h0="fp32", ht=True),
                           case(fam, "recurrent", dt, 1, 0, 2, K=K, V=V, lens=(3, 4), h0="fp32", ht=True, tr=True),
+                          case(fam, "recurrent", dt, 2, 3, 2, K=K, V=V, ht=True),
                           case(fam, "recurrent", dt, 3, 1, 2, K=K, V=V, h0="fp32", pool="fp32"),
                           case(fam, "recurrent", dt, 4, 2, 2, 4, K=K, V=V, h0="fp32", pool="fp32", tr=True)]
+            for train in (True, False):
+                # K != V (Mamba2's d_state 128 / headdim 64; context parallelism runs V + K value columns), T = 1
+                cases += [case(fam, "chunk", dt, 2, 130, 2, 4, K=128, V=64, train=train, ht=True),
+                          case(fam, "chunk", dt, 2, 130, 2, 4, K=128, V=256, train=train, ht=True),
+                          case(fam, "chunk", dt, 1, 1, 2, K=64, train=train, h0="fp32", ht=True)]
             # the plans of the benchmark shapes (B1-T32768-H32, B8-T4096-H32, B4-T8192-H16/HV32, varlen16-T32768-H32):
             # a plan depends on the programs per SM (B·HV) and, for simple GLA's segments, on the chunks per
             # sequence; shorter T with the same plans keeps the CPU tensors small. K = V = 128.
@@ -227,9 +232,11 @@ def all_cases() -> list:
             for B, H, HV in ((256, 32, 32), (16, 32, 32), (4, 16, 32), (1, 2, 8)):
                 cases.append(case(fam, "recurrent", dt, B, 1, H, HV, h0="fp32", ht=True))
             if dt != "fp32":
-                # prelude-made dtypes: bf16 initial states / pools, fp32 beta from use_beta_sigmoid_in_kernel
-                cases += [case(fam, "chunk", dt, 2, 128, 2, train=True, h0="bf16", ht=True),
-                          case(fam, "chunk", dt, 2, 128, 2, h0="bf16", ht=True, tr=True),
+                # other dtypes the arguments may take: states in the input dtype, bf16 pools, fp32 beta (logits
+                # through use_beta_sigmoid_in_kernel)
+                cases += [case(fam, "chunk", dt, 2, 128, 2, train=True, h0=dt, ht=True),
+                          case(fam, "chunk", dt, 2, 128, 2, h0=dt, ht=True, tr=True),
+                          case(fam, "recurrent", dt, 3, 1, 2, h0=dt, ht=True),
                           case(fam, "recurrent", dt, 3, 1, 2, h0="bf16", pool="bf16")]
                 if FAMILIES[fam][3]:
                     cases += [case(fam, "chunk", dt, 2, 128, 2, train=True, beta32=True),
@@ -263,7 +270,7 @@ def run_case(c: dict):
         if c["host"]:
             kw.update(cu_seqlens_cpu=cu.clone(), chunk_indices=chunkwise.prepare_chunk_indices(cu))
     state = (V, K) if c["tr"] else (K, V)
-    sdt = torch.float32 if (c["pool"] or c["h0"]) == "fp32" else torch.bfloat16
+    sdt = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(c["pool"] or c["h0"], torch.float32)
     if c["pool"]:
         kw["initial_state"] = torch.zeros(N + 1, HV, *state, dtype=sdt)
         kw["state_indices"] = torch.tensor([-1 if i == 1 else N - i for i in range(N)], dtype=torch.int32)
