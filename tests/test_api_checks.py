@@ -156,6 +156,20 @@ def test_float64_on_triton():
     expect(CHUNK_OPS["gdn"], kw, TypeError, "float64", "backend='torch'")
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_float64_initial_state_gives_fp32_final_state(backend):
+    """With fp32 q a float64 initial state is read in fp32, on either backend: the final state is fp32 (and
+    its gradient comes back in float64, the dtype it was given in)."""
+    kw = valid("gdn", backend=backend)
+    h0 = kw["initial_state"].double().requires_grad_()
+    o, ht = CHUNK_OPS["gdn"](**{**kw, "initial_state": h0})
+    assert ht.dtype == torch.float32
+    o32, ht32 = CHUNK_OPS["gdn"](**{**kw, "initial_state": kw["initial_state"].float()})
+    assert torch.equal(o, o32) and torch.equal(ht, ht32)
+    (o.sum() + ht.sum()).backward()
+    assert h0.grad.dtype == torch.float64
+
+
 # ---------------------------------------------------------------------------------------------- g, beta
 
 @pytest.mark.parametrize("fam,mode", [p for p in BOTH if FAMILIES[p.values[0]].gate != "none"])

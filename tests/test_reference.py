@@ -582,9 +582,13 @@ def test_output_dtypes(fam, form, dtype):
     o_ref, h_ref = reference(inp)
     assert_close(o, o_ref, TOL[dtype], "o")
     assert_close(ht, h_ref, TOL[dtype], "final state")
-    # the state given in bf16 is read (in fp32) and still gives an fp32 final state
-    o2, ht2 = call(op, inp, h0=inp.h0.to(torch.bfloat16))
-    assert ht2.dtype == ht.dtype and o2.dtype == dtype
+    # a state given in another dtype is read in the state's dtype (fp32; float64 with float64 q): the final
+    # state comes back in that dtype, the same values as with the state given in it
+    for h0_dtype in (torch.bfloat16, torch.float32, F64):
+        o2, ht2 = call(op, inp, h0=inp.h0.to(h0_dtype))
+        assert ht2.dtype == ht.dtype and o2.dtype == dtype
+        if h0_dtype != torch.bfloat16:
+            assert torch.equal(ht2, call(op, inp, h0=inp.h0.to(h0_dtype).to(ht.dtype))[1])
     _, none = call(op, inp, final=False)
     assert none is None
 

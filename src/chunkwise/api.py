@@ -253,8 +253,10 @@ def _choose_backend(backend: str, device: torch.device, K: int, V: int) -> str:
     return "triton"
 
 
-def _compute_dtype(*xs) -> torch.dtype:
-    return torch.float64 if any(x is not None and x.dtype == torch.float64 for x in xs) else torch.float32
+def _compute_dtype(q: torch.Tensor, initial_state=None) -> torch.dtype:
+    """The state's dtype: float32, or float64 where q is float64 (the torch backend). `run` reads an initial
+    state of any other float dtype in it, so the final state always comes back in this dtype."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
 def _to_kv(state, transpose_state_layout):
@@ -302,7 +304,10 @@ def run(fam: Family, mode: str, q, k, v, g, beta, scale, initial_state, output_f
         A_log=None, dt_bias=None, lower_bound=None, transpose_state_layout=False, chunk_size=32,
         backend="auto", cu_seqlens_cpu=None, chunk_indices=None, state_indices=None,
         allow_neg_eigval=False, safe_gate=False, g_gamma=None, state_v_first=False):
-    """The one path behind every public op. mode: "chunk" or "recurrent"."""
+    """The one path behind every public op. mode: "chunk" or "recurrent".
+
+    The state is float32, or float64 where q is float64 (the torch backend): an initial state of any float dtype
+    is read in it and the final state comes back in it (a pool, ``state_indices``, keeps its own dtype)."""
     g, transpose_state_layout = _fla_options(fam, v, g, use_beta_sigmoid_in_kernel, use_gate_in_kernel,
                                              lower_bound, allow_neg_eigval, safe_gate, g_gamma,
                                              transpose_state_layout, state_v_first)
@@ -315,9 +320,14 @@ def run(fam: Family, mode: str, q, k, v, g, beta, scale, initial_state, output_f
     q, k, g, beta = _prelude(fam, q, k, g, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
                              use_gate_in_kernel, A_log, dt_bias, lower_bound, allow_neg_eigval)
     which = _choose_backend(backend, q.device, K, V)
+    if (initial_state is not None and state_indices is None and initial_state.dtype == torch.float64
+            and q.dtype != torch.float64):
+        # read in fp32 like any other dtype, so that the final state comes back in fp32 (a pool, state_indices,
+        # is written back in place, in its own dtype)
+        initial_state = initial_state.float()
 
     if which == "triton":
-        if q.dtype == torch.float64 or (initial_state is not None and initial_state.dtype == torch.float64):
+        if q.dtype == torch.float64:
             raise TypeError("the triton backend takes float16, bfloat16 or float32 tensors, not float64; use backend='torch'")
         if (mode == "chunk" and cu_seqlens is not None and chunk_indices is None and cu_seqlens_cpu is not None
                 and not torch.compiler.is_compiling()):
