@@ -118,6 +118,25 @@ def test_forward_checks_outputs_against_peer(shift, rc, tmp_path, capsys, monkey
     assert (row["o_vs_fla"] < 1e-5) == (shift == 0.0) and row["state_vs_fla"] < 1e-5
 
 
+def test_collect_keeps_the_rows_before_an_interrupt(capsys):
+    """gpu_run.sh ends a phase at its limit with SIGINT: the rows timed so far are kept (and printed as they came)."""
+    def stop():
+        raise KeyboardInterrupt
+    seen = []
+    rows, cut = common.collect([lambda: dict(a=1), lambda: dict(a=2), stop, lambda: dict(a=3)], "cpu",
+                               on_row=lambda rows: seen.append(len(rows)))
+    assert rows == [dict(a=1), dict(a=2)] and cut and seen == [1, 2]
+    assert capsys.readouterr().out.splitlines() == ['{"a": 1}', '{"a": 2}']
+    assert common.collect([lambda: dict(a=1)], "cpu") == ([dict(a=1)], False)
+
+
+def test_gpu_run_refuses_unknown_phases(tmp_path):
+    import subprocess
+    p = subprocess.run(["bash", os.path.join(BENCH, "gpu_run.sh"), "forwrad"], capture_output=True, text=True,
+                       env=dict(os.environ, OUT=str(tmp_path)), timeout=60)
+    assert p.returncode == 2 and "unknown argument forwrad" in p.stderr and not os.listdir(tmp_path)
+
+
 def test_markdown_table_marks_missing_values():
     t = common.markdown_table([dict(a=1.23456, b=None)], [("A", "a", ".2f"), ("B", "b", ".1f"), ("C", "c", "")])
     assert t.splitlines() == ["| A | B | C |", "|---|---|---|", "| 1.23 | - | - |"]
