@@ -91,7 +91,7 @@ def bench_one(op: str, shape, args, hf) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = common.parser(__doc__, shapes="cpu", dtype="fp32")
+    ap = common.parser(__doc__, shapes="cpu", dtype="fp32", warmup=False)
     ap.set_defaults(ops="gdn", device="cpu")
     ap.add_argument("--reps", type=int, default=5, help="timed calls of each function (median)")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")

@@ -109,11 +109,14 @@ def main(argv=None) -> int:
     ap = common.parser(__doc__, shapes="decode")
     ap.set_defaults(ops="gdn,kda")
     args = ap.parse_args(argv)
+    common.COMPILE_ONLY = args.warmup
     ops, shapes = common.parse_ops(args.ops), resolve(args.shapes)
     fla = {} if args.no_peers else {op: common.fla_op(op, "recurrent") for op in ops}
     bw = copy_tbps(args.device)
     rows, cut = common.collect((lambda s=s, op=op, mode=mode: bench_one(op, s, mode, args, fla.get(op), bw)
                                 for s in shapes for op in ops for mode in ("state", "pool")), args.device)
+    if args.warmup:
+        return 0
     meta = common.metadata(args, benchmark="decode", copy_TBps=bw, cut_short=cut,
                            timing="triton.testing.do_bench median (us); graph: CUDA graph replay")
     common.write_json(os.path.join(args.out, "bench_decode.json"), meta, rows)

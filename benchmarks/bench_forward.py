@@ -64,6 +64,7 @@ def bench_one(op: str, shape, args, peers: dict) -> dict:
 def main(argv=None) -> int:
     ap = common.parser(__doc__, shapes="standing,few-heads")
     args = ap.parse_args(argv)
+    common.COMPILE_ONLY = args.warmup
     ops, shapes = common.parse_ops(args.ops), resolve(args.shapes)
     peers = {}
     if not args.no_peers:
@@ -71,6 +72,8 @@ def main(argv=None) -> int:
         peers["flashinfer"] = common.flashinfer_gdn()
     rows, cut = common.collect((lambda s=s, op=op: bench_one(op, s, args, peers) for s in shapes for op in ops),
                                args.device)
+    if args.warmup:
+        return 0
     meta = common.metadata(args, benchmark="forward", timing="triton.testing.do_bench median (ms), no autograd",
                            cut_short=cut)
     common.write_json(os.path.join(args.out, "bench_forward.json"), meta, rows)

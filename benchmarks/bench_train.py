@@ -120,13 +120,17 @@ def bench_one(op: str, shape, args, fla) -> dict:
 def main(argv=None) -> int:
     ap = common.parser(__doc__, shapes="standing,few-heads")
     args = ap.parse_args(argv)
+    common.COMPILE_ONLY = args.warmup
     ops, shapes = common.parse_ops(args.ops), resolve(args.shapes)
     fla = {} if args.no_peers else {op: common.fla_op(op) for op in ops}
     meta = common.metadata(args, benchmark="training", timing="triton.testing.do_bench median (ms), gradients reset "
                            "between calls; peak: torch.cuda.max_memory_allocated above the inputs (MB)")
     path = os.path.join(args.out, "bench_train.json")
+    keep = None if args.warmup else (lambda rows: common.write_json(path, meta, rows))    # kept as it goes
     rows, cut = common.collect((lambda s=s, op=op: bench_one(op, s, args, fla.get(op)) for s in shapes for op in ops),
-                               args.device, on_row=lambda rows: common.write_json(path, meta, rows))   # kept as it goes
+                               args.device, on_row=keep)
+    if args.warmup:
+        return 0
     meta["cut_short"] = cut
     common.write_json(path, meta, rows)
     lifted = sorted({r["op"] for r in rows if r.get("fla_guard_lifted")})

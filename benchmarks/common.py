@@ -25,7 +25,7 @@ DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.floa
 AGREE = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 2e-3}
 
 
-def parser(doc: str, shapes: str, dtype: str = "bf16") -> argparse.ArgumentParser:
+def parser(doc: str, shapes: str, dtype: str = "bf16", warmup: bool = True) -> argparse.ArgumentParser:
     """The options every benchmark takes."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=shapes, help=f"set or shape names, comma separated (default {shapes}; "
@@ -37,6 +37,9 @@ def parser(doc: str, shapes: str, dtype: str = "bf16") -> argparse.ArgumentParse
     ap.add_argument("--backend", default=None, help="chunkwise's backend (default: triton on a GPU, torch on the CPU)")
     ap.add_argument("--no-peers", action="store_true", help="time chunkwise alone")
     ap.add_argument("--commit", default=None, help="the commit to record (default: git rev-parse HEAD)")
+    if warmup:
+        ap.add_argument("--warmup", action="store_true", help="compile only: every op runs once per shape (fla with "
+                        "its configuration search), nothing is timed or written; gpu_run.sh runs this beside the tests")
     return ap
 
 
@@ -159,9 +162,16 @@ def fla_autotune_picks() -> dict:
 
 # -- timing and checks -----------------------------------------------------------------------------------------
 
+# set by --warmup: time_ms and peak_mb call their function once and measure nothing (its kernels get compiled)
+COMPILE_ONLY = False
+
+
 def time_ms(fn, device, grad_to_none=None, reps: int = 3) -> float:
     """Median milliseconds of fn(): triton.testing.do_bench on a GPU (events, L2 flushed between calls), else
     time.perf_counter around ``reps`` calls after one warm-up."""
+    if COMPILE_ONLY:
+        fn()
+        return float("nan")
     if torch.device(device).type == "cuda":
         import triton
         return float(triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median"))
@@ -184,7 +194,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def peak_mb(fn, device) -> float | None:
     """Peak device memory of one fn() above what was allocated before it (MB); None on the CPU."""
-    if torch.device(device).type != "cuda":
+    if torch.device(device).type != "cuda" or COMPILE_ONLY:
         return None
     torch.cuda.synchronize()
     torch.cuda.empty_cache()

@@ -6,14 +6,18 @@
 # Phases, in order (default: all): check (`chunkwise check`), tests (`pytest tests -x`), forward, train, decode
 # (benchmarks/bench_*.py on the standing and few-heads shapes, fla 0.6.0 beside). Each phase runs under its own time
 # limit (BUDGET below, seconds; --budget tests=400 changes one); at the limit a benchmark gets SIGINT and writes the
-# rows it has. The device copy of the tree has no git history: pass the commit with --commit.
+# rows it has. Compiling (ours, and fla's configuration search) would take most of the benchmarks' time, so
+# `--warmup` runs of the forward and training benchmarks compile their kernels beside check and tests (the "warm"
+# budget), and the timed phases start once they have ended. The device copy of the tree has no git history: pass
+# the commit with --commit.
 #
 # Carry (the device tool's `carry`): .whl for fla (`../shared/device/wheels.sh fla-core==0.6.0`, plus any pinned
 # test dependency), and optionally .triton_sm90 (`python benchmarks/tools.py warm`: kernels built here for sm_90).
 # Everything lands in $OUT (8 files: summary.txt, logs.tgz with every phase's log, bench_{forward,train,decode}
 # .json / .png); the short tables are printed last.
 set -u
-declare -A BUDGET=([check]=60 [tests]=200 [forward]=150 [train]=100 [decode]=30)   # + ~20 s of set-up: 560 s
+# seconds per phase; warm runs beside check + tests (not added): ~20 s of set-up + 540 = 560 s
+declare -A BUDGET=([check]=60 [tests]=200 [warm]=250 [forward]=150 [train]=100 [decode]=30)
 PHASES=() COMMIT=""
 while [ $# -gt 0 ]; do
   case $1 in
@@ -63,12 +67,29 @@ phase() {
   say "== $name: rc=$rc, $(( $(date +%s) - t0 )) s of ${BUDGET[$name]} s$([ $rc = 124 ] && echo ', cut at its limit')"
 }
 BENCH=(--out "$WORK" --commit "$COMMIT")
+SHAPES=(--shapes standing,few-heads)
+# the warm-up: per benchmark two processes (two ops each) compile in parallel; the tests keep enough GPU memory
+WARM=()
+for b in forward train; do
+  [[ " ${PHASES[*]} " == *" $b "* ]] || continue
+  for ops in gdn,kda delta,gla; do
+    timeout -s INT -k 10 "${BUDGET[warm]}" python3 "benchmarks/bench_$b.py" --warmup --ops $ops "${SHAPES[@]}" \
+      > "$WORK/warm_${b}_${ops/,/_}.log" 2>&1 &
+    WARM+=($!)
+  done
+done
+warm_wait() {   # before any timing: the warm-up processes ended (each is bounded by the warm budget)
+  [ ${#WARM[@]} -gt 0 ] || return 0
+  local t0=$(date +%s); wait "${WARM[@]}"; WARM=()
+  say "== warm: ended $(( $(date +%s) - START )) s into the run (the timed phases waited $(( $(date +%s) - t0 )) s for it)"
+}
 for p in "${PHASES[@]}"; do
+  case $p in forward|train|decode) warm_wait ;; esac
   case $p in
     check)   phase check python3 -m chunkwise check ;;
     tests)   phase tests python3 -m pytest tests -x -q -p no:cacheprovider -o addopts="" --durations=15 ;;
-    forward) phase forward python3 benchmarks/bench_forward.py --shapes standing,few-heads "${BENCH[@]}" ;;
-    train)   phase train python3 benchmarks/bench_train.py --shapes standing,few-heads "${BENCH[@]}" ;;
+    forward) phase forward python3 benchmarks/bench_forward.py "${SHAPES[@]}" "${BENCH[@]}" ;;
+    train)   phase train python3 benchmarks/bench_train.py "${SHAPES[@]}" "${BENCH[@]}" ;;
     decode)  phase decode python3 benchmarks/bench_decode.py "${BENCH[@]}" ;;
   esac
 done

@@ -145,7 +145,7 @@ def runner(stage: str, launcher, x: dict, op: str):
 
 
 def main(argv=None) -> int:
-    ap = common.parser(__doc__, shapes="B1-T32768-H32")
+    ap = common.parser(__doc__, shapes="B1-T32768-H32", warmup=False)
     ap.set_defaults(ops="gdn")
     ap.add_argument("--stage", choices=("fwd", "bwd"), required=True)
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=V1,V2", help="a plan field's values")
