@@ -5,7 +5,9 @@ same logits and token-for-token the same greedy generation with and without chun
 """
 from __future__ import annotations
 
+import importlib.util
 import inspect
+import logging
 
 import pytest
 import torch
@@ -18,6 +20,12 @@ from helpers import rel_err
 # transformers is in the test extra (pip install -e ".[test]"): no skip when it is missing
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_qwen3_next
+
+
+# transformers' functions as the modeling module holds them: wrapped in its fallback notice (or in fla's kernels)
+_WRAPPED = {name: getattr(fn, "_chunkwise_original", fn) for name in ("torch_chunk_gated_delta_rule",
+                                                                      "torch_recurrent_gated_delta_rule")
+            for fn in [getattr(hf_qwen3_next, name)]}
 
 
 def _original(name):
@@ -112,6 +120,35 @@ def test_qwen3_next_logits_and_greedy_generation(monkeypatch):
     assert torch.equal(logits_back, logits_hf)
     assert tokens_cw.shape == (2, 29)
     assert torch.equal(tokens_cw, tokens_hf)
+
+
+def test_use_chunkwise_prints_no_fallback_notice(monkeypatch):
+    """transformers wraps its gated-delta-rule functions in a notice, printed once per process, that they are
+    "falling back to its reference PyTorch implementation because flash-linear-attention is not installed". A
+    switched-on model runs chunkwise's ops without entering those wrappers: no such notice. The same model
+    switched off prints it (where fla is not installed)."""
+    for name, fn in _WRAPPED.items():
+        monkeypatch.setattr(hf_qwen3_next, name, fn)
+    notices = []
+    handler = logging.Handler()
+    handler.emit = lambda record: notices.append(record.getMessage())
+    hf_logger = logging.getLogger("transformers")
+    hf_logger.addHandler(handler)
+    try:
+        logging.Logger.warning_once.cache_clear()      # (once per process: forget any earlier test's)
+        model = tiny_qwen3_next()
+        calls = CountCalls(monkeypatch)
+        prompt = torch.randint(2, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad(), cwhf.use_chunkwise(model, backend="torch"):
+            model.generate(prompt, max_new_tokens=2, min_new_tokens=2, do_sample=False)
+        assert not [n for n in notices if "gated_delta_rule" in n], notices
+        assert calls.n == 3 * 2                         # 3 layers: the prefill and one decode step
+        if importlib.util.find_spec("fla") is None:
+            with torch.no_grad():
+                model(prompt)
+            assert any("gated_delta_rule" in n and "flash-linear-attention" in n for n in notices), notices
+    finally:
+        hf_logger.removeHandler(handler)
 
 
 def test_use_chunkwise_errors():

@@ -20,7 +20,11 @@ Two ways in:
    attributes (``self.chunk_gated_delta_rule``, transformers 4.x) those attributes are replaced.
    Where it calls module-level functions (transformers 5.x), the modeling module's two functions
    are replaced once by a dispatcher that routes to chunkwise only while a switched-on layer runs,
-   so other models in the process keep transformers' own code.
+   so other models in the process keep transformers' own code. transformers' wrappers of those
+   functions are then never entered, so their notice that the gated delta rule "is falling back to its
+   reference PyTorch implementation because flash-linear-attention is not installed" is not printed
+   for a switched-on layer. Its notice about ``causal_conv1d`` is true and stays: the layer's short
+   convolution is transformers' own, which chunkwise does not replace.
 
 transformers is imported by neither: this module works with whatever version the model comes from.
 """
@@ -133,6 +137,12 @@ def _install_dispatchers(module) -> bool:
     return True
 
 
+def _forward_module(layer):
+    """The module whose functions the layer's forward calls: where that forward is defined (a subclass
+    that inherits it from another model's class calls that model's functions)."""
+    return sys.modules[getattr(type(layer).forward, "__module__", None) or type(layer).__module__]
+
+
 class ChunkwiseHandle:
     """What `use_chunkwise` returns: ``remove()`` (or leaving the ``with`` block) switches back."""
 
@@ -201,7 +211,7 @@ def use_chunkwise(model: torch.nn.Module, backend: str = "auto") -> ChunkwiseHan
             for attr, name in _ATTRIBUTE_NAMES.items():
                 saved[attr] = module.__dict__.get(attr)
                 setattr(module, attr, _with_backend(_OURS[name], backend))
-        elif "GatedDeltaNet" in type(module).__name__ and _install_dispatchers(sys.modules[type(module).__module__]):
+        elif "GatedDeltaNet" in type(module).__name__ and _install_dispatchers(_forward_module(module)):
             # transformers 5.x: module-level functions, routed by the dispatcher while this layer runs
             saved["forward"] = module.__dict__.get("forward")
             module.forward = _switch_forward(module, backend)
