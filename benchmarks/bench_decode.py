@@ -92,7 +92,8 @@ def bench_one(op: str, shape, mode: str, args, fla, bw) -> dict:
         row["pct_copy"] = None if bw is None else 100 * row["TBps"] / bw
         if fla is not None and mode == "state":
             try:
-                theirs = lambda: common.run_fla(op, fla, x, initial_state=h0)  # noqa: E731
+                xf = common.fla_inputs(op, x)
+                theirs = lambda: common.run_fla(op, fla, xf, initial_state=h0)  # noqa: E731
                 o_f, ht_f = theirs()
                 row["fla_us"] = 1e3 * common.time_ms(theirs, dev)
                 g = graph_ms(theirs, dev)

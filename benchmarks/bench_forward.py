@@ -42,8 +42,9 @@ def bench_one(op: str, shape, args, peers: dict) -> dict:
         if fla is not None:
             try:
                 common.fla_fresh_search()
-                o_f, ht_f = common.run_fla(op, fla, x)
-                row["fla_ms"] = common.time_ms(lambda: common.run_fla(op, fla, x), dev)
+                xf = common.fla_inputs(op, x)
+                o_f, ht_f = common.run_fla(op, fla, xf)
+                row["fla_ms"] = common.time_ms(lambda: common.run_fla(op, fla, xf), dev)
                 row.update(x_fla=row["fla_ms"] / row["ms"], o_vs_fla=common.rel(o, o_f),
                            state_vs_fla=common.rel(ht, ht_f), fla_configs=common.fla_autotune_picks())
             except Exception as e:  # noqa: BLE001
@@ -51,8 +52,9 @@ def bench_one(op: str, shape, args, peers: dict) -> dict:
         fi = peers.get("flashinfer") if op == "gdn" else None
         if fi is not None:
             try:
-                o_i, _ = common.run_flashinfer_gdn(fi, x)
-                row["flashinfer_ms"] = common.time_ms(lambda: common.run_flashinfer_gdn(fi, x), dev)
+                xi = common.flashinfer_inputs(x)
+                o_i, _ = common.run_flashinfer_gdn(fi, xi)
+                row["flashinfer_ms"] = common.time_ms(lambda: common.run_flashinfer_gdn(fi, xi), dev)
                 row["o_vs_flashinfer"] = common.rel(o, o_i)
             except Exception as e:  # noqa: BLE001
                 row["flashinfer_error"] = f"{type(e).__name__}: {e}"[:300]

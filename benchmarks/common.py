@@ -91,15 +91,24 @@ def fla_op(op: str, mode: str = "chunk"):
         return None
 
 
-def run_fla(op: str, fn, x: dict, **kw):
-    """(o, final state) of fla's op on the same inputs; only fla's GDN takes grouped value heads, so the others get
-    q and k repeated over each group (the same function)."""
+def fla_inputs(op: str, x: dict) -> dict:
+    """x as fla's op takes it: only fla's GDN takes grouped value heads, so the others get q and k repeated over each
+    group (the same function); cu_seqlens as int64. The forward and decode benchmarks call this once, outside the
+    timed call; the training benchmark lets run_fla repeat inside it (the repeat's backward sums the gradients)."""
     q, k, HV = x["q"], x["k"], x["v"].shape[2]
     if op != "gdn" and q.shape[2] != HV:
         q, k = q.repeat_interleave(HV // q.shape[2], 2), k.repeat_interleave(HV // k.shape[2], 2)
+    cu = {} if x["cu_seqlens"] is None else dict(cu_seqlens=x["cu_seqlens"].long(),
+                                                 cu_seqlens_cpu=x["cu_seqlens_cpu"].long())
+    return dict(x, q=q, k=k, **cu)
+
+
+def run_fla(op: str, fn, x: dict, **kw):
+    """(o, final state) of fla's op on the same inputs (fla_inputs, if not done already)."""
+    x = fla_inputs(op, x)
     if x["cu_seqlens"] is not None:
-        kw.update(cu_seqlens=x["cu_seqlens"].long(), cu_seqlens_cpu=x["cu_seqlens_cpu"].long())
-    args = _args(op, dict(x, q=q, k=k))
+        kw.update(cu_seqlens=x["cu_seqlens"], cu_seqlens_cpu=x["cu_seqlens_cpu"])
+    args = _args(op, x)
     if op == "gla":
         return fn(*args[:3], g=args[3], output_final_state=True, **kw)
     return fn(*args, output_final_state=True, **kw)
@@ -114,17 +123,21 @@ def flashinfer_gdn():
         return None
 
 
-def run_flashinfer_gdn(fn, x: dict):
-    """(o [B, T, HV, V], None) of FlashInfer's GDN prefill: packed tokens, the gate and beta in fp32, the gate as
-    alpha = exp(g), every batch row as a sequence."""
+def flashinfer_inputs(x: dict) -> dict:
+    """x as FlashInfer's GDN prefill takes it (made once, outside the timed call): packed tokens, the gate as
+    alpha = exp(g) and beta in fp32, every batch row a sequence of cu_seqlens (int64)."""
     B, T = x["q"].shape[:2]
-    cu = x["cu_seqlens"]
-    if cu is None:
-        cu = torch.arange(0, (B + 1) * T, T, device=x["q"].device)
-    o = fn(x["q"].flatten(0, 1), x["k"].flatten(0, 1), x["v"].flatten(0, 1), g=x["g"].flatten(0, 1).exp().float(),
-           beta=x["beta"].flatten(0, 1).float(), cu_seqlens=cu.long())
+    cu = x["cu_seqlens"] if x["cu_seqlens"] is not None else torch.arange(0, (B + 1) * T, T, device=x["q"].device)
+    return dict(q=x["q"].flatten(0, 1), k=x["k"].flatten(0, 1), v=x["v"].flatten(0, 1),
+                g=x["g"].flatten(0, 1).exp().float(), beta=x["beta"].flatten(0, 1).float(), cu_seqlens=cu.long(),
+                shape=(B, T))
+
+
+def run_flashinfer_gdn(fn, xi: dict):
+    """(o [B, T, HV, V], None) of FlashInfer's GDN prefill on flashinfer_inputs."""
+    o = fn(xi["q"], xi["k"], xi["v"], g=xi["g"], beta=xi["beta"], cu_seqlens=xi["cu_seqlens"])
     o = o[0] if isinstance(o, tuple) else o
-    return o.view(B, T, *o.shape[1:]), None
+    return o.view(*xi["shape"], *o.shape[1:]), None
 
 
 # -- fla's autotuning: a fresh search per timing --------------------------------------------------------------
