@@ -113,6 +113,30 @@ def test_bench_writes_json_and_png(tmp_path):
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize("ops", [["gdn"], ["gdn", "kda", "delta", "gla"]], ids=["one-panel", "four-panels"])
+def test_bench_plot_titles_inside_the_figure(ops):
+    """The run's title (shape, dtype, a long device name) and each panel's title are drawn inside the figure."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    device = "CPU AMD EPYC 7B13 64-Core Processor, 2 cores, 2 torch threads"
+    results = [{"op": op, "T": T, "chunkwise_tokens_per_s": 1e5 * T} for op in ops for T in (256, 512)]
+    report = {"mode": "fwd+bwd", "dtype": "bfloat16", "device": device, "results": results,
+              "shapes": {"B": 1, "H": 16, "HV": 16, "K": 128, "V": 128, "seqlens": [256, 512], "ops": ops}}
+    fig = cli._figure(report, plt)
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        box = fig.bbox
+        texts = [fig._suptitle] + [ax.title for ax in fig.axes]
+        for text in texts:
+            ext = text.get_window_extent(renderer)
+            assert box.x0 <= ext.x0 and ext.x1 <= box.x1 and box.y0 <= ext.y0 and ext.y1 <= box.y1, text.get_text()
+        assert "EPYC" in fig._suptitle.get_text()
+    finally:
+        plt.close(fig)
+
+
 def test_bench_backward(tmp_path):
     rc, out = _bench(tmp_path, "--ops", "kda", "--backward")
     assert rc == 0

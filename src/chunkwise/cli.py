@@ -15,6 +15,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 from dataclasses import dataclass, field
 
@@ -495,8 +496,18 @@ def _plot(report: dict, path: str) -> str | None:
         print("chunkwise bench: matplotlib is not installed, so no plot was drawn "
               "(pip install 'chunkwise[bench]' or pip install matplotlib); the JSON has every number", file=sys.stderr)
         return None
+    fig = _figure(report, plt)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _figure(report: dict, plt):
+    """One panel of tokens/s over T per op, chunkwise (and fla) as lines; the run in the title."""
     ops = report["shapes"]["ops"]
-    fig, axes = plt.subplots(1, len(ops), figsize=(4.2 * len(ops), 3.6), squeeze=False)
+    width = max(4.2 * len(ops), 6.0)
+    # constrained layout keeps the title inside the figure; the title is wrapped to the figure's width
+    fig, axes = plt.subplots(1, len(ops), figsize=(width, 4.0), squeeze=False, layout="constrained")
     for ax, op in zip(axes[0], ops):
         rows = [r for r in report["results"] if r["op"] == op]
         for name, style in (("chunkwise", "o-"), ("fla", "s--")):
@@ -510,12 +521,11 @@ def _plot(report: dict, path: str) -> str | None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     s = report["shapes"]
-    fig.suptitle(f"{report['mode']}  B={s['B']} H={s['H']} K=V={s['K']} {report['dtype']}  "
-                 f"{report['device']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    chars = int(width * 72 / (0.6 * 9))           # characters of 9-point text across the figure
+    title = [f"{report['mode']}  B={s['B']} H={s['H']} K=V={s['K']} {report['dtype']}",
+             *textwrap.wrap(report["device"], chars)]
+    fig.suptitle("\n".join(title), fontsize=9)
+    return fig
 
 
 # ----------------------------------------------------------------------------------------------
