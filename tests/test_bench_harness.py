@@ -228,3 +228,19 @@ def test_sweep_names_unknown_fields_and_bad_values():
     assert sets == {"full": [frozenset({"fwd_h", "bwd_dh"}), frozenset()], "caps": [{"wu": 168}, {}]}
     plans = sweep._unique([_Plan(), *sweep.product(_Plan(), sets)])
     assert len(plans) == 4 and plans[0] == _Plan()
+
+
+@pytest.mark.parametrize("stage", ["fwd", "bwd"])
+def test_sweep_times_each_plan_through_the_launcher(stage, tmp_path, capsys):
+    """On the library's own plans (the interpreter, one decode-sized shape): the default plan and one variant each
+    timed, with the same outputs."""
+    from chunkwise.triton import chunk
+    if not hasattr(chunk, f"chunk_{stage}"):
+        pytest.skip(f"chunkwise.triton.chunk has no chunk_{stage} yet")
+    field = "num_warps"
+    rc = sweep.main(["--stage", stage, "--device", "cpu", "--dtype", "fp32", "--ops", "gla", "--shapes",
+                     "B2-T1-H2-HV4-K32", "--set", f"{field}=4,8", "--out", str(tmp_path), "--commit", "abc123"])
+    rows = json.load(open(tmp_path / f"sweep_{stage}.json"))["rows"]
+    assert rc == 0 and [r["plan"][field] for r in rows] == [4, 8] and [r["default"] for r in rows] == [True, False]
+    assert all(r["ms"] > 0 and r["vs_default"] < 1e-6 for r in rows)
+    assert "* {'num_warps': 4}" in capsys.readouterr().out
