@@ -17,15 +17,18 @@ RMSNorm → tied output head. Optimiser: AdamW with a linear warm-up and cosine 
     python examples/train_mqar.py --config gpu         # bigger, on a GPU (triton backend)
     python examples/train_mqar.py --backend triton     # the Triton kernels (interpreter on CPU: slow)
 
-Prints the loss and recall accuracy, saves the loss curve as a PNG (--plot) and the history as
-JSON (--json); exits non-zero if the final loss is above the config's threshold.
+Prints the loss and recall accuracy, writes the loss curve (loss.png) and the history (history.json)
+to --out (default: chunkwise-mqar in the system's temporary folder); exits non-zero if the final loss
+is above the config's threshold.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 
@@ -191,8 +194,9 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=None, help="override the config's number of steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
-    p.add_argument("--plot", default="mqar_loss.png", help="loss curve PNG ('' to skip)")
-    p.add_argument("--json", default="", help="write the history and config as JSON here")
+    p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "chunkwise-mqar"),
+                   help="folder for loss.png and history.json (default: %(default)s)")
+    p.add_argument("--no-plot", action="store_true", help="write the history only")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -208,14 +212,16 @@ def main(argv=None):
     ok = loss < cfg.threshold
     print(f"final loss (mean of last 20 steps) {loss:.4f} (threshold {cfg.threshold}: {'PASS' if ok else 'FAIL'}), "
           f"recall accuracy {acc:.3f}, {elapsed:.1f}s")
-    if args.plot:
-        plot(history, args.plot, cfg, f"MQAR, 2-layer GDN ({args.config}: {cfg.n_kv} pairs, vocab {cfg.vocab}), "
-                                      f"{args.backend} on {args.device}")
-        print(f"saved {args.plot}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"config": asdict(cfg), "backend": args.backend, "device": args.device, "seconds": elapsed,
-                       "final_loss": loss, "history": history}, f)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "history.json"), "w") as f:
+        json.dump({"config": asdict(cfg), "backend": args.backend, "device": args.device, "seconds": elapsed,
+                   "final_loss": loss, "history": history}, f)
+    if not args.no_plot:
+        png = os.path.join(args.out, "loss.png")
+        plot(history, png, cfg, f"MQAR, 2-layer GDN ({args.config}: {cfg.n_kv} pairs, vocab {cfg.vocab}), "
+                                f"{args.backend} on {args.device}")
+        print(f"saved {png}")
+    print(f"saved {os.path.join(args.out, 'history.json')}")
     return 0 if ok else 1
 
 

@@ -3,9 +3,11 @@ recall. A short run must really learn (the loss falls far below its start), and 
 triton backends must give the same losses on the first steps (triton: the interpreter on CPU)."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
+import tempfile
 from dataclasses import replace
 
 import pytest
@@ -68,9 +70,22 @@ def test_torch_and_triton_backends_agree_on_first_steps(monkeypatch):
         assert abs(a - b) <= 1e-4 * abs(a), (torch_losses, triton_losses)
 
 
-def test_main_writes_plot_and_checks_threshold(tmp_path):
-    png = tmp_path / "loss.png"
-    rc = train_mqar.main(["--config", "tiny", "--backend", "torch", "--device", "cpu", "--plot", str(png),
-                          "--json", str(tmp_path / "h.json")])
+def test_main_writes_plot_and_checks_threshold(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    rc = train_mqar.main(["--config", "tiny", "--backend", "torch", "--device", "cpu", "--out", str(out)])
+    png = out / "loss.png"
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((out / "history.json").read_text())["config"]["steps"] == 2
     assert rc == 1    # two steps cannot reach the threshold: the script says so with its exit code
+
+
+def test_main_writes_nothing_into_the_working_directory(tmp_path, monkeypatch):
+    """By default the outputs go to the system's temporary folder, not where the script is run (a checkout)."""
+    work, tmp = tmp_path / "checkout", tmp_path / "tmp"
+    work.mkdir()
+    tmp.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    train_mqar.main(["--config", "tiny", "--backend", "torch", "--device", "cpu"])
+    assert list(work.iterdir()) == []
+    assert sorted(p.name for p in (tmp / "chunkwise-mqar").iterdir()) == ["history.json", "loss.png"]
