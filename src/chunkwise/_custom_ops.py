@@ -23,10 +23,9 @@ Ops (namespace ``chunkwise``):
             when output_final_state is False)
     chunk_bwd / recurrent_bwd (the forward's inputs, do, dht?, needs_grad) -> (dq, dk, dv, dg, dbeta, dh0)
         (an empty [0] tensor for each gradient that is not needed or whose input is None)
-    chunk_fwd_saved (as chunk_fwd) -> (o, final_state, w, u, p, t, h, r, qg, kg, gc): the triton chunk forward of a
-        delta family that also returns its stage 1 for the backward (under autograd, unless CHUNKWISE_SAVE_STAGE1=0;
-        empty where it saves nothing), with CHUNKWISE_SAVE_STATES=1 its per-chunk states and R (else empty), and for
-        KDA with 16-bit inputs q ⊙ e^G, k ⊙ e^{G_last − G} (else empty)
+    chunk_fwd_saved (as chunk_fwd) -> (o, final_state, w, u, p, t, h, r, qg, kg, gc, ht): the triton chunk forward
+        of a delta family under autograd, which also returns what its backward reuses (triton.chunk.saved_shapes;
+        empty [0] tensors where it keeps nothing)
     chunk_bwd_saved (the forward's inputs, w, u, p, t, h, r, qg, kg, gc, do, dht?, needs_grad) -> as chunk_bwd
     recurrent_pool_fwd (..., pool [P, HV, K, V] (mutated), state_indices [N], ...) -> o
         vLLM-style state pool: sequence n reads pool[state_indices[n]] and writes its final state
@@ -37,8 +36,7 @@ Backward: the torch backend recomputes the forward of the PyTorch chunk algorith
 backward op; the triton chunk backward calls `chunkwise.triton.chunk_bwd.chunk_bwd`; the triton
 recurrent op (a decode kernel without its own backward) recomputes with the fp32 PyTorch
 recurrence. Forward saves only its inputs, except the triton chunk forward of the delta families under autograd,
-which also saves w, u, P and T (its backward then does not recompute them; CHUNKWISE_SAVE_STAGE1=0 turns that
-off).
+which also saves its stage 1 and R (its backward then does not recompute them).
 
 Host syncs: the ops read ``cu_seqlens`` on the host in their real implementations (the torch
 backend pads varlen batches; the triton chunk path builds ``chunk_indices`` when it is not given).
@@ -48,7 +46,6 @@ graphs pass ``chunk_indices`` (or use the recurrent ops, which read no values on
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Optional, Sequence
 
 import torch
@@ -140,12 +137,12 @@ def _triton_chunk_indices(cu_seqlens, chunk_indices):
 def _forward_impl(mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_indices,
                   transpose_state_layout, chunk_size, backend):
     if backend == "triton" and mode == "chunk":
-        from .triton.chunk_fwd import chunk_fwd
+        from .triton.chunk import chunk_fwd
         o, ht = chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                           chunk_indices=_triton_chunk_indices(cu_seqlens, chunk_indices),
                           transpose_state_layout=transpose_state_layout)
     elif backend == "triton":
-        from .triton.recurrent import recurrent_fwd
+        from .triton.decode import recurrent_fwd
         o, ht = recurrent_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                               transpose_state_layout=transpose_state_layout)
     else:
@@ -269,50 +266,26 @@ recurrent_bwd.register_fake(_backward_fake)
 
 
 # ----------------------------------------------------------------------------------------------
-# triton chunk op that keeps stage 1 for the backward (the default; CHUNKWISE_SAVE_STAGE1=0 recomputes it)
+# triton chunk op that keeps stage 1 for the backward
 # ----------------------------------------------------------------------------------------------
 
 _StageTuple = tuple[(torch.Tensor,) * 12]
 
 
 def _save_stage1_wanted(mode, backend, beta, *tensors) -> bool:
-    """The forward keeps stage 1 (w, u, p, T) for the backward instead of the backward recomputing it: the
-    triton chunk op of a delta family under autograd, unless CHUNKWISE_SAVE_STAGE1=0 (it adds O(T·H·(K + V + 2·64))
-    saved memory and skips the backward's T / W / U recompute: KDA fwd+bwd 24.95 -> 21.54 ms on the H200)."""
-    if mode != "chunk" or backend != "triton" or beta is None or os.environ.get("CHUNKWISE_SAVE_STAGE1", "1") == "0":
+    """The forward keeps stage 1 for the backward instead of the backward recomputing it: the triton chunk op of a
+    delta family under autograd (what it keeps for which inputs: triton.chunk.saves_stage1, saved_shapes)."""
+    if mode != "chunk" or backend != "triton" or beta is None:
         return False
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _stage1_shapes(q, v, g, beta, cu_seqlens, transpose_state_layout=False):
-    """(w, u, p, t, h, r, qg, kg, gc, ht) shapes and dtypes the saving forward returns (empty [0] tensors where it
-    saves nothing; h only with chunk_fwd.saves_states, r with it or chunk_fwd.saves_r; qg, kg only where
-    chunk_bwd.gate_scaled_in; gc, KDA's G, with chunk_fwd.saves_gate_cumsum; ht, the final state fp32 in the state
-    layout, with chunk_fwd.saves_final_state)."""
-    from .triton.chunk_bwd import gate_scaled_in, saved_t_dtype
-    from .triton.chunk_fwd import (BT, _gate_kind, chunk_slots, keeps_r, save_t_form, saves_gate_cumsum,
-                                   saves_final_state, saves_gate_scaled, saves_r, saves_stage1, saves_states,
-                                   state_dtype)
-    B, T, HV, K, V = q.shape[0], q.shape[1], v.shape[2], q.shape[3], v.shape[3]
-    empty = (_EMPTY_SHAPE, q.dtype)
-    if not saves_stage1(q, v, g, beta):
-        return [empty] * 10
-    gate = _gate_kind(g)
-    t_form = save_t_form(gate, q.dtype)
-    # (u only where R is not kept: chunk_fwd.keeps_r)
-    wu = [empty] * 2 if t_form else [((B, T, HV, K), q.dtype), empty if keeps_r() else ((B, T, HV, V), q.dtype)]
-    stage = wu + [((B, T, HV, BT), q.dtype), ((B, T, HV, BT), saved_t_dtype(q.dtype, K, gate, t_form))]
-    sdt = state_dtype(q.dtype)
-    if saves_states():
-        N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-        stage += [((chunk_slots(N, T, cu_seqlens is not None), HV, K, V), sdt), ((B, T, HV, V), sdt)]
-    else:
-        stage += [empty, ((B, T, HV, V), sdt) if saves_r() else empty]
-    stage += [((B, T, HV, K), q.dtype)] * 2 if gate_scaled_in(g, q) and saves_gate_scaled() else [empty] * 2
-    stage += [((B, T, HV, K), torch.float32) if _gate_kind(g) == 2 and saves_gate_cumsum() else empty]
-    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    ht = (N, HV, V, K) if transpose_state_layout else (N, HV, K, V)
-    return stage + [(ht, torch.float32) if saves_final_state(g, beta) else empty]
+    """(shape, dtype) of the saving forward's w, u, p, t, h, r, qg, kg, gc, ht (empty [0] tensors where it keeps
+    nothing: triton.chunk.saved_shapes)."""
+    from .triton.chunk import saved_shapes
+    return [(_EMPTY_SHAPE, q.dtype) if s is None else s
+            for s in saved_shapes(q, v, g, beta, cu_seqlens, transpose_state_layout)]
 
 
 @torch.library.custom_op("chunkwise::chunk_fwd_saved", mutates_args=())
@@ -321,33 +294,20 @@ def chunk_fwd_saved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Option
                     output_final_state: bool, cu_seqlens: Optional[torch.Tensor],
                     chunk_indices: Optional[torch.Tensor], transpose_state_layout: bool, chunk_size: int,
                     backend: str) -> _StageTuple:
-    """chunk_fwd (triton, delta families) that also returns stage 1 for the backward:
-    (o, final state or empty, w [B,T,HV,K], u [B,T,HV,V], p [B,T,HV,64] in q's dtype, t [B,T,HV,64] fp32 or in q's
-    dtype (triton.chunk_bwd.saved_t_dtype), h [slots,HV,K,V], r [B,T,HV,V]), w .. r empty [0] tensors where the head
-    dims are padded, 16-bit K > 128 runs in fp32, or GDN / DeltaNet take fp16 inputs (see
-    triton.chunk_fwd.saves_stage1); w, u empty too where the forward runs under T_FORM (triton.chunk_fwd.save_t_form:
-    the backward forms them from t), and u where r is kept (the backward reads U only to form R); h (each chunk's
-    entering state) empty unless CHUNKWISE_SAVE_STATES=1 (triton.chunk_fwd.saves_states), r (R = U − W S) empty
-    unless it or triton.chunk_fwd.saves_r (the default);
-    qg = q ⊙ e^G, kg = k ⊙ e^{G_last − G} [B,T,HV,K] in q's dtype (KDA, what its backward's state passes take:
-    triton.chunk_bwd.gate_scaled_in; not with CHUNKWISE_SAVE_GATE_SCALED=0), else empty; gc: KDA's chunk-local
-    cumulative gate G [B,T,HV,K] fp32 (not with CHUNKWISE_SAVE_GATE_CUMSUM=0), else empty; ht: the final state fp32
-    in the state layout where triton.chunk_fwd.saves_final_state (DeltaNet with r kept, CHUNKWISE_SAVE_HT), else empty
-    (a copy of the final state output where that is asked for too: outputs may not alias)."""
-    from .triton.chunk_bwd import gate_scaled_in
-    from .triton.chunk_fwd import chunk_fwd as triton_chunk_fwd, saves_gate_scaled
+    """chunk_fwd (triton, delta families) that also returns what its backward reuses: (o, final state or empty, and
+    per name of triton.chunk.SAVED, w u p t h r qg kg G ht, the tensor or an empty [0] one where the forward keeps
+    nothing for these inputs; triton.chunk.saved_shapes). A kept final state is a copy of the final state output
+    where that is asked for too: outputs may not alias."""
+    from .triton.chunk import SAVED, chunk_fwd as triton_chunk_fwd
     saved: dict = {}
     o, ht = triton_chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                              chunk_indices=_triton_chunk_indices(cu_seqlens, chunk_indices),
                              transpose_state_layout=transpose_state_layout, saved_out=saved)
-    if saved.get("ht") is not None and saved["ht"] is ht:    # (outputs must not alias: the kept one is a copy)
+    if saved.get("ht") is not None and saved["ht"] is ht:
         saved["ht"] = ht.clone()
     if not output_final_state or ht is None:
         ht = _empty(q, _compute_dtype(q, initial_state))
-    if not (gate_scaled_in(g, q) and saves_gate_scaled()):
-        saved.pop("qg", None), saved.pop("kg", None)
-    stage = [saved[n] if n in saved else q.new_empty(_EMPTY_SHAPE)
-             for n in ("w", "u", "p", "t", "h", "r", "qg", "kg", "G", "ht")]
+    stage = [saved[n] if saved.get(n) is not None else q.new_empty(_EMPTY_SHAPE) for n in SAVED]
     return (_not_an_alias(o, q, k, v), _not_an_alias(ht, initial_state), *stage)
 
 
@@ -457,7 +417,7 @@ def recurrent_pool_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Opt
 def _pool_impl(q, k, v, g, beta, scale, pool, state_indices, cu_seqlens, transpose_state_layout, chunk_size,
                backend):
     if backend == "triton":
-        from .triton.recurrent import recurrent_fwd as launch
+        from .triton.decode import recurrent_fwd as launch
         o, _ = launch(q, k, v, g, beta, scale, pool, False, cu_seqlens, state_indices=state_indices,
                       transpose_state_layout=transpose_state_layout)
     else:

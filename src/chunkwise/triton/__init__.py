@@ -1,7 +1,7 @@
 """Triton backend. The API (chunkwise.api.run) has already checked every argument and applied the
 in-op preludes (L2 norm, beta sigmoid, gate from projections); kernels never validate. Autograd and
-torch.compile reach the launchers through the custom ops of chunkwise._custom_ops: chunk_fwd.chunk_fwd
-(the chunk forward, and the saving forward for the backward), chunk_bwd.chunk_bwd, recurrent.recurrent_fwd.
+torch.compile reach the launchers through the custom ops of chunkwise._custom_ops: chunk.chunk_fwd
+(the chunk forward, and the saving forward for the backward), chunk.chunk_bwd, decode.recurrent_fwd.
 
 Canonical inputs of the launchers:
     q, k: [B, T, H, K]  fp16 / bf16 / fp32
@@ -13,4 +13,4 @@ Canonical inputs of the launchers:
     cu_seqlens: None | [N + 1] int (then B == 1)
 The forward launchers return (o [B, T, HV, V] in q's dtype, final_state fp32 in the chosen layout or None).
 """
-from .recurrent import recurrent  # noqa: F401
+from .decode import recurrent  # noqa: F401

@@ -24,8 +24,8 @@ Speed (decode is a stream of the state through registers: read 4·K·V bytes, wr
 token loop is a software-pipelined ``tl.range`` on the GPU, so the small loads of the first token
 (q, k, v, g, β) are issued with the state load instead of costing one global round trip each (their
 layout conversions otherwise serialise them); under the interpreter it is a while loop (triton 3.6
-with numpy 2 cannot take tensor loop bounds there). Launch configuration: `_launch_config`;
-measurements and the reasoning: benchmarks/NOTES.md (Decode).
+with numpy 2 cannot take tensor loop bounds there). Launch configuration: `_launch_config`; its
+measurements: docs/performance.md.
 
 Autograd: like fla's fused_recurrent, this kernel has no backward. When grad is enabled and an
 input requires it, `recurrent` runs the differentiable PyTorch token recurrence
@@ -39,8 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .align import cdiv, next_pow2
-from .chunk_fwd import on_tensor_device
+from .common import cdiv, next_pow2, on_tensor_device
 
 GATE_NONE, GATE_SCALAR, GATE_CHANNEL = 0, 1, 2
 
@@ -236,8 +235,8 @@ def _launch_config(device: torch.device, NHV: int, K: int, V: int) -> tuple[int,
     (fewer re-reads of q and k, fewer tiny stores). num_warps keeps ~64 state values per thread:
     then each thread's share of a 16-bit K-vector (q, k) is >= 4 bytes, which lets the pipelined
     token loop fetch it with cp.async alongside the state load (with 4 warps at BV = 32 it falls to
-    2 bytes and two small loads stay serialized; see benchmarks/decode_sass.py). BV = 32 / 2 warps was
-    also the fastest configuration at batch 256 in the first H200 measurement (benchmarks/NOTES.md, Decode).
+    2 bytes and two small loads stay serialized). BV = 32 / 2 warps was also the fastest configuration
+    measured at batch 256.
     """
     BK = max(16, next_pow2(K))
     BV = min(max(8, next_pow2(V)), 32 if BK <= 128 else 16)

@@ -1,0 +1,488 @@
+"""Stage 1 of the chunk forward: per chunk of C = 64 tokens, fully parallel over chunks and heads.
+
+``chunk_prepare_kernel`` (the delta families), grid (chunks, B·HV), on whole [64, ·] register tiles (tensor-core
+dots throughout)::
+
+    G   = cumsum(max(g, G_FLOOR))                    fp32, chunk-local, per channel for KDA
+    A   = strict_tril(β_i ⟨k_i, Γ_ij ⊙ k_j⟩)           [C, C]
+    T   = (I + A)⁻¹                                  triton/solve.py
+    W   = T (β ⊙ e^G ⊙ K)     U = T (β ⊙ V)           [C, K], [C, V]
+    P   = tril(⟨q_i, Γ_ij ⊙ k_j⟩)                     [C, C], diagonal included
+
+It writes w, u and P (input dtype) and, for KDA's per-channel gate, q ⊙ e^G and k ⊙ e^{G_last − G} (input dtype)
+plus e^{G_last} per chunk (fp32). Under T_FORM (the plans' default but for GDN / DeltaNet's training forward) it
+writes T diag(β) in u's place instead of W and U (per channel K ⊙ e^G in w's), and stage 2 forms
+R = U − W S = T diag(β) (V − e^G ⊙ K S) itself: stage 1 then reads no v and skips W's and U's products.
+
+KDA's pairwise products factor e^{G_i − G_j} = e^{G_i − r} · e^{r − G_j} around one reference per chunk,
+r = G_last / 2 per channel, wherever every |G_i − r| of a column chunk is under SPAN_MAX (both factors within
+e^{±80}); elsewhere around the 16-token blocks' starts and ends (both factors ≤ 1), with an exact pair-by-pair
+loop for a diagonal block whose gates sum below −SPAN_MAX. It runs as two launches: the first builds the
+one-reference products only and flags the chunks that need the block form, which the second finishes.
+
+``chunk_p_kernel``: P alone, for simple GLA where stage 2 reads it rather than forming it once per value block.
+The backward's recompute (``chunk_prepare_bwd``) is chunk_prepare_kernel's BWD form.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import (BC, BT, G_FLOOR, SPAN_MAX, _alloc, _by_block, _chunk_span, _dim, _exp, _mm, _row_of,
+                     _signal_ready, cdiv, chunk_slots, chunks_whole, gate_kind)
+from .configs import ForwardPlan, forward_plan, precisions, saved_t_dtype, wu_lowp_ok
+from .gate import _block_starts, _chunk_gate
+from .solve import _solve_unit_lower
+
+
+# ------------------------------------------------------------------------------------------------
+# KDA's per-channel tiles and its exact diagonal blocks
+# ------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _kqg_tiles(k_base, q_base, g_base, r0, kc0, T_seq, H, HV, K, R: tl.constexpr, BKC: tl.constexpr,
+               CHK: tl.constexpr):
+    """Rows r0 .. r0 + R − 1, channels kc0 .. kc0 + BKC − 1 of k, q and the per-channel gate g, as fp32
+    [R, BKC] tiles (zero past the sequence end and K; CHK: the bounds checked, chunk_prepare_kernel's)."""
+    b_k = tl.load(tl.make_block_ptr(k_base, (T_seq, K), (H * K, 1), (r0, kc0), (R, BKC), (1, 0)),
+                  boundary_check=CHK).to(tl.float32)
+    b_q = tl.load(tl.make_block_ptr(q_base, (T_seq, K), (H * K, 1), (r0, kc0), (R, BKC), (1, 0)),
+                  boundary_check=CHK).to(tl.float32)
+    b_g = tl.load(tl.make_block_ptr(g_base, (T_seq, K), (HV * K, 1), (r0, kc0), (R, BKC), (1, 0)),
+                  boundary_check=CHK).to(tl.float32)
+    return b_k, b_q, b_g
+
+
+@triton.jit
+def _kda_diag_exact(kf, qf, bk, b_G, skip, BTc: tl.constexpr, BCc: tl.constexpr):
+    """KDA's diagonal 16×16 blocks of A (without β: bk = β k) and P, each column j exactly from
+    e^{G_i − G_j}, i ≥ j in j's block, for blocks whose gates span too far to factor (rare: a loop, not
+    unrolled). kf, qf, bk, b_G: [BT, BKC] fp32; skip [BT] int32: 1 for the columns of blocks left out (their
+    columns stay zero). Returns (Ad, Pd) [BT, BT], zero off those blocks."""
+    o_t = tl.arange(0, BTc)
+    blk = o_t // BCc
+    Ad = tl.zeros([BTc, BTc], dtype=tl.float32)
+    Pd = tl.zeros([BTc, BTc], dtype=tl.float32)
+    for j in range(BTc):
+        if tl.sum(tl.where(o_t == j, skip, 0), 0) == 0:
+            k_j = tl.sum(tl.where((o_t == j)[:, None], kf, 0.), 0)                      # [BKC]
+            G_j = tl.sum(tl.where((o_t == j)[:, None], b_G, 0.), 0)                     # [BKC]
+            m_j = (o_t >= j) & (blk == j // BCc)
+            e = _exp(tl.where(m_j[:, None], b_G - G_j[None, :], float("-inf")))         # e^{G_i − G_j}
+            Ad = tl.where((o_t == j)[None, :], tl.sum(bk * e * k_j[None, :], 1)[:, None], Ad)
+            Pd = tl.where((o_t == j)[None, :], tl.sum(qf * e * k_j[None, :], 1)[:, None], Pd)
+    return Ad, Pd
+
+
+# ------------------------------------------------------------------------------------------------
+# the kernels
+# ------------------------------------------------------------------------------------------------
+
+@triton.heuristics({"IS_VARLEN": lambda args: args["cu_seqlens"] is not None})
+@triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
+def chunk_prepare_kernel(
+    q, k, v, g, beta,            # [B,T,H,K] [B,T,H,K] [B,T,HV,V] None|[B,T,HV]|[B,T,HV,K] fp32, [B,T,HV]
+    w, u, p,                     # out: [B,T,HV,K] [B,T,HV,V] [B,T,HV,BT] (input dtype)
+    qg, kg, glast,               # out (GATE == 2): [B,T,HV,K] [B,T,HV,K] input dtype, [slots,HV,K] fp32
+    gcum,                        # out (GC_OUT): GATE 1 [slots,HV,BT] fp32 G by chunk (glast then [slots,HV] G_last);
+                                 # GATE 2 [B,T,HV,K] fp32 G per token and channel (for the backward)
+    do, t_out, drl,              # BWD: [B,T,HV,V] in; out [B,T,HV,BT] fp32, [B,T,HV,V] (do's dtype)
+    flag,                        # PASS 1 / 2: [chunks · B·HV] int32, per program: 1 where the second launch must
+                                 # finish it (written by 1, read by 2)
+    ready,                       # SIGNAL: [slots, HV] int32, set to 1 once the chunk's outputs are stored (stage 2's WAIT)
+    cu_seqlens, chunk_indices,   # varlen: [N+1], [NT_total, 2] (sequence, chunk in sequence)
+    T, NT, H, HV, K, V, scale,
+    BTc: tl.constexpr, BCc: tl.constexpr, BK: tl.constexpr, BVf: tl.constexpr, BKC: tl.constexpr,
+    GATE: tl.constexpr,          # 0 none, 1 scalar, 2 per channel
+    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, MM_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
+    g_floor: tl.constexpr, span_max: tl.constexpr, WU_LOWP: tl.constexpr = 0,
+    BWD: tl.constexpr = 0, STORE_T: tl.constexpr = 0, STORE_P: tl.constexpr = 1, GC_OUT: tl.constexpr = 0,
+    PASS: tl.constexpr = 0, T_FORM: tl.constexpr = 0, AP_LOWP: tl.constexpr = 0, REDO_PREC: tl.constexpr = "tf32",
+    SIGNAL: tl.constexpr = 0, FULL_ROWS: tl.constexpr = 0, FULL_COLS: tl.constexpr = 0,
+):
+    """One chunk of one value head (module docstring). Grid (chunks, B·HV); SIGNAL: (B·HV, chunks).
+
+    BWD (the backward's recompute, scalar / no gate): instead of P, write T = (I + A)⁻¹ (fp32) and
+    dR_local = scale Pᵀ dO, next to W and U; A and P never reach memory.
+    STORE_T (forward, for a backward that reuses stage 1): also write T = (I + A)⁻¹ to t_out.
+    STORE_P = 0 (forward, scalar / no gate): no P (stage 2 forms it), q is not read.
+    GC_OUT (forward, scalar gate): also write the chunk-local cumulative gate G per token and G_last per chunk,
+    so that stage 2's serial loop neither scans nor reduces the gate; per-channel gate (a training forward): G
+    [B,T,HV,K], which the backward then does not form again.
+    T_FORM (forward, not with BWD): write T diag(β) = (I + A)⁻¹ diag(β) [B,T,HV,BT] to u (input dtype) instead of
+    W and U (v is not read; per channel no second column loop), and per channel K ⊙ e^G to w: stage 2 forms
+    R = T diag(β) (V − (K ⊙ e^G) S) itself; with STORE_T (the training forward), T to t_out as well.
+    PASS (two launches, the second over the programs the first flagged; the others return at once):
+      per-channel gate: 1 builds the one-reference products only (no block form: fewer registers) and flags the
+      programs where a column chunk's gate leaves the one-reference span (they stop after A and P); 2 takes, per
+      column chunk, the one-reference products where the gate allows them, else the block form, and writes all.
+      Scalar / no gate (SOLVE_PREC "fp16"): 1 flags the programs whose T came out non-finite (an operand past fp16's
+      range), without the redo's code; 2 redoes those whole at SOLVE_PREC.
+    SOLVE_PREC "fp16" with PASS 0 or a per-channel gate: where T comes out non-finite, the solve again at REDO_PREC.
+    AP_LOWP (the one-reference products): A from bf16 operands.
+    SIGNAL (stage 2 running beside this launch): the grid chunk-major, so that every head's first chunks are done
+    first, and each program, once its outputs are stored, sets ready[slot, head] (a program flagged to a second
+    launch leaves that to it).
+    FULL_ROWS (every chunk whole: no varlen, T a multiple of BTc) / FULL_COLS (K = BK, V = BVf): the tiles' row /
+    column bounds checks left out."""
+    CHK: tl.constexpr = (() if FULL_COLS else (1,)) if FULL_ROWS else ((0,) if FULL_COLS else (0, 1))
+    if SIGNAL:
+        i_bh, i_t = tl.program_id(0), tl.program_id(1)
+        n_t = tl.num_programs(1)
+    else:
+        i_t, i_bh = tl.program_id(0), tl.program_id(1)
+        n_t = tl.num_programs(0)
+    if PASS == 2:
+        if tl.load(flag + i_bh * n_t + i_t) == 0:
+            return
+    i_b, i_h = i_bh // HV, i_bh % HV
+    i_hk = i_h // (HV // H)
+    bos, T_seq, t0, slot = _chunk_span(i_t, i_b, cu_seqlens, chunk_indices, T, NT, BTc, IS_VARLEN)
+    o_t = tl.arange(0, BTc)
+    blk = o_t // BCc
+    strict = o_t[:, None] > o_t[None, :]
+    incl = o_t[:, None] >= o_t[None, :]
+    same = blk[:, None] == blk[None, :]
+
+    if FULL_ROWS:
+        b_beta = tl.load(beta + bos * HV + i_h + (t0 + o_t) * HV).to(tl.float32)
+    else:
+        b_beta = tl.load(beta + bos * HV + i_h + (t0 + o_t) * HV, mask=t0 + o_t < T_seq, other=0.).to(tl.float32)
+    q_base = q + (bos * H + i_hk) * K
+    k_base = k + (bos * H + i_hk) * K
+
+    if GATE == 2:
+        # per-channel gate, in column chunks of BKC channels (A and P are sums over channels, every
+        # channel's gate is independent): few [BT, BKC] fp32 tiles live, shared memory bounded for K = 256.
+        g_base = g + (bos * HV + i_h) * K
+        A = tl.zeros([BTc, BTc], dtype=tl.float32)
+        P = tl.zeros([BTc, BTc], dtype=tl.float32)
+        n_out = tl.zeros([], dtype=tl.int32)     # PASS 1: column chunks whose gate left the one-reference span
+        for i_kc in range(BK // BKC):
+            kc0 = i_kc * BKC
+            kf, qf, b_g = _kqg_tiles(k_base, q_base, g_base, t0, kc0, T_seq, H, HV, K, BTc, BKC, CHK)
+            b_G = tl.cumsum(tl.where(b_g < g_floor, g_floor, b_g), 0)                   # [BT, BKC]
+            G_last = _row_of(b_G, BTc - 1, BTc)                                          # [BKC]
+            # one reference for the whole chunk, r = G_last / 2 per channel, when every |G_i − r| of this
+            # column chunk is under span_max: e^{G_i − G_j} = e^{G_i − r} · e^{r − G_j}, both factors in
+            # [e^−span_max, e^span_max] (fp32's range), two products instead of eight
+            r = 0.5 * G_last
+            b_Gr = b_G - r[None, :]
+            m_Gr = tl.max(tl.max(tl.abs(b_Gr), 1), 0)
+            if PASS == 1:     # (the products may overflow where the span is left: the second launch redoes those)
+                n_out += (m_Gr >= span_max).to(tl.int32)
+                fast = True
+            else:
+                fast = m_Gr < span_max
+            if fast:
+                x = _exp(b_Gr)                                                           # e^{G_i − r}
+                kinv = kf * _exp(-b_Gr)                                                  # k_j e^{r − G_j}
+                qx = qf * x
+                # AP_LOWP: A from bf16 operands (rounded to nearest; bf16 inputs: e^{±span_max} in range)
+                A_PREC: tl.constexpr = "bf16" if AP_LOWP else MM_PREC
+                bkx = kf * b_beta[:, None] * x
+                A += _mm(bkx, tl.trans(kinv), A_PREC)                                    # [BT, BKC] @ [BKC, BT]
+                P += _mm(qx, tl.trans(kinv), MM_PREC)                                    # [BT, BKC] @ [BKC, BT]
+                b_qg = qx * _exp(r)[None, :]
+                b_kg = kinv * _exp(G_last - r)[None, :]
+                if T_FORM:
+                    b_kx = kf * x * _exp(r)[None, :]                                     # k e^G
+            else:
+                # by 16-token blocks: each e^{G_i − G_j} factored around a block end or a block start, both
+                # factors ≤ 1
+                e0, e1, e2, s_rows, worst = _block_starts(b_G, BTc, BCc)                    # block ends, starts
+                e3 = _row_of(b_G, 4 * BCc - 1, BTc)
+                zero = tl.zeros_like(e0)
+                one = tl.full([BKC], 1., tl.float32)
+                x = _exp(b_G - s_rows)                                                       # e^{G_i − s_b} ≤ 1
+                ky = kf * _exp(_by_block(e0[None, :], e1[None, :], e2[None, :], e3[None, :], BTc, BCc) - b_G)
+                bkx = kf * b_beta[:, None] * x                                               # β_i k_i e^{G_i − s_b}
+                qx = qf * x                                                                  # q_i e^{G_i − s_b}
+                # off-diagonal blocks, column block c, rows of block b > c: e^{G_i − e_c} = x_i e^{s_b − e_c}
+                f = _by_block(zero[None, :], one[None, :], _exp(e1 - e0)[None, :], _exp(e2 - e0)[None, :], BTc, BCc)
+                c = tl.trans(tl.where((blk == 0)[:, None], ky, 0.))
+                A += _mm(bkx * f, c, MM_PREC)                                                # [BT, BKC] @ [BKC, BT]
+                P += _mm(qx * f, c, MM_PREC)                                                 # [BT, BKC] @ [BKC, BT]
+                f = _by_block(zero[None, :], zero[None, :], one[None, :], _exp(e2 - e1)[None, :], BTc, BCc)
+                c = tl.trans(tl.where((blk == 1)[:, None], ky, 0.))
+                A += _mm(bkx * f, c, MM_PREC)                                                # [BT, BKC] @ [BKC, BT]
+                P += _mm(qx * f, c, MM_PREC)                                                 # [BT, BKC] @ [BKC, BT]
+                f = tl.where((blk == 3)[:, None], 1., 0.)
+                c = tl.trans(tl.where((blk == 2)[:, None], ky, 0.))
+                A += _mm(bkx * f, c, MM_PREC)                                                # [BT, BKC] @ [BKC, BT]
+                P += _mm(qx * f, c, MM_PREC)                                                 # [BT, BKC] @ [BKC, BT]
+                # diagonal blocks: around the block start when the block's gates sum above -span_max, else exact
+                # k_j e^{s_b − G_j} = ky_j e^{s_b − e_b}, at most e^{span_max}
+                shift = _by_block(-e0[None, :], (e0 - e1)[None, :], (e1 - e2)[None, :], (e2 - e3)[None, :],
+                                  BTc, BCc)
+                if worst > -span_max:
+                    kinv = ky * _exp(shift)
+                    Ad = _mm(bkx, tl.trans(kinv), MM_PREC)                                   # [BT, BKC] @ [BKC, BT]
+                    Pd = _mm(qx, tl.trans(kinv), MM_PREC)                                    # [BT, BKC] @ [BKC, BT]
+                else:
+                    # rare: the blocks that span too far column by column from e^{G_i − G_j}, i ≥ j, the
+                    # others factored as above (their shift kept, the far blocks' set to 0: finite, replaced)
+                    NB: tl.constexpr = BTc // BCc
+                    blk_min = tl.min(tl.reshape(tl.min(b_G - s_rows, 1), [NB, BCc]), 1)          # [NB]
+                    ok = tl.reshape(tl.broadcast_to((blk_min > -span_max)[:, None], [NB, BCc]), [BTc])
+                    kinv = ky * _exp(tl.where(ok[:, None], shift, 0.))
+                    Ade, Pde = _kda_diag_exact(kf, qf, kf * b_beta[:, None], b_G, ok.to(tl.int32), BTc, BCc)
+                    Ad = tl.where(ok[:, None], _mm(bkx, tl.trans(kinv), MM_PREC), Ade)       # [BT, BKC] @ [BKC, BT]
+                    Pd = tl.where(ok[:, None], _mm(qx, tl.trans(kinv), MM_PREC), Pde)        # [BT, BKC] @ [BKC, BT]
+                A += tl.where(same & strict, Ad, 0.)
+                P += tl.where(same & incl, Pd, 0.)
+                b_qg = qf * _exp(b_G)
+                b_kg = kf * _exp(G_last[None, :] - b_G)
+                if T_FORM:
+                    b_kx = kf * _exp(b_G)
+            # q e^G, k e^{G_last − G} for stage 2 (both exponents ≤ 0)
+            tl.store(tl.make_block_ptr(qg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0),
+                                       (BTc, BKC), (1, 0)), b_qg.to(qg.dtype.element_ty), boundary_check=CHK)
+            tl.store(tl.make_block_ptr(kg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
+                                       (1, 0)), b_kg.to(kg.dtype.element_ty), boundary_check=CHK)
+            if GC_OUT:      # G itself, for the backward
+                tl.store(tl.make_block_ptr(gcum + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0),
+                                           (BTc, BKC), (1, 0)), b_G, boundary_check=CHK)
+            o_k = kc0 + tl.arange(0, BKC)
+            tl.store(glast + (slot * HV + i_h) * K + o_k, _exp(G_last), mask=o_k < K)
+            if T_FORM:      # k e^G (exponent ≤ 0) for stage 2's (K ⊙ e^G) S, in W's place
+                tl.store(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
+                                           (1, 0)), b_kx.to(w.dtype.element_ty), boundary_check=CHK)
+        if PASS == 1:       # flagged: the second launch forms everything else
+            tl.store(flag + i_bh * n_t + i_t, tl.minimum(n_out, 1))
+            if n_out > 0:
+                return
+        # the one-reference products also filled the upper triangle (there up to e^{2 span_max})
+        A = tl.where(strict, A, 0.)
+        P = tl.where(incl, P, 0.)
+    else:
+        b_k = tl.load(tl.make_block_ptr(k_base, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
+                      boundary_check=CHK)
+        KK = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PREC)                       # [BT, BK] @ [BK, BT]
+        if BWD or STORE_P:
+            b_q = tl.load(tl.make_block_ptr(q_base, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
+                          boundary_check=CHK)
+            QK = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)                   # [BT, BK] @ [BK, BT]
+        if GATE == 1:
+            Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor, FULL_ROWS)       # [BT]
+            if GC_OUT:
+                tl.store(gcum + (slot * HV + i_h) * BTc + o_t, Gc)
+                tl.store(glast + slot * HV + i_h, tl.sum(tl.where(o_t == BTc - 1, Gc, 0.), 0))
+            dec = _exp(tl.where(incl, Gc[:, None] - Gc[None, :], float("-inf")))       # e^{G_i − G_j}, i ≥ j
+            A = tl.where(strict, KK * dec, 0.) * b_beta[:, None]
+            if BWD or STORE_P:
+                P = QK * dec
+            b_ks = b_beta * _exp(Gc)                                                    # W's row scale
+        else:
+            A = tl.where(strict, KK, 0.) * b_beta[:, None]
+            if BWD or STORE_P:
+                P = tl.where(incl, QK, 0.)
+            b_ks = b_beta
+    if not BWD and STORE_P:
+        tl.store(tl.make_block_ptr(p + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0), (BTc, BTc),
+                                   (1, 0)), P.to(p.dtype.element_ty), boundary_check=CHK)
+
+    Tm = _solve_unit_lower(A, SOLVE_PREC, BTc, BCc)                                      # (I + A)^-1
+    if SOLVE_PREC == "fp16":
+        # fp16 operands (rounded to nearest: tf32's significand) unless an operand left fp16's range, which leaves
+        # an inf or NaN in T: then the chunk's solve again at REDO_PREC, here or (PASS 1) in the second launch
+        bad = tl.sum(tl.sum(tl.where(tl.abs(Tm) < 65504.0, 0, 1), 1), 0) > 0        # (a NaN counts)
+        if PASS == 1 and GATE != 2:
+            tl.store(flag + i_bh * n_t + i_t, bad.to(tl.int32))
+        elif bad:
+            Tm = _solve_unit_lower(A, REDO_PREC, BTc, BCc)
+    if T_FORM:      # T diag(β) for stage 2, in U's place; no W, U (the training forward: T for the backward too)
+        tl.store(tl.make_block_ptr(u + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0),
+                                   (BTc, BTc), (1, 0)), (Tm * b_beta[None, :]).to(u.dtype.element_ty),
+                 boundary_check=CHK)
+        if STORE_T:
+            tl.store(tl.make_block_ptr(t_out + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0),
+                                       (BTc, BTc), (1, 0)), Tm.to(t_out.dtype.element_ty), boundary_check=CHK)
+    else:
+        if BWD or STORE_T:
+            tl.store(tl.make_block_ptr(t_out + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0),
+                                       (BTc, BTc), (1, 0)), Tm.to(t_out.dtype.element_ty), boundary_check=CHK)
+        if BWD:
+            b_do = tl.load(tl.make_block_ptr(do + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf),
+                                             (1, 0)), boundary_check=CHK)
+            if WU_LOWP:     # P in the input dtype, as the backward's W / U recompute does with 16-bit operands
+                b_drl = _mm(tl.trans(P.to(b_do.dtype)), b_do, MM_PREC)                       # [BT, BT] @ [BT, BV]
+            else:
+                b_drl = _mm(tl.trans(P), b_do.to(tl.float32), MM_PREC)                       # [BT, BT] @ [BT, BV]
+            tl.store(tl.make_block_ptr(drl + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf), (1, 0)),
+                     (b_drl * scale).to(drl.dtype.element_ty), boundary_check=CHK)
+        if WU_LOWP:         # W, U products in the input dtype (tensor cores at the 16-bit rate), as fla does
+            Tm = Tm.to(w.dtype.element_ty)
+        if GATE == 2:
+            # W = T (β e^G K), the right-hand side formed again per column chunk (e^G ≤ 1)
+            for i_kc in range(BK // BKC):
+                kc0 = i_kc * BKC
+                kf = tl.load(tl.make_block_ptr(k_base, (T_seq, K), (H * K, 1), (t0, kc0), (BTc, BKC), (1, 0)),
+                             boundary_check=CHK).to(tl.float32)
+                b_g = tl.load(tl.make_block_ptr(g + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
+                                                (1, 0)), boundary_check=CHK).to(tl.float32)
+                b_G = tl.cumsum(tl.where(b_g < g_floor, g_floor, b_g), 0)
+                Xk = kf * b_beta[:, None] * _exp(b_G)
+                b_w = _mm(Tm, Xk.to(Tm.dtype), MM_PREC)                                      # [BT, BT] @ [BT, BKC]
+                tl.store(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
+                                           (1, 0)), b_w.to(w.dtype.element_ty), boundary_check=CHK)
+        else:
+            Xk = b_k.to(tl.float32) * b_ks[:, None]
+            b_w = _mm(Tm, Xk.to(Tm.dtype), MM_PREC)                                          # [BT, BT] @ [BT, BK]
+            tl.store(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK), (1, 0)),
+                     b_w.to(w.dtype.element_ty), boundary_check=CHK)
+        Xv = tl.load(tl.make_block_ptr(v + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf),
+                                       (1, 0)), boundary_check=CHK).to(tl.float32) * b_beta[:, None]
+        b_u = _mm(Tm, Xv.to(Tm.dtype), MM_PREC).to(u.dtype.element_ty)                      # [BT, BT] @ [BT, BV]
+        tl.store(tl.make_block_ptr(u + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf), (1, 0)),
+                 b_u, boundary_check=CHK)
+    if SIGNAL:
+        if PASS == 1 and GATE != 2 and SOLVE_PREC == "fp16":    # a flagged program is published by the second launch
+            if bad == 0:
+                _signal_ready(ready, slot, i_h, HV)
+        else:
+            _signal_ready(ready, slot, i_h, HV)
+
+
+@triton.heuristics({"IS_VARLEN": lambda args: args["cu_seqlens"] is not None})
+@triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
+def chunk_p_kernel(q, k, g, p, cu_seqlens, chunk_indices, T, NT, H, HV, K,
+                   BTc: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr, IS_VARLEN: tl.constexpr,
+                   DOT_PREC: tl.constexpr, g_floor: tl.constexpr):
+    """P = tril(⟨q_i, k_j⟩ e^{G_i − G_j}) of one chunk of one value head, for simple GLA (no stage 1
+    otherwise): stage 2 then reads P instead of forming it once per value block (``P_IN``). Grid
+    (chunks, B·HV); scalar gate or none."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // HV, i_bh % HV
+    i_hk = i_h // (HV // H)
+    bos, T_seq, t0, _ = _chunk_span(i_t, i_b, cu_seqlens, chunk_indices, T, NT, BTc, IS_VARLEN)
+    o_t = tl.arange(0, BTc)
+    incl = o_t[:, None] >= o_t[None, :]
+    b_q = tl.load(tl.make_block_ptr(q + (bos * H + i_hk) * K, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
+                  boundary_check=(0, 1))
+    b_k = tl.load(tl.make_block_ptr(k + (bos * H + i_hk) * K, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
+                  boundary_check=(0, 1))
+    P = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)                            # [BT, BK] @ [BK, BT]
+    if GATE == 1:
+        Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor)                      # [BT]
+        P = P * _exp(tl.where(incl, Gc[:, None] - Gc[None, :], float("-inf")))         # e^{G_i − G_j}, i ≥ j
+    else:
+        P = tl.where(incl, P, 0.)
+    tl.store(tl.make_block_ptr(p + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0), (BTc, BTc), (1, 0)),
+             P.to(p.dtype.element_ty), boundary_check=(0, 1))
+
+
+# ------------------------------------------------------------------------------------------------
+# launchers
+# ------------------------------------------------------------------------------------------------
+
+def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, *, plan: ForwardPlan | None = None,
+                  save_t=False, store_p=True, ready=None, save_g=False):
+    """Stage 1 for the delta families.
+
+    Args: q, k [B,T,H,K]; v [B,T,HV,V]; g None | [B,T,HV] fp32 | [B,T,HV,K] fp32 (raw log-decays);
+    beta [B,T,HV]; cu_seqlens [N+1] with chunk_indices [NT_total, 2] (varlen, B = 1); ``plan`` (default:
+    forward_plan's for these inputs).
+    Returns dict: w [B,T,HV,K], u [B,T,HV,V], p [B,T,HV,64] (q's dtype) and, for per-channel g,
+    qg, kg [B,T,HV,K] (q's dtype) and glast [slots, HV, K] fp32 (e^{G_last} per chunk; the slot of
+    chunk i of sequence n is n·NT + i, or n + start_token // 64 with cu_seqlens), for scalar g gcum [slots, HV, 64]
+    fp32 (the chunk-local cumulative gate G, one row per chunk slot) and glast [slots, HV] fp32 (G_last per chunk);
+    with ``save_t`` also t = (I + A)⁻¹ [B,T,HV,64] (for a backward that reuses stage 1). ``store_p=False`` (scalar /
+    no gate): p is None, for a stage 2 that forms P itself. Under the plan's ``t_form``: u is (I + A)⁻¹ diag(β)
+    [B,T,HV,64] and w (per-channel g) K ⊙ e^G [B,T,HV,K] or None, in q's dtype. ``ready`` ([slots, HV] int32,
+    zeroed): the chunk-major grid, each program setting its entry once its outputs are stored, for a stage 2
+    launched beside it. ``save_g`` (per-channel g): also G [B,T,HV,K] fp32, the chunk-local cumulative gate, for the
+    backward (key "G").
+    """
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    gate = gate_kind(g)
+    if plan is None:
+        plan = forward_plan(q.device, q.dtype, gate, True, K, V, save=save_t)
+    t_form = plan.t_form
+    NT = cdiv(T, BT)
+    dev, dt = q.device, q.dtype
+    w = None if t_form and gate != 2 else _alloc((B, T, HV, K), dt, dev)
+    u = _alloc((B, T, HV, BT if t_form else V), dt, dev)
+    store_p = store_p or gate == 2
+    p = _alloc((B, T, HV, BT), dt, dev) if store_p else None
+    n_chunks = chunk_indices.shape[0] if cu_seqlens is not None else NT
+    slots = chunk_slots(B if cu_seqlens is None else cu_seqlens.numel() - 1, T, cu_seqlens is not None)
+    gcum = None
+    if gate == 2:
+        qg = _alloc((B, T, HV, K), dt, dev)
+        kg = _alloc((B, T, HV, K), dt, dev)
+        glast = _alloc((slots, HV, K), torch.float32, dev)
+        if save_g:
+            gcum = _alloc((B, T, HV, K), torch.float32, dev)
+    else:
+        qg = kg = glast = None
+        if gate == 1:       # G and G_last for stage 2
+            gcum = _alloc((slots, HV, BT), torch.float32, dev)
+            glast = _alloc((slots, HV), torch.float32, dev)
+    t = None
+    if save_t:      # fp32, or the input dtype where the backward takes T in it
+        t = _alloc((B, T, HV, BT), saved_t_dtype(dt, K, gate, t_form), dev)
+    # KDA: a flagging launch and the flagged programs' second one (PASS); an fp16 solve's redo likewise (redo_split)
+    two = gate == 2 or plan.redo_split
+    flag = torch.empty(n_chunks * B * HV, dtype=torch.int32, device=dev) if two else None
+    if gate == 2:
+        launches = [(1, plan.solve_prec), (2, plan.solve_prec)]
+    elif plan.redo_split:
+        launches = [(1, plan.solve_prec), (2, plan.redo_prec)]
+    else:
+        launches = [(0, plan.solve_prec)]
+    grid = (n_chunks, B * HV) if ready is None else (B * HV, n_chunks)
+    full_rows, full_cols = chunks_whole(T, cu_seqlens is not None), K == _dim(K) and V == _dim(V)
+    regs = {} if plan.prep_maxnreg is None else {"maxnreg": plan.prep_maxnreg}
+    for pass_, s_prec in launches if n_chunks > 0 else ():
+        chunk_prepare_kernel[grid](
+            q, k, v, g, beta, w, u, p, qg, kg, glast, gcum, None, t, None, flag, ready, cu_seqlens, chunk_indices, T, NT,
+            H=H, HV=HV, K=K, V=V, scale=1.0, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(plan.prep_bkc, _dim(K)),
+            GATE=gate, DOT_PREC=plan.dot_prec, MM_PREC=plan.mm_prec, SOLVE_PREC=s_prec,
+            g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=plan.wu_lowp, STORE_T=save_t, STORE_P=store_p,
+            GC_OUT=gcum is not None, PASS=pass_, T_FORM=t_form, AP_LOWP=plan.ap_lowp, REDO_PREC=plan.redo_prec,
+            SIGNAL=ready is not None, FULL_ROWS=full_rows, FULL_COLS=full_cols,
+            num_warps=plan.prep_warps, num_stages=plan.prep_stages, **regs)
+    # (the kernel's gcum: G by chunk for a scalar gate, stage 2's; G per token and channel for KDA, the backward's)
+    return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, t=t, gcum=gcum if gate == 1 else None,
+                G=gcum if gate == 2 else None)
+
+
+def chunk_prepare_bwd(q, k, v, g, beta, do, scale, w, u, t_out, drl, cu_seqlens=None, chunk_indices=None,
+                      wu_lowp=True, num_warps=4, maxnreg=None):
+    """The backward's recompute for the delta rule with a scalar gate or none, in one pass per chunk (BWD
+    form of chunk_prepare_kernel): fills w [B,T,HV,K], u [B,T,HV,V] (16-bit for 16-bit inputs), t_out =
+    (I + A)⁻¹ [B,T,HV,64] fp32 and drl = scale Pᵀ dO [B,T,HV,V]. ``wu_lowp``: the products of T and P
+    with 16-bit operands (16-bit inputs only, where wu_lowp_ok)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    gate = gate_kind(g)
+    assert gate != 2 and beta is not None, "chunk_prepare_bwd: delta rule, scalar gate or none"
+    NT = cdiv(T, BT)
+    n_chunks = chunk_indices.shape[0] if cu_seqlens is not None else NT
+    dot_prec, mm_prec, solve_prec = precisions(q.dtype)
+    regs = {} if maxnreg is None else {"maxnreg": maxnreg}
+    if n_chunks > 0:
+        chunk_prepare_kernel[(n_chunks, B * HV)](
+            q, k, v, g, beta, w, u, None, None, None, None, None, do, t_out, drl, None, None, cu_seqlens, chunk_indices,
+            T, NT,
+            H=H, HV=HV, K=K, V=V, scale=scale, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(64, _dim(K)),
+            GATE=gate, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=solve_prec,
+            g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(q.dtype, K, V), BWD=True,
+            num_warps=num_warps, num_stages=1, **regs)
+
+
+def chunk_p(q, k, g, v_heads, cu_seqlens=None, chunk_indices=None):
+    """P [B, T, HV, 64] (q's dtype) alone, for simple GLA where stage 2 reads it (see chunk_p_kernel)."""
+    B, T, H, K = q.shape
+    HV = v_heads
+    NT = cdiv(T, BT)
+    p = _alloc((B, T, HV, BT), q.dtype, q.device)
+    n_chunks = chunk_indices.shape[0] if cu_seqlens is not None else NT
+    if n_chunks > 0:
+        chunk_p_kernel[(n_chunks, B * HV)](
+            q, k, g, p, cu_seqlens, chunk_indices, T, NT, H, HV, K, BTc=BT, BK=_dim(K), GATE=gate_kind(g),
+            DOT_PREC=precisions(q.dtype)[0], g_floor=G_FLOOR, num_warps=4)
+    return p
