@@ -16,6 +16,7 @@ import triton.language as tl
 from .bwd_states import (Problem, _chunk_bounds, _chunk_program, _chunk_rows, _col_offsets, _gate_factors,
                          _load_gate, _load_gate_cols, _rev_cumsum)
 from .common import BC, SPAN_MAX, _exp, _mm, state_dtype
+from .stage1 import chunk_prepare_bwd
 
 
 # ------------------------------------------------------------------------------------------------
@@ -545,7 +546,6 @@ def recompute_stage1(q, k, v, g, beta, G, do, scale, Amat, Pmat, p: Problem, pla
         W, U = p.alloc(p.B, p.T, p.HV, p.K, dtype=sdt), p.alloc(p.B, p.T, p.HV, p.V, dtype=sdt)
     dRl = p.alloc(p.B, p.T, p.HV, p.V, dtype=sdt)
     if plan.fused_prep:
-        from .chunk_fwd import chunk_prepare_bwd
         chunk_prepare_bwd(q, k, v, g, beta, do, scale, W, U, T_, dRl, p.cu_seqlens, p.chunk_indices,
                           wu_lowp=plan.wu_lowp, num_warps=plan.num_warps)
         return T_, W, U, dRl
