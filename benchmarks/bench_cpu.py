@@ -101,7 +101,8 @@ def main(argv=None) -> int:
     ops, shapes = common.parse_ops(args.ops), resolve(args.shapes)
     hf = None if args.no_peers else hf_gdn()
     load = os.getloadavg()
-    rows, cut = common.collect((lambda s=s, op=op: bench_one(op, s, args, hf) for s in shapes for op in ops), "cpu")
+    rows, cut = common.collect((lambda s=s, op=op: bench_one(op, s, args, hf) for s in shapes for op in ops), "cpu",
+                               time_limit=args.time_limit)
     meta = common.metadata(args, benchmark="cpu", torch_threads=torch.get_num_threads(), cores=os.cpu_count(),
                            transformers=common._version("transformers"), loadavg=[load, os.getloadavg()],
                            cut_short=cut, timing=f"time.perf_counter, {args.reps} alternating calls each after one warm-up, median")

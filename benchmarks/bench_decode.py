@@ -115,7 +115,8 @@ def main(argv=None) -> int:
     fla = {} if args.no_peers else {op: common.fla_op(op, "recurrent") for op in ops}
     bw = copy_tbps(args.device)
     rows, cut = common.collect((lambda s=s, op=op, mode=mode: bench_one(op, s, mode, args, fla.get(op), bw)
-                                for s in shapes for op in ops for mode in ("state", "pool")), args.device)
+                                for s in shapes for op in ops for mode in ("state", "pool")), args.device,
+                               time_limit=args.time_limit)
     if args.warmup:
         return 0
     meta = common.metadata(args, benchmark="decode", copy_TBps=bw, cut_short=cut,

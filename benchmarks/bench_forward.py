@@ -73,7 +73,7 @@ def main(argv=None) -> int:
         peers = {op: common.fla_op(op) for op in ops}
         peers["flashinfer"] = common.flashinfer_gdn()
     rows, cut = common.collect((lambda s=s, op=op: bench_one(op, s, args, peers) for s in shapes for op in ops),
-                               args.device)
+                               args.device, time_limit=args.time_limit)
     if args.warmup:
         return 0
     meta = common.metadata(args, benchmark="forward", timing="triton.testing.do_bench median (ms), no autograd",

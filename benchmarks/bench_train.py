@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     path = os.path.join(args.out, "bench_train.json")
     keep = None if args.warmup else (lambda rows: common.write_json(path, meta, rows))    # kept as it goes
     rows, cut = common.collect((lambda s=s, op=op: bench_one(op, s, args, fla.get(op)) for s in shapes for op in ops),
-                               args.device, on_row=keep)
+                               args.device, on_row=keep, time_limit=args.time_limit)
     if args.warmup:
         return 0
     meta["cut_short"] = cut

@@ -37,6 +37,8 @@ def parser(doc: str, shapes: str, dtype: str = "bf16", warmup: bool = True) -> a
     ap.add_argument("--backend", default=None, help="chunkwise's backend (default: triton on a GPU, torch on the CPU)")
     ap.add_argument("--no-peers", action="store_true", help="time chunkwise alone")
     ap.add_argument("--commit", default=None, help="the commit to record (default: git rev-parse HEAD)")
+    ap.add_argument("--time-limit", type=float, default=None, metavar="S",
+                    help="start no further row after S seconds; write what was timed")
     if warmup:
         ap.add_argument("--warmup", action="store_true", help="compile only: every op runs once per shape (fla with "
                         "its configuration search), nothing is timed or written; gpu_run.sh runs this beside the tests")
@@ -108,10 +110,9 @@ def run_fla(op: str, fn, x: dict, **kw):
     x = fla_inputs(op, x)
     if x["cu_seqlens"] is not None:
         kw.update(cu_seqlens=x["cu_seqlens"], cu_seqlens_cpu=x["cu_seqlens_cpu"])
-    args = _args(op, x)
-    if op == "gla":
-        return fn(*args[:3], g=args[3], output_final_state=True, **kw)
-    return fn(*args, output_final_state=True, **kw)
+    # by keyword: fla's positional orders differ (its GDN decode takes gk, gv before beta)
+    gates = {n: x[n] for n in ("g", "beta") if x[n] is not None}
+    return fn(q=x["q"], k=x["k"], v=x["v"], **gates, output_final_state=True, **kw)
 
 
 def flashinfer_gdn():
@@ -159,13 +160,30 @@ def _fla_autotuners():
     return list(found.values())
 
 
+# fla's configuration search times each candidate over this many ms of warm-up and repetitions (Triton's default,
+# 25 / 100, makes a search ~10 s a row: a per-row search of every shape would not fit one GPU run)
+FLA_SEARCH_MS = (5, 25)
+
+
+def _compile_only_bench(fn, quantiles=None, **kw):
+    fn()                        # compiles the candidate; every candidate ties, the first is kept
+    return [1.0] * len(quantiles) if quantiles else 1.0
+
+
 def fla_fresh_search():
     """Make fla's next call search its configurations afresh. fla's autotuners read Triton's kept results from disk
     (its FLA_CACHE_RESULTS default), and some of their keys leave T out, so a pick made at another shape or in
-    another run would serve this one: fla would be timed at a configuration it did not choose for these inputs."""
+    another run would serve this one: fla would be timed at a configuration it did not choose for these inputs.
+    Under --warmup the search only compiles each candidate."""
+    import functools
+
+    import triton
+    bench = _compile_only_bench if COMPILE_ONLY else functools.partial(
+        triton.testing.do_bench, warmup=FLA_SEARCH_MS[0], rep=FLA_SEARCH_MS[1])
     for at in _fla_autotuners():
         at.cache_results = False
         at.cache.clear()
+        at.do_bench = bench         # (a cached_property of the autotuner: the instance's value wins)
 
 
 def fla_autotune_picks() -> dict:
@@ -243,15 +261,18 @@ def metadata(args, **extra) -> dict:
     return dict(device=name, torch=torch.__version__, triton=_version("triton"), fla=_version("fla"),
                 flashinfer=_version("flashinfer"), chunkwise=_version("chunkwise"), commit=args.commit or git_commit(),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), dtype=args.dtype,
-                backend=backend_of(args), **extra)
+                backend=backend_of(args), fla_search_ms=FLA_SEARCH_MS, **extra)
 
 
-def collect(jobs, device, on_row=None) -> tuple[list[dict], bool]:
-    """Run each job (a callable returning a row) in order, printing each row as a JSON line as it comes. A SIGINT
-    (gpu_run.sh ends a phase at its limit with ``timeout -s INT``) stops the loop: returns (rows so far, True)."""
-    rows = []
+def collect(jobs, device, on_row=None, time_limit: float | None = None) -> tuple[list[dict], bool]:
+    """Run each job (a callable returning a row) in order, printing each row as a JSON line as it comes. Past
+    ``time_limit`` seconds no further job starts, and a SIGINT stops the loop too: then (rows so far, True)."""
+    rows, start = [], time.monotonic()
     try:
         for job in jobs:
+            if time_limit is not None and time.monotonic() - start > time_limit:
+                print(f"time limit: keeping the {len(rows)} rows timed within {time_limit:.0f} s", file=sys.stderr)
+                return rows, True
             rows.append(job())
             print(json.dumps(rows[-1], default=str), flush=True)
             if on_row is not None:

@@ -3,21 +3,24 @@
 #
 #   bash benchmarks/gpu_run.sh [--commit SHA] [--budget PHASE=SECONDS ...] [PHASE ...]
 #
-# Phases, in order (default: all): check (`chunkwise check`), tests (`pytest tests -x`), forward, train, decode
-# (benchmarks/bench_*.py on the standing and few-heads shapes, fla 0.6.0 beside). Each phase runs under its own time
-# limit (BUDGET below, seconds; --budget tests=400 changes one); at the limit a benchmark gets SIGINT and writes the
-# rows it has. Compiling (ours, and fla's configuration search) would take most of the benchmarks' time, so
-# `--warmup` runs of the forward and training benchmarks compile their kernels beside check and tests (the "warm"
-# budget), and the timed phases start once they have ended. The device copy of the tree has no git history: pass
-# the commit with --commit.
+# Phases (default: all): check (`chunkwise check`), tests (`pytest tests -x`), forward, train, decode
+# (benchmarks/bench_*.py next to fla 0.6.0: forward on the standing and few-heads shapes, training on the standing
+# shapes and GDN's 2/8 heads at 32k tokens, decode at batch 1-256). Every phase has a time limit (BUDGET below, in
+# seconds; --budget tests=400 changes one): a benchmark starts no row past its limit less a margin and writes what
+# it timed; a command still running at its limit is stopped (SIGINT, then SIGKILL 20 s later).
 #
-# Carry (the device tool's `carry`): .whl for fla (`../shared/device/wheels.sh fla-core==0.6.0`, plus any pinned
-# test dependency), and optionally .triton_sm90 (`python benchmarks/tools.py warm`: kernels built here for sm_90).
-# Everything lands in $OUT (8 files: summary.txt, logs.tgz with every phase's log, bench_{forward,train,decode}
-# .json / .png); the short tables are printed last.
+# Compiling (ours, and fla's configuration search) would take most of the benchmarks' time, so check, the tests
+# and `--warmup` runs of the forward and training benchmarks (compile only) share the first window, side by side;
+# the timed phases follow, one at a time. The device copy of the tree has no git history: pass --commit.
+#
+# Carry (the device tool's `carry`): .whl for fla (`../shared/device/wheels.sh fla-core==0.6.0 transformers==5.24.0`:
+# the test extra's pin), and optionally .triton_sm90 (`python benchmarks/tools.py warm`: kernels built for sm_90).
+# $OUT receives 8 files: summary.txt, logs.tgz (every phase's log), bench_{forward,train,decode}.{json,png}. The
+# short tables are printed last.
 set -u
-# seconds per phase; warm runs beside check + tests (not added): ~20 s of set-up + 540 = 560 s
-declare -A BUDGET=([check]=60 [tests]=200 [warm]=250 [forward]=150 [train]=100 [decode]=30)
+# first window (side by side): check, tests, warm; then forward, train, decode. ~15 s set-up + 240 + 290 = 545 s
+declare -A BUDGET=([check]=150 [tests]=240 [warm]=230 [forward]=130 [train]=130 [decode]=30)
+MARGIN=25                       # a benchmark's last row may run this long past its --time-limit
 PHASES=() COMMIT=""
 while [ $# -gt 0 ]; do
   case $1 in
@@ -28,6 +31,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 [ ${#PHASES[@]} -gt 0 ] || PHASES=(check tests forward train decode)
+has() { [[ " ${PHASES[*]} " == *" $1 "* ]]; }
 [ -n "$COMMIT" ] || COMMIT=$(git rev-parse HEAD 2>/dev/null || echo unknown)
 
 OUT=$(realpath -m "${OUT:-bench_out}"); WORK=/tmp/gpu_run; rm -rf "$WORK"; mkdir -p "$OUT" "$WORK"
@@ -40,7 +44,7 @@ finish() {   # at exit, however the run ends: the logs packed, the benchmarks' f
 trap finish EXIT
 START=$(date +%s)
 
-# -- set-up: fla from the carried wheels, the package from src/, versions ---------------------------------------
+# -- set-up: fla (and pinned test dependencies) from the carried wheels, the package from src/, versions ----------
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     > "$WORK/pip.log" 2>&1 || say "pip install of .whl failed (see logs.tgz: pip.log)"
@@ -59,49 +63,47 @@ for m in ('fla', 'flashinfer', 'transformers'):
 [ -n "${TRITON_CACHE_DIR:-}" ] && say "prebuilt Triton cache: $(ls "$TRITON_CACHE_DIR" | wc -l) entries"
 
 # -- phases ------------------------------------------------------------------------------------------------------
-# phase NAME COMMAND...: runs COMMAND under its budget (SIGINT at the limit, SIGKILL 20 s later), log in $WORK
-phase() {
-  local name=$1 t0; shift; t0=$(date +%s)
-  timeout -s INT -k 20 "${BUDGET[$name]}" "$@" > "$WORK/$name.log" 2>&1
-  local rc=$?
-  say "== $name: rc=$rc, $(( $(date +%s) - t0 )) s of ${BUDGET[$name]} s$([ $rc = 124 ] && echo ', cut at its limit')"
+# limited NAME LOG COMMAND...: COMMAND under NAME's budget, output to LOG; a subshell, so that a stopped command
+# ends it with a status instead of a job notice from this shell
+limited() { local name=$1 log=$2; shift 2; ( timeout -s INT -k 20 "${BUDGET[$name]}" "$@" > "$log" 2>&1; exit $? ); }
+report() {   # report NAME RC T0
+  say "== $1: rc=$2, $(( $(date +%s) - $3 )) s of ${BUDGET[$1]} s$([ "$2" = 124 ] || [ "$2" = 137 ] && echo ', stopped at its limit')"
 }
+phase() { local name=$1 t0; t0=$(date +%s); shift; limited "$name" "$WORK/$name.log" "$@"; report "$name" $? "$t0"; }
 BENCH=(--out "$WORK" --commit "$COMMIT")
-SHAPES=(--shapes standing,few-heads)
-# the warm-up: per benchmark two processes (two ops each) compile in parallel; the tests keep enough GPU memory
-WARM=()
+declare -A SHAPES=([forward]=standing,few-heads [train]=standing,B1-T32768-H2-HV8 [decode]=decode)
+limit() { echo $(( BUDGET[$1] - MARGIN )); }
+
+# first window: check and the warm-up in the background, the tests in the foreground, then wait for all
+T0=$(date +%s) JOBS=()
+has check && { limited check "$WORK/check.log" python3 -m chunkwise check & JOBS+=("check:$!"); }
 for b in forward train; do
-  [[ " ${PHASES[*]} " == *" $b "* ]] || continue
-  for ops in gdn,kda delta,gla; do
-    timeout -s INT -k 10 "${BUDGET[warm]}" python3 "benchmarks/bench_$b.py" --warmup --ops $ops "${SHAPES[@]}" \
-      > "$WORK/warm_${b}_${ops/,/_}.log" 2>&1 &
-    WARM+=($!)
+  has $b || continue
+  for ops in gdn,kda delta,gla; do        # two processes per benchmark: compiles in parallel, GPU memory to spare
+    limited warm "$WORK/warm_${b}_${ops/,/_}.log" python3 "benchmarks/bench_$b.py" --warmup --ops $ops \
+      --shapes "${SHAPES[$b]}" --time-limit "$(limit warm)" &
+    JOBS+=("warm:$!")
   done
 done
-warm_wait() {   # before any timing: the warm-up processes ended (each is bounded by the warm budget)
-  [ ${#WARM[@]} -gt 0 ] || return 0
-  local t0=$(date +%s); wait "${WARM[@]}"; WARM=()
-  say "== warm: ended $(( $(date +%s) - START )) s into the run (the timed phases waited $(( $(date +%s) - t0 )) s for it)"
-}
-for p in "${PHASES[@]}"; do
-  case $p in forward|train|decode) warm_wait ;; esac
-  case $p in
-    check)   phase check python3 -m chunkwise check ;;
-    tests)   phase tests python3 -m pytest tests -x -q -p no:cacheprovider -o addopts="" --durations=15 ;;
-    forward) phase forward python3 benchmarks/bench_forward.py "${SHAPES[@]}" "${BENCH[@]}" ;;
-    train)   phase train python3 benchmarks/bench_train.py "${SHAPES[@]}" "${BENCH[@]}" ;;
-    decode)  phase decode python3 benchmarks/bench_decode.py "${BENCH[@]}" ;;
-  esac
+has tests && phase tests python3 -m pytest tests -x -q -p no:cacheprovider -o addopts="" --durations=15
+for j in "${JOBS[@]}"; do
+  wait "${j#*:}"; rc=$?
+  [ "${j%%:*}" = warm ] && [ $rc = 0 ] || report "${j%%:*}" $rc "$T0"
+done
+[ ${#JOBS[@]} -gt 0 ] && say "== first window: $(( $(date +%s) - T0 )) s"
+
+for p in forward train decode; do
+  has $p && phase $p python3 "benchmarks/bench_$p.py" --shapes "${SHAPES[$p]}" --time-limit "$(limit $p)" "${BENCH[@]}"
 done
 say "== total $(( $(date +%s) - START )) s"
 
 # -- the short results last --------------------------------------------------------------------------------------
-for p in "${PHASES[@]}"; do
-  case $p in
-    check) { echo; echo "== check"; tail -n 3 "$WORK/check.log"; } | tee -a "$SUMMARY" ;;
-    tests) { echo; echo "== tests"; grep -E "passed|failed|error" "$WORK/tests.log" | tail -n 3;
-             grep -E "^(FAILED|ERROR) " "$WORK/tests.log" | head -n 5; } | tee -a "$SUMMARY" ;;
-    *)     { echo; awk '/^(Forward|Decode)[ ,]/ {buf=""; on=1} on {buf=buf $0 "\n"} END {printf "%s", buf}' \
-               "$WORK/$p.log"; } | tee -a "$SUMMARY" ;;
-  esac
+if has check; then { echo; echo "== check"; tail -n 3 "$WORK/check.log"; } | tee -a "$SUMMARY"; fi
+if has tests; then
+  { echo; echo "== tests"; grep -E "passed|failed|error" "$WORK/tests.log" | tail -n 3
+    grep -E "^(FAILED|ERROR) " "$WORK/tests.log" | head -n 5; } | tee -a "$SUMMARY"
+fi
+for p in forward train decode; do   # each benchmark's header line and markdown table (its last lines)
+  has $p && { echo; awk '/^(Forward|Decode)[ ,]/ {buf=""; on=1} on {buf=buf $0 "\n"} END {printf "%s", buf}' \
+    "$WORK/$p.log"; } | tee -a "$SUMMARY"
 done

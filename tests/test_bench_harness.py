@@ -128,6 +128,7 @@ def test_collect_keeps_the_rows_before_an_interrupt(capsys):
     assert rows == [dict(a=1), dict(a=2)] and cut and seen == [1, 2]
     assert capsys.readouterr().out.splitlines() == ['{"a": 1}', '{"a": 2}']
     assert common.collect([lambda: dict(a=1)], "cpu") == ([dict(a=1)], False)
+    assert common.collect([lambda: dict(a=1)], "cpu", time_limit=0) == ([], True)       # no row starts past it
 
 
 def test_gpu_run_refuses_unknown_phases(tmp_path):
@@ -177,7 +178,12 @@ def test_fla_picks_are_recorded_then_forgotten(monkeypatch):
     common.fla_fresh_search()
     for at in (direct, wrapped):
         assert at.cache_results is False and at.cache == {}
+        assert at.do_bench.keywords == dict(warmup=common.FLA_SEARCH_MS[0], rep=common.FLA_SEARCH_MS[1])
     assert other.cache_results is True and other.cache      # not fla's: untouched
+    monkeypatch.setattr(common, "COMPILE_ONLY", True)       # --warmup: each candidate compiled and run once
+    common.fla_fresh_search()
+    calls = []
+    assert direct.do_bench(lambda: calls.append(1), quantiles=(0.5, 0.2, 0.8)) == [1.0] * 3 and calls == [1]
     assert "kernel" not in common.fla_autotune_picks()
 
 
