@@ -82,33 +82,23 @@ def test_opcheck_triton(form):
 
 
 @pytest.mark.skipif(not (ON_GPU or INTERPRET), reason="the triton backend needs a GPU or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("fam,dtype,scaled", [("gdn", torch.float32, "1"), ("kda", torch.float16, "0"),
-                                              ("kda", torch.float16, "1"), ("delta", torch.float32, "0")])
-@pytest.mark.parametrize("states", ["0", "1", "r0"])
-@pytest.mark.parametrize("K", [16, 18])
-def test_opcheck_triton_saved_stage1(K, states, fam, dtype, scaled, monkeypatch):
-    """The ops that save stage 1 (the default under autograd: the forward returns it for the backward; K = 18 is
-    padded, so it returns empty tensors there), R (CHUNKWISE_SAVE_R, the default; not with "r0"), with
-    CHUNKWISE_SAVE_STATES=1 the per-chunk states and R, and for
-    KDA with 16-bit inputs and CHUNKWISE_SAVE_GATE_SCALED=1 q ⊙ e^G and k ⊙ e^{G_last − G}, for KDA its G, for DeltaNet
-    with R kept and CHUNKWISE_SAVE_HT=1 the final state: schema, fake tensors (the same shapes as the real op),
-    autograd registration; its backward's schema and fake tensors."""
-    monkeypatch.setenv("CHUNKWISE_SAVE_STATES", "1" if states == "1" else "0")
-    monkeypatch.setenv("CHUNKWISE_SAVE_R", "0" if states == "r0" else "1")
-    monkeypatch.setenv("CHUNKWISE_SAVE_GATE_SCALED", scaled)
-    monkeypatch.setenv("CHUNKWISE_SAVE_HT", "1")
+@pytest.mark.parametrize("fam,dtype", [("gdn", torch.float32), ("kda", torch.float16), ("delta", torch.float32)],
+                         ids=["gdn-f32", "kda-f16", "delta-f32"])
+@pytest.mark.parametrize("K", [16, 18], ids=["K16", "K18-padded"])
+def test_opcheck_triton_saved_stage1(K, fam, dtype):
+    """The op that saves stage 1 for the backward (the default under autograd; K = 18 is padded, so it saves
+    nothing there): schema, fake tensors (each with the real output's shape and dtype), autograd registration;
+    its backward's schema and fake tensors."""
     inp = make_inputs(fam, B=1, T=20, H=1, HV=2, K=K, V=16, dtype=dtype, requires_grad=True)
     args = _op_args(inp, 0.25, True, False, backend="triton")
     torch.library.opcheck(_custom_ops.chunk_fwd_saved, args,
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
     stage1 = _custom_ops.chunk_fwd_saved(*(a.detach() if isinstance(a, torch.Tensor) else a for a in args))[2:]
-    # (fp16 KDA on the GPU saves nothing: its backward runs in fp32 there, chunk_fwd.FP16_KDA_FP32)
+    fake = _custom_ops._stage1_shapes(inp.q, inp.v, inp.g, inp.beta, None)
+    assert [(tuple(x.shape), x.dtype) for x in stage1] == [(tuple(s), d) for s, d in fake]
+    # (fp16 KDA on the GPU saves nothing: its backward runs in fp32 there)
     saves = K == 16 and not (fam == "kda" and dtype == torch.float16 and inp.q.is_cuda)
-    assert [x.numel() > 0 for x in stage1] == \
-        [saves, saves and states == "r0", saves, saves] + [saves and states == "1", saves and states != "r0"] + \
-        [saves and fam == "kda" and scaled == "1"] * 2 + \
-        [saves and fam == "kda"] + \
-        [saves and fam == "delta" and states == "0"]    # KDA's G (saves_gate_cumsum), DeltaNet's final state
+    assert any(x.numel() > 0 for x in stage1) == saves
     do, dht = torch.randn_like(inp.v), torch.randn_like(inp.h0)
     torch.library.opcheck(_custom_ops.chunk_bwd_saved,
                           (inp.q.detach(), inp.k.detach(), inp.v.detach(), None if inp.g is None else inp.g.detach(),
@@ -118,19 +108,19 @@ def test_opcheck_triton_saved_stage1(K, states, fam, dtype, scaled, monkeypatch)
 
 
 @pytest.mark.skipif(not (ON_GPU or INTERPRET), reason="the triton backend needs a GPU or TRITON_INTERPRET=1")
+# (triton 3.6's interpreter multiplies bf16 operands of tl.dot as their bit patterns, triton-lang/triton#11584: the
+# values are meaningless there and overflow numpy's products; this test compares shapes and dtypes only)
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("fam", ["delta", "gdn", "kda"])
-@pytest.mark.parametrize("t16", ["0", "1"])
-def test_saved_stage1_fake_matches_real_bf16_k128(fam, t16, monkeypatch):
-    """At bf16 and K = 128 (where the saved T may be bf16: chunk_bwd.saved_t_dtype, CHUNKWISE_SAVE_T_16) the saving
-    forward's fake outputs (what torch.compile traces with) have the real outputs' shapes and dtypes, each of them."""
-    monkeypatch.setenv("CHUNKWISE_SAVE_T_16", t16)
+def test_saved_stage1_fake_matches_real_bf16_k128(fam):
+    """At bf16 and K = 128 (where the saved T may be bf16) the saving forward's fake outputs (what torch.compile
+    traces with) have the real outputs' shapes and dtypes, each of them."""
     inp = make_inputs(fam, B=1, T=20, H=1, HV=1, K=128, V=16, dtype=torch.bfloat16)
     args = _op_args(inp, 0.25, True, False, backend="triton")
     real = _custom_ops.chunk_fwd_saved(*args)
     fake = _custom_ops._stage1_shapes(inp.q, inp.v, inp.g, inp.beta, None)
     assert [(tuple(x.shape), x.dtype) for x in real[2:]] == [(tuple(s), d) for s, d in fake]
-    t = real[5]
-    assert t.numel() and t.dtype == (torch.bfloat16 if t16 == "1" and fam != "kda" else torch.float32)
+    assert real[5].numel() and real[5].dtype in (torch.bfloat16, torch.float32)     # T
 
 
 def _grads(out, tensors):
