@@ -1,4 +1,4 @@
-"""Input checking (DESIGN.md §1): every bad argument gets a ValueError / TypeError whose message
+"""Input checking: every bad argument gets a ValueError / TypeError whose message
 names the argument and, where shapes are involved, the shapes. One test per kind of mistake.
 
 Each case starts from a valid call (checked to run) and breaks one thing.

@@ -1,4 +1,4 @@
-"""The PyTorch backend against the float64 token recurrence (DESIGN.md §1, §4).
+"""The PyTorch backend against the float64 token recurrence (docs/design.md §1, §3).
 
 Every public op runs with backend="torch": the chunk form (`chunk_*`) and the token form
 (`fused_recurrent_*`) must both equal the recurrence for every family, dtype and case of the
@@ -43,7 +43,7 @@ def assert_close(x, ref, tol, what=""):
 
 
 # ----------------------------------------------------------------------------------------------
-# the case list of DESIGN.md §4
+# the cases every form must get right
 # ----------------------------------------------------------------------------------------------
 
 CASES = {

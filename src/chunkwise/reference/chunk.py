@@ -1,4 +1,4 @@
-"""The chunk algorithm (DESIGN.md §2) in batched PyTorch: the CPU backend and the autograd fallback.
+"""The chunk algorithm (docs/design.md §2) in batched PyTorch: the CPU backend and the autograd fallback.
 
 Cut every sequence into chunks of C tokens. Inside a chunk, with G the cumulative log-decay and
 Γ_ij = exp(G_i − G_j) (per channel for KDA)::
@@ -76,8 +76,8 @@ os.register_at_fork(after_in_child=_POOLS.clear)
 
 
 def _pool(workers: int) -> ThreadPoolExecutor:
-    """A persistent pool of ``workers`` threads: fresh threads per call cost ~15 ms at T = 4096
-    (each new thread's first matrix products set up their BLAS buffers again)."""
+    """A persistent pool of ``workers`` threads: a fresh thread's first matrix products set up their
+    BLAS buffers again, a cost paid on every call with threads made per call."""
     if workers not in _POOLS:
         _POOLS[workers] = ThreadPoolExecutor(workers, thread_name_prefix="chunkwise-cpu")
     return _POOLS[workers]
@@ -96,8 +96,8 @@ def chunk_forward(q, k, v, g, beta, scale, initial_state=None, cu_seqlens=None, 
 
     On the CPU, without autograd and with several torch threads, the q/k head groups are split over
     that many Python threads that each run `_chunk_forward` single-threaded (the matrix products
-    release the GIL). Every op of the chunk loop is small ([B·HV, C, ·], ~0.5 MB), so splitting the
-    heads scales far better than intra-op OpenMP threads, which synchronise ~20 times per chunk and
+    release the GIL). Every op of the chunk loop is small ([B·HV, C, ·]), so splitting the heads
+    scales far better than intra-op OpenMP threads, which synchronise at every op of every chunk and
     stall whenever a core is busy. The result is bit-identical to the single-threaded call.
     """
     o, S, finite = _chunk_forward_heads(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, dtype)
@@ -193,13 +193,12 @@ def _chunk_forward(
     Two loops. Over blocks of a few chunks, everything that does not depend on the state, for all the
     block's chunks in one batch of [nb·B·HV, C, ·] tensors: P, A, T = (I + A)⁻¹ diag(β), Q e^G, K e^G,
     K e^{G_last − G}. Then over the block's chunks, the state hand-over: five products per chunk
-    (R = T diag(β) (V − (e^G K) S): W and U are never formed; forming them ahead, one product fewer in
-    the loop but C²K more multiply-adds per chunk, measured 115 vs 108 ms). Every intermediate is a
-    block's (~1 MB at HV = 8, 256 tokens, K = V = 128, fp32), so it stays in cache and is reused by
-    the allocator; materialising them for the whole sequence
-    ([B, HV, T/C, C, ·], tens of MB each) made the CPU backend memory- and page-fault-bound (3-10x
-    slower at T = 4096). Batching the chunks of a block cuts the Python calls per token, which is what
-    limits two threads sharing the GIL (benchmarks/bench_cpu.py; README, CPU performance).
+    (R = T diag(β) (V − (e^G K) S): W and U are never formed, which would save one product in the loop
+    but cost C²K more multiply-adds per chunk). Every intermediate is a block's, so it stays in cache and
+    is reused by the allocator; materialised for the whole sequence ([B, HV, T/C, C, ·]) they make the
+    CPU backend memory- and page-fault-bound. Batching the chunks of a block cuts the Python calls per
+    token, which is what limits two threads sharing the GIL (benchmarks/bench_cpu.py; the timings are
+    in docs/performance.md).
     """
     C = chunk_size
     HV = v.shape[2]
@@ -292,7 +291,7 @@ def _chunk_forward(
                 A = (k_c @ k_c.transpose(-1, -2)).mul_(b if D is None else D * b)   # [nb·BH, c, K] @ [nb·BH, K, c]
             # T = (I + A)⁻¹ (unitriangular: the diagonal and upper triangle of A are not read, and
             # autograd gives A a strictly lower gradient), solved as X (I + A) = I: the same two-sided
-            # inverse, 1.7-2x faster than the left solve for [16, 64, 64] in torch 2.13's CPU LAPACK path
+            # inverse, and faster than the left solve in torch's CPU LAPACK path
             Tinv = torch.linalg.solve_triangular(A, const("eye", c), upper=False, unitriangular=True, left=False)
             Tb = Tinv * b.transpose(-1, -2)                                  # T diag(β)
             k_g = k_c if e_G is None else k_c * e_G                          # e^G ⊙ K
