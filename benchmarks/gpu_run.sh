@@ -14,12 +14,14 @@
 # the timed phases follow, one at a time. The device copy of the tree has no git history: pass --commit.
 #
 # Carry (the device tool's `carry`): .whl for fla (`../shared/device/wheels.sh fla-core==0.6.0 transformers==5.24.0`:
-# the test extra's pin), and optionally .triton_sm90 (`python benchmarks/tools.py warm`: kernels built for sm_90).
-# $OUT receives 8 files: summary.txt, logs.tgz (every phase's log), bench_{forward,train,decode}.{json,png}. The
-# short tables are printed last.
+# the test extra's pin) and .triton_sm90, Triton's cache for sm_90 (made by `python benchmarks/tools.py warm`, or
+# the triton_cache.tgz of the last run). Compiling is most of a first run's time: each run returns its cache (the
+# compiled kernels: ours and every configuration fla searched), so save $OUT/triton_cache.tgz as
+# .triton_sm90/cache.tgz for the next. $OUT receives 8 files: logs.tgz (every phase's log and the summary),
+# triton_cache.tgz, bench_{forward,train,decode}.{json,png}. The short tables are printed last.
 set -u
-# first window (side by side): check, tests, warm; then forward, train, decode. ~15 s set-up + 240 + 290 = 545 s
-declare -A BUDGET=([check]=150 [tests]=240 [warm]=230 [forward]=130 [train]=130 [decode]=30)
+# first window (side by side): check, tests, warm; then forward, train, decode. ~15 s set-up + 240 + 280 = 535 s
+declare -A BUDGET=([check]=240 [tests]=240 [warm]=220 [forward]=130 [train]=120 [decode]=30)
 MARGIN=25                       # a benchmark's last row may run this long past its --time-limit
 PHASES=() COMMIT=""
 while [ $# -gt 0 ]; do
@@ -37,9 +39,16 @@ has() { [[ " ${PHASES[*]} " == *" $1 "* ]]; }
 OUT=$(realpath -m "${OUT:-bench_out}"); WORK=/tmp/gpu_run; rm -rf "$WORK"; mkdir -p "$OUT" "$WORK"
 SUMMARY=$WORK/summary.txt
 say() { echo "$*" | tee -a "$SUMMARY"; }
-finish() {   # at exit, however the run ends: the logs packed, the benchmarks' files and the summary copied
-  tar czf "$OUT/logs.tgz" -C "$WORK" --exclude='*.json' --exclude='*.png' . 2>/dev/null
-  cp "$WORK"/bench_*.json "$WORK"/bench_*.png "$SUMMARY" "$OUT"/ 2>/dev/null
+CACHE=/tmp/triton_cache_sm90        # tools.py warm's path: the cache index holds absolute paths
+finish() {   # at exit, however the run ends: the cache packed, the benchmarks' files copied, the logs packed
+  # what a cache hit reads (group index, metadata, cubin); past 15 MB only what this run compiled
+  local find=(find "${CACHE##*/}" -type f \( -name '__grp__*' -o -name '*.json' -o -name '*.cubin' \))
+  ( cd /tmp && "${find[@]}" > "$WORK/cache.list" && tar czf "$OUT/triton_cache.tgz" -T "$WORK/cache.list" \
+    && [ "$(stat -c %s "$OUT/triton_cache.tgz")" -gt 15000000 ] && "${find[@]}" -newer "$WORK/start.mark" \
+      > "$WORK/cache.list" && tar czf "$OUT/triton_cache.tgz" -T "$WORK/cache.list" \
+    && echo "triton_cache.tgz holds this run's entries only (all of them passed 15 MB)" >> "$SUMMARY" ) 2>/dev/null
+  cp "$WORK"/bench_*.json "$WORK"/bench_*.png "$OUT"/ 2>/dev/null
+  tar czf "$OUT/logs.tgz" -C "$WORK" --exclude='*.json' --exclude='*.png' --exclude=cache.list . 2>/dev/null
 }
 trap finish EXIT
 START=$(date +%s)
@@ -50,17 +59,17 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     > "$WORK/pip.log" 2>&1 || say "pip install of .whl failed (see logs.tgz: pip.log)"
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
-export PYTHONPATH=$PWD/src:$PWD/benchmarks:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-if [ -s .triton_sm90/cache.tgz ]; then      # the cache index holds absolute paths: unpacked where it was built
-  tar xzf .triton_sm90/cache.tgz -C /tmp && export TRITON_CACHE_DIR=/tmp/triton_cache_sm90
-fi
+touch "$WORK/start.mark"                    # what the cache gains after this is this run's
+export PYTHONPATH=$PWD/src:$PWD/benchmarks:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$CACHE
+mkdir -p "$CACHE"
+[ -s .triton_sm90/cache.tgz ] && tar xzf .triton_sm90/cache.tgz -C /tmp
 say "== $(date -u +%FT%TZ)  commit $COMMIT  phases: ${PHASES[*]}"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>&1 | tee -a "$SUMMARY"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)
 for m in ('fla', 'flashinfer', 'transformers'):
     try: print(m, __import__(m).__version__)
     except Exception as e: print(m, 'not importable:', type(e).__name__)" 2>&1 | paste -sd' ' | tee -a "$SUMMARY"
-[ -n "${TRITON_CACHE_DIR:-}" ] && say "prebuilt Triton cache: $(ls "$TRITON_CACHE_DIR" | wc -l) entries"
+say "Triton cache carried in: $(ls "$CACHE" | wc -l) entries"
 
 # -- phases ------------------------------------------------------------------------------------------------------
 # limited NAME LOG COMMAND...: COMMAND under NAME's budget, output to LOG; a subshell, so that a stopped command
