@@ -151,6 +151,23 @@ def test_use_chunkwise_prints_no_fallback_notice(monkeypatch):
         hf_logger.removeHandler(handler)
 
 
+def test_use_chunkwise_layer_class_defined_elsewhere(monkeypatch):
+    """A layer class defined in another module that inherits transformers' forward (a fine-tuning library's
+    subclass, say) calls the functions of the module where that forward is defined: those are routed."""
+    class PatchedGatedDeltaNet(hf_qwen3_next.Qwen3NextGatedDeltaNet):     # (defined here, in the test module)
+        pass
+
+    model = tiny_qwen3_next()
+    for layer in model.model.layers:
+        if hasattr(layer, "linear_attn"):
+            layer.linear_attn.__class__ = PatchedGatedDeltaNet
+    calls = CountCalls(monkeypatch)
+    with torch.no_grad(), cwhf.use_chunkwise(model, backend="torch") as handle:
+        assert len(handle.layers) == 3
+        model(torch.randint(2, 128, (1, 12), generator=torch.Generator().manual_seed(2)))
+    assert calls.n == 3
+
+
 def test_use_chunkwise_errors():
     with pytest.raises(ValueError, match="no transformers Gated DeltaNet"):
         cwhf.use_chunkwise(torch.nn.Linear(2, 2))

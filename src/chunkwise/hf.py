@@ -139,8 +139,12 @@ def _install_dispatchers(module) -> bool:
 
 def _forward_module(layer):
     """The module whose functions the layer's forward calls: where that forward is defined (a subclass
-    that inherits it from another model's class calls that model's functions)."""
-    return sys.modules[getattr(type(layer).forward, "__module__", None) or type(layer).__module__]
+    that inherits it from another model's class calls that model's functions), else the class's own."""
+    for name in (getattr(type(layer).forward, "__module__", None), type(layer).__module__):
+        module = sys.modules.get(name) if name else None
+        if module is not None and all(hasattr(module, n) for n in _FUNCTION_NAMES):
+            return module
+    return sys.modules[type(layer).__module__]
 
 
 class ChunkwiseHandle:
