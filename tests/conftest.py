@@ -3,10 +3,22 @@
 TRITON_INTERPRET must be set before triton is imported anywhere, hence here.
 """
 import os
+import sys
 
 import torch
 
-if not torch.cuda.is_available() and os.environ.get("CHUNKWISE_WARM_SM90") != "1":   # (warm: benchmarks/warm_cache.py)
+
+def _offline_gpu_driver() -> bool:
+    """Whether Triton's active driver already targets a GPU without one here (benchmarks/tools.py warm: kernels
+    built for sm_90 from CPU tensors, nothing run)."""
+    triton = sys.modules.get("triton")
+    try:
+        return triton is not None and triton.runtime.driver.active.get_current_target().backend == "cuda"
+    except Exception:       # no driver at all
+        return False
+
+
+if not torch.cuda.is_available() and not _offline_gpu_driver():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # xdist workers share the cores: each takes its share of them for torch's CPU ops (the default, every core per

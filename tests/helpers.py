@@ -15,12 +15,13 @@ from hypothesis import strategies as st
 import chunkwise
 from chunkwise.api import DELTA, GDN, GLA, KDA, gate_from_projections  # noqa: F401
 from chunkwise.reference.recurrent import recurrent_forward
+from chunkwise.triton.common import builds_for_gpu
 
-# CHUNKWISE_WARM_SM90=1 (benchmarks/warm_cache.py): the GPU tests' sizes on CPU tensors, their kernels
-# compiled for sm_90 without running, to build Triton's cache off the device
-ON_GPU = torch.cuda.is_available() or os.environ.get("CHUNKWISE_WARM_SM90") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# the GPU tests' sizes: on a GPU, and where kernels are built for one from CPU tensors without running (benchmarks/
+# tools.py warm fills Triton's cache off the device)
+ON_GPU = torch.cuda.is_available() or builds_for_gpu(torch.device("cpu"))
 
 # head dims whose sm_90 tiles neither the real-size tests (K = V = 128) nor the small-tile ones (K <= 64) build: K = 128
 # with narrow values (the saving forward's stage 1 at V <= 32 raised an illegal memory access on the H200, session 28),

@@ -230,7 +230,7 @@ def _state_output_step_t(i_t, St, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_bas
     if P_IN:
         b_Pt = tl.trans(_tile(p, (bos * HV + i_h) * BTc, T_seq, BTc, HV * BTc, t0, 0, BTc, BTc, TMA))
     else:
-        # (no gate: DeltaNet; GDN and KDA take P from stage 1)
+        tl.static_assert(GATE == 0, "the transposed step forms P without a gate only (GDN, KDA: P from stage 1)")
         b_Pt = tl.dot(b_kd, tl.trans(b_qd), input_precision=DOT_PREC)            # [BT, BK] @ [BK, BT] = Pᵀ
         b_Pt = tl.where(o_t[:, None] <= o_t[None, :], b_Pt, 0.)
         b_Pt = b_Pt.to(b_qd.dtype)
