@@ -33,7 +33,7 @@ Ops (namespace ``chunkwise``):
 
 Backward: the torch backend recomputes the forward of the PyTorch chunk algorithm
 (`reference/chunk.py`, or the token recurrence for the recurrent op) under autograd inside the
-backward op; the triton chunk backward calls `chunkwise.triton.chunk_bwd.chunk_bwd`; the triton
+backward op; the triton chunk backward calls `chunkwise.triton.chunk.chunk_bwd`; the triton
 recurrent op (a decode kernel without its own backward) recomputes with the fp32 PyTorch
 recurrence. Forward saves only its inputs, except the triton chunk forward of the delta families under autograd,
 which also saves its stage 1 and R (its backward then does not recompute them).
@@ -198,7 +198,7 @@ def _backward_impl(mode, q, k, v, g, beta, scale, initial_state, cu_seqlens, chu
                    chunk_size, backend, do, dht, needs_grad, saved=None):
     inputs = (q, k, v, g, beta, initial_state)
     if backend == "triton" and mode == "chunk":
-        from .triton.chunk_bwd import chunk_bwd
+        from .triton.chunk import chunk_bwd
         grads = chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens,
                           chunk_indices=_triton_chunk_indices(cu_seqlens, chunk_indices),
                           transpose_state_layout=transpose_state_layout, saved=saved)

@@ -92,7 +92,7 @@ def _mm_acc(acc, a, b, MM_PREC: tl.constexpr):
 
 @triton.jit
 def _mm(a, b, MM_PREC: tl.constexpr):
-    """tl.dot at a product precision (chunk_fwd's fp32 factor products and solve, every product of chunk_bwd):
+    """tl.dot at a product precision (the forward's fp32 factor products and solve, every product of the backward):
     MM_PREC "tf32" / "tf32x3" / "ieee" as tl.dot takes them, "tf32rn": tf32 with fp32 operands rounded to nearest
     first, or "bf16" / "fp16": both operands rounded to that type (fp32 accumulation; fp16 overflows past 65504 to
     inf). 16-bit operands go to the tensor cores as they are at any setting."""

@@ -82,11 +82,9 @@ def _tma_view(x, base, n_rows, n_cols, row_stride, R: tl.constexpr, C: tl.conste
 
 @triton.jit
 def _store_r(rs, b_R, bos, t0, T_seq, i_h, i_v, HV, V, BTc: tl.constexpr, BV: tl.constexpr, TRANS: tl.constexpr = 0):
-    """R [BTc, BV] (TRANS: Rᵀ [BV, BTc]) -> its rows of rs [B, T, HV, V]. Its layout conversion takes a 4 KB
-    shared-memory staging (as a block pointer's store did), which the output's store shares when that is not a TMA
-    store (chunk_fwd's tma_o): offline sm_90 GDN's training stage 2 took 201296 B with both, past what leaves room for a
-    stage-1 program beside it (on the H200 its forward went 1.4 -> 14.6 ms), 197200 B (as without R) with the output's
-    plain store."""
+    """R [BTc, BV] (TRANS: Rᵀ [BV, BTc]) -> its rows of rs [B, T, HV, V]. Its layout conversion takes a shared-memory
+    staging, which the output's store shares when that is not a TMA store (hence no TMA_O where R is stored: with
+    both, GDN's training stage 2 left no room for a stage-1 program beside it)."""
     o_v = i_v * BV + tl.arange(0, BV)
     if TRANS:
         o_t = tl.arange(0, BTc)
@@ -445,7 +443,7 @@ def chunk_state_output_kernel(
 def chunk_state_output(q, k, v, g, beta, stage1: dict, o, initial_state, ht, rs, ready, side, cu_seqlens, scale,
                        plan: ForwardPlan, launch: Stage2Launch, transpose_state_layout: bool = False):
     """Stage 2 into o [B,T,HV,V] (and ht, the final state [N,HV,K,V] fp32, [N,HV,V,K] transposed; rs, R
-    [B,T,HV,V], where not None), from stage 1's ``stage1`` dict (chunk_prepare's; for simple GLA p alone or None),
+    [B,T,HV,V], where not None), from stage 1's ``stage1`` dict (stage1.chunk_prepare's; for simple GLA p alone or None),
     at the plan's launch resolved for these shapes. ``ready`` / ``side``: stage 1 runs beside (its ready flags, and
     the stream stage 2 runs on), else None."""
     B, T, H, K = q.shape
