@@ -102,7 +102,9 @@ done
 [ ${#JOBS[@]} -gt 0 ] && say "== first window: $(( $(date +%s) - T0 )) s"
 
 for p in forward train decode; do
-  has $p && phase $p python3 "benchmarks/bench_$p.py" --shapes "${SHAPES[$p]}" --time-limit "$(limit $p)" "${BENCH[@]}"
+  if has $p; then
+    phase $p python3 "benchmarks/bench_$p.py" --shapes "${SHAPES[$p]}" --time-limit "$(limit $p)" "${BENCH[@]}"
+  fi
 done
 say "== total $(( $(date +%s) - START )) s"
 
@@ -113,6 +115,8 @@ if has tests; then
     grep -E "^(FAILED|ERROR) " "$WORK/tests.log" | head -n 5; } | tee -a "$SUMMARY"
 fi
 for p in forward train decode; do   # each benchmark's header line and markdown table (its last lines)
-  has $p && { echo; awk '/^(Forward|Decode)[ ,]/ {buf=""; on=1} on {buf=buf $0 "\n"} END {printf "%s", buf}' \
-    "$WORK/$p.log"; } | tee -a "$SUMMARY"
+  if has $p; then
+    { echo; awk '/^(Forward|Decode)[ ,]/ {buf=""; on=1} on {buf=buf $0 "\n"} END {printf "%s", buf}' "$WORK/$p.log"
+    } | tee -a "$SUMMARY"
+  fi
 done
