@@ -8,6 +8,7 @@ docs/performance.md. Sweeps and tests change a plan with ``dataclasses.replace``
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -88,7 +89,11 @@ def forward_plan(device: torch.device, dtype: torch.dtype, gate: int, delta: boo
     """The default plan of a forward on ``device`` (its target_arch) with inputs of ``dtype`` (after the 16-bit
     K > WIDE_16BIT_K upcast), gate kind ``gate``, delta rule or not (simple GLA), head dims K, V (as the kernels
     run them), ``save``: stage 1 kept for the backward."""
-    arch = target_arch(device) or 90
+    return _forward_plan(target_arch(device) or 90, dtype, gate, delta, K, V, save)
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_plan(arch: int, dtype: torch.dtype, gate: int, delta: bool, K: int, V: int, save: bool) -> ForwardPlan:
     wide16 = dtype in _16BIT
     dot, mm, solve = precisions(dtype, gate)
     # T diag(β) instead of W, U: one fewer product pair and K + V fewer values per token written. Saving for the
