@@ -23,7 +23,6 @@ G_FLOOR = -40.0
 SPAN_MAX = 80.0  # a 16-token block whose per-channel gates sum below -SPAN_MAX takes the exact path
 SPAN_FP16 = 9.0  # KDA's one-reference products from fp16 operands: every |G_i - G_last / 2| under this
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_INTERPRET = INTERPRET
 # Every gate factor e^x as one ex2.approx.ftz.f32 of x·log2(e): tl.exp's ex2.approx.f32 handles subnormal results
 # with a compare and predicated multiplies around the same instruction, for factors under 2^-126 that multiply a
 # term out of every 16-bit output's reach. The interpreter runs no PTX: tl.exp there.
@@ -177,9 +176,6 @@ def _dim(n: int) -> int:
 def gate_kind(g) -> int:
     """0 no gate, 1 a scalar gate per token and head ([B, T, HV]), 2 one per channel ([B, T, HV, K], KDA)."""
     return 0 if g is None else (1 if g.dim() == 3 else 2)
-
-
-_gate_kind = gate_kind
 
 
 def chunk_slots(N: int, T: int, varlen: bool) -> int:
