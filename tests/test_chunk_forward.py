@@ -609,10 +609,8 @@ def test_launchers_run_on_the_tensors_device(monkeypatch):
     inputs' device (Triton launches on the current one): checked with a stand-in for a tensor on cuda:1 while
     cuda:0 is current, and with CPU tensors (left alone)."""
     import contextlib
-    import importlib
     from chunkwise.triton import chunk, common, decode
-    chunk_bwd = getattr(chunk, "chunk_bwd", None) or importlib.import_module("chunkwise.triton.chunk_bwd").chunk_bwd
-    for launcher in (chunk.chunk_fwd, chunk_bwd, decode.recurrent_fwd):
+    for launcher in (chunk.chunk_fwd, chunk.chunk_bwd, decode.recurrent_fwd):
         assert launcher.__wrapped__ is not None           # wrapped by on_tensor_device
 
     class OnCuda1(torch.Tensor):
