@@ -32,9 +32,10 @@ _COMMON = """
         v: [B, T, HV, V] values; HV must be a multiple of H (value head h reads q/k head h // (HV // H)).
 {gate}{beta}        scale: the output scale, default K ** -0.5.
         initial_state: [N, HV, K, V] (or [N, HV, V, K] with transpose_state_layout) state entering each
-            sequence, any float dtype, read in fp32 (float64 when q is float64); N = B, or the number of sequences with cu_seqlens.
+            sequence, any float dtype, read in fp32 (float64 when q is float64); N = B, or the number of
+            sequences with cu_seqlens.
         output_final_state: also return the state after each sequence, [N, HV, K, V] fp32 (float64 when
-            computing in float64), in the chosen layout.
+            q is float64), in the chosen layout.
         cu_seqlens: [N + 1] int32/int64 offsets of N sequences packed along T (then B must be 1), as in
             FlashAttention's varlen API. Each sequence starts from its own initial state.
         use_qk_l2norm_in_kernel: L2-normalise q and k over K inside the op (x / sqrt(Σx² + 1e-6)).
