@@ -149,10 +149,12 @@ def recurrent_fwd_kernel(
         i_s = i_n
         live = i_n >= 0  # always true
 
+    # the tile masks as bounds (K, V, or 0 for a padding sequence): `vector & scalar-bool` is
+    # typed int32 by the triton 3.9 interpreter, which then rejects it as a load mask
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    m_k = (o_k < K) & live
-    m_v = (o_v < V) & live
+    m_k = o_k < tl.where(live, K, 0)
+    m_v = o_v < tl.where(live, V, 0)
     m_h = m_k[:, None] & m_v[None, :]
 
     # S tile [BK, BV], fp32, read once

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given
 
 from chunkwise.reference.recurrent import recurrent_forward
-from chunkwise.triton.recurrent import recurrent, recurrent_fwd
+from chunkwise.triton.decode import recurrent, recurrent_fwd
 from helpers import (DEVICE, FAMILIES, INTERPRET, ON_GPU, PROPERTY_SETTINGS, PROPERTY_SHAPES, RECURRENT_OPS, TOL,
                      make_inputs, property_inputs, reference, rel_err)
 
@@ -255,7 +255,7 @@ def test_state_pool_matches_torch_backend(output_final_state):
 @pytest.mark.parametrize("fam", ["gdn", "kda", "gla"])
 def test_gradient_fallback(fam, via):
     """With inputs that require grad, the triton recurrent path gives the gradients of the recurrence
-    (it runs the fp32 PyTorch recurrence), through the public op and through chunkwise.triton.recurrent."""
+    (it runs the fp32 PyTorch recurrence), through the public op and through chunkwise.triton.decode.recurrent."""
     inp = make_inputs(fam, B=2, T=4, H=1, HV=2, K=12, V=10, requires_grad=True, seed=30)
     if via == "public_op":
         o, ht = _run(inp)
