@@ -17,6 +17,7 @@ import torch
 from . import api
 from .api import DELTA, GDN, GLA, KDA
 from .distributed import chunk_cp
+from .prefill import chunk_serving
 
 
 def run(fam, mode, *args, cp_group=None, **kwargs):
@@ -24,6 +25,15 @@ def run(fam, mode, *args, cp_group=None, **kwargs):
     if cp_group is not None:
         return chunk_cp(fam, mode, *args, cp_group=cp_group, **kwargs)
     return api.run(fam, mode, *args, **kwargs)
+
+
+def _serving(op, tensors, args):
+    """A chunk op's call with state_indices or checkpoint_every: ``serving.chunk_serving`` over the plain op."""
+    args = {n: x for n, x in args.items() if n not in ("q", "k", "v", "g", "beta")}
+    if args.pop("cp_group") is not None:
+        raise ValueError("state_indices / checkpoint_every are not available with cp_group")
+    return chunk_serving(op, tensors, args.pop("scale"), args.pop("initial_state"), args.pop("output_final_state"),
+                         args.pop("cu_seqlens"), **args)
 
 _COMMON = """
     Args:
@@ -77,24 +87,29 @@ _GATE_GLA = _GATE_SCALAR + (
 _POOL = ("        state_indices: [N] int, vLLM-style state pool: initial_state is then a pool [P, HV, K, V] (or\n"
          "            [P, HV, V, K]); sequence n reads pool[state_indices[n]] and writes its final state back\n"
          "            there in place (in the pool's dtype, fp32 or bf16). -1 marks a padding slot: skipped, its\n"
-         "            output is zero. With output_final_state the pool itself is returned.\n"
-         "        intermediate_states: [N, T_draft, HV, K, V] (or [N, T_draft, HV, V, K]) in the pool's dtype, the\n"
-         "            verify step of speculative decoding (FlashInfer's intermediate_states_buffer with\n"
-         "            disable_state_update): the state after draft token t of sequence n is written to [n, t]\n"
-         "            (T_draft <= 16, varlen by cu_seqlens) and the pool is not updated; then\n"
-         "            chunkwise.rollback(pool, state_indices, intermediate_states, num_accepted_tokens) keeps\n"
-         "            the state after each sequence's last accepted token.\n")
+         "            output is zero. With output_final_state the pool itself is returned.\n")
 
 _CP = ("        cp_group: a torch.distributed ProcessGroup for context parallelism: each rank passes its contiguous\n"
        "            slice of the tokens (rank order) with the whole batch's cu_seqlens / initial_state; sequence n's\n"
        "            final state is on the rank holding its last token (zero rows elsewhere). See chunkwise.distributed.\n")
+
+_PREFILL = ("        state_indices: [N] int (vLLM's ssm_state_indices, FlashInfer's state_indices): initial_state is then\n"
+            "            a pool [P, HV, K, V] (or [P, HV, V, K]); sequence n starts from pool[state_indices[n]] and its\n"
+            "            final state is written back there in place (no host sync, CUDA-graph capturable). -1 skips a\n"
+            "            sequence (output zero); an index outside [0, P) never touches memory outside the pool.\n"
+            "            Inference only (refused when gradients are required). See chunkwise.prefill.\n"
+            "        has_initial_state: optional bool [N] (vLLM's name): False starts sequence n from a zero state.\n"
+            "        checkpoint_every: N, a multiple of 64 (FlashInfer's checkpoint_every_n_tokens): write the state\n"
+            "            after every N tokens of each sequence to checkpoints (prefix caching).\n"
+            "        checkpoints: [Σ_n ⌊len_n / N⌋, HV, K, V] fp32 buffer, packed sequence by sequence in token order;\n"
+            "            chunkwise.checkpoint_slots(cu_seqlens, N) gives each sequence's first slot.\n")
 
 
 def _doc(title: str, equation: str, gate: str = "", beta: bool = True, gate_args: str = "", pool: bool = False,
          cp: bool = False):
     return (title + "\n\n    " + equation + "\n" + _COMMON.format(
         gate=gate, beta=_BETA if beta else "", beta_sigmoid=_BETA_SIG if beta else "",
-        gate_args=gate_args, extra=(_POOL if pool else "") + (_CP if cp else "")))
+        gate_args=gate_args, extra=(_POOL if pool else "") + ((_PREFILL + _CP) if cp else "")))
 
 
 # --- Gated DeltaNet (Qwen3-Next) -----------------------------------------------------------------
@@ -107,7 +122,11 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                            A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
                            transpose_state_layout: bool = False, state_v_first: bool = False, chunk_size: int = 32,
                            backend: str = "auto", cu_seqlens_cpu: torch.Tensor | None = None,
-                           chunk_indices: torch.Tensor | None = None, cp_group=None):
+                           chunk_indices: torch.Tensor | None = None, cp_group=None, state_indices: torch.Tensor | None = None,
+                           has_initial_state: torch.Tensor | None = None, checkpoint_every: int | None = None,
+                           checkpoints: torch.Tensor | None = None):
+    if state_indices is not None or checkpoint_every is not None:
+        return _serving(chunk_gated_delta_rule, (q, k, v, g, beta), locals())
     return run(GDN, "chunk", q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                allow_neg_eigval=allow_neg_eigval, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
@@ -125,15 +144,13 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
                                      state_v_first: bool = False, chunk_size: int = 32, backend: str = "auto",
                                      cu_seqlens_cpu: torch.Tensor | None = None,
                                      chunk_indices: torch.Tensor | None = None,
-                                     state_indices: torch.Tensor | None = None,
-                                     intermediate_states: torch.Tensor | None = None):
+                                     state_indices: torch.Tensor | None = None):
     return run(GDN, "recurrent", q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                allow_neg_eigval=allow_neg_eigval, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                transpose_state_layout=transpose_state_layout, state_v_first=state_v_first, chunk_size=chunk_size,
                backend=backend, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
-               state_indices=state_indices,
-               intermediate_states=intermediate_states)
+               state_indices=state_indices)
 
 
 _GDN_EQ = "S_t = (I − β_t k_t k_tᵀ) exp(g_t) S_{t−1} + β_t k_t v_tᵀ,   o_t = scale · S_tᵀ q_t   (g scalar per head)"
@@ -153,7 +170,11 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
               dt_bias: torch.Tensor | None = None, lower_bound: float | None = None, safe_gate: bool = False,
               transpose_state_layout: bool = False, state_v_first: bool = False, chunk_size: int = 32,
               backend: str = "auto", cu_seqlens_cpu: torch.Tensor | None = None,
-              chunk_indices: torch.Tensor | None = None, cp_group=None):
+              chunk_indices: torch.Tensor | None = None, cp_group=None, state_indices: torch.Tensor | None = None,
+              has_initial_state: torch.Tensor | None = None, checkpoint_every: int | None = None,
+              checkpoints: torch.Tensor | None = None):
+    if state_indices is not None or checkpoint_every is not None:
+        return _serving(chunk_kda, (q, k, v, g, beta), locals())
     return run(KDA, "chunk", q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                allow_neg_eigval=allow_neg_eigval, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
@@ -171,15 +192,13 @@ def fused_recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
                         lower_bound: float | None = None, safe_gate: bool = False,
                         transpose_state_layout: bool = False, state_v_first: bool = False, chunk_size: int = 32,
                         backend: str = "auto", cu_seqlens_cpu: torch.Tensor | None = None,
-                        chunk_indices: torch.Tensor | None = None, state_indices: torch.Tensor | None = None,
-                        intermediate_states: torch.Tensor | None = None):
+                        chunk_indices: torch.Tensor | None = None, state_indices: torch.Tensor | None = None):
     return run(KDA, "recurrent", q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                allow_neg_eigval=allow_neg_eigval, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                lower_bound=lower_bound, safe_gate=safe_gate, transpose_state_layout=transpose_state_layout,
                state_v_first=state_v_first, chunk_size=chunk_size, backend=backend, cu_seqlens_cpu=cu_seqlens_cpu,
-               chunk_indices=chunk_indices, state_indices=state_indices,
-               intermediate_states=intermediate_states)
+               chunk_indices=chunk_indices, state_indices=state_indices)
 
 
 _KDA_EQ = "S_t = (I − β_t k_t k_tᵀ) diag(exp(g_t)) S_{t−1} + β_t k_t v_tᵀ,   o_t = scale · S_tᵀ q_t   (g per channel)"
@@ -197,7 +216,11 @@ def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: to
                      allow_neg_eigval: bool = False, transpose_state_layout: bool = False,
                      state_v_first: bool = False, chunk_size: int = 32, backend: str = "auto",
                      cu_seqlens_cpu: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None,
-                     cp_group=None):
+                     cp_group=None, state_indices: torch.Tensor | None = None,
+                     has_initial_state: torch.Tensor | None = None, checkpoint_every: int | None = None,
+                     checkpoints: torch.Tensor | None = None):
+    if state_indices is not None or checkpoint_every is not None:
+        return _serving(chunk_delta_rule, (q, k, v, beta), locals())
     return run(DELTA, "chunk", q, k, v, None, beta, scale, initial_state, output_final_state, cu_seqlens,
                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                allow_neg_eigval=allow_neg_eigval, transpose_state_layout=transpose_state_layout,
@@ -212,14 +235,12 @@ def fused_recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                allow_neg_eigval: bool = False, transpose_state_layout: bool = False,
                                state_v_first: bool = False, chunk_size: int = 32, backend: str = "auto",
                                cu_seqlens_cpu: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None,
-                               state_indices: torch.Tensor | None = None,
-                               intermediate_states: torch.Tensor | None = None):
+                               state_indices: torch.Tensor | None = None):
     return run(DELTA, "recurrent", q, k, v, None, beta, scale, initial_state, output_final_state, cu_seqlens,
                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                allow_neg_eigval=allow_neg_eigval, transpose_state_layout=transpose_state_layout,
                state_v_first=state_v_first, chunk_size=chunk_size, backend=backend, cu_seqlens_cpu=cu_seqlens_cpu,
-               chunk_indices=chunk_indices, state_indices=state_indices,
-               intermediate_states=intermediate_states)
+               chunk_indices=chunk_indices, state_indices=state_indices)
 
 
 _DELTA_EQ = "S_t = (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ,   o_t = scale · S_tᵀ q_t   (no decay)"
@@ -237,7 +258,11 @@ def chunk_simple_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                      dt_bias: torch.Tensor | None = None, transpose_state_layout: bool = False,
                      state_v_first: bool = False, chunk_size: int = 32, backend: str = "auto",
                      cu_seqlens_cpu: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None,
-                     cp_group=None):
+                     cp_group=None, state_indices: torch.Tensor | None = None,
+                     has_initial_state: torch.Tensor | None = None, checkpoint_every: int | None = None,
+                     checkpoints: torch.Tensor | None = None):
+    if state_indices is not None or checkpoint_every is not None:
+        return _serving(chunk_simple_gla, (q, k, v, g), locals())
     return run(GLA, "chunk", q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens,
                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
                g_gamma=g_gamma, A_log=A_log, dt_bias=dt_bias, transpose_state_layout=transpose_state_layout,
@@ -253,14 +278,12 @@ def fused_recurrent_simple_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                dt_bias: torch.Tensor | None = None, transpose_state_layout: bool = False,
                                state_v_first: bool = False, chunk_size: int = 32, backend: str = "auto",
                                cu_seqlens_cpu: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None,
-                               state_indices: torch.Tensor | None = None,
-                               intermediate_states: torch.Tensor | None = None):
+                               state_indices: torch.Tensor | None = None):
     return run(GLA, "recurrent", q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens,
                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
                g_gamma=g_gamma, A_log=A_log, dt_bias=dt_bias, transpose_state_layout=transpose_state_layout,
                state_v_first=state_v_first, chunk_size=chunk_size, backend=backend, cu_seqlens_cpu=cu_seqlens_cpu,
-               chunk_indices=chunk_indices, state_indices=state_indices,
-               intermediate_states=intermediate_states)
+               chunk_indices=chunk_indices, state_indices=state_indices)
 
 
 _GLA_EQ = "S_t = exp(g_t) S_{t−1} + k_t v_tᵀ,   o_t = scale · S_tᵀ q_t   (Mamba2 SSD: q=C, k=B, v=x·dt, g=A·dt, scale=1)"

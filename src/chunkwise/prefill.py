@@ -1,0 +1,157 @@
+"""Serving features of the chunk (prefill) ops: a state pool and prefix-cache checkpoints.
+
+The chunk ops (``chunk_gated_delta_rule``, ``chunk_kda``, ``chunk_delta_rule``, ``chunk_simple_gla``) route
+here when given ``state_indices`` or ``checkpoint_every``. The argument names follow vLLM (``state_indices``,
+its ``ssm_state_indices``; ``has_initial_state``) and FlashInfer (``checkpoint_every`` for its
+``checkpoint_every_n_tokens``).
+
+Prefill into the pool is a gather, the plain chunk op, and a scatter, all on the device: no host sync and
+CUDA-graph capturable. It moves 2·N·HV·K·V·4 bytes more than the plain op (the N states read and written
+once more), small beside a prefill that reads T·(2K + V) activations per head.
+
+Checkpoints run the batch in ``checkpoint_every``-token pieces with the state handed over (one chunk call
+per round of pieces, planned on the host): exact, since a piece boundary is a chunk boundary, but it
+launches ⌈max_len / checkpoint_every⌉ forwards instead of one, and writes len(checkpoints)·HV·K·V·4 bytes.
+"""
+from __future__ import annotations
+
+import torch
+
+# the Triton kernels' chunk length: a checkpoint must fall on a chunk boundary so that pieces are exact
+CHUNK_SIZE = 64
+
+
+def checkpoint_slots(cu_seqlens: torch.Tensor, every: int) -> torch.Tensor:
+    """Each sequence's first slot in the ``checkpoints`` buffer, [N + 1] (the last entry is the buffer's length).
+
+    The buffer is packed sequence by sequence, in token order: sequence n's state after its first
+    (j + 1)·every tokens is ``checkpoints[slots[n] + j]`` for j < ⌊len_n / every⌋. Computed on the device
+    of ``cu_seqlens`` (no sync); pass a CPU copy to size the buffer on the host."""
+    _check_every(every)
+    counts = torch.div(cu_seqlens[1:] - cu_seqlens[:-1], every, rounding_mode="floor")
+    return torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+
+
+def _check_every(every):
+    if not isinstance(every, int) or isinstance(every, bool) or every <= 0 or every % CHUNK_SIZE:
+        raise ValueError(f"checkpoint_every must be a positive multiple of the chunk size {CHUNK_SIZE}, got {every!r}")
+
+
+def _host_visible(t: torch.Tensor) -> bool:
+    """Indices the host can read without a device sync (CPU, eager): checked with a clear error."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def _refuse_grad(tensors, what):
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
+        raise RuntimeError(f"{what} is an inference feature: call it under torch.no_grad() (or detach the inputs); "
+                           "training passes initial_state directly")
+
+
+def chunk_serving(op, tensors: tuple, scale, initial_state, output_final_state, cu_seqlens, *, state_indices=None,
+                  has_initial_state=None, checkpoint_every=None, checkpoints=None, cu_seqlens_cpu=None, **kw):
+    """A chunk op with a state pool and/or checkpoints. ``op`` is the plain public chunk op, ``tensors`` its
+    per-token positional tensors (q, k, v, then g and/or beta as the family takes them). Returns (o, final
+    state): the pool itself with ``state_indices`` (when output_final_state), else [N, ...] fp32."""
+    kw.pop("chunk_indices", None)   # describes the caller's batch; the pieces plan their own
+    q = tensors[0]
+    B, T = q.shape[0], q.shape[1]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    if state_indices is not None:
+        pool = initial_state
+        _refuse_grad(tensors + (pool,), "state_indices")
+        if not isinstance(pool, torch.Tensor) or pool.dim() != 4:
+            raise ValueError("state_indices needs initial_state: the state pool [P, HV, K, V]")
+        if not isinstance(state_indices, torch.Tensor) or state_indices.dim() != 1 or state_indices.numel() != N:
+            raise ValueError(f"state_indices must be a 1-D int tensor with one entry per sequence (N={N})")
+        if state_indices.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"state_indices must be int32 or int64, got {state_indices.dtype}")
+        if has_initial_state is not None and (has_initial_state.shape != (N,) or has_initial_state.dtype != torch.bool):
+            raise ValueError(f"has_initial_state must be a bool tensor [N] = [{N}]")
+        P = pool.shape[0]
+        if _host_visible(state_indices) and N:
+            # visible without a sync: a clear error now (on a GPU the masks below make a bad index harmless)
+            lo, hi = int(state_indices.min()), int(state_indices.max())
+            if lo < -1 or hi >= P:
+                raise ValueError(f"state_indices must lie in [-1, P) = [-1, {P}) for the pool initial_state "
+                                 f"{list(pool.shape)}, got values from {lo} to {hi}")
+            live_rows = state_indices[state_indices >= 0]
+            if live_rows.unique().numel() != live_rows.numel():
+                raise ValueError("state_indices names a pool row twice among live sequences: each needs its own row")
+        idx = state_indices.to(pool.device, torch.long)
+        live = (idx >= 0) & (idx < P)
+        row = idx.clamp(0, max(P - 1, 0))
+        old = pool.index_select(0, row)
+        start = live if has_initial_state is None else live & has_initial_state.to(pool.device)
+        ct = torch.float64 if old.dtype == torch.float64 else torch.float32
+        h0 = torch.where(start.view(-1, 1, 1, 1), old.to(ct), torch.zeros((), dtype=ct, device=pool.device))
+    else:
+        h0 = initial_state
+        if has_initial_state is not None:
+            raise ValueError("has_initial_state goes with state_indices (the pool)")
+
+    if checkpoint_every is None:
+        if checkpoints is not None:
+            raise ValueError("checkpoints needs checkpoint_every")
+        o, ht = op(*tensors, scale, h0, state_indices is not None or output_final_state, cu_seqlens,
+                   cu_seqlens_cpu=cu_seqlens_cpu, **kw)
+    else:
+        o, ht = _in_pieces(op, tensors, scale, h0, cu_seqlens, cu_seqlens_cpu, checkpoint_every, checkpoints, kw)
+
+    if state_indices is None:
+        return o, (ht if output_final_state else None)
+    # Scatter without a race: a row named twice (a dead index clamped onto a live row) gets the same value
+    # from every writer: the first live sequence's final state, or its old value when no live one owns it.
+    own = (row[:, None] == row[None, :]) & live[None, :]            # [n, m]: m is live and writes n's row
+    first = own.int().argmax(1)
+    new = torch.where(own.any(1).view(-1, 1, 1, 1), ht.index_select(0, first).to(pool.dtype), old)
+    pool.index_copy_(0, row, new)
+    # a skipped sequence's output is zero, as in the decode op
+    if cu_seqlens is None:
+        token_live = live.to(q.device).view(B, 1, 1, 1)
+    else:
+        seq = torch.searchsorted(cu_seqlens[1:].to(q.device), torch.arange(T, device=q.device), right=True)
+        token_live = live.to(q.device).index_select(0, seq.clamp(max=max(N - 1, 0))).view(1, T, 1, 1)
+    o = o * token_live.to(o.dtype)
+    return o, (pool if output_final_state else None)
+
+
+def _in_pieces(op, tensors, scale, h0, cu_seqlens, cu_seqlens_cpu, every, checkpoints, kw):
+    """Run the batch in ``every``-token pieces with the state handed over, writing the state after each whole
+    piece to ``checkpoints`` (see `checkpoint_slots`). Plans on the host: pass cu_seqlens_cpu to avoid a sync."""
+    _check_every(every)
+    q, v = tensors[0], tensors[2]
+    B, T = q.shape[0], q.shape[1]
+    if cu_seqlens is None:
+        bounds = [b * T for b in range(B + 1)]
+        flat = tuple(None if t is None else t.reshape(1, B * T, *t.shape[2:]) for t in tensors)
+    else:
+        bounds = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()).tolist()
+        flat = tensors
+    N = len(bounds) - 1
+    lens = [bounds[n + 1] - bounds[n] for n in range(N)]
+    slots = checkpoint_slots(torch.tensor(bounds), every).tolist()
+    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+    transposed = bool(kw.get("transpose_state_layout") or kw.get("state_v_first"))
+    tail = (HV, V, K) if transposed else (HV, K, V)
+    if not isinstance(checkpoints, torch.Tensor) or tuple(checkpoints.shape) != (slots[-1], *tail):
+        raise ValueError(f"checkpoints must be a tensor [{slots[-1]}, {', '.join(map(str, tail))}] (⌊len_n / "
+                         f"checkpoint_every⌋ states per sequence, packed as checkpoint_slots says)")
+    _refuse_grad(tensors + (h0,), "checkpoint_every")
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    state = torch.zeros((N, *tail), dtype=ct, device=q.device) if h0 is None else h0.to(ct).clone()
+    pieces = [[] for _ in range(N)]
+    for start in range(0, max(lens, default=0), every):
+        seqs = [n for n in range(N) if lens[n] > start]
+        spans = [(bounds[n] + start, bounds[n] + min(start + every, lens[n])) for n in seqs]
+        part = tuple(None if t is None else torch.cat([t[:, a:b] for a, b in spans], 1) for t in flat)
+        cu = torch.tensor([0] + [b - a for a, b in spans]).cumsum(0).to(torch.int32)
+        rows = torch.tensor(seqs, device=q.device)
+        o, ht = op(*part, scale, state.index_select(0, rows), True, cu.to(q.device), cu_seqlens_cpu=cu, **kw)
+        state.index_copy_(0, rows, ht.to(ct))
+        for i, n in enumerate(seqs):
+            pieces[n].append(o[:, cu[i]:cu[i + 1]])
+            if start + every <= lens[n]:
+                checkpoints[slots[n] + start // every].copy_(ht[i])
+    o = torch.cat([p for n in range(N) for p in pieces[n]], 1) if T and N else q.new_zeros(1, 0, HV, V)
+    return (o.reshape(B, T, HV, V) if cu_seqlens is None else o), state
