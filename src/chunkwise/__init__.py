@@ -5,6 +5,7 @@ from .utils import prepare_chunk_indices
 from .layers import GatedDeltaNet, KimiDeltaAttention, LinearAttentionCache
 from .mamba2 import mamba_chunk_scan_combined
 from .prefill import checkpoint_slots
+from .speculative import rollback
 from .ops import (
     chunk_delta_rule,
     chunk_gated_delta_rule,
@@ -24,6 +25,6 @@ __all__ = [
     "chunk_delta_rule", "fused_recurrent_delta_rule",
     "chunk_simple_gla", "fused_recurrent_simple_gla",
     "prepare_chunk_indices", "checkpoint_slots",
-    "mamba_chunk_scan_combined",
+    "mamba_chunk_scan_combined", "rollback",
     "GatedDeltaNet", "KimiDeltaAttention", "LinearAttentionCache",
 ]

@@ -175,6 +175,7 @@ def _check_inputs(fam: Family, q, k, v, g, beta, scale, initial_state, cu_seqlen
             if lo < -1 or hi >= initial_state.shape[0]:
                 raise ValueError(f"state_indices must lie in [-1, P) = [-1, {initial_state.shape[0]}) for the pool "
                                  f"initial_state {_shape(initial_state)}, got values from {lo} to {hi}")
+        check_live_indices_unique(state_indices)
 
     if initial_state is not None:
         _check_tensor("initial_state", initial_state, 4)
@@ -186,6 +187,40 @@ def _check_inputs(fam: Family, q, k, v, g, beta, scale, initial_state, cu_seqlen
             raise ValueError(f"initial_state must have shape {layout} = {[lead, *tail]}"
                              f"{' (a pool: any P first)' if state_indices is not None else ''}, got {_shape(initial_state)}")
     return B, T, H, HV, K, V, N
+
+
+def check_live_indices_unique(state_indices: torch.Tensor) -> None:
+    """Two live sequences (index >= 0) on one pool slot would race on its write: a ValueError. torch.unique
+    is a host sync on the GPU, so this runs only in plain eager mode (not while torch.compile traces or a
+    CUDA graph captures); there duplicates stay the caller's promise, as in vLLM and FlashInfer."""
+    if not state_indices.numel() or not _eager_plain(state_indices):
+        return
+    if state_indices.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    live = state_indices[state_indices >= 0]
+    if torch.unique(live).numel() != live.numel():
+        raise ValueError(f"state_indices has a pool slot used by two live sequences: {state_indices.tolist()[:32]}")
+
+
+def check_intermediate_states(intermediate_states, state_indices, initial_state, N, HV, K, V,
+                              transpose_state_layout) -> None:
+    """intermediate_states (the verify step of speculative decoding): needs the pool, [N, T_buf, HV, K, V]
+    (or [.., V, K]), T_buf <= 16 draft tokens, the pool's dtype."""
+    if intermediate_states is None:
+        return
+    if state_indices is None:
+        raise ValueError("intermediate_states needs state_indices: the per-token states of a verify step over the pool")
+    tail = (HV, V, K) if transpose_state_layout else (HV, K, V)
+    if intermediate_states.dim() != 5 or intermediate_states.shape[0] != N or tuple(intermediate_states.shape[2:]) != tail:
+        raise ValueError(f"intermediate_states must have shape [N, T_draft, *{list(tail)}] with N={N}, "
+                         f"got {_shape(intermediate_states)}")
+    if not 1 <= intermediate_states.shape[1] <= 16:
+        raise ValueError(f"intermediate_states holds 1 to 16 draft tokens per sequence, got {intermediate_states.shape[1]}")
+    if intermediate_states.dtype != initial_state.dtype or intermediate_states.device != initial_state.device:
+        raise TypeError(f"intermediate_states must have the pool's dtype and device ({initial_state.dtype}, "
+                        f"{initial_state.device}), got {intermediate_states.dtype} on {intermediate_states.device}")
+    if not intermediate_states.is_contiguous():
+        raise ValueError("intermediate_states must be contiguous (chunkwise.rollback copies whole per-token states)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -303,7 +338,7 @@ def run(fam: Family, mode: str, q, k, v, g, beta, scale, initial_state, output_f
         use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, use_gate_in_kernel=False,
         A_log=None, dt_bias=None, lower_bound=None, transpose_state_layout=False, chunk_size=32,
         backend="auto", cu_seqlens_cpu=None, chunk_indices=None, state_indices=None,
-        allow_neg_eigval=False, safe_gate=False, g_gamma=None, state_v_first=False):
+        allow_neg_eigval=False, safe_gate=False, g_gamma=None, state_v_first=False, intermediate_states=None):
     """The one path behind every public op. mode: "chunk" or "recurrent".
 
     The state is float32, or float64 where q is float64 (the torch backend): an initial state of any float dtype
@@ -316,6 +351,7 @@ def run(fam: Family, mode: str, q, k, v, g, beta, scale, initial_state, output_f
         backend, use_gate_in_kernel, A_log, dt_bias, lower_bound, state_indices)
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    check_intermediate_states(intermediate_states, state_indices, initial_state, N, HV, K, V, transpose_state_layout)
     scale = K ** -0.5 if scale is None else float(scale)
     q, k, g, beta = _prelude(fam, q, k, g, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
                              use_gate_in_kernel, A_log, dt_bias, lower_bound, allow_neg_eigval)
@@ -338,6 +374,6 @@ def run(fam: Family, mode: str, q, k, v, g, beta, scale, initial_state, output_f
     from . import _custom_ops
     if state_indices is not None:
         return _custom_ops.pool_step(q, k, v, g, beta, scale, initial_state, state_indices, output_final_state,
-                                     cu_seqlens, transpose_state_layout, chunk_size, which)
+                                     cu_seqlens, transpose_state_layout, chunk_size, which, intermediate_states)
     return _custom_ops.forward(mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                chunk_indices, transpose_state_layout, chunk_size, which)

@@ -87,7 +87,13 @@ _GATE_GLA = _GATE_SCALAR + (
 _POOL = ("        state_indices: [N] int, vLLM-style state pool: initial_state is then a pool [P, HV, K, V] (or\n"
          "            [P, HV, V, K]); sequence n reads pool[state_indices[n]] and writes its final state back\n"
          "            there in place (in the pool's dtype, fp32 or bf16). -1 marks a padding slot: skipped, its\n"
-         "            output is zero. With output_final_state the pool itself is returned.\n")
+         "            output is zero. With output_final_state the pool itself is returned.\n"
+         "        intermediate_states: [N, T_draft, HV, K, V] (or [N, T_draft, HV, V, K]) in the pool's dtype, the\n"
+         "            verify step of speculative decoding (FlashInfer's intermediate_states_buffer with\n"
+         "            disable_state_update): the state after draft token t of sequence n is written to [n, t]\n"
+         "            (T_draft <= 16, varlen by cu_seqlens) and the pool is not updated; then\n"
+         "            chunkwise.rollback(pool, state_indices, intermediate_states, num_accepted_tokens) keeps\n"
+         "            the state after each sequence's last accepted token.\n")
 
 _CP = ("        cp_group: a torch.distributed ProcessGroup for context parallelism: each rank passes its contiguous\n"
        "            slice of the tokens (rank order) with the whole batch's cu_seqlens / initial_state; sequence n's\n"
@@ -144,13 +150,15 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
                                      state_v_first: bool = False, chunk_size: int = 32, backend: str = "auto",
                                      cu_seqlens_cpu: torch.Tensor | None = None,
                                      chunk_indices: torch.Tensor | None = None,
-                                     state_indices: torch.Tensor | None = None):
+                                     state_indices: torch.Tensor | None = None,
+                                     intermediate_states: torch.Tensor | None = None):
     return run(GDN, "recurrent", q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                allow_neg_eigval=allow_neg_eigval, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                transpose_state_layout=transpose_state_layout, state_v_first=state_v_first, chunk_size=chunk_size,
                backend=backend, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
-               state_indices=state_indices)
+               state_indices=state_indices,
+               intermediate_states=intermediate_states)
 
 
 _GDN_EQ = "S_t = (I − β_t k_t k_tᵀ) exp(g_t) S_{t−1} + β_t k_t v_tᵀ,   o_t = scale · S_tᵀ q_t   (g scalar per head)"
@@ -192,13 +200,15 @@ def fused_recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
                         lower_bound: float | None = None, safe_gate: bool = False,
                         transpose_state_layout: bool = False, state_v_first: bool = False, chunk_size: int = 32,
                         backend: str = "auto", cu_seqlens_cpu: torch.Tensor | None = None,
-                        chunk_indices: torch.Tensor | None = None, state_indices: torch.Tensor | None = None):
+                        chunk_indices: torch.Tensor | None = None, state_indices: torch.Tensor | None = None,
+                        intermediate_states: torch.Tensor | None = None):
     return run(KDA, "recurrent", q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                allow_neg_eigval=allow_neg_eigval, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                lower_bound=lower_bound, safe_gate=safe_gate, transpose_state_layout=transpose_state_layout,
                state_v_first=state_v_first, chunk_size=chunk_size, backend=backend, cu_seqlens_cpu=cu_seqlens_cpu,
-               chunk_indices=chunk_indices, state_indices=state_indices)
+               chunk_indices=chunk_indices, state_indices=state_indices,
+               intermediate_states=intermediate_states)
 
 
 _KDA_EQ = "S_t = (I − β_t k_t k_tᵀ) diag(exp(g_t)) S_{t−1} + β_t k_t v_tᵀ,   o_t = scale · S_tᵀ q_t   (g per channel)"
@@ -235,12 +245,14 @@ def fused_recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                allow_neg_eigval: bool = False, transpose_state_layout: bool = False,
                                state_v_first: bool = False, chunk_size: int = 32, backend: str = "auto",
                                cu_seqlens_cpu: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None,
-                               state_indices: torch.Tensor | None = None):
+                               state_indices: torch.Tensor | None = None,
+                               intermediate_states: torch.Tensor | None = None):
     return run(DELTA, "recurrent", q, k, v, None, beta, scale, initial_state, output_final_state, cu_seqlens,
                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                allow_neg_eigval=allow_neg_eigval, transpose_state_layout=transpose_state_layout,
                state_v_first=state_v_first, chunk_size=chunk_size, backend=backend, cu_seqlens_cpu=cu_seqlens_cpu,
-               chunk_indices=chunk_indices, state_indices=state_indices)
+               chunk_indices=chunk_indices, state_indices=state_indices,
+               intermediate_states=intermediate_states)
 
 
 _DELTA_EQ = "S_t = (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ,   o_t = scale · S_tᵀ q_t   (no decay)"
@@ -278,12 +290,14 @@ def fused_recurrent_simple_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                dt_bias: torch.Tensor | None = None, transpose_state_layout: bool = False,
                                state_v_first: bool = False, chunk_size: int = 32, backend: str = "auto",
                                cu_seqlens_cpu: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None,
-                               state_indices: torch.Tensor | None = None):
+                               state_indices: torch.Tensor | None = None,
+                               intermediate_states: torch.Tensor | None = None):
     return run(GLA, "recurrent", q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens,
                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
                g_gamma=g_gamma, A_log=A_log, dt_bias=dt_bias, transpose_state_layout=transpose_state_layout,
                state_v_first=state_v_first, chunk_size=chunk_size, backend=backend, cu_seqlens_cpu=cu_seqlens_cpu,
-               chunk_indices=chunk_indices, state_indices=state_indices)
+               chunk_indices=chunk_indices, state_indices=state_indices,
+               intermediate_states=intermediate_states)
 
 
 _GLA_EQ = "S_t = exp(g_t) S_{t−1} + k_t v_tᵀ,   o_t = scale · S_tᵀ q_t   (Mamba2 SSD: q=C, k=B, v=x·dt, g=A·dt, scale=1)"

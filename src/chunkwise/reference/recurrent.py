@@ -76,21 +76,59 @@ def recurrent_forward(
 
 
 def pool_step(q, k, v, g, beta, scale, pool, output_final_state, cu_seqlens, state_indices,
-              transpose_state_layout, ct):
+              transpose_state_layout, ct, intermediate_states=None):
     """Token recurrence over a vLLM-style state pool: sequence n reads and writes pool[state_indices[n]]
-    in place; -1 skips (zero output, slot untouched). ct: the arithmetic dtype."""
+    in place; -1 (or any index outside [0, P)) skips: zero output, no slot read or written. ct: the
+    arithmetic dtype. With intermediate_states [N, T_buf, HV, K, V] ([.., V, K] transposed), the verify
+    step of speculative decoding: the state after token t of sequence n goes to [n, t] (t < T_buf) and
+    the pool is left as it was (see chunkwise.serving.rollback)."""
     idx = state_indices.long()
-    live = idx >= 0
-    h0 = (pool.transpose(-1, -2) if transpose_state_layout else pool)[idx.clamp_min(0)]
+    P = pool.shape[0]
+    live = (idx >= 0) & (idx < P)
+    h0 = (pool.transpose(-1, -2) if transpose_state_layout else pool)[idx.clamp(0, max(P - 1, 0))]
     h0 = torch.where(live[:, None, None, None], h0, torch.zeros_like(h0))
-    o, ht = recurrent_forward(q, k, v, g, beta, scale, h0, cu_seqlens, dtype=ct)
+    if intermediate_states is None:
+        o, ht = recurrent_forward(q, k, v, g, beta, scale, h0, cu_seqlens, dtype=ct)
+    else:
+        o, ht = _with_token_states(q, k, v, g, beta, scale, h0, cu_seqlens, ct, live, intermediate_states,
+                                   transpose_state_layout)
     # outputs of skipped (padding) sequences are zero
     if cu_seqlens is None:
         o = o * live[:, None, None, None]
     else:
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
         o = o * torch.repeat_interleave(live, lengths)[None, :, None, None]
-    with torch.no_grad():
-        target = pool.transpose(-1, -2) if transpose_state_layout else pool
-        target[idx[live]] = ht[live].to(pool.dtype)
+    if intermediate_states is None:
+        with torch.no_grad():
+            target = pool.transpose(-1, -2) if transpose_state_layout else pool
+            target[idx[live]] = ht[live].to(pool.dtype)
     return o.to(q.dtype), (pool if output_final_state else None)
+
+
+def _with_token_states(q, k, v, g, beta, scale, h0, cu_seqlens, ct, live, inter, transpose_state_layout):
+    """`recurrent_forward` one token at a time, each state written to inter[n, t] (live sequences, t < T_buf)."""
+    outputs, finals = [], []
+    for n, (b, start, end) in enumerate(sequence_bounds(q.shape[0], q.shape[1], cu_seqlens)):
+        S, o_seq = h0[n:n + 1], []
+        for t in range(start, end):
+            sl = lambda x: None if x is None else x[b:b + 1, t:t + 1]   # noqa: E731
+            o_t, S = recurrent_forward(sl(q), sl(k), sl(v), sl(g), sl(beta), scale, S, dtype=ct)
+            o_seq.append(o_t[0])
+            if bool(live[n]) and t - start < inter.shape[1]:
+                with torch.no_grad():
+                    inter[n, t - start] = (S[0].transpose(-1, -2) if transpose_state_layout else S[0]).to(inter.dtype)
+        outputs.append(torch.cat(o_seq) if o_seq else v.new_zeros(0, *v.shape[2:]).to(ct))
+        finals.append(S[0])
+    o = torch.stack(outputs) if cu_seqlens is None else torch.cat(outputs)[None]
+    return o, torch.stack(finals)
+
+
+def rollback(pool, state_indices, intermediate_states, num_accepted_tokens):
+    """pool[state_indices[n]] = intermediate_states[n, num_accepted_tokens[n] - 1] for every sequence that
+    accepted at least one token (and whose index lies in [0, P)); other slots untouched."""
+    idx, acc = state_indices.long(), num_accepted_tokens.long()
+    keep = (idx >= 0) & (idx < pool.shape[0]) & (acc > 0) & (acc <= intermediate_states.shape[1])
+    n = torch.nonzero(keep).flatten()
+    with torch.no_grad():
+        pool[idx[n]] = intermediate_states[n, acc[n] - 1].to(pool.dtype)
+    return pool

@@ -94,7 +94,7 @@ def _token_step(b_h, p_q, p_k, p_v, p_g, p_beta, m_k, m_v, live, scale,
     return b_h, b_o
 
 
-@triton.jit(do_not_specialize=["T", "n_slots"])
+@triton.jit(do_not_specialize=["T", "n_slots", "T_buf"])
 def recurrent_fwd_kernel(
     q,              # [B, T, H, K]  contiguous, fp16/bf16/fp32
     k,              # [B, T, H, K]
@@ -107,10 +107,13 @@ def recurrent_fwd_kernel(
     cu_seqlens,     # None | [N + 1] int
     state_indices,  # None | [N] int, -1 = padding sequence
     n_slots,        # pool size P (with state_indices): an index outside [0, P) is treated as padding
+    inter,          # None | per-token states, logical [N, T_buf, HV, K, V] through strides s_i_* (verify step)
+    T_buf,          # inter's token dim: tokens past it are not written (never a write outside the buffer)
     scale,
     T,
     s_h0_n, s_h0_h, s_h0_k, s_h0_v,
     s_ht_n, s_ht_h, s_ht_k, s_ht_v,
+    s_i_n, s_i_t, s_i_h, s_i_k, s_i_v,
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
@@ -121,6 +124,7 @@ def recurrent_fwd_kernel(
     DELTA: tl.constexpr,
     USE_H0: tl.constexpr,
     STORE_HT: tl.constexpr,
+    STORE_INTER: tl.constexpr,      # write the state after every token into inter
     IS_VARLEN: tl.constexpr,
     USE_INDICES: tl.constexpr,
     FUSED: tl.constexpr,            # both products of S in one pass (see _token_step)
@@ -180,14 +184,19 @@ def recurrent_fwd_kernel(
         p_beta = beta + bos * HV + i_hv
     else:
         p_beta = beta       # None: never loaded
+    if STORE_INTER:
+        p_i = inter + i_n * s_i_n + i_hv * s_i_h + o_k[:, None] * s_i_k + o_v[None, :] * s_i_v
 
     # the token loop: a software-pipelined tl.range on the GPU (the loads of the first token are issued
     # together, up front, instead of one global round trip per small load); a while loop under the
     # interpreter (triton 3.6 with numpy 2 cannot take tensor range bounds there)
     if PIPELINE > 0:
-        for _ in tl.range(bos, eos, num_stages=PIPELINE):
+        for i_t in tl.range(bos, eos, num_stages=PIPELINE):
             b_h, b_o = _token_step(b_h, p_q, p_k, p_v, p_g, p_beta, m_k, m_v, live, scale, GATE, DELTA, FUSED)
             tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=o_v < V, eviction_policy="evict_first")
+            if STORE_INTER:
+                m_i = m_h & (i_t - bos < T_buf)
+                tl.store(p_i + (i_t - bos) * s_i_t, b_h.to(p_i.dtype.element_ty), mask=m_i)
             p_q += H * K
             p_k += H * K
             p_v += HV * V
@@ -203,6 +212,9 @@ def recurrent_fwd_kernel(
         while i_t < eos:
             b_h, b_o = _token_step(b_h, p_q, p_k, p_v, p_g, p_beta, m_k, m_v, live, scale, GATE, DELTA, FUSED)
             tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=o_v < V)   # padding sequences: exact 0
+            if STORE_INTER:
+                m_i = m_h & (i_t - bos < T_buf)
+                tl.store(p_i + (i_t - bos) * s_i_t, b_h.to(p_i.dtype.element_ty), mask=m_i)
             p_q += H * K
             p_k += H * K
             p_v += HV * V
@@ -255,7 +267,7 @@ def _launch_config(device: torch.device, NHV: int, K: int, V: int) -> tuple[int,
 @on_tensor_device
 def recurrent_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, *,
                   state_indices=None, transpose_state_layout=False, o=None, final_state=None,
-                  BV=None, num_warps=None, fused=False, stream=False, pipeline=None):
+                  intermediate_states=None, BV=None, num_warps=None, fused=False, stream=False, pipeline=None):
     """Launcher of `recurrent_fwd_kernel` (no autograd).
 
     Args (canonical, already checked by the API):
@@ -265,6 +277,9 @@ def recurrent_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu
             [P, HV, K, V] ([.., V, K] with transpose_state_layout);
         cu_seqlens: None | [N + 1]; state_indices: None | [N] int (-1 = padding).
         o, final_state: optional preallocated outputs (tests pre-fill them with NaN).
+        intermediate_states: None | [N, T_buf, HV, K, V] ([.., V, K] with transpose_state_layout), the
+            verify step of speculative decoding (with state_indices): the state after token t of sequence
+            n goes to [n, t] (tokens t >= T_buf are not stored), and the pool is left as it was.
         BV, num_warps, fused, stream, pipeline: override the launch configuration / kernel variant
             (benchmarks): fused = both products of S in one pass, stream = streaming cache hints on
             the state, pipeline = num_stages of the token loop (0: while loop; default 2 on CUDA).
@@ -294,6 +309,8 @@ def recurrent_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu
         h0 = ht = initial_state
         s_h0 = s_ht = kv_strides(initial_state)
         ret = initial_state if output_final_state else None
+        if intermediate_states is not None:     # verify step: the pool is read, not written
+            ht, s_ht = None, (0, 0, 0, 0)
     else:
         h0 = initial_state
         s_h0 = kv_strides(initial_state) if initial_state is not None else (0, 0, 0, 0)
@@ -312,13 +329,20 @@ def recurrent_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu
     num_warps = num_warps or nw_auto
     if pipeline is None:
         pipeline = 2 if q.device.type == "cuda" else 0
+    inter = intermediate_states
+    if inter is None:
+        s_i = (0, 0, 0, 0, 0)
+    else:
+        st = inter.stride()
+        s_i = (st[0], st[1], st[2], st[4], st[3]) if transpose_state_layout else st
     grid = (N * HV * cdiv(V, BV),)
     recurrent_fwd_kernel[grid](
         q, k, v, g, beta, o, h0, ht, cu_seqlens, state_indices,
-        initial_state.shape[0] if state_indices is not None else 0, scale, T,
-        *s_h0, *s_ht,
+        initial_state.shape[0] if state_indices is not None else 0,
+        inter, 0 if inter is None else inter.shape[1], scale, T,
+        *s_h0, *s_ht, *s_i,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, GATE=gate, DELTA=beta is not None,
-        USE_H0=h0 is not None, STORE_HT=ht is not None, IS_VARLEN=cu_seqlens is not None,
+        USE_H0=h0 is not None, STORE_HT=ht is not None, STORE_INTER=inter is not None, IS_VARLEN=cu_seqlens is not None,
         USE_INDICES=state_indices is not None, FUSED=fused, STREAM=stream,
         PIPELINE=pipeline, num_warps=num_warps, num_stages=1,
     )
@@ -358,3 +382,36 @@ def recurrent(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
                                    state_indices, transpose_state_layout)
     return recurrent_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                          state_indices=state_indices, transpose_state_layout=transpose_state_layout)
+
+
+@triton.jit(do_not_specialize=["n_slots", "T_buf"])
+def rollback_kernel(pool, state_indices, inter, num_accepted, n_slots, T_buf, s_p_n, s_i_n, s_i_t,
+                    SIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """pool[state_indices[n]] = inter[n, num_accepted[n] - 1] over one block of the HV·K·V state (layout-free:
+    a slot and a per-token state are both contiguous). Skipped (nothing read or written): 0 accepted, an index
+    outside [0, P), a count above T_buf."""
+    i_n = tl.program_id(0).to(tl.int64)
+    i_b = tl.program_id(1)
+    i_s = tl.load(state_indices + i_n).to(tl.int64)
+    n_acc = tl.load(num_accepted + i_n).to(tl.int64)
+    live = (i_s >= 0) & (i_s < n_slots) & (n_acc > 0) & (n_acc <= T_buf)
+    i_s = tl.where(live, i_s, 0)
+    i_t = tl.where(live, n_acc - 1, 0)
+    o = i_b * BLOCK + tl.arange(0, BLOCK)
+    m = o < tl.where(live, SIZE, 0)
+    b = tl.load(inter + i_n * s_i_n + i_t * s_i_t + o, mask=m)
+    tl.store(pool + i_s * s_p_n + o, b.to(pool.dtype.element_ty), mask=m)
+
+
+@on_tensor_device
+def rollback(pool, state_indices, intermediate_states, num_accepted_tokens):
+    """Launcher of `rollback_kernel` (arguments checked by chunkwise.serving.rollback)."""
+    N, T_buf = intermediate_states.shape[:2]
+    size = pool[0].numel()
+    BLOCK = min(4096, next_pow2(size))
+    if N == 0 or size == 0:
+        return pool
+    rollback_kernel[(N, cdiv(size, BLOCK))](
+        pool, state_indices, intermediate_states, num_accepted_tokens, pool.shape[0], T_buf,
+        pool.stride(0), intermediate_states.stride(0), intermediate_states.stride(1), SIZE=size, BLOCK=BLOCK)
+    return pool

@@ -1,0 +1,166 @@
+"""Serving on the decode side: speculative decoding's verify step (per-token states, pool untouched) and
+chunkwise.rollback, and state indices that cannot corrupt the pool. Triton (interpreter on the CPU) and
+torch backends; every family; both state layouts; fixed-length and varlen drafts."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import chunkwise
+from chunkwise.reference.recurrent import pool_step
+from chunkwise.triton.decode import recurrent_fwd, rollback as triton_rollback
+from helpers import DEVICE, FAMILIES, RECURRENT_OPS, make_inputs
+
+FAMS = list(FAMILIES)
+P, HV, K, V = 6, 2, 20, 12          # K, V no powers of two
+
+
+def _draft(fam, lengths, varlen, seed=0):
+    """Inputs of a verify step: N sequences of draft tokens (varlen: packed, else all of lengths[0])."""
+    if varlen:
+        return make_inputs(fam, H=1, HV=HV, K=K, V=V, lengths=lengths, h0=False, seed=seed)
+    return make_inputs(fam, B=len(lengths), T=lengths[0], H=1, HV=HV, K=K, V=V, h0=False, seed=seed)
+
+
+def _bounds(inp, n):
+    if inp.cu_seqlens is None:
+        return n, 0, inp.q.shape[1]
+    return 0, int(inp.cu_seqlens[n]), int(inp.cu_seqlens[n + 1])
+
+
+def _prefix(inp, n, a):
+    """The first a tokens of sequence n as a batch of one (positional args of the public op)."""
+    b, s, _ = _bounds(inp, n)
+    return [x[b:b + 1, s:s + a] for x in inp.args()]
+
+
+def _pool(transpose, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (P, HV, V, K) if transpose else (P, HV, K, V)
+    return (torch.randn(shape, generator=gen) * 0.5).to(DEVICE)
+
+
+CASES = [  # (lengths, varlen, slots, accepted): accept 0, some and all, a padding slot
+    ([4, 4, 4], False, [3, 0, 5], [0, 2, 4]),
+    ([4, 1, 3, 2], True, [2, -1, 0, 4], [4, 1, 0, 1]),
+]
+
+
+@pytest.mark.parametrize("transpose", [False, True], ids=["KV", "VK"])
+@pytest.mark.parametrize("case", CASES, ids=["B3-T4", "varlen-4-1-3-2"])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("fam", FAMS)
+def test_verify_then_rollback_equals_running_the_accepted_tokens(fam, backend, case, transpose):
+    lengths, varlen, slots, accepted = case
+    inp = _draft(fam, lengths, varlen)
+    op = RECURRENT_OPS[fam]
+    idx = torch.tensor(slots, device=DEVICE)
+    acc = torch.tensor(accepted, device=DEVICE)
+    pool0 = _pool(transpose)
+    kw = dict(cu_seqlens=inp.cu_seqlens, transpose_state_layout=transpose, backend=backend)
+
+    # the verify step: per-token states into the buffer, the pool only read
+    pool = pool0.clone()
+    T_draft = max(lengths)
+    buf = torch.full((len(slots), T_draft, *pool.shape[1:]), float("nan"), device=DEVICE)
+    o, _ = op(*inp.args(), initial_state=pool, state_indices=idx, intermediate_states=buf, **kw)
+    assert torch.equal(pool, pool0)
+
+    # its outputs are the plain decode's, and its last state is what the plain decode leaves in the slot
+    plain = pool0.clone()
+    o_plain, _ = op(*inp.args(), initial_state=plain, state_indices=idx, **kw)
+    torch.testing.assert_close(o, o_plain, rtol=1e-5, atol=1e-5)
+    for n, s in enumerate(slots):
+        if s >= 0:
+            b, lo, hi = _bounds(inp, n)
+            torch.testing.assert_close(buf[n, hi - lo - 1], plain[s], rtol=1e-5, atol=1e-5)
+
+    # rollback: each slot holds the state after its last accepted token; 0 accepted: untouched
+    chunkwise.rollback(pool, idx, buf, acc, backend=backend)
+    expect = pool0.clone()
+    for n, (s, a) in enumerate(zip(slots, accepted)):
+        if s >= 0 and a > 0:
+            op(*_prefix(inp, n, a), initial_state=expect, state_indices=idx[n:n + 1],
+               transpose_state_layout=transpose, backend=backend)
+    torch.testing.assert_close(pool, expect, rtol=1e-5, atol=1e-5)
+    for s, a in zip(slots, accepted):
+        if s >= 0 and a == 0:
+            assert torch.equal(pool[s], pool0[s])
+    untouched = [p for p in range(P) if p not in slots]
+    assert torch.equal(pool[untouched], pool0[untouched])
+
+
+def test_intermediate_states_argument_checks():
+    inp = _draft("gdn", [2, 2], False)
+    pool = _pool(False)
+    idx = torch.tensor([0, 1], device=DEVICE)
+    op = RECURRENT_OPS["gdn"]
+    with pytest.raises(ValueError, match="intermediate_states needs state_indices"):
+        op(*inp.args(), initial_state=pool[:2], intermediate_states=torch.zeros(2, 2, HV, K, V))
+    with pytest.raises(ValueError, match="intermediate_states must have shape"):
+        op(*inp.args(), initial_state=pool, state_indices=idx, intermediate_states=torch.zeros(2, 2, HV, V, K))
+    with pytest.raises(ValueError, match="1 to 16 draft tokens"):
+        op(*inp.args(), initial_state=pool, state_indices=idx, intermediate_states=torch.zeros(2, 17, HV, K, V))
+
+
+# --- indices that cannot corrupt memory ---------------------------------------------------------
+
+BAD = {"minus2": -2, "P": P, "P+5": P + 5, "huge": 2 ** 40}
+
+
+@pytest.mark.parametrize("bad", list(BAD), ids=list(BAD))
+def test_public_ops_raise_on_a_bad_index(bad):
+    inp = _draft("gdn", [1, 1, 1], False)
+    idx = torch.tensor([0, BAD[bad], 2], device=DEVICE)
+    if idx.device.type != "cpu":
+        pytest.skip("the range check runs on CPU-visible indices (on the GPU the kernel masks instead)")
+    with pytest.raises(ValueError, match="state_indices"):
+        RECURRENT_OPS["gdn"](*inp.args(), initial_state=_pool(False), state_indices=idx)
+    buf = torch.zeros(3, 1, HV, K, V, device=DEVICE)
+    with pytest.raises(ValueError, match="state_indices"):
+        chunkwise.rollback(_pool(False), idx, buf, torch.ones(3, dtype=torch.int64, device=DEVICE))
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_duplicate_live_indices_raise_in_eager_mode(backend):
+    inp = _draft("gdn", [1, 1, 1], False)
+    idx = torch.tensor([4, -1, 4], device=DEVICE)
+    with pytest.raises(ValueError, match="state_indices"):
+        RECURRENT_OPS["gdn"](*inp.args(), initial_state=_pool(False), state_indices=idx, backend=backend)
+    buf = torch.zeros(3, 1, HV, K, V, device=DEVICE)
+    with pytest.raises(ValueError, match="state_indices"):
+        chunkwise.rollback(_pool(False), idx, buf, torch.ones(3, dtype=torch.int64, device=DEVICE), backend=backend)
+    # two padding sequences are no duplicate
+    RECURRENT_OPS["gdn"](*inp.args(), initial_state=_pool(False), state_indices=torch.tensor([-1, 0, -1], device=DEVICE),
+                         backend=backend)
+
+
+@pytest.mark.parametrize("verify", [False, True], ids=["decode", "verify+rollback"])
+@pytest.mark.parametrize("bad", list(BAD), ids=list(BAD))
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_a_bad_index_touches_no_other_slot(impl, bad, verify):
+    """Below the argument checks (what a compiled or captured call reaches): the kernels and the reference treat
+    an index outside [0, P) as padding. Pool, plus guard rows around it, compared whole before and after."""
+    inp = _draft("gdn", [2, 2, 2], False)
+    slots = [1, BAD[bad], 4]
+    idx = torch.tensor(slots, device=DEVICE)
+    guarded = torch.randn(P + 2, HV, K, V, device=DEVICE)     # rows 0 and P + 1 guard the pool's ends
+    pool, before = guarded[1:P + 1], guarded.clone()
+    q, k, v, g, beta = inp.q, inp.k, inp.v, inp.g, inp.beta
+    buf = torch.full((3, 2, HV, K, V), float("nan"), device=DEVICE) if verify else None
+    if impl == "triton":
+        o, _ = recurrent_fwd(q, k, v, g, beta, K ** -0.5, pool, False, None, state_indices=idx,
+                             intermediate_states=buf)
+    else:
+        o, _ = pool_step(q, k, v, g, beta, K ** -0.5, pool, False, None, idx, False, torch.float32, buf)
+    assert torch.equal(o[1], torch.zeros_like(o[1]))             # the bad sequence is padding: zero output
+    if verify:
+        assert torch.isnan(buf[1]).all()                           # ... and no per-token state
+        rb = triton_rollback if impl == "triton" else chunkwise.reference.recurrent.rollback
+        rb(pool, idx, buf, torch.tensor([2, 2, 1], device=DEVICE))
+    changed = [p + 1 for p in (1, 4)]
+    for r in range(P + 2):
+        if r not in changed:
+            assert torch.equal(guarded[r], before[r]), f"row {r} changed"
+    for r in changed:
+        assert not torch.equal(guarded[r], before[r])
