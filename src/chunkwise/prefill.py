@@ -53,7 +53,6 @@ def chunk_serving(op, tensors: tuple, scale, initial_state, output_final_state, 
     """A chunk op with a state pool and/or checkpoints. ``op`` is the plain public chunk op, ``tensors`` its
     per-token positional tensors (q, k, v, then g and/or beta as the family takes them). Returns (o, final
     state): the pool itself with ``state_indices`` (when output_final_state), else [N, ...] fp32."""
-    kw.pop("chunk_indices", None)   # describes the caller's batch; the pieces plan their own
     q = tensors[0]
     B, T = q.shape[0], q.shape[1]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -120,6 +119,7 @@ def _in_pieces(op, tensors, scale, h0, cu_seqlens, cu_seqlens_cpu, every, checkp
     """Run the batch in ``every``-token pieces with the state handed over, writing the state after each whole
     piece to ``checkpoints`` (see `checkpoint_slots`). Plans on the host: pass cu_seqlens_cpu to avoid a sync."""
     _check_every(every)
+    kw.pop("chunk_indices", None)   # describes the caller's batch; the pieces plan their own
     q, v = tensors[0], tensors[2]
     B, T = q.shape[0], q.shape[1]
     if cu_seqlens is None:
