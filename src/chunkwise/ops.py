@@ -99,16 +99,17 @@ _CP = ("        cp_group: a torch.distributed ProcessGroup for context paralleli
        "            slice of the tokens (rank order) with the whole batch's cu_seqlens / initial_state; sequence n's\n"
        "            final state is on the rank holding its last token (zero rows elsewhere). See chunkwise.distributed.\n")
 
-_PREFILL = ("        state_indices: [N] int (vLLM's ssm_state_indices, FlashInfer's state_indices): initial_state is then\n"
-            "            a pool [P, HV, K, V] (or [P, HV, V, K]); sequence n starts from pool[state_indices[n]] and its\n"
+_PREFILL = ("        state_indices: [N] int (vLLM's ssm_state_indices, FlashInfer's state_indices): initial_state is\n"
+            "            then a pool [P, HV, K, V] (or [P, HV, V, K]); sequence n starts from pool[state_indices[n]], its\n"
             "            final state is written back there in place (no host sync, CUDA-graph capturable). -1 skips a\n"
             "            sequence (output zero); an index outside [0, P) never touches memory outside the pool.\n"
             "            Inference only (refused when gradients are required). See chunkwise.prefill.\n"
             "        has_initial_state: optional bool [N] (vLLM's name): False starts sequence n from a zero state.\n"
-            "        checkpoint_every: N, a multiple of 64 (FlashInfer's checkpoint_every_n_tokens): write the state\n"
-            "            after every N tokens of each sequence to checkpoints (prefix caching).\n"
-            "        checkpoints: [Σ_n ⌊len_n / N⌋, HV, K, V] fp32 buffer, packed sequence by sequence in token order;\n"
-            "            chunkwise.checkpoint_slots(cu_seqlens, N) gives each sequence's first slot.\n")
+            "        checkpoint_every: C, a multiple of 64 (FlashInfer's checkpoint_every_n_tokens): write the state\n"
+            "            after every C tokens of each sequence to checkpoints (prefix caching). Planned on the host:\n"
+            "            pass cu_seqlens_cpu (else one sync reads cu_seqlens); not CUDA-graph capturable.\n"
+            "        checkpoints: [Σ_n ⌊len_n / C⌋, HV, K, V] fp32 buffer, packed sequence by sequence in token\n"
+            "            order; chunkwise.checkpoint_slots(cu_seqlens, C) gives each sequence's first slot.\n")
 
 
 def _doc(title: str, equation: str, gate: str = "", beta: bool = True, gate_args: str = "", pool: bool = False,
@@ -128,8 +129,8 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                            A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
                            transpose_state_layout: bool = False, state_v_first: bool = False, chunk_size: int = 32,
                            backend: str = "auto", cu_seqlens_cpu: torch.Tensor | None = None,
-                           chunk_indices: torch.Tensor | None = None, cp_group=None, state_indices: torch.Tensor | None = None,
-                           has_initial_state: torch.Tensor | None = None, checkpoint_every: int | None = None,
+                           chunk_indices: torch.Tensor | None = None, cp_group=None,
+                           state_indices: torch.Tensor | None = None, has_initial_state: torch.Tensor | None = None, checkpoint_every: int | None = None,
                            checkpoints: torch.Tensor | None = None):
     if state_indices is not None or checkpoint_every is not None:
         return _serving(chunk_gated_delta_rule, (q, k, v, g, beta), locals())
