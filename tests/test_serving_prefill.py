@@ -155,3 +155,22 @@ def test_serving_example_runs_on_cpu():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     mod.main(device="cpu")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("qdtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "e4m3"])
+def test_pool_prefill_8bit_pool(qdtype, backend):
+    """An 8-bit pool: rows read dequantized, written requantized (the decode op's format)."""
+    from chunkwise.reference.recurrent import dequantize, quantize
+    inp = make_inputs("gdn", H=1, HV=2, K=16, V=16, lengths=[70, 20], h0=False)
+    pool, scales = quantize(torch.randn(4, 2, 16, 16, device=DEVICE), qdtype)
+    idx = torch.tensor([3, 1], device=DEVICE)
+    _, h_ref = _call(inp, backend, initial_state=dequantize(pool[idx.tolist()], scales[idx]), output_final_state=True)
+    want_pool, want_scales = quantize(h_ref, qdtype)
+    got, got_scales = pool.clone(), scales.clone()
+    _call(inp, backend, initial_state=got, state_indices=idx, state_scales=got_scales)
+    for r, n in ((3, 0), (1, 1)):
+        assert torch.equal(got[r].view(torch.uint8), want_pool[n].view(torch.uint8)), r
+        assert torch.equal(got_scales[r], want_scales[n])
+    for r in (0, 2):
+        assert torch.equal(got[r].view(torch.uint8), pool[r].view(torch.uint8)) and torch.equal(got_scales[r], scales[r])

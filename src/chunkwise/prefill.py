@@ -49,10 +49,14 @@ def _refuse_grad(tensors, what):
 
 
 def chunk_serving(op, tensors: tuple, scale, initial_state, output_final_state, cu_seqlens, *, state_indices=None,
-                  has_initial_state=None, checkpoint_every=None, checkpoints=None, cu_seqlens_cpu=None, **kw):
+                  has_initial_state=None, checkpoint_every=None, checkpoints=None, cu_seqlens_cpu=None,
+                  state_scales=None, **kw):
     """A chunk op with a state pool and/or checkpoints. ``op`` is the plain public chunk op, ``tensors`` its
     per-token positional tensors (q, k, v, then g and/or beta as the family takes them). Returns (o, final
-    state): the pool itself with ``state_indices`` (when output_final_state), else [N, ...] fp32."""
+    state): the pool itself with ``state_indices`` (when output_final_state), else [N, ...] fp32.
+
+    An 8-bit pool (int8 / float8_e4m3fn) comes with ``state_scales`` [P, HV, R] (one fp32 scale per state
+    row, as the decode op takes it): rows are dequantized on the gather and requantized on the scatter."""
     q = tensors[0]
     B, T = q.shape[0], q.shape[1]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -80,14 +84,27 @@ def chunk_serving(op, tensors: tuple, scale, initial_state, output_final_state, 
         idx = state_indices.to(pool.device, torch.long)
         live = (idx >= 0) & (idx < P)
         row = idx.clamp(0, max(P - 1, 0))
-        old = pool.index_select(0, row)
+        # fp8 is copied and selected as bytes (not every device implements those ops for it)
+        raw = pool.view(torch.uint8) if pool.dtype == torch.float8_e4m3fn else pool
+        old = raw.index_select(0, row).view(pool.dtype)
+        if state_scales is not None:
+            from .reference.recurrent import dequantize, quantize
+            if pool.dtype not in (torch.int8, torch.float8_e4m3fn) or tuple(state_scales.shape) != (P, *pool.shape[1:3]):
+                raise ValueError(f"state_scales [P, HV, R] = {[P, *pool.shape[1:3]]} goes with an int8 / float8_e4m3fn "
+                                 f"pool, got {list(state_scales.shape)} for a {pool.dtype} pool")
+            old_scales = state_scales.index_select(0, row)
+            old_value = dequantize(old, old_scales)
+        elif pool.dtype in (torch.int8, torch.float8_e4m3fn):
+            raise TypeError(f"an 8-bit state pool ({pool.dtype}) needs state_scales [P, HV, R]")
+        else:
+            old_value = old
         start = live if has_initial_state is None else live & has_initial_state.to(pool.device)
         ct = torch.float64 if old.dtype == torch.float64 else torch.float32
-        h0 = torch.where(start.view(-1, 1, 1, 1), old.to(ct), torch.zeros((), dtype=ct, device=pool.device))
+        h0 = torch.where(start.view(-1, 1, 1, 1), old_value.to(ct), torch.zeros((), dtype=ct, device=pool.device))
     else:
         h0 = initial_state
-        if has_initial_state is not None:
-            raise ValueError("has_initial_state goes with state_indices (the pool)")
+        if has_initial_state is not None or state_scales is not None:
+            raise ValueError("has_initial_state and state_scales go with state_indices (the pool)")
 
     if checkpoint_every is None:
         if checkpoints is not None:
@@ -103,8 +120,14 @@ def chunk_serving(op, tensors: tuple, scale, initial_state, output_final_state, 
     # from every writer: the first live sequence's final state, or its old value when no live one owns it.
     own = (row[:, None] == row[None, :]) & live[None, :]            # [n, m]: m is live and writes n's row
     first = own.int().argmax(1)
-    new = torch.where(own.any(1).view(-1, 1, 1, 1), ht.index_select(0, first).to(pool.dtype), old)
-    pool.index_copy_(0, row, new)
+    owned = own.any(1)
+    if state_scales is None:
+        new = torch.where(owned.view(-1, 1, 1, 1), ht.index_select(0, first).to(pool.dtype), old)
+    else:
+        stored, scales = quantize(ht.index_select(0, first), pool.dtype)
+        new = torch.where(owned.view(-1, 1, 1, 1), stored.view(raw.dtype), old.view(raw.dtype))
+        state_scales.index_copy_(0, row, torch.where(owned.view(-1, 1, 1), scales, old_scales))
+    raw.index_copy_(0, row, new.view(raw.dtype))
     # a skipped sequence's output is zero, as in the decode op
     if cu_seqlens is None:
         token_live = live.to(q.device).view(B, 1, 1, 1)
