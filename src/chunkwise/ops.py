@@ -109,7 +109,9 @@ _PREFILL = ("        state_indices: [N] int (vLLM's ssm_state_indices, FlashInfe
             "            after every C tokens of each sequence to checkpoints (prefix caching). Planned on the host:\n"
             "            pass cu_seqlens_cpu (else one sync reads cu_seqlens); not CUDA-graph capturable.\n"
             "        checkpoints: [Σ_n ⌊len_n / C⌋, HV, K, V] fp32 buffer, packed sequence by sequence in token\n"
-            "            order; chunkwise.checkpoint_slots(cu_seqlens, C) gives each sequence's first slot.\n")
+            "            order; chunkwise.checkpoint_slots(cu_seqlens, C) gives each sequence's first slot.\n"
+            "        state_scales: [P, HV, K] fp32 with an 8-bit pool (int8 / float8_e4m3fn), as the decode op takes it:\n"
+            "            rows read dequantized, written back requantized (their scales updated in place).\n")
 
 
 def _doc(title: str, equation: str, gate: str = "", beta: bool = True, gate_args: str = "", pool: bool = False,
@@ -131,8 +133,8 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                            backend: str = "auto", cu_seqlens_cpu: torch.Tensor | None = None,
                            chunk_indices: torch.Tensor | None = None, cp_group=None,
                            state_indices: torch.Tensor | None = None, has_initial_state: torch.Tensor | None = None, checkpoint_every: int | None = None,
-                           checkpoints: torch.Tensor | None = None):
-    if state_indices is not None or checkpoint_every is not None:
+                           checkpoints: torch.Tensor | None = None, state_scales: torch.Tensor | None = None):
+    if state_indices is not None or checkpoint_every is not None or state_scales is not None:
         return _serving(chunk_gated_delta_rule, (q, k, v, g, beta), locals())
     return run(GDN, "chunk", q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
@@ -181,8 +183,8 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
               backend: str = "auto", cu_seqlens_cpu: torch.Tensor | None = None,
               chunk_indices: torch.Tensor | None = None, cp_group=None, state_indices: torch.Tensor | None = None,
               has_initial_state: torch.Tensor | None = None, checkpoint_every: int | None = None,
-              checkpoints: torch.Tensor | None = None):
-    if state_indices is not None or checkpoint_every is not None:
+              checkpoints: torch.Tensor | None = None, state_scales: torch.Tensor | None = None):
+    if state_indices is not None or checkpoint_every is not None or state_scales is not None:
         return _serving(chunk_kda, (q, k, v, g, beta), locals())
     return run(KDA, "chunk", q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
@@ -229,8 +231,8 @@ def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: to
                      cu_seqlens_cpu: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None,
                      cp_group=None, state_indices: torch.Tensor | None = None,
                      has_initial_state: torch.Tensor | None = None, checkpoint_every: int | None = None,
-                     checkpoints: torch.Tensor | None = None):
-    if state_indices is not None or checkpoint_every is not None:
+                     checkpoints: torch.Tensor | None = None, state_scales: torch.Tensor | None = None):
+    if state_indices is not None or checkpoint_every is not None or state_scales is not None:
         return _serving(chunk_delta_rule, (q, k, v, beta), locals())
     return run(DELTA, "chunk", q, k, v, None, beta, scale, initial_state, output_final_state, cu_seqlens,
                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
@@ -273,8 +275,8 @@ def chunk_simple_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                      cu_seqlens_cpu: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None,
                      cp_group=None, state_indices: torch.Tensor | None = None,
                      has_initial_state: torch.Tensor | None = None, checkpoint_every: int | None = None,
-                     checkpoints: torch.Tensor | None = None):
-    if state_indices is not None or checkpoint_every is not None:
+                     checkpoints: torch.Tensor | None = None, state_scales: torch.Tensor | None = None):
+    if state_indices is not None or checkpoint_every is not None or state_scales is not None:
         return _serving(chunk_simple_gla, (q, k, v, g), locals())
     return run(GLA, "chunk", q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens,
                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
