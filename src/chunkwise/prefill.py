@@ -134,7 +134,7 @@ def chunk_serving(op, tensors: tuple, scale, initial_state, output_final_state, 
     else:
         seq = torch.searchsorted(cu_seqlens[1:].to(q.device), torch.arange(T, device=q.device), right=True)
         token_live = live.to(q.device).index_select(0, seq.clamp(max=max(N - 1, 0))).view(1, T, 1, 1)
-    o = o * token_live.to(o.dtype)
+    o = torch.where(token_live, o, torch.zeros((), dtype=o.dtype, device=o.device))   # not o·0: NaN stays
     return o, (pool if output_final_state else None)
 
 
