@@ -404,32 +404,34 @@ torch.library.register_autograd("chunkwise::recurrent_fwd", _make_backward(recur
 # state pool (in-place, inference)
 # ----------------------------------------------------------------------------------------------
 
-@torch.library.custom_op("chunkwise::recurrent_pool_fwd", mutates_args=("pool", "intermediate_states"))
+@torch.library.custom_op("chunkwise::recurrent_pool_fwd", mutates_args=("pool", "intermediate_states", "state_scales"))
 def recurrent_pool_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor],
                        beta: Optional[torch.Tensor], scale: float, pool: torch.Tensor, state_indices: torch.Tensor,
                        cu_seqlens: Optional[torch.Tensor], transpose_state_layout: bool, chunk_size: int,
-                       backend: str, intermediate_states: Optional[torch.Tensor] = None) -> torch.Tensor:
+                       backend: str, intermediate_states: Optional[torch.Tensor] = None,
+                       state_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Token-recurrent step over a state pool [P, HV, K, V] updated in place (or, with intermediate_states,
     the verify step: per-token states written there, the pool only read). Returns o [B, T, HV, V]."""
     return _pool_impl(q, k, v, g, beta, scale, pool, state_indices, cu_seqlens, transpose_state_layout, chunk_size,
-                      backend, intermediate_states)
+                      backend, intermediate_states, state_scales)
 
 
 def _pool_impl(q, k, v, g, beta, scale, pool, state_indices, cu_seqlens, transpose_state_layout, chunk_size,
-               backend, intermediate_states=None):
+               backend, intermediate_states=None, state_scales=None):
     if backend == "triton":
         from .triton.decode import recurrent_fwd as launch
         o, _ = launch(q, k, v, g, beta, scale, pool, False, cu_seqlens, state_indices=state_indices,
-                      transpose_state_layout=transpose_state_layout, intermediate_states=intermediate_states)
+                      transpose_state_layout=transpose_state_layout, intermediate_states=intermediate_states,
+                      state_scales=state_scales)
     else:
         o, _ = torch_pool_step(q, k, v, g, beta, scale, pool, False, cu_seqlens, state_indices,
-                                transpose_state_layout, _compute_dtype(q, pool), intermediate_states)
+                                transpose_state_layout, _compute_dtype(q, pool), intermediate_states, state_scales)
     return _not_an_alias(o, q, k, v)
 
 
 @recurrent_pool_fwd.register_fake
 def _(q, k, v, g, beta, scale, pool, state_indices, cu_seqlens, transpose_state_layout, chunk_size, backend,
-      intermediate_states=None):
+      intermediate_states=None, state_scales=None):
     return q.new_empty(q.shape[0], q.shape[1], v.shape[2], v.shape[3])
 
 
@@ -468,12 +470,12 @@ def forward(mode: str, q, k, v, g, beta, scale: float, initial_state, output_fin
 
 
 def pool_step(q, k, v, g, beta, scale: float, pool, state_indices, output_final_state: bool, cu_seqlens,
-              transpose_state_layout: bool, chunk_size: int, backend: str, intermediate_states=None):
+              transpose_state_layout: bool, chunk_size: int, backend: str, intermediate_states=None, state_scales=None):
     """Dispatch to recurrent_pool_fwd (or its implementation, see `_eager_plain`).
     Returns (o, the pool if output_final_state else None)."""
     args = (q, k, v, g, beta, float(scale), pool, state_indices, cu_seqlens, bool(transpose_state_layout),
-            int(chunk_size), backend, intermediate_states)
-    if _eager_plain(q, k, v, g, beta, pool, state_indices, cu_seqlens, intermediate_states):
+            int(chunk_size), backend, intermediate_states, state_scales)
+    if _eager_plain(q, k, v, g, beta, pool, state_indices, cu_seqlens, intermediate_states, state_scales):
         o = _pool_impl(*args)
     else:
         o = recurrent_pool_fwd(*args)

@@ -179,7 +179,8 @@ def _check_inputs(fam: Family, q, k, v, g, beta, scale, initial_state, cu_seqlen
 
     if initial_state is not None:
         _check_tensor("initial_state", initial_state, 4)
-        _check_float("initial_state", initial_state)
+        if not (state_indices is not None and initial_state.dtype in QUANT_DTYPES):   # 8-bit pool: check_state_scales
+            _check_float("initial_state", initial_state)
         tail = (HV, V, K) if transpose_state_layout else (HV, K, V)
         lead = initial_state.shape[0] if state_indices is not None else N
         if tuple(initial_state.shape) != (lead, *tail):
@@ -216,11 +217,37 @@ def check_intermediate_states(intermediate_states, state_indices, initial_state,
                          f"got {_shape(intermediate_states)}")
     if not 1 <= intermediate_states.shape[1] <= 16:
         raise ValueError(f"intermediate_states holds 1 to 16 draft tokens per sequence, got {intermediate_states.shape[1]}")
-    if intermediate_states.dtype != initial_state.dtype or intermediate_states.device != initial_state.device:
-        raise TypeError(f"intermediate_states must have the pool's dtype and device ({initial_state.dtype}, "
-                        f"{initial_state.device}), got {intermediate_states.dtype} on {intermediate_states.device}")
+    want = torch.float32 if initial_state.dtype in QUANT_DTYPES else initial_state.dtype   # 8-bit pool: fp32 states
+    if intermediate_states.dtype != want or intermediate_states.device != initial_state.device:
+        raise TypeError(f"intermediate_states must be {want} on the pool's device {initial_state.device}, "
+                        f"got {intermediate_states.dtype} on {intermediate_states.device}")
     if not intermediate_states.is_contiguous():
         raise ValueError("intermediate_states must be contiguous (chunkwise.rollback copies whole per-token states)")
+
+
+QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+
+
+def check_state_scales(state_scales, state_indices, initial_state, mode, HV, K, V, transpose_state_layout) -> None:
+    """An 8-bit pool (int8 / float8_e4m3fn) comes with state_scales [P, HV, K] fp32 ([P, HV, V] transposed): one
+    scale per stored row. Only the token-recurrent ops read and write it."""
+    quant = initial_state is not None and initial_state.dtype in QUANT_DTYPES
+    if state_scales is None:
+        if quant:
+            raise TypeError(f"an 8-bit state pool ({initial_state.dtype}) needs state_scales [P, HV, "
+                            f"{'V' if transpose_state_layout else 'K'}] fp32")
+        return
+    if not quant or state_indices is None:
+        raise ValueError("state_scales goes with an 8-bit state pool (int8 or float8_e4m3fn initial_state and "
+                         "state_indices)")
+    if mode != "recurrent":
+        raise ValueError("8-bit state pools are read and written by the fused_recurrent_* ops only")
+    rows = V if transpose_state_layout else K
+    if (tuple(state_scales.shape) != (initial_state.shape[0], HV, rows) or state_scales.dtype != torch.float32
+            or state_scales.device != initial_state.device or not state_scales.is_contiguous()):
+        raise ValueError(f"state_scales must be a contiguous fp32 [P, HV, {'V' if transpose_state_layout else 'K'}] = "
+                         f"{[initial_state.shape[0], HV, rows]} on the pool's device, got {_shape(state_scales)} "
+                         f"{state_scales.dtype} on {state_scales.device}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -338,7 +365,8 @@ def run(fam: Family, mode: str, q, k, v, g, beta, scale, initial_state, output_f
         use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, use_gate_in_kernel=False,
         A_log=None, dt_bias=None, lower_bound=None, transpose_state_layout=False, chunk_size=32,
         backend="auto", cu_seqlens_cpu=None, chunk_indices=None, state_indices=None,
-        allow_neg_eigval=False, safe_gate=False, g_gamma=None, state_v_first=False, intermediate_states=None):
+        allow_neg_eigval=False, safe_gate=False, g_gamma=None, state_v_first=False, intermediate_states=None,
+        state_scales=None):
     """The one path behind every public op. mode: "chunk" or "recurrent".
 
     The state is float32, or float64 where q is float64 (the torch backend): an initial state of any float dtype
@@ -352,6 +380,7 @@ def run(fam: Family, mode: str, q, k, v, g, beta, scale, initial_state, output_f
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     check_intermediate_states(intermediate_states, state_indices, initial_state, N, HV, K, V, transpose_state_layout)
+    check_state_scales(state_scales, state_indices, initial_state, mode, HV, K, V, transpose_state_layout)
     scale = K ** -0.5 if scale is None else float(scale)
     q, k, g, beta = _prelude(fam, q, k, g, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
                              use_gate_in_kernel, A_log, dt_bias, lower_bound, allow_neg_eigval)
@@ -374,6 +403,7 @@ def run(fam: Family, mode: str, q, k, v, g, beta, scale, initial_state, output_f
     from . import _custom_ops
     if state_indices is not None:
         return _custom_ops.pool_step(q, k, v, g, beta, scale, initial_state, state_indices, output_final_state,
-                                     cu_seqlens, transpose_state_layout, chunk_size, which, intermediate_states)
+                                     cu_seqlens, transpose_state_layout, chunk_size, which, intermediate_states,
+                                     state_scales)
     return _custom_ops.forward(mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                chunk_indices, transpose_state_layout, chunk_size, which)

@@ -93,7 +93,10 @@ _POOL = ("        state_indices: [N] int, vLLM-style state pool: initial_state i
          "            disable_state_update): the state after draft token t of sequence n is written to [n, t]\n"
          "            (T_draft <= 16, varlen by cu_seqlens) and the pool is not updated; then\n"
          "            chunkwise.rollback(pool, state_indices, intermediate_states, num_accepted_tokens) keeps\n"
-         "            the state after each sequence's last accepted token.\n")
+         "            the state after each sequence's last accepted token.\n"
+         "        state_scales: [P, HV, K] fp32 (or [P, HV, V] with transpose_state_layout) with an 8-bit pool\n"
+         "            (torch.int8 or torch.float8_e4m3fn): value = stored · scale of its row. Each written row is\n"
+         "            requantized with its new absmax (127 for int8, 448 for e4m3); the scales are updated in place.\n")
 
 _CP = ("        cp_group: a torch.distributed ProcessGroup for context parallelism: each rank passes its contiguous\n"
        "            slice of the tokens (rank order) with the whole batch's cu_seqlens / initial_state; sequence n's\n"
@@ -154,14 +157,15 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
                                      cu_seqlens_cpu: torch.Tensor | None = None,
                                      chunk_indices: torch.Tensor | None = None,
                                      state_indices: torch.Tensor | None = None,
-                                     intermediate_states: torch.Tensor | None = None):
+                                     intermediate_states: torch.Tensor | None = None,
+                                     state_scales: torch.Tensor | None = None):
     return run(GDN, "recurrent", q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                allow_neg_eigval=allow_neg_eigval, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                transpose_state_layout=transpose_state_layout, state_v_first=state_v_first, chunk_size=chunk_size,
                backend=backend, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
                state_indices=state_indices,
-               intermediate_states=intermediate_states)
+               intermediate_states=intermediate_states, state_scales=state_scales)
 
 
 _GDN_EQ = "S_t = (I − β_t k_t k_tᵀ) exp(g_t) S_{t−1} + β_t k_t v_tᵀ,   o_t = scale · S_tᵀ q_t   (g scalar per head)"
@@ -204,14 +208,15 @@ def fused_recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
                         transpose_state_layout: bool = False, state_v_first: bool = False, chunk_size: int = 32,
                         backend: str = "auto", cu_seqlens_cpu: torch.Tensor | None = None,
                         chunk_indices: torch.Tensor | None = None, state_indices: torch.Tensor | None = None,
-                        intermediate_states: torch.Tensor | None = None):
+                        intermediate_states: torch.Tensor | None = None,
+                        state_scales: torch.Tensor | None = None):
     return run(KDA, "recurrent", q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                allow_neg_eigval=allow_neg_eigval, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                lower_bound=lower_bound, safe_gate=safe_gate, transpose_state_layout=transpose_state_layout,
                state_v_first=state_v_first, chunk_size=chunk_size, backend=backend, cu_seqlens_cpu=cu_seqlens_cpu,
                chunk_indices=chunk_indices, state_indices=state_indices,
-               intermediate_states=intermediate_states)
+               intermediate_states=intermediate_states, state_scales=state_scales)
 
 
 _KDA_EQ = "S_t = (I − β_t k_t k_tᵀ) diag(exp(g_t)) S_{t−1} + β_t k_t v_tᵀ,   o_t = scale · S_tᵀ q_t   (g per channel)"
@@ -249,13 +254,14 @@ def fused_recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                state_v_first: bool = False, chunk_size: int = 32, backend: str = "auto",
                                cu_seqlens_cpu: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None,
                                state_indices: torch.Tensor | None = None,
-                               intermediate_states: torch.Tensor | None = None):
+                               intermediate_states: torch.Tensor | None = None,
+                               state_scales: torch.Tensor | None = None):
     return run(DELTA, "recurrent", q, k, v, None, beta, scale, initial_state, output_final_state, cu_seqlens,
                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                allow_neg_eigval=allow_neg_eigval, transpose_state_layout=transpose_state_layout,
                state_v_first=state_v_first, chunk_size=chunk_size, backend=backend, cu_seqlens_cpu=cu_seqlens_cpu,
                chunk_indices=chunk_indices, state_indices=state_indices,
-               intermediate_states=intermediate_states)
+               intermediate_states=intermediate_states, state_scales=state_scales)
 
 
 _DELTA_EQ = "S_t = (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ,   o_t = scale · S_tᵀ q_t   (no decay)"
@@ -294,13 +300,14 @@ def fused_recurrent_simple_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                state_v_first: bool = False, chunk_size: int = 32, backend: str = "auto",
                                cu_seqlens_cpu: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None,
                                state_indices: torch.Tensor | None = None,
-                               intermediate_states: torch.Tensor | None = None):
+                               intermediate_states: torch.Tensor | None = None,
+                               state_scales: torch.Tensor | None = None):
     return run(GLA, "recurrent", q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens,
                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
                g_gamma=g_gamma, A_log=A_log, dt_bias=dt_bias, transpose_state_layout=transpose_state_layout,
                state_v_first=state_v_first, chunk_size=chunk_size, backend=backend, cu_seqlens_cpu=cu_seqlens_cpu,
                chunk_indices=chunk_indices, state_indices=state_indices,
-               intermediate_states=intermediate_states)
+               intermediate_states=intermediate_states, state_scales=state_scales)
 
 
 _GLA_EQ = "S_t = exp(g_t) S_{t−1} + k_t v_tᵀ,   o_t = scale · S_tᵀ q_t   (Mamba2 SSD: q=C, k=B, v=x·dt, g=A·dt, scale=1)"

@@ -37,6 +37,8 @@ def rollback(pool: torch.Tensor, state_indices: torch.Tensor, intermediate_state
     if intermediate_states.dim() != pool.dim() + 1 or intermediate_states.shape[2:] != pool.shape[1:]:
         raise ValueError(f"intermediate_states must be [N, T_draft, {list(pool.shape[1:])}] for the pool "
                          f"{list(pool.shape)}, got {list(intermediate_states.shape)}")
+    if pool.dtype in (torch.int8, torch.float8_e4m3fn):
+        raise NotImplementedError("rollback into an 8-bit pool (requantizing the kept state) is not implemented")
     N = intermediate_states.shape[0]
     for name, x in (("state_indices", state_indices), ("num_accepted_tokens", num_accepted_tokens)):
         if x.dim() != 1 or x.numel() != N or x.dtype not in (torch.int32, torch.int64):

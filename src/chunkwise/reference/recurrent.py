@@ -76,16 +76,19 @@ def recurrent_forward(
 
 
 def pool_step(q, k, v, g, beta, scale, pool, output_final_state, cu_seqlens, state_indices,
-              transpose_state_layout, ct, intermediate_states=None):
+              transpose_state_layout, ct, intermediate_states=None, state_scales=None):
     """Token recurrence over a vLLM-style state pool: sequence n reads and writes pool[state_indices[n]]
     in place; -1 (or any index outside [0, P)) skips: zero output, no slot read or written. ct: the
     arithmetic dtype. With intermediate_states [N, T_buf, HV, K, V] ([.., V, K] transposed), the verify
     step of speculative decoding: the state after token t of sequence n goes to [n, t] (t < T_buf) and
-    the pool is left as it was (see chunkwise.serving.rollback)."""
+    the pool is left as it was (see chunkwise.rollback). With state_scales [P, HV, R] the pool is 8-bit
+    (int8 / float8_e4m3fn): see `dequantize` / `quantize`."""
     idx = state_indices.long()
     P = pool.shape[0]
     live = (idx >= 0) & (idx < P)
-    h0 = (pool.transpose(-1, -2) if transpose_state_layout else pool)[idx.clamp(0, max(P - 1, 0))]
+    rows = idx.clamp(0, max(P - 1, 0))
+    h0 = pool[rows] if state_scales is None else dequantize(pool[rows], state_scales[rows])
+    h0 = h0.transpose(-1, -2) if transpose_state_layout else h0
     h0 = torch.where(live[:, None, None, None], h0, torch.zeros_like(h0))
     if intermediate_states is None:
         o, ht = recurrent_forward(q, k, v, g, beta, scale, h0, cu_seqlens, dtype=ct)
@@ -100,9 +103,36 @@ def pool_step(q, k, v, g, beta, scale, pool, output_final_state, cu_seqlens, sta
         o = o * torch.repeat_interleave(live, lengths)[None, :, None, None]
     if intermediate_states is None:
         with torch.no_grad():
-            target = pool.transpose(-1, -2) if transpose_state_layout else pool
-            target[idx[live]] = ht[live].to(pool.dtype)
+            ht = ht.transpose(-1, -2) if transpose_state_layout else ht
+            if state_scales is None:
+                pool[idx[live]] = ht[live].to(pool.dtype)
+            else:
+                pool[idx[live]], state_scales[idx[live]] = quantize(ht[live], pool.dtype)
     return o.to(q.dtype), (pool if output_final_state else None)
+
+
+QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+
+
+def dequantize(stored: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """An 8-bit state [..., R, C] (R = K, or V in the transposed layout) with one fp32 scale per row
+    [..., R]: value = stored · scale."""
+    return stored.float() * scales[..., None]
+
+
+def quantize(S: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(stored, scales): each row's absmax maps to the format's largest value (127 int8, 448 e4m3);
+    both round half up (on the e4m3 grid for fp8); an all-zero row gets scale 0."""
+    qmax = QMAX[dtype]
+    amax = S.float().abs().amax(-1)
+    x = S.float() * torch.where(amax > 0, qmax / amax.clamp_min(1e-30), torch.zeros_like(amax))[..., None]
+    x = x.clamp(-qmax, qmax)
+    if dtype == torch.int8:
+        x = torch.floor(x + 0.5)
+    else:       # onto the e4m3 grid (3 mantissa bits, subnormal below 2^-6), as the kernel rounds
+        step = torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(2.0 ** -6))) - 3)
+        x = torch.floor(x / step + 0.5) * step
+    return x.to(dtype), amax / qmax
 
 
 def _with_token_states(q, k, v, g, beta, scale, h0, cu_seqlens, ct, live, inter, transpose_state_layout):

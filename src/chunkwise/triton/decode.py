@@ -109,6 +109,8 @@ def recurrent_fwd_kernel(
     n_slots,        # pool size P (with state_indices): an index outside [0, P) is treated as padding
     inter,          # None | per-token states, logical [N, T_buf, HV, K, V] through strides s_i_* (verify step)
     T_buf,          # inter's token dim: tokens past it are not written (never a write outside the buffer)
+    scales,         # None | 8-bit pool's scales [P, HV, R] fp32, one per stored row (R = K, or V transposed)
+    s_sc_n, s_sc_h,
     scale,
     T,
     s_h0_n, s_h0_h, s_h0_k, s_h0_v,
@@ -125,6 +127,9 @@ def recurrent_fwd_kernel(
     USE_H0: tl.constexpr,
     STORE_HT: tl.constexpr,
     STORE_INTER: tl.constexpr,      # write the state after every token into inter
+    QUANT: tl.constexpr,            # 8-bit pool: 0 none, 1 int8, 2 fp8 e4m3 (value = stored · scale of its row)
+    QMAX: tl.constexpr,             # 127 (int8) or 448 (e4m3): a row's absmax is stored as QMAX
+    SCALE_ON_K: tl.constexpr,       # the scale's row is a key row k ([K, V] layout), else a value row v
     IS_VARLEN: tl.constexpr,
     USE_INDICES: tl.constexpr,
     FUSED: tl.constexpr,            # both products of S in one pass (see _token_step)
@@ -169,6 +174,11 @@ def recurrent_fwd_kernel(
             b_h += tl.load(p_h0, mask=m_h, other=0., eviction_policy="evict_first").to(tl.float32)
         else:
             b_h += tl.load(p_h0, mask=m_h, other=0.).to(tl.float32)
+        if QUANT > 0:
+            if SCALE_ON_K:
+                b_h *= tl.load(scales + i_s * s_sc_n + i_hv * s_sc_h + o_k, mask=m_k, other=0.)[:, None]
+            else:
+                b_h *= tl.load(scales + i_s * s_sc_n + i_hv * s_sc_h + o_v, mask=m_v, other=0.)[None, :]
 
     p_q = q + (bos * H + i_h) * K + o_k
     p_k = k + (bos * H + i_h) * K + o_k
@@ -228,7 +238,25 @@ def recurrent_fwd_kernel(
             i_t += 1
 
     # S tile written once (in place into the pool when ht aliases h0)
-    if STORE_HT:
+    if STORE_HT and QUANT > 0:
+        # requantize with each row's new absmax (SCALE_ON_K: the launcher gives one program all of V)
+        p_ht = ht + i_s * s_ht_n + i_hv * s_ht_h + o_k[:, None] * s_ht_k + o_v[None, :] * s_ht_v
+        if SCALE_ON_K:
+            b_amax = tl.max(tl.abs(b_h), 1)                                          # [BK]
+            b_q = b_h * tl.where(b_amax > 0, QMAX / tl.maximum(b_amax, 1e-30), 0.)[:, None]
+            tl.store(scales + i_s * s_sc_n + i_hv * s_sc_h + o_k, b_amax / QMAX, mask=m_k)
+        else:
+            b_amax = tl.max(tl.abs(b_h), 0)                                          # [BV]
+            b_q = b_h * tl.where(b_amax > 0, QMAX / tl.maximum(b_amax, 1e-30), 0.)[None, :]
+            tl.store(scales + i_s * s_sc_n + i_hv * s_sc_h + o_v, b_amax / QMAX, mask=m_v)
+        b_q = tl.minimum(tl.maximum(b_q, -QMAX), QMAX)    # an fp32 rounding above QMAX would be NaN in e4m3
+        if QUANT == 1:
+            b_q = tl.floor(b_q + 0.5)
+        else:   # onto the e4m3 grid (3 mantissa bits, subnormal below 2^-6) first: the cast is then exact
+            b_step = tl.exp2(tl.floor(tl.log2(tl.maximum(tl.abs(b_q), 0.015625))) - 3.)
+            b_q = tl.floor(b_q / b_step + 0.5) * b_step
+        tl.store(p_ht, b_q.to(p_ht.dtype.element_ty), mask=m_h)
+    elif STORE_HT:
         p_ht = ht + i_s * s_ht_n + i_hv * s_ht_h + o_k[:, None] * s_ht_k + o_v[None, :] * s_ht_v
         if STREAM:
             tl.store(p_ht, b_h.to(p_ht.dtype.element_ty), mask=m_h, cache_modifier=".cs")
@@ -267,7 +295,7 @@ def _launch_config(device: torch.device, NHV: int, K: int, V: int) -> tuple[int,
 @on_tensor_device
 def recurrent_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, *,
                   state_indices=None, transpose_state_layout=False, o=None, final_state=None,
-                  intermediate_states=None, BV=None, num_warps=None, fused=False, stream=False, pipeline=None):
+                  intermediate_states=None, state_scales=None, BV=None, num_warps=None, fused=False, stream=False, pipeline=None):
     """Launcher of `recurrent_fwd_kernel` (no autograd).
 
     Args (canonical, already checked by the API):
@@ -280,6 +308,8 @@ def recurrent_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu
         intermediate_states: None | [N, T_buf, HV, K, V] ([.., V, K] with transpose_state_layout), the
             verify step of speculative decoding (with state_indices): the state after token t of sequence
             n goes to [n, t] (tokens t >= T_buf are not stored), and the pool is left as it was.
+        state_scales: None | [P, HV, K] fp32 ([P, HV, V] transposed): the pool is 8-bit (int8 or
+            float8_e4m3fn), a stored row times its scale; the kernel requantizes each row it writes.
         BV, num_warps, fused, stream, pipeline: override the launch configuration / kernel variant
             (benchmarks): fused = both products of S in one pass, stream = streaming cache hints on
             the state, pipeline = num_stages of the token loop (0: while loop; default 2 on CUDA).
@@ -325,6 +355,10 @@ def recurrent_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu
         ret = ht
 
     BK, BV_auto, nw_auto = _launch_config(q.device, N * HV, K, V)
+    quant = 0 if state_scales is None else (1 if initial_state.dtype == torch.int8 else 2)
+    if quant and not transpose_state_layout:
+        BV_auto = max(16, next_pow2(V))        # a key row's absmax needs all of V in one program
+        nw_auto = max(nw_auto, min(8, BK * BV_auto // 2048)) if q.device.type == "cuda" else nw_auto
     BV = BV or BV_auto
     num_warps = num_warps or nw_auto
     if pipeline is None:
@@ -339,10 +373,12 @@ def recurrent_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu
     recurrent_fwd_kernel[grid](
         q, k, v, g, beta, o, h0, ht, cu_seqlens, state_indices,
         initial_state.shape[0] if state_indices is not None else 0,
-        inter, 0 if inter is None else inter.shape[1], scale, T,
+        inter, 0 if inter is None else inter.shape[1],
+        state_scales, *((0, 0) if state_scales is None else state_scales.stride()[:2]), scale, T,
         *s_h0, *s_ht, *s_i,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, GATE=gate, DELTA=beta is not None,
-        USE_H0=h0 is not None, STORE_HT=ht is not None, STORE_INTER=inter is not None, IS_VARLEN=cu_seqlens is not None,
+        USE_H0=h0 is not None, STORE_HT=ht is not None, STORE_INTER=inter is not None,
+        QUANT=quant, QMAX=127. if quant == 1 else 448., SCALE_ON_K=not transpose_state_layout, IS_VARLEN=cu_seqlens is not None,
         USE_INDICES=state_indices is not None, FUSED=fused, STREAM=stream,
         PIPELINE=pipeline, num_warps=num_warps, num_stages=1,
     )
