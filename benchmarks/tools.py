@@ -1,7 +1,7 @@
 """Offline tools for the Triton kernels: sm_90 builds without a GPU, and profiling helpers.
 
     python benchmarks/tools.py ptx --out DIR [--src PATH] [--cases REGEX] [--jobs N] [--list]
-    python benchmarks/tools.py ptx-diff A B [--context 8] [--max 3]
+    python benchmarks/tools.py ptx-diff A B [--cases REGEX] [--context 8] [--max 3]
     python benchmarks/tools.py warm [--cases REGEX] [--out .triton_sm90/cache.tgz] [-- PYTEST ARGS]
     python benchmarks/tools.py sass PATH [--kernel REGEX] [--lines N]
     python benchmarks/tools.py ncu [--kernels REGEX] [--log FILE] -- COMMAND ...   |   ncu --summary FILE
@@ -401,7 +401,7 @@ def pair_launches(la: list, lb: list) -> list:
 def cmd_diff(a):
     A, B = (json.load(open(os.path.join(d, "manifest.json"))) for d in (a.a, a.b))
     rows, details, one_sided, errors, seen = {}, [], [], [], set()
-    for name in sorted(set(A["cases"]) | set(B["cases"])):
+    for name in sorted(n for n in set(A["cases"]) | set(B["cases"]) if re.search(a.cases or "", n)):
         ca, cb = A["cases"].get(name), B["cases"].get(name)
         if ca is None or cb is None:
             one_sided.append(f"case {name}: only in {a.a if cb is None else a.b}")
@@ -623,6 +623,7 @@ def main():
     p.add_argument("b")
     p.add_argument("--context", type=int, default=8, help="diff lines shown per differing build (x3)")
     p.add_argument("--max", type=int, default=3, help="differing builds shown per kernel")
+    p.add_argument("--cases", help="only the cases whose name matches this regex (e.g. a subset run's)")
     p.set_defaults(fn=cmd_diff)
     p = sub.add_parser("warm", help="fill and pack Triton's cache for an sm_90 device run (real ptxas)")
     p.add_argument("--cases", help="the ptx cases whose name matches this regex")
