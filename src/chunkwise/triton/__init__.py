@@ -13,4 +13,37 @@ Canonical inputs of the launchers:
     cu_seqlens: None | [N + 1] int (then B == 1)
 The forward launchers return (o [B, T, HV, V] in q's dtype, final_state fp32 in the chosen layout or None).
 """
-from .decode import recurrent  # noqa: F401
+import warnings
+
+import triton
+
+# The Triton releases the kernels are tested on (CI runs the oldest and the newest).
+TESTED_TRITON = ("3.6.0", "3.10")
+
+
+class TritonVersionWarning(UserWarning):
+    """The installed Triton is outside the range chunkwise's kernels are tested on."""
+
+
+def _version_tuple(version: str) -> tuple:
+    parts = []
+    for piece in version.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts + [0] * (3 - len(parts)))
+
+
+def check_triton_version(version: str) -> bool:
+    """Warn once (TritonVersionWarning) if `version` is outside [3.6.0, 3.10); return whether it is inside."""
+    low, high = (_version_tuple(v) for v in TESTED_TRITON)
+    inside = low <= _version_tuple(version) < high
+    if not inside:
+        warnings.warn(
+            f"chunkwise: triton {version} is installed; the kernels are tested on triton "
+            f">={TESTED_TRITON[0]},<{TESTED_TRITON[1]}", TritonVersionWarning, stacklevel=2)
+    return inside
+
+
+check_triton_version(triton.__version__)
+
+from .decode import recurrent  # noqa: E402,F401
