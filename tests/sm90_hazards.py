@@ -1,12 +1,12 @@
 """Static check of the Triton kernels' software pipelines for Hopper, without a GPU: every launch of a fwd+bwd is
-compiled for sm_90 (benchmarks/warm_cache.py's stand-in driver) and each pipelined loop of its TTGIR is searched for
+compiled for sm_90 (benchmarks/tools.py's stand-in driver, PTX only: the pipelines are decided in the TTGIR) and each pipelined loop of its TTGIR is searched for
 a shared-memory copy into a buffer that an unwaited async wgmma may still read (the training forward and backward,
 the inference forward, one-token decode).
 
 The hazard (triton 3.6, triton #6691 / PR #7110): a loaded tile that feeds both an async `warp_group_dot` and a
 register load (`ttg.local_load`, e.g. for an elementwise product) gets the register use's buffer count, one too few
 for the product; the loop's copy of a later iteration then lands in the slot an in-flight product reads. On the H200
-this made the backward's ⟨S, dS'⟩ tiles race (GDN's gradients changed from run to run, session 25).
+this made the backward's ⟨S, dS'⟩ tiles race (GDN's gradients changed from run to run).
 
 For each loop body (walked twice, for the back edge) the check tracks the async products in flight and the buffers
 (`ttg.local_alloc`, through `memdesc_index` / `memdesc_trans` views) they read; `warp_group_dot_wait {pendings = N}`
@@ -14,7 +14,7 @@ leaves the N latest in flight. A copy (`async_copy_global_to_local`, `local_stor
 use and an in-flight product is a hazard. Buffers read only by products are the pipeliner's own business (it gives
 them the extra slot).
 
-    python benchmarks/pipeline_check.py --fams gdn,kda,delta,gla --dtypes bfloat16,float16,float32 \\
+    python tests/sm90_hazards.py --fams gdn,kda,delta,gla --dtypes bfloat16,float16,float32 \\
         --shapes k128,grouped_varlen,k64,k256
 Exit status 1 if a hazard is found; one line per kernel specialisation checked with -v.
 """
@@ -126,11 +126,10 @@ def main():
     ap.add_argument("--shapes", default="k128", help="head layouts: " + ", ".join(SHAPES))
     ap.add_argument("-v", action="store_true")
     a = ap.parse_args()
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    os.environ["CHUNKWISE_WARM_SM90"] = "1"
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     os.environ.pop("TRITON_INTERPRET", None)
-    import warm_cache
-    warm_cache.install_sm90()
+    import tools
+    tools.install_sm90(ptx_only=True)
     import torch
     from triton.runtime.jit import JITFunction
     import chunkwise
