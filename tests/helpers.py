@@ -24,7 +24,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ON_GPU = torch.cuda.is_available() or builds_for_gpu(torch.device("cpu"))
 
 # head dims whose sm_90 tiles neither the real-size tests (K = V = 128) nor the small-tile ones (K <= 64) build: K = 128
-# with narrow values (the saving forward's stage 1 at V <= 32 raised an illegal memory access on the H200, session 28),
+# with narrow values (the saving forward's stage 1 at V <= 32 raised an illegal memory access on the H200),
 # padded K and V, narrow keys with wide values. Each pair is a build of its own on the GPU, while the interpreter runs
 # one path for all, so the tests over this grid run on the GPU only (skip_unless_sm90_builds).
 HEAD_DIM_GRID = [(64, 16), (64, 100), (100, 32), (128, 16), (128, 48), (128, 100), (32, 128), (16, 64)]
