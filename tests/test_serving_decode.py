@@ -236,3 +236,97 @@ def test_8bit_pool_error_after_1000_decode_steps(dtype, kind):
     print(f"8-bit pool {dtype} {kind}: relative state error {errors}")
     assert errors[1000] < BOUND[dtype]
     assert errors[1000] < 1.5 * errors[500]
+
+
+def _same_within_a_step(p1, s1, p2, s2, dtype):
+    """Two 8-bit states: equal scales, stored values at most one step of the format apart (fp32 rounding)."""
+    torch.testing.assert_close(s1, s2, rtol=1e-5, atol=1e-7)
+    step = ULP_AT_MAX[dtype] * s2[..., None]
+    assert ((dequantize(p1, s1) - dequantize(p2, s2)).abs() <= step + 1e-5).all()
+
+
+@pytest.mark.parametrize("transpose", [False, True], ids=["KV", "VK"])
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "e4m3"])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("fam", FAMS)
+def test_8bit_pool_verify_then_rollback_equals_decoding_the_accepted_tokens(fam, backend, dtype, transpose):
+    """Verify from an 8-bit pool (fp32 per-token states, pool and scales untouched), then rollback requantizes the
+    kept state: the slot and its scales are what decoding only the accepted tokens into the same pool leaves."""
+    lengths, varlen, slots, accepted = CASES[1]          # accept all, one, zero, one; a padding slot
+    inp = _draft(fam, lengths, varlen)
+    op = RECURRENT_OPS[fam]
+    idx, acc = torch.tensor(slots, device=DEVICE), torch.tensor(accepted, device=DEVICE)
+    stored, scales = quantize(_pool(transpose), dtype)
+    kw = dict(transpose_state_layout=transpose, backend=backend)
+    pool, sc = stored.clone(), scales.clone()
+    buf = torch.full((len(slots), max(lengths), *pool.shape[1:]), float("nan"), device=DEVICE)
+    op(*inp.args(), initial_state=pool, state_indices=idx, state_scales=sc, intermediate_states=buf,
+       cu_seqlens=inp.cu_seqlens, **kw)
+    assert torch.equal(pool.view(torch.uint8), stored.view(torch.uint8)) and torch.equal(sc, scales)
+
+    chunkwise.rollback(pool, idx, buf, acc, state_scales=sc, backend=backend)
+    want, want_sc = stored.clone(), scales.clone()
+    for n, (s, a) in enumerate(zip(slots, accepted)):
+        if s >= 0 and a > 0:
+            op(*_prefix(inp, n, a), initial_state=want, state_indices=idx[n:n + 1], state_scales=want_sc, **kw)
+    _same_within_a_step(pool, sc, want, want_sc, dtype)
+    for r in range(P):                                   # 0 accepted, padding, or no sequence: bytes untouched
+        if r not in [s for s, a in zip(slots, accepted) if s >= 0 and a > 0]:
+            assert torch.equal(pool[r].view(torch.uint8), stored[r].view(torch.uint8)) and torch.equal(sc[r], scales[r])
+
+
+@pytest.mark.parametrize("transpose", [False, True], ids=["KV", "VK"])
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "e4m3"])
+def test_8bit_rollback_triton_equals_torch(dtype, transpose):
+    """The kernel's requantization of a kept state is the reference's `quantize` (a zero row: scale 0)."""
+    gen = torch.Generator().manual_seed(3)
+    tail = (HV, V, K) if transpose else (HV, K, V)
+    buf = torch.randn(4, 3, *tail, generator=gen).to(DEVICE) * torch.logspace(-3, 2, tail[1])[:, None].to(DEVICE)
+    buf[2, 0, 1, 3] = 0.                                 # an all-zero row
+    stored, scales = quantize(_pool(transpose), dtype)
+    idx, acc = torch.tensor([5, 0, 2, 3], device=DEVICE), torch.tensor([3, 0, 1, 2], device=DEVICE)
+    out = {}
+    for impl, rb in (("triton", triton_rollback), ("torch", chunkwise.reference.recurrent.rollback)):
+        p, s = stored.clone(), scales.clone()
+        rb(p, idx, buf, acc, s)
+        out[impl] = p, s
+    _same_within_a_step(*out["triton"], *out["torch"], dtype)
+    p, s = out["triton"]
+    assert torch.equal(s[2, 1, 3], torch.tensor(0., device=DEVICE))
+    assert torch.equal(p[0].view(torch.uint8), stored[0].view(torch.uint8)) and torch.equal(s[0], scales[0])
+    kept = torch.stack([buf[0, 2], buf[2, 0], buf[3, 1]])
+    assert ((dequantize(p[[5, 2, 3]], s[[5, 2, 3]]) - kept).abs() <= 0.5 * ULP_AT_MAX[dtype] * s[[5, 2, 3]][..., None]
+            + 1e-6).all()                                # one rounding of half a step at most
+
+
+@pytest.mark.parametrize("bad", list(BAD), ids=list(BAD))
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_8bit_rollback_with_a_bad_index_touches_no_other_slot(impl, bad):
+    """Below the argument checks: an index outside [0, P) is skipped; pool and scales, each with guard rows around
+    them, compared whole before and after."""
+    dtype = torch.float8_e4m3fn
+    stored, scales = quantize(torch.randn(P + 2, HV, K, V, device=DEVICE), dtype)
+    pool, sc = stored[1:P + 1], scales[1:P + 1]
+    before, before_sc = stored.clone(), scales.clone()
+    buf = torch.randn(3, 2, HV, K, V, device=DEVICE) * 3
+    idx, acc = torch.tensor([1, BAD[bad], 4], device=DEVICE), torch.tensor([2, 2, 1], device=DEVICE)
+    rb = triton_rollback if impl == "triton" else chunkwise.reference.recurrent.rollback
+    rb(pool, idx, buf, acc, sc)
+    changed = [p + 1 for p in (1, 4)]
+    for r in range(P + 2):
+        same = torch.equal(stored[r].view(torch.uint8), before[r].view(torch.uint8)) and torch.equal(scales[r], before_sc[r])
+        assert same == (r not in changed), f"row {r}"
+
+
+def test_8bit_rollback_argument_checks():
+    stored, scales = quantize(_pool(False), torch.int8)
+    idx, acc = torch.tensor([0, 1], device=DEVICE), torch.tensor([1, 1], device=DEVICE)
+    buf = torch.zeros(2, 1, HV, K, V, device=DEVICE)
+    with pytest.raises(TypeError, match="state_scales"):
+        chunkwise.rollback(stored, idx, buf, acc)
+    with pytest.raises(ValueError, match="state_scales"):
+        chunkwise.rollback(stored, idx, buf, acc, state_scales=scales[:, :, :-1])
+    with pytest.raises(TypeError, match="fp32 intermediate_states"):
+        chunkwise.rollback(stored, idx, buf.half(), acc, state_scales=scales)
+    with pytest.raises(ValueError, match="state_scales goes with"):
+        chunkwise.rollback(_pool(False), idx, buf, acc, state_scales=scales)

@@ -153,12 +153,17 @@ def _with_token_states(q, k, v, g, beta, scale, h0, cu_seqlens, ct, live, inter,
     return o, torch.stack(finals)
 
 
-def rollback(pool, state_indices, intermediate_states, num_accepted_tokens):
+def rollback(pool, state_indices, intermediate_states, num_accepted_tokens, state_scales=None):
     """pool[state_indices[n]] = intermediate_states[n, num_accepted_tokens[n] - 1] for every sequence that
-    accepted at least one token (and whose index lies in [0, P)); other slots untouched."""
+    accepted at least one token (and whose index lies in [0, P)); other slots untouched. With state_scales
+    (an 8-bit pool) the kept fp32 state is requantized into the slot and its row scales (`quantize`)."""
     idx, acc = state_indices.long(), num_accepted_tokens.long()
     keep = (idx >= 0) & (idx < pool.shape[0]) & (acc > 0) & (acc <= intermediate_states.shape[1])
     n = torch.nonzero(keep).flatten()
+    kept = intermediate_states[n, acc[n] - 1]
     with torch.no_grad():
-        pool[idx[n]] = intermediate_states[n, acc[n] - 1].to(pool.dtype)
+        if state_scales is None:
+            pool[idx[n]] = kept.to(pool.dtype)
+        else:
+            pool[idx[n]], state_scales[idx[n]] = quantize(kept, pool.dtype)
     return pool

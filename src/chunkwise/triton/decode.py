@@ -94,6 +94,19 @@ def _token_step(b_h, p_q, p_k, p_v, p_g, p_beta, m_k, m_v, live, scale,
     return b_h, b_o
 
 
+@triton.jit
+def _onto_grid(b_q, QMAX: tl.constexpr, QUANT: tl.constexpr):
+    """A tile scaled by its rows' QMAX / absmax -> the values the 8-bit format holds exactly (the cast after it is
+    then exact), as chunkwise.reference.recurrent.quantize rounds: half up, on the int8 or the e4m3 grid."""
+    b_q = tl.minimum(tl.maximum(b_q, -QMAX), QMAX)    # an fp32 rounding above QMAX would be NaN in e4m3
+    if QUANT == 1:
+        b_q = tl.floor(b_q + 0.5)
+    else:   # onto the e4m3 grid (3 mantissa bits, subnormal below 2^-6) first: the cast is then exact
+        b_step = tl.exp2(tl.floor(tl.log2(tl.maximum(tl.abs(b_q), 0.015625))) - 3.)
+        b_q = tl.floor(b_q / b_step + 0.5) * b_step
+    return b_q
+
+
 @triton.jit(do_not_specialize=["T", "n_slots", "T_buf"])
 def recurrent_fwd_kernel(
     q,              # [B, T, H, K]  contiguous, fp16/bf16/fp32
@@ -249,13 +262,7 @@ def recurrent_fwd_kernel(
             b_amax = tl.max(tl.abs(b_h), 0)                                          # [BV]
             b_q = b_h * tl.where(b_amax > 0, QMAX / tl.maximum(b_amax, 1e-30), 0.)[None, :]
             tl.store(scales + i_s * s_sc_n + i_hv * s_sc_h + o_v, b_amax / QMAX, mask=m_v)
-        b_q = tl.minimum(tl.maximum(b_q, -QMAX), QMAX)    # an fp32 rounding above QMAX would be NaN in e4m3
-        if QUANT == 1:
-            b_q = tl.floor(b_q + 0.5)
-        else:   # onto the e4m3 grid (3 mantissa bits, subnormal below 2^-6) first: the cast is then exact
-            b_step = tl.exp2(tl.floor(tl.log2(tl.maximum(tl.abs(b_q), 0.015625))) - 3.)
-            b_q = tl.floor(b_q / b_step + 0.5) * b_step
-        tl.store(p_ht, b_q.to(p_ht.dtype.element_ty), mask=m_h)
+        tl.store(p_ht, _onto_grid(b_q, QMAX, QUANT).to(p_ht.dtype.element_ty), mask=m_h)
     elif STORE_HT:
         p_ht = ht + i_s * s_ht_n + i_hv * s_ht_h + o_k[:, None] * s_ht_k + o_v[None, :] * s_ht_v
         if STREAM:
@@ -421,11 +428,13 @@ def recurrent(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
 
 
 @triton.jit(do_not_specialize=["n_slots", "T_buf"])
-def rollback_kernel(pool, state_indices, inter, num_accepted, n_slots, T_buf, s_p_n, s_i_n, s_i_t,
-                    SIZE: tl.constexpr, BLOCK: tl.constexpr):
+def rollback_kernel(pool, state_indices, inter, num_accepted, scales, n_slots, T_buf, s_p_n, s_i_n, s_i_t, s_sc_n,
+                    SIZE: tl.constexpr, BLOCK: tl.constexpr, ROW: tl.constexpr, BC: tl.constexpr,
+                    QUANT: tl.constexpr, QMAX: tl.constexpr):
     """pool[state_indices[n]] = inter[n, num_accepted[n] - 1] over one block of the HV·K·V state (layout-free:
     a slot and a per-token state are both contiguous). Skipped (nothing read or written): 0 accepted, an index
-    outside [0, P), a count above T_buf."""
+    outside [0, P), a count above T_buf. An 8-bit pool (QUANT 1 int8, 2 e4m3): the block is BLOCK // BC whole
+    rows of ROW values (the slot's last dim), each requantized with its absmax into the slot and scales[slot]."""
     i_n = tl.program_id(0).to(tl.int64)
     i_b = tl.program_id(1)
     i_s = tl.load(state_indices + i_n).to(tl.int64)
@@ -433,21 +442,41 @@ def rollback_kernel(pool, state_indices, inter, num_accepted, n_slots, T_buf, s_
     live = (i_s >= 0) & (i_s < n_slots) & (n_acc > 0) & (n_acc <= T_buf)
     i_s = tl.where(live, i_s, 0)
     i_t = tl.where(live, n_acc - 1, 0)
-    o = i_b * BLOCK + tl.arange(0, BLOCK)
-    m = o < tl.where(live, SIZE, 0)
-    b = tl.load(inter + i_n * s_i_n + i_t * s_i_t + o, mask=m)
-    tl.store(pool + i_s * s_p_n + o, b.to(pool.dtype.element_ty), mask=m)
+    if QUANT > 0:
+        o_r = i_b * (BLOCK // BC) + tl.arange(0, BLOCK // BC)        # rows of the slot, [BLOCK // BC]
+        o_c = tl.arange(0, BC)
+        m_r = o_r < tl.where(live, SIZE // ROW, 0)
+        m = m_r[:, None] & (o_c[None, :] < ROW)
+        o = o_r[:, None] * ROW + o_c[None, :]
+        b = tl.load(inter + i_n * s_i_n + i_t * s_i_t + o, mask=m, other=0.).to(tl.float32)
+        b_amax = tl.max(tl.abs(b), 1)
+        b_q = b * tl.where(b_amax > 0, QMAX / tl.maximum(b_amax, 1e-30), 0.)[:, None]
+        tl.store(scales + i_s * s_sc_n + o_r, b_amax / QMAX, mask=m_r)
+        tl.store(pool + i_s * s_p_n + o, _onto_grid(b_q, QMAX, QUANT).to(pool.dtype.element_ty), mask=m)
+    else:
+        o = i_b * BLOCK + tl.arange(0, BLOCK)
+        m = o < tl.where(live, SIZE, 0)
+        b = tl.load(inter + i_n * s_i_n + i_t * s_i_t + o, mask=m)
+        tl.store(pool + i_s * s_p_n + o, b.to(pool.dtype.element_ty), mask=m)
 
 
 @on_tensor_device
-def rollback(pool, state_indices, intermediate_states, num_accepted_tokens):
-    """Launcher of `rollback_kernel` (arguments checked by chunkwise.serving.rollback)."""
+def rollback(pool, state_indices, intermediate_states, num_accepted_tokens, state_scales=None):
+    """Launcher of `rollback_kernel` (arguments checked by chunkwise.speculative.rollback). state_scales: the
+    [P, HV, R] fp32 scales of an int8 / float8_e4m3fn pool (R = the slot's second-to-last dim)."""
     N, T_buf = intermediate_states.shape[:2]
     size = pool[0].numel()
-    BLOCK = min(4096, next_pow2(size))
     if N == 0 or size == 0:
         return pool
-    rollback_kernel[(N, cdiv(size, BLOCK))](
-        pool, state_indices, intermediate_states, num_accepted_tokens, pool.shape[0], T_buf,
-        pool.stride(0), intermediate_states.stride(0), intermediate_states.stride(1), SIZE=size, BLOCK=BLOCK)
+    quant = 0 if state_scales is None else (1 if pool.dtype == torch.int8 else 2)
+    row = pool.shape[-1]
+    BC = next_pow2(row) if quant else 1
+    BLOCK = min(4096, next_pow2(size)) if not quant else max(BC, min(4096, BC * next_pow2(size // row)))
+    per_program = BLOCK // BC if quant else BLOCK
+    n_blocks = cdiv(size // row, per_program) if quant else cdiv(size, BLOCK)
+    rollback_kernel[(N, n_blocks)](
+        pool, state_indices, intermediate_states, num_accepted_tokens, state_scales, pool.shape[0], T_buf,
+        pool.stride(0), intermediate_states.stride(0), intermediate_states.stride(1),
+        0 if state_scales is None else state_scales.stride(0), SIZE=size, BLOCK=BLOCK, ROW=row if quant else 1, BC=BC,
+        QUANT=quant, QMAX=127. if quant == 1 else 448.)
     return pool
