@@ -330,3 +330,51 @@ def test_8bit_rollback_argument_checks():
         chunkwise.rollback(stored, idx, buf.half(), acc, state_scales=scales)
     with pytest.raises(ValueError, match="state_scales goes with"):
         chunkwise.rollback(_pool(False), idx, buf, acc, state_scales=scales)
+
+
+# --- rollback as a torch custom op ------------------------------------------------------------------
+
+from chunkwise import _custom_ops  # noqa: E402
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.int8], ids=["fp32", "int8"])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_rollback_opcheck(backend, pool_dtype):
+    """chunkwise::rollback: schema (pool and state_scales mutated), fake implementation, AOT dispatch. (The schema
+    does not depend on the dtype; opcheck's comparisons cannot take e4m3 tensors on the CPU.)"""
+    pool, scales = _pool(False), None
+    if pool_dtype != torch.float32:
+        pool, scales = quantize(pool, pool_dtype)
+    buf = torch.randn(3, 2, HV, K, V, device=DEVICE)
+    idx, acc = torch.tensor([4, -1, 1], device=DEVICE), torch.tensor([2, 1, 0], device=DEVICE)
+    torch.library.opcheck(_custom_ops.rollback, (pool, idx, buf, acc, scales, backend))
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.int8], ids=["fp32", "int8"])
+def test_compile_fullgraph_verify_then_rollback(pool_dtype):
+    """A verify step and its rollback in one torch.compile(fullgraph=True) graph: the pool (and scales) as eager."""
+    inp = _draft("gdn", [3, 3, 3], False)
+    pool0, scales0 = _pool(False), None
+    if pool_dtype == torch.int8:
+        pool0, scales0 = quantize(pool0, pool_dtype)
+    idx, acc = torch.tensor([5, -1, 2], device=DEVICE), torch.tensor([2, 3, 3], device=DEVICE)
+
+    def step(q, k, v, g, beta, pool, scales, buf, acc):
+        o, _ = chunkwise.fused_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=pool, state_indices=idx,
+                                                          state_scales=scales, intermediate_states=buf)
+        chunkwise.rollback(pool, idx, buf, acc, state_scales=scales)
+        return o
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    got = {}
+    for name, fn in (("compiled", compiled), ("eager", step)):
+        pool, scales = pool0.clone(), None if scales0 is None else scales0.clone()
+        buf = torch.zeros(3, 3, HV, K, V, device=DEVICE)
+        o = fn(inp.q, inp.k, inp.v, inp.g, inp.beta, pool, scales, buf, acc)
+        got[name] = o, pool, scales
+    (o1, p1, s1), (o2, p2, s2) = got["compiled"], got["eager"]
+    assert torch.equal(o1, o2) and torch.equal(p1.view(torch.uint8), p2.view(torch.uint8))
+    assert s1 is None or torch.equal(s1, s2)
+    changed = [r for r in range(P) if not torch.equal(p1[r].view(torch.uint8), pool0[r].view(torch.uint8))]
+    assert changed == [2, 5]

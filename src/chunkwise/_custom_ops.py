@@ -30,6 +30,8 @@ Ops (namespace ``chunkwise``):
     recurrent_pool_fwd (..., pool [P, HV, K, V] (mutated), state_indices [N], ...) -> o
         vLLM-style state pool: sequence n reads pool[state_indices[n]] and writes its final state
         back in place (-1 = padding slot, skipped, output zero). No autograd (inference only).
+    rollback (pool (mutated), state_indices [N], intermediate_states [N, T_draft, ...], num_accepted_tokens [N],
+              state_scales? (mutated), backend) -> None: speculative decoding's rollback (chunkwise.speculative)
 
 Backward: the torch backend recomputes the forward of the PyTorch chunk algorithm
 (`reference/chunk.py`, or the token recurrence for the recurrent op) under autograd inside the
@@ -433,6 +435,27 @@ def _pool_impl(q, k, v, g, beta, scale, pool, state_indices, cu_seqlens, transpo
 def _(q, k, v, g, beta, scale, pool, state_indices, cu_seqlens, transpose_state_layout, chunk_size, backend,
       intermediate_states=None, state_scales=None):
     return q.new_empty(q.shape[0], q.shape[1], v.shape[2], v.shape[3])
+
+
+@torch.library.custom_op("chunkwise::rollback", mutates_args=("pool", "state_scales"))
+def rollback(pool: torch.Tensor, state_indices: torch.Tensor, intermediate_states: torch.Tensor,
+             num_accepted_tokens: torch.Tensor, state_scales: Optional[torch.Tensor], backend: str) -> None:
+    """Speculative decoding's rollback: pool[state_indices[n]] = intermediate_states[n, num_accepted_tokens[n] - 1]
+    in place (requantized into the slot and state_scales for an 8-bit pool). See chunkwise.speculative."""
+    rollback_impl(pool, state_indices, intermediate_states, num_accepted_tokens, state_scales, backend)
+
+
+def rollback_impl(pool, state_indices, intermediate_states, num_accepted_tokens, state_scales, backend):
+    if backend == "triton":
+        from .triton.decode import rollback as launch
+    else:
+        from .reference.recurrent import rollback as launch
+    launch(pool, state_indices, intermediate_states, num_accepted_tokens, state_scales)
+
+
+@rollback.register_fake
+def _(pool, state_indices, intermediate_states, num_accepted_tokens, state_scales, backend):
+    return None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ._custom_ops import _eager_plain, rollback as rollback_op, rollback_impl
 from .api import QUANT_DTYPES, _choose_backend, check_live_indices_unique
 
 
@@ -38,6 +39,7 @@ def rollback(pool: torch.Tensor, state_indices: torch.Tensor, intermediate_state
         backend: "auto" (triton for CUDA tensors), "triton" or "torch".
     Returns the pool, updated in place. On the GPU: one small Triton launch, no host sync, CUDA-graph
     capturable. In plain eager mode duplicate live indices raise (a host sync: skipped under capture).
+    Under torch.compile (fullgraph) it is the mutating custom op chunkwise::rollback.
     """
     if intermediate_states.dim() != pool.dim() + 1 or intermediate_states.shape[2:] != pool.shape[1:]:
         raise ValueError(f"intermediate_states must be [N, T_draft, {list(pool.shape[1:])}] for the pool "
@@ -51,17 +53,18 @@ def rollback(pool: torch.Tensor, state_indices: torch.Tensor, intermediate_state
     if not intermediate_states.is_contiguous() or not pool[0].is_contiguous():
         raise ValueError("rollback copies whole states: intermediate_states and each pool slot must be contiguous")
     _check_scales(pool, intermediate_states, state_scales)
-    if state_indices.device.type == "cpu" and N:
+    if state_indices.device.type == "cpu" and N and _eager_plain(state_indices):
         lo, hi = int(state_indices.min()), int(state_indices.max())
         if lo < -1 or hi >= pool.shape[0]:
             raise ValueError(f"state_indices must lie in [-1, P) = [-1, {pool.shape[0]}), got values from {lo} to {hi}")
     check_live_indices_unique(state_indices)
-    K, V = pool.shape[-2], pool.shape[-1]
-    if _choose_backend(backend, pool.device, K, V) == "triton":
-        from .triton.decode import rollback as launch
+    args = (pool, state_indices, intermediate_states, num_accepted_tokens, state_scales,
+            _choose_backend(backend, pool.device, pool.shape[-2], pool.shape[-1]))
+    if _eager_plain(*args[:5]):
+        rollback_impl(*args)            # the custom op's dispatch skipped (see _custom_ops._eager_plain)
     else:
-        from .reference.recurrent import rollback as launch
-    return launch(pool, state_indices, intermediate_states, num_accepted_tokens, state_scales)
+        rollback_op(*args)              # chunkwise::rollback, a mutating custom op: torch.compile, opcheck
+    return pool
 
 
 def _check_scales(pool, intermediate_states, state_scales):
