@@ -5,9 +5,10 @@
 #
 # Phases (default: all): check (`chunkwise check`), tests (`pytest tests -x`), forward, train, decode
 # (benchmarks/bench_*.py next to fla 0.6.0: forward on the standing and few-heads shapes, training on the standing
-# shapes and GDN's 2/8 heads at 32k tokens, decode at batch 1-256). Every phase has a time limit (BUDGET below, in
-# seconds; --budget tests=400 changes one): a benchmark starts no row past its limit less a margin and writes what
-# it timed; a command still running at its limit is stopped (SIGINT, then SIGKILL 20 s later).
+# shapes and GDN's 2/8 heads at 32k tokens, decode at batch 1-256 with 8-bit pools and a 4-token verify step). Every
+# phase has a time limit (BUDGET below, in seconds; --budget tests=400 changes one): a benchmark starts no row past
+# its limit less a margin and writes what it timed; a command still running at its limit is stopped (SIGINT, then
+# SIGKILL 20 s later).
 #
 # Compiling (ours, and fla's configuration search) would take most of the benchmarks' time, so check, the tests
 # and `--warmup` runs of the forward and training benchmarks (compile only) share the first window, side by side;
@@ -20,8 +21,9 @@
 # .triton_sm90/cache.tgz for the next. $OUT receives 8 files: logs.tgz (every phase's log and the summary),
 # triton_cache.tgz, bench_{forward,train,decode}.{json,png}. The short tables are printed last.
 set -u
-# first window (side by side): check, tests, warm; then forward, train, decode. ~15 s set-up + 240 + 280 = 535 s
-declare -A BUDGET=([check]=240 [tests]=240 [warm]=220 [forward]=130 [train]=120 [decode]=30)
+# first window (side by side): check, tests, warm; then forward, train, decode. ~15 s set-up + 240 + 295 = 550 s
+# (decode: 24 rows, GDN and KDA, ~13 s timed with a warm Triton cache, ~20 s compiling its 8-bit and verify variants)
+declare -A BUDGET=([check]=240 [tests]=240 [warm]=220 [forward]=130 [train]=120 [decode]=45)
 MARGIN=25                       # a benchmark's last row may run this long past its --time-limit
 PHASES=() COMMIT=""
 while [ $# -gt 0 ]; do

@@ -11,7 +11,8 @@ Sets (``--shapes`` of every benchmark takes set names and shape names, comma sep
 - ``standing``: the shapes every GPU run times (one long sequence, a batch, grouped heads, varlen).
 - ``few-heads``: issue #48's rows, where the heads are too few to fill the GPU (2/8 heads at 8k-64k tokens, as a
   large model at tensor-parallel 8; 32/32 and 16/64 at 32k; 8/32 at 4 x 8k; a varlen batch with one long sequence).
-- ``decode``: one token per sequence, batch 1 to 256 (bench_decode.py).
+- ``decode``: one token per sequence, batch 1 to 256, and a verify step of 4 draft tokens at batch 64 and 256
+  (bench_decode.py).
 - ``cpu``: the CPU benchmark's (fp32, bench_cpu.py).
 - ``smoke``: tiny shapes for a CPU run of any benchmark (the interpreter or the torch backend; tests use them).
 """
@@ -73,12 +74,13 @@ _ALL = [
     # few heads (issue #48)
     dense(1, 8192, 2, 8), dense(1, 32768, 2, 8), dense(1, 65536, 2, 8), dense(1, 32768, 16, 64), dense(4, 8192, 8, 32),
     varlen("varlen-long", [24576] + [512] * 16, 2, 8),     # one long sequence next to 16 short ones
-    # decode (T = 1)
-    *[dense(B, 1, 32) for B in (1, 16, 64, 256)],
+    # decode (T = 1); speculative decoding's verify step (T = 4 draft tokens per sequence)
+    *[dense(B, 1, 32) for B in (1, 16, 64, 256)], dense(64, 4, 32), dense(256, 4, 32),
     # CPU
     dense(1, 4096, 16), dense(1, 1024, 16),
-    # smoke: a partial chunk, grouped heads, K = 32, varlen with a one-token sequence; one decode step
+    # smoke: a partial chunk, grouped heads, K = 32, varlen with a one-token sequence; one decode step; a verify step
     dense(1, 130, 2, 4, 32, 32), varlen("varlen3", [70, 1, 59], 2, 4, 32, 32), dense(2, 1, 2, 4, 32, 32),
+    dense(2, 4, 2, 4, 32, 32),      # a verify step
 ]
 SHAPES: dict[str, Shape] = {s.name: s for s in _ALL}
 
@@ -86,7 +88,7 @@ SETS: dict[str, list[str]] = {
     "standing": ["B1-T32768-H32", "B8-T4096-H32", "B4-T8192-H16-HV32", "varlen16-T32768-H32"],
     "few-heads": ["B1-T8192-H2-HV8", "B1-T32768-H2-HV8", "B1-T65536-H2-HV8", "B1-T32768-H32", "B1-T32768-H16-HV64",
                   "B4-T8192-H8-HV32", "varlen-long-T32768-H2-HV8"],
-    "decode": ["B1-T1-H32", "B16-T1-H32", "B64-T1-H32", "B256-T1-H32"],
+    "decode": ["B1-T1-H32", "B16-T1-H32", "B64-T1-H32", "B256-T1-H32", "B64-T4-H32", "B256-T4-H32"],
     "cpu": ["B1-T4096-H16", "B1-T1024-H16"],
     "smoke": ["B1-T130-H2-HV4-K32", "varlen3-T130-H2-HV4-K32", "B2-T1-H2-HV4-K32"],
 }

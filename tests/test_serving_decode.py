@@ -378,3 +378,31 @@ def test_compile_fullgraph_verify_then_rollback(pool_dtype):
     assert s1 is None or torch.equal(s1, s2)
     changed = [r for r in range(P) if not torch.equal(p1[r].view(torch.uint8), pool0[r].view(torch.uint8))]
     assert changed == [2, 5]
+
+
+# --- the decode benchmark's serving modes (CPU, torch backend, tiny shapes) ---------------------------------------
+
+def test_bench_decode_verify_and_8bit_modes(tmp_path, capsys):
+    """bench_decode.py's verify (with the rollback) and 8-bit pool rows: timed, outputs equal to the fp32 pool decode's,
+    bytes as its docstring's formulas say; the default picks no 8-bit mode below batch 256."""
+    import json
+    import pathlib
+    import sys
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+    import bench_decode
+    import shapes
+    rc = bench_decode.main(["--device", "cpu", "--dtype", "fp32", "--no-peers", "--ops", "gdn", "--out", str(tmp_path),
+                            "--commit", "x", "--shapes", "B2-T1-H2-HV4-K32,B2-T4-H2-HV4-K32",
+                            "--modes", "pool,int8,e4m3,verify"])
+    capsys.readouterr()
+    assert rc == 0
+    rows = {r["mode"]: r for r in json.load(open(tmp_path / "bench_decode.json"))["rows"]}
+    assert sorted(rows) == ["e4m3", "int8", "pool", "verify"]
+    HV_, K_, V_ = 4, 32, 32
+    assert rows["pool"]["MB"] * 1e6 == 2 * 2 * HV_ * K_ * V_ * 4
+    assert rows["int8"]["MB"] * 1e6 == 2 * 2 * HV_ * K_ * (V_ + 4)
+    assert rows["verify"]["MB"] * 1e6 == 2 * HV_ * K_ * V_ * 4 * (1 + 4)
+    assert rows["verify"]["rb_us"] > 0 and all(rows[m]["o_vs_ref"] < 1e-6 for m in ("int8", "e4m3", "verify"))
+    assert bench_decode.modes_for(shapes.SHAPES["B64-T1-H32"], None) == ["state", "pool"]
+    assert bench_decode.modes_for(shapes.SHAPES["B256-T1-H32"], None) == ["state", "pool", "int8", "e4m3"]
+    assert bench_decode.modes_for(shapes.SHAPES["B256-T4-H32"], None) == ["verify"]
