@@ -113,6 +113,17 @@ def _checksum(values: list[int] | None) -> int:
     return int.from_bytes(hashlib.blake2b(array.array("q", values).tobytes(), digest_size=7).digest(), "little")
 
 
+def _exchange_device(q, group) -> torch.device:
+    """Where the collectives' tensors live: q's device, except that NCCL takes CUDA tensors only, so a group that
+    runs on NCCL alone exchanges on the current CUDA device (torch.cuda.set_device, the caller's) when q is not a CUDA
+    tensor; every rank still joins the summary exchange, and the error raised after it names q."""
+    if isinstance(q, torch.Tensor) and q.device.type == "cuda":
+        return q.device
+    if dist.get_backend(group) == dist.Backend.NCCL:
+        return torch.device("cuda", torch.cuda.current_device())
+    return q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
+
+
 def _gather_summary(summary: list[int] | None, device: torch.device, group) -> list[list[int] | None]:
     """Every rank's summary (see _SUMMARY; None where its own checks failed), in rank order.
 
@@ -269,6 +280,8 @@ def chunk_cp(fam: api.Family, mode: str, q, k, v, g, beta, scale, initial_state,
     # cu_seqlens, whether a backward will follow) lets every rank raise the same error.
     error, summary, host_cu = None, None, None
     try:
+        if dist.get_backend(cp_group) == dist.Backend.NCCL and isinstance(q, torch.Tensor) and q.device.type != "cuda":
+            raise ValueError(f"cp_group runs on NCCL, which takes CUDA tensors; q is on {q.device}")
         B, T, H, HV, K, V, _ = api._check_inputs(
             fam, q, k, v, g, beta, scale, None, None, None, transpose_state_layout, backend, use_gate_in_kernel,
             A_log, dt_bias, lower_bound)
@@ -299,8 +312,7 @@ def chunk_cp(fam: api.Family, mode: str, q, k, v, g, beta, scale, initial_state,
         summary = [T, B, H, HV, K, V, _checksum(host_cu), int(needs_grad)]
     except (TypeError, ValueError) as e:
         error = e
-    device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
-    table = _gather_summary(summary, device, cp_group)
+    table = _gather_summary(summary, _exchange_device(q, cp_group), cp_group)
     if error is not None:
         raise error
     failed = [r for r, row in enumerate(table) if row is None]
