@@ -13,6 +13,7 @@ Sets (``--shapes`` of every benchmark takes set names and shape names, comma sep
   large model at tensor-parallel 8; 32/32 and 16/64 at 32k; 8/32 at 4 x 8k; a varlen batch with one long sequence).
 - ``decode``: one token per sequence, batch 1 to 256, and a verify step of 4 draft tokens at batch 64 and 256
   (bench_decode.py).
+- ``cp``: one sequence of 128k tokens, split over the GPUs of a context-parallel group (bench_cp.py).
 - ``cpu``: the CPU benchmark's (fp32, bench_cpu.py).
 - ``smoke``: tiny shapes for a CPU run of any benchmark (the interpreter or the torch backend; tests use them).
 """
@@ -74,6 +75,8 @@ _ALL = [
     # few heads (issue #48)
     dense(1, 8192, 2, 8), dense(1, 32768, 2, 8), dense(1, 65536, 2, 8), dense(1, 32768, 16, 64), dense(4, 8192, 8, 32),
     varlen("varlen-long", [24576] + [512] * 16, 2, 8),     # one long sequence next to 16 short ones
+    # context parallel
+    dense(1, 131072, 32),
     # decode (T = 1); speculative decoding's verify step (T = 4 draft tokens per sequence)
     *[dense(B, 1, 32) for B in (1, 16, 64, 256)], dense(64, 4, 32), dense(256, 4, 32),
     # CPU
@@ -88,6 +91,7 @@ SETS: dict[str, list[str]] = {
     "standing": ["B1-T32768-H32", "B8-T4096-H32", "B4-T8192-H16-HV32", "varlen16-T32768-H32"],
     "few-heads": ["B1-T8192-H2-HV8", "B1-T32768-H2-HV8", "B1-T65536-H2-HV8", "B1-T32768-H32", "B1-T32768-H16-HV64",
                   "B4-T8192-H8-HV32", "varlen-long-T32768-H2-HV8"],
+    "cp": ["B1-T131072-H32"],
     "decode": ["B1-T1-H32", "B16-T1-H32", "B64-T1-H32", "B256-T1-H32", "B64-T4-H32", "B256-T4-H32"],
     "cpu": ["B1-T4096-H16", "B1-T1024-H16"],
     "smoke": ["B1-T130-H2-HV4-K32", "varlen3-T130-H2-HV4-K32", "B2-T1-H2-HV4-K32"],

@@ -1,6 +1,7 @@
 """The benchmarks' harness on the CPU (torch backend, tiny shapes; no GPU, no fla): the shape registry, each
-benchmark's JSON / plot / table, the agreement check against a peer, the handling of fla's autotuning and of its
-Hopper guard (on stand-in modules), and the sweep driver's plan product."""
+benchmark's JSON / plot / table, the agreement check against a peer, the context-parallel benchmark under torchrun
+(two gloo processes), the handling of fla's autotuning and of its Hopper guard (on stand-in modules), and the sweep
+driver's plan product."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,6 +15,7 @@ import torch
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 sys.path.insert(0, BENCH)
+import bench_cp  # noqa: E402
 import bench_cpu  # noqa: E402
 import bench_decode  # noqa: E402
 import bench_forward  # noqa: E402
@@ -97,6 +99,34 @@ def test_benchmark_writes_json_plot_and_table(bench, argv, json_name, cols, time
     table = out.rstrip().splitlines()[-(len(rows) + 2):]           # the markdown table is printed last
     assert table[0] == "| " + " | ".join(h for h, _, _ in cols) + " |"
     assert table[1].startswith("|---") and all(line.startswith("| ") for line in table[2:])
+
+
+def test_bench_cp_under_torchrun_with_two_gloo_ranks(tmp_path):
+    """bench_cp.py as the GPU runs launch it, on two CPU processes: each row's split run equals the whole run, every
+    phase timed on both ranks, a shape too short to split skipped, and rank 0 alone writes the JSON, plot and table."""
+    import subprocess
+    root = os.path.dirname(BENCH)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(root, "src"), os.environ.get("PYTHONPATH", "")]))
+    argv = ["--device", "cpu", "--dtype", "fp32", "--ops", "delta,gla", "--reps", "1", "--out", str(tmp_path),
+            "--shapes", f"{SMOKE},varlen3-T130-H2-HV4-K32,B2-T1-H2-HV4-K32", "--commit", "abc123"]
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        os.path.join(BENCH, "bench_cp.py"), *argv], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    data = json.load(open(tmp_path / "bench_cp_w2.json"))
+    meta, rows = data["meta"], data["rows"]
+    assert meta["world_size"] == 2 and meta["process_group"] == "gloo" and meta["commit"] == "abc123"
+    assert [(r["shape"], r["op"]) for r in rows] == [(s, op) for s in (SMOKE, "varlen3-T130-H2-HV4-K32")
+                                                      for op in ("delta", "gla")]
+    assert "B2-T1-H2-HV4-K32 skipped: 1 tokens cannot be split over 2 ranks" in p.stderr
+    for r in rows:
+        assert r["ok"] and r["max_err"] < 1e-5 and {"err_o", "err_dq", "err_dv", "err_final_state"} <= set(r)
+        times = {k: v for k, v in r.items() if k.endswith("_ranks")}
+        assert len(times) == 9 and all(len(v) == 2 and min(v) >= 0 for v in times.values())
+        assert r["carry_fwd_ranks"][1] > 0 and r["cp_ms"] == max(r["cp_ranks"]) and r["x"] > 0
+    assert os.path.getsize(tmp_path / "bench_cp_w2.png") > 1000
+    header = "| " + " | ".join(h for h, _, _ in bench_cp.COLUMNS) + " |"
+    lines = p.stdout.rstrip().splitlines()
+    assert lines.count(header) == 1 and lines[-(len(rows) + 2)] == header   # once (rank 0), last
 
 
 def _fake_fla_gdn(shift):
