@@ -261,8 +261,9 @@ def main(argv=None) -> int:
     args.reps = args.reps or (10 if kind == "cuda" else 3)
     rank, W, device, made = init_group(kind)
     try:
-        meta = common.metadata(args, benchmark="context parallel", world_size=W,
-                               process_group=dist.get_backend(), devices=[int(d) for d in per_rank(device.index or 0, device)],
+        devices = [int(d) for d in per_rank(device.index or 0, device)]
+        meta = common.metadata(args, benchmark="context parallel", world_size=W, process_group=dist.get_backend(),
+                               devices=devices,
                                timing=f"{args.reps} calls per rank after 2 warm-up calls, CUDA events per call (CPU: "
                                "perf_counter), median per rank; tables: the slowest rank (whole: rank 0)")
         path = os.path.join(args.out, f"bench_cp_w{W}.json")

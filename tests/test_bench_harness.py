@@ -110,7 +110,8 @@ def test_bench_cp_under_torchrun_with_two_gloo_ranks(tmp_path):
     argv = ["--device", "cpu", "--dtype", "fp32", "--ops", "delta,gla", "--reps", "1", "--out", str(tmp_path),
             "--shapes", f"{SMOKE},varlen3-T130-H2-HV4-K32,B2-T1-H2-HV4-K32", "--commit", "abc123"]
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                        os.path.join(BENCH, "bench_cp.py"), *argv], capture_output=True, text=True, env=env, timeout=120)
+                        os.path.join(BENCH, "bench_cp.py"), *argv], capture_output=True, text=True, env=env,
+                       timeout=120)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     data = json.load(open(tmp_path / "bench_cp_w2.json"))
     meta, rows = data["meta"], data["rows"]
