@@ -12,6 +12,7 @@ import contextlib
 import torch
 
 from ..utils import TRITON_MAX_HEAD_DIM as MAX_K   # the backward's kernels fit one SM's shared memory up to it
+from ..utils import prepare_chunk_indices
 from .bwd_kda import pair_grads
 from .bwd_states import Problem, forward_state_pass, gate_cumsum, gate_scaled, reverse_state_pass
 from .bwd_tiles import group_sum, state_tile_pass
@@ -19,7 +20,8 @@ from .bwd_wy import recompute_stage1, stage1_from_saved, wy_pass
 from .common import (BT, _alloc, _num_sms, _overlap, _side_stream, cdiv, chunk_slots, cut_state, gate_kind,
                      on_tensor_device, pad_last, pad_state, padded_dims, state_dtype, target_arch)
 from .configs import (WIDE_16BIT_K, BackwardPlan, ForwardPlan, backward_plan, forward_plan, fp16_kda_in_fp32,
-                      gate_scaled_in, resolve_stage2, saved_t_dtype)
+                      gate_scaled_in, resolve_stage2, saved_t_dtype, split_chunks, split_launch)
+from .split import final_states, segment_starts, split_batch
 from .stage1 import chunk_p, chunk_prepare
 from .stage2 import chunk_state_output
 
@@ -109,10 +111,19 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     if plan is None:
         plan = forward_plan(q.device, q.dtype, gate, delta, K, V, save)
     n_sm = _num_sms(q.device)
-    launch = resolve_stage2(plan, N, T, HV, K, V, q.element_size(), gate, delta, varlen, n_sm)
-    if varlen and chunk_indices is None and (delta or launch.p_in):
-        from ..utils import prepare_chunk_indices
+    if varlen and chunk_indices is None and delta:
         chunk_indices = prepare_chunk_indices(cu_seqlens, BT)
+    # the delta families' sequence split (triton/split.py): the stages run on the batch of segments (sb), every
+    # segment from its entering state; the outputs and what the backward keeps are the unsplit forward's, in place
+    seg = split_chunks(plan, N, T, HV, K, V, varlen, chunk_indices.shape[0] if varlen else N * cdiv(T, BT), n_sm) \
+        if delta else 0
+    sb = split_batch(q, k, v, g, beta, cu_seqlens, chunk_indices, seg) if seg else None
+    q1, k1, v1, g1, beta1, cu1, ci1, N1 = (q, k, v, g, beta, cu_seqlens, chunk_indices, N) if sb is None else \
+        (sb.q, sb.k, sb.v, sb.g, sb.beta, sb.cu_seqlens, sb.chunk_indices, sb.N)
+    T1, varlen1 = q1.shape[1], cu1 is not None
+    launch = resolve_stage2(plan, N1, T1, HV, K, V, q.element_size(), gate, delta, varlen1, n_sm)
+    if varlen and chunk_indices is None and launch.p_in:     # (simple GLA forming P once per chunk)
+        chunk_indices = ci1 = prepare_chunk_indices(cu_seqlens, BT)
 
     # stage 2's outputs first: beside stage 1, everything it writes exists before stage 1 is launched
     o = _alloc((B, T, HV, V), q.dtype, q.device)
@@ -122,16 +133,16 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         ht = _alloc((N, HV, V, K) if transpose_state_layout else (N, HV, K, V), torch.float32, q.device)
     rs = _alloc((B, T, HV, V), state_dtype(q.dtype), q.device) if save else None   # R, for the backward
 
-    n_chunks = (chunk_indices.shape[0] if varlen else cdiv(T, BT)) if delta else 0
-    overlap = launch.overlap_mode > 0 and launch.nseg == 1 and \
-        _overlap(cdiv(V, launch.bv) * N * HV, n_sm, n_chunks, q.device)
+    n_chunks = (ci1.shape[0] if varlen1 else cdiv(T1, BT)) if delta else 0
+    overlap = sb is None and launch.overlap_mode > 0 and launch.nseg == 1 and \
+        _overlap(cdiv(V, launch.bv) * N1 * HV, n_sm, n_chunks, q.device)
     ready = side = None
     if overlap:         # stage 2 beside stage 1, on a stream of its own that does not wait for it
-        ready = torch.zeros((chunk_slots(N, T, varlen), HV), dtype=torch.int32, device=q.device)
+        ready = torch.zeros((chunk_slots(N1, T1, varlen1), HV), dtype=torch.int32, device=q.device)
         side = _side_stream(q.device)
 
     if delta:
-        stage1 = chunk_prepare(q, k, v, g, beta, cu_seqlens, chunk_indices, plan=plan, save_t=save,
+        stage1 = chunk_prepare(q1, k1, v1, g1, beta1, cu1, ci1, plan=plan, save_t=save,
                                store_p=launch.p_in or save, ready=ready, save_g=save and gate == 2)
     else:
         stage1 = dict(w=None, u=None, p=None, qg=None, kg=None, glast=None, gcum=None)
@@ -140,18 +151,30 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     if not launch.p_in:
         stage1["p"] = None
     if save:
-        saved_out.update(p=stage1["p"], t=stage1["t"], r=rs)
+        def whole(x):       # (a token-indexed output of the batch of segments, as the caller's batch)
+            return None if x is None else x.view(B, T, *x.shape[2:])
+        saved_out.update(p=whole(stage1["p"]), t=whole(stage1["t"]), r=rs)
         if not plan.t_form:     # (under T_FORM, w and u are stage 2's operands: the backward forms W, U from T)
-            saved_out.update(w=stage1["w"])
+            saved_out.update(w=whole(stage1["w"]))
         if gate == 2:
-            saved_out.update(G=stage1["G"])
+            saved_out.update(G=whole(stage1["G"]))
             if keep_qk_gated:
-                saved_out.update(qg=stage1["qg"], kg=stage1["kg"])
+                saved_out.update(qg=whole(stage1["qg"]), kg=whole(stage1["kg"]))
         if keep_ht:
             saved_out.update(ht=ht)
 
-    chunk_state_output(q, k, v, g, beta, stage1, o, initial_state, ht, rs, ready, side, cu_seqlens, scale, plan,
-                       launch, transpose_state_layout)
+    if sb is None:
+        chunk_state_output(q, k, v, g, beta, stage1, o, initial_state, ht, rs, ready, side, cu_seqlens, scale, plan,
+                           launch, transpose_state_layout)
+    else:
+        # each segment's transition and entering state, then stage 2 from those (its final states into the same
+        # buffer: each program reads its tile of the entering state before it writes that of the final one)
+        hs = segment_starts(sb, stage1, g1, initial_state, transpose_state_layout, gate, plan.t_form, plan.dot_prec,
+                            plan.mm_prec, HV, K, V, split_launch(plan, K, V, q.element_size(), gate))
+        chunk_state_output(q1, k1, v1, g1, beta1, stage1, sb.view(o), hs, hs, None if rs is None else sb.view(rs),
+                           None, None, cu1, scale, plan, launch)
+        if ht is not None:
+            final_states(sb, hs, ht, transpose_state_layout)
     if side is not None:
         torch.cuda.current_stream(q.device).wait_stream(side)
     if not output_final_state:

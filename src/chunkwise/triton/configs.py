@@ -82,6 +82,9 @@ class ForwardPlan:
     segments: int | None = None   # simple GLA: segments per sequence; None: picked where the grid leaves SMs idle
     seg_phase1: tuple | None = None  # (bv, num_warps, num_stages) of the segments' first pass
     seg_sub: int | None = None    # sub-segments per segment of that pass
+    # the delta families' sequence split (triton/split.py): chunks per segment, 0 none; None: split_chunks picks
+    delta_split: int | None = None
+    split_pass: tuple | None = None  # (bv, num_warps, num_stages) of its segment pass; None: split_launch's
 
 
 def forward_plan(device: torch.device, dtype: torch.dtype, gate: int, delta: bool, K: int, V: int,
@@ -163,6 +166,50 @@ def _pick_segments(NT: int, programs: int, n_sm: int) -> int:
     while programs * nseg * 2 <= 2 * n_sm and nseg < 16 and cdiv(NT, nseg * 2) >= SEG_MIN_CHUNKS:
         nseg *= 2
     return nseg
+
+
+# The delta families' split (triton/split.py): segments of whole chunks, each sequence's run side by side. Its extra
+# work: the segment pass, a state-only walk (3 of stage 2's 5 products a chunk) over K + V columns instead of V for
+# every segment but the last, and one [K, K] × [K, V] product per segment in the serial combine; it pays where the
+# unsplit stage 2 leaves SMs idle. Estimates until measured (docs/performance.md).
+SPLIT_FILL = 2          # programs per SM the split's stage 2 aims at (one wave of two: none alone with its loop)
+SPLIT_MIN_CHUNKS = 16   # chunks a segment has at least (each segment costs a program start and a combine step)
+SPLIT_MIN_SEGS = 4      # dense: fewer segments per sequence cost about what they save (2x the programs per SM,
+                        # 1.6x the work), so no split
+SPLIT_MAX_SEGS = 32     # dense: segments per sequence at most (the combine's serial chain)
+
+
+def split_chunks(plan: ForwardPlan, N: int, T: int, HV: int, K: int, V: int, varlen: bool, chunks: int,
+                 n_sm: int) -> int:
+    """Chunks per segment of the delta families' sequence split for N sequences (T tokens each, or T in all with
+    varlen, ``chunks`` chunks in all) of HV value heads at head dims K, V on n_sm SMs; 0: no split.
+
+    Dense: the most segments per sequence (a power of two) at which stage 2's grid still fits one wave of SPLIT_FILL
+    programs per SM, each segment at least SPLIT_MIN_CHUNKS long; none below SPLIT_MIN_SEGS (a grid that already
+    fills the GPU gets none). Varlen (the lengths are not read on the host): the chunks one program would walk were
+    all chunks spread evenly over SPLIT_FILL programs per SM; a sequence longer splits into segments of that
+    length, the others stay whole."""
+    if plan.delta_split is not None:
+        return plan.delta_split
+    nvb = cdiv(V, min(64 if K <= 128 else 32, _dim(V)))
+    if not varlen:
+        NT, programs, nseg = cdiv(T, BT), N * HV * nvb, 1
+        while nseg < SPLIT_MAX_SEGS and programs * nseg * 2 <= SPLIT_FILL * n_sm and \
+                cdiv(NT, nseg * 2) >= SPLIT_MIN_CHUNKS:
+            nseg *= 2
+        return cdiv(NT, nseg) if nseg >= SPLIT_MIN_SEGS else 0
+    L = max(SPLIT_MIN_CHUNKS, cdiv(chunks * HV * nvb, SPLIT_FILL * n_sm))
+    return L if chunks > L else 0
+
+
+def split_launch(plan: ForwardPlan, K: int, V: int, elt: int, gate: int) -> tuple:
+    """(value block, warps, pipeline depth) of the split's segment pass: the plan's, else a 64-wide block (32 for
+    K > 128) at 4 warps and the depth whose tiles fit two programs per SM."""
+    if plan.split_pass is not None:
+        return plan.split_pass
+    bv = min(64 if K <= 128 else 32, _dim(V))
+    per_stage = elt * BT * (_dim(K) * (2 if gate == 2 else 1) + BT + bv)
+    return bv, 4, max(1, min(3, (100 * 1024) // per_stage))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,189 @@
+"""The delta families' sequence split (triton/split.py): the chunk forward on a batch of segments, each segment from
+its entering state M·S + N, equals the unsplit forward and the float64 recurrence.
+
+Under the interpreter: fp32 (one fp16 case), small head dims, splits forced through the plan (ForwardPlan.delta_split,
+chunks per segment) at 1-2 chunks per segment, so that every sequence runs as 2-5 segments. Every tensor the
+launchers allocate is pre-filled with NaN (CHUNKWISE_POISON=1), so an entering state or a transition the split forgets
+to write fails the comparison. The automatic choice (configs.split_chunks) is checked on the benchmark's shapes, and
+once end to end.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from chunkwise.triton.chunk import chunk_bwd, chunk_fwd
+from chunkwise.triton.common import BT, cdiv, padded_dims
+from chunkwise.triton.configs import SPLIT_FILL, SPLIT_MIN_CHUNKS, forward_plan, split_chunks
+from chunkwise.triton.split import split_batch
+from chunkwise.utils import prepare_chunk_indices
+from helpers import TOL, make_inputs, reference, rel_err
+
+GATE_KIND = {"delta": 0, "gdn": 1, "kda": 2}
+F32 = TOL[torch.float32]
+N_SM = 132
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setenv("CHUNKWISE_POISON", "1")
+
+
+def _plan(inp, seg, save=False):
+    K, V = padded_dims(inp.q, inp.v)
+    plan = forward_plan(inp.q.device, inp.q.dtype, GATE_KIND[inp.fam], True, K, V, save=save)
+    return dataclasses.replace(plan, delta_split=seg)
+
+
+def _fwd(inp, seg, transpose=False, saved=None, h0=True):
+    """chunk_fwd at ``seg`` chunks per segment (0: unsplit), the final state back in the [N, HV, K, V] layout."""
+    h = inp.h0 if h0 else None
+    if h is not None and transpose:
+        h = h.transpose(-1, -2).contiguous()
+    o, ht = chunk_fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, inp.q.shape[-1] ** -0.5, h, True, inp.cu_seqlens,
+                      transpose_state_layout=transpose, plan=_plan(inp, seg, saved is not None), saved_out=saved)
+    return o, (ht.transpose(-1, -2) if transpose else ht)
+
+
+# (id, make_inputs' shape, chunks per segment, transposed state): a dense view (256 tokens = 4 one-chunk segments),
+# dense lengths no multiple of the chunk or the segment (300 tokens = 5 chunks = segments of 2, 2, 1: run as varlen),
+# varlen with a long sequence beside empty, one-token and two-chunk ones
+LAYOUTS = [("dense-view", dict(B=2, T=256), 1, False), ("dense-ragged", dict(B=2, T=300), 2, True),
+           ("varlen", dict(lengths=[300, 0, 1, 70]), 1, False)]
+
+
+@pytest.mark.parametrize("layout,shape,seg,transpose", LAYOUTS, ids=[c[0] for c in LAYOUTS])
+@pytest.mark.parametrize("fam", ["gdn", "kda", "delta"])
+def test_split_equals_unsplit_and_recurrence(fam, layout, shape, seg, transpose):
+    """Output and final state of the split forward against the float64 recurrence and the unsplit forward, with an
+    initial state, grouped heads (H = 1, HV = 2) and both state layouts."""
+    inp = make_inputs(fam, H=1, HV=2, K=16, V=16, seed=3, **shape)
+    ref_o, ref_h = reference(inp)
+    o, ht = _fwd(inp, seg, transpose)
+    o0, h0 = _fwd(inp, 0, transpose)
+    for name, x, x0, ref in (("o", o, o0, ref_o), ("final state", ht, h0, ref_h)):
+        e, e0 = rel_err(x, ref), rel_err(x0, ref)
+        assert e <= F32, f"split {name} rel err {e:.2e} > {F32:.1e}"
+        assert rel_err(x, x0) <= 2 * F32 and e <= 4 * e0 + 1e-6, f"split {name} {e:.2e} against unsplit {e0:.2e}"
+
+
+@pytest.mark.parametrize("fam", ["gdn", "kda"])
+def test_split_hard_reset_and_steep_gates(fam):
+    """Strong gates (a hard reset g = −1e4 and chunks summing below −100; KDA: some channels falling 6 per token over
+    40 tokens inside a segment), no initial state (a first segment's end state is its N alone), one-chunk segments of
+    a long sequence beside a short one."""
+    inp = make_inputs(fam, H=2, HV=2, K=16, V=32, gate="strong", h0=False, lengths=[250, 40], seed=5)
+    if fam == "kda":
+        inp.g[:, 150:190, :, 2:9] = -6.0
+    ref_o, ref_h = reference(inp)
+    o, ht = _fwd(inp, 1, h0=False)
+    assert rel_err(o, ref_o) <= F32 and rel_err(ht, ref_h) <= F32
+
+
+def test_split_fp16():
+    """fp16 inputs (16-bit products on the state, as stage 2's) within fp16's bound of the recurrence and near the
+    unsplit forward's error (bf16 runs the same kernels; under the interpreter the bf16 forward is not exercised)."""
+    inp = make_inputs("gdn", H=1, HV=2, K=32, V=32, dtype=torch.float16, lengths=[260, 3], seed=7)
+    ref_o, ref_h = reference(inp)
+    o, ht = _fwd(inp, 1)
+    o0, h0 = _fwd(inp, 0)
+    tol = TOL[torch.float16]
+    for x, x0, ref in ((o, o0, ref_o), (ht, h0, ref_h)):
+        e, e0 = rel_err(x, ref), rel_err(x0, ref)
+        assert e <= tol and e <= 2 * e0 + 1e-5, (e, e0)
+
+
+@pytest.mark.parametrize("fam", ["gdn", "kda", "delta"])
+def test_split_keeps_what_the_backward_reads(fam):
+    """A saving forward (forward_plan(save=True): GDN / DeltaNet's W / U form, KDA's T form) split into segments keeps
+    for the backward what the unsplit one keeps (the per-chunk tiles exactly, R and DeltaNet's final state to
+    rounding), so the backward is unchanged; GDN's gradients from either are compared."""
+    inp = make_inputs(fam, H=1, HV=2, K=16, V=16, lengths=[200, 1, 70], seed=11)
+    s1, s0 = {}, {}
+    o1, _ = _fwd(inp, 1, saved=s1)
+    o0, _ = _fwd(inp, 0, saved=s0)
+    assert rel_err(o1, o0) <= F32
+    assert s1.keys() == s0.keys() and s1
+    for name, x0 in s0.items():
+        x1 = s1[name]
+        if x0 is None:
+            assert x1 is None, name
+        elif name in ("r", "ht"):
+            assert rel_err(x1, x0) <= F32, name
+        else:
+            assert torch.equal(x1, x0), name
+    if fam == "gdn":
+        gen = torch.Generator().manual_seed(1)
+        do = torch.randn(inp.v.shape, generator=gen)
+        dht = torch.randn(inp.h0.shape, generator=gen)
+        a = (inp.q, inp.k, inp.v, inp.g, inp.beta, 0.25, inp.h0, do, dht, inp.cu_seqlens)
+        for g1, g0 in zip(chunk_bwd(*a, saved=s1), chunk_bwd(*a, saved=s0)):
+            assert rel_err(g1, g0) <= F32
+
+
+def test_split_index_tensors():
+    """split_batch's varlen index tensors against a host model: each sequence cut into ⌈chunks / L⌉ segments (one for
+    an empty sequence), the segments' offsets, every chunk's (segment, chunk in it) row, the segments that have a
+    transition (all but each sequence's last), and the unused tail (empty segments, −1)."""
+    lengths, L = [0, 1, 64, 65, 200, 0, 129], 2
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    x = torch.zeros(1, int(cu[-1]), 1, 16)
+    ci = prepare_chunk_indices(cu, BT)
+    sb = split_batch(x, x, x, None, x[..., 0], cu, ci, L)
+    cu1, pfirst, nl2p = [0], [], []
+    for n, length in enumerate(lengths):
+        pfirst.append(len(cu1) - 1)
+        segs = max(1, cdiv(cdiv(length, BT), L))
+        for j in range(segs):
+            cu1.append(min(cu[n].item() + (j + 1) * L * BT, cu[n + 1].item()))
+            if j < segs - 1:
+                nl2p.append(len(cu1) - 2)
+    pfirst.append(len(cu1) - 1)
+    assert sb.N == len(lengths) + ci.shape[0] // L >= len(cu1) - 1
+    assert sb.cu_seqlens.tolist() == cu1 + [cu1[-1]] * (sb.N + 1 - len(cu1))
+    assert sb.pfirst.tolist() == pfirst
+    assert sb.nl2p.tolist() == nl2p + [-1] * (sb.NL - len(nl2p))
+    assert torch.equal(sb.chunk_indices, prepare_chunk_indices(sb.cu_seqlens, BT))
+
+
+# the benchmark's shapes (benchmarks/shapes.py): (name, lengths, HV, whether the split is expected): the few-heads rows
+# split, the rows whose stage 2 already has a program per SM do not
+BENCH = [("B1-T8192-H2-HV8", [8192], 8, True), ("B1-T32768-H2-HV8", [32768], 8, True),
+         ("B1-T65536-H2-HV8", [65536], 8, True), ("B1-T32768-H32", [32768], 32, True),
+         ("B1-T32768-H16-HV64", [32768], 64, False), ("B4-T8192-H8-HV32", [8192] * 4, 32, False),
+         ("B8-T4096-H32", [4096] * 8, 32, False), ("B4-T8192-H16-HV32", [8192] * 4, 32, False),
+         ("varlen-long-T32768-H2-HV8", [24576] + [512] * 16, 8, True)]
+
+
+@pytest.mark.parametrize("name,lengths,HV,split", BENCH, ids=[b[0] for b in BENCH])
+def test_split_choice(name, lengths, HV, split):
+    """The automatic choice on 132 SMs (bf16, K = V = 128): segments of at least SPLIT_MIN_CHUNKS chunks; dense, as
+    many per sequence as keep stage 2 within one wave of SPLIT_FILL programs per SM (64-wide value blocks); varlen,
+    only the sequences longer than a segment split."""
+    varlen = name.startswith("varlen")
+    N, chunks = len(lengths), [cdiv(n, BT) for n in lengths]
+    plan = forward_plan(torch.device("cpu"), torch.bfloat16, 1, True, 128, 128)
+    L = split_chunks(plan, N, sum(lengths) if varlen else lengths[0], HV, 128, 128, varlen, sum(chunks), N_SM)
+    assert (L > 0) == split
+    if not split:
+        return
+    assert L >= SPLIT_MIN_CHUNKS
+    segs = [max(1, cdiv(c, L)) for c in chunks]
+    if varlen:
+        assert segs[0] > 1 and segs[1:] == [1] * (N - 1)
+    else:
+        assert sum(segs) * HV * 2 <= SPLIT_FILL * N_SM < 2 * sum(segs) * HV * 2 or L < 2 * SPLIT_MIN_CHUNKS
+
+
+def test_split_automatic():
+    """The default plan splits a varlen batch whose one sequence is longer than the chunks an SM's share would be (two
+    segments here), and the result is the recurrence's."""
+    inp = make_inputs("gdn", H=1, HV=2, K=16, V=16, lengths=[1100, 30], seed=2)
+    chunks = prepare_chunk_indices(inp.cu_seqlens, BT).shape[0]
+    plan = forward_plan(inp.q.device, inp.q.dtype, 1, True, 16, 16)
+    assert split_chunks(plan, 2, 1130, 2, 16, 16, True, chunks, N_SM) == SPLIT_MIN_CHUNKS < cdiv(1100, BT)
+    ref_o, ref_h = reference(inp)
+    o, ht = chunk_fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, 0.25, inp.h0, True, inp.cu_seqlens)
+    assert rel_err(o, ref_o) <= F32 and rel_err(ht, ref_h) <= F32
