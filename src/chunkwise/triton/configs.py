@@ -172,10 +172,13 @@ def _pick_segments(NT: int, programs: int, n_sm: int) -> int:
 # work: the segment pass, a state-only walk (3 of stage 2's 5 products a chunk) over K + V columns instead of V for
 # every segment but the last, and one [K, K] × [K, V] product per segment in the serial combine; it pays where the
 # unsplit stage 2 leaves SMs idle. Estimates until measured (docs/performance.md).
-SPLIT_FILL = 2          # programs per SM the split's stage 2 aims at (one wave of two: none alone with its loop)
+SPLIT_FILL = 1          # programs per SM the split's stage 2 aims at: one wave (at K = 128 its pipelined tiles take
+                        # most of an SM's shared memory, so a second program per SM would run in a second wave)
 SPLIT_MIN_CHUNKS = 16   # chunks a segment has at least (each segment costs a program start and a combine step)
-SPLIT_MIN_SEGS = 4      # dense: fewer segments per sequence cost about what they save (2x the programs per SM,
-                        # 1.6x the work), so no split
+SPLIT_IDLE = 4          # dense: a split only where the unsplit grid takes at most 1 / SPLIT_IDLE of the SMs (on a
+                        # grid of about one program per SM it adds a state pass, not parallelism: performance.md)
+SPLIT_BUSY = 4          # varlen: none where the unsplit grid holds SPLIT_BUSY programs per SM (throughput-bound: a
+                        # long sequence costs about its share, and every sequence's state makes two more trips)
 SPLIT_MAX_SEGS = 32     # dense: segments per sequence at most (the combine's serial chain)
 
 
@@ -184,30 +187,38 @@ def split_chunks(plan: ForwardPlan, N: int, T: int, HV: int, K: int, V: int, var
     """Chunks per segment of the delta families' sequence split for N sequences (T tokens each, or T in all with
     varlen, ``chunks`` chunks in all) of HV value heads at head dims K, V on n_sm SMs; 0: no split.
 
-    Dense: the most segments per sequence (a power of two) at which stage 2's grid still fits one wave of SPLIT_FILL
-    programs per SM, each segment at least SPLIT_MIN_CHUNKS long; none below SPLIT_MIN_SEGS (a grid that already
-    fills the GPU gets none). Varlen (the lengths are not read on the host): the chunks one program would walk were
-    all chunks spread evenly over SPLIT_FILL programs per SM; a sequence longer splits into segments of that
-    length, the others stay whole."""
+    Dense, where the unsplit grid (64-wide value blocks) takes at most 1 / SPLIT_IDLE of the SMs: the most segments
+    per sequence (a power of two) at which stage 2's grid still fits one wave of SPLIT_FILL programs per SM, each
+    segment at least SPLIT_MIN_CHUNKS long. Varlen (the lengths are not read on the host), where the unsplit grid
+    holds fewer than SPLIT_BUSY programs per SM: segments of the chunks one program would walk were all chunks
+    spread evenly over SPLIT_FILL programs per SM; a sequence longer than that splits, the others stay whole. Key
+    dims over 128 (fp32 inputs only) take no split (the combine holds a [K, K] tile)."""
     if plan.delta_split is not None:
         return plan.delta_split
-    nvb = cdiv(V, min(64 if K <= 128 else 32, _dim(V)))
+    if _dim(K) > 128:
+        return 0
+    nvb = cdiv(V, min(64, _dim(V)))
+    programs = N * HV * nvb
     if not varlen:
-        NT, programs, nseg = cdiv(T, BT), N * HV * nvb, 1
+        NT, nseg = cdiv(T, BT), 1
+        if programs * SPLIT_IDLE > n_sm:
+            return 0
         while nseg < SPLIT_MAX_SEGS and programs * nseg * 2 <= SPLIT_FILL * n_sm and \
                 cdiv(NT, nseg * 2) >= SPLIT_MIN_CHUNKS:
             nseg *= 2
-        return cdiv(NT, nseg) if nseg >= SPLIT_MIN_SEGS else 0
+        return cdiv(NT, nseg) if nseg > 1 else 0
+    if programs >= SPLIT_BUSY * n_sm:
+        return 0
     L = max(SPLIT_MIN_CHUNKS, cdiv(chunks * HV * nvb, SPLIT_FILL * n_sm))
     return L if chunks > L else 0
 
 
 def split_launch(plan: ForwardPlan, K: int, V: int, elt: int, gate: int) -> tuple:
-    """(value block, warps, pipeline depth) of the split's segment pass: the plan's, else a 64-wide block (32 for
-    K > 128) at 4 warps and the depth whose tiles fit two programs per SM."""
+    """(value block, warps, pipeline depth) of the split's segment pass: the plan's, else a 64-wide block at 4 warps
+    and the depth whose tiles fit two programs per SM."""
     if plan.split_pass is not None:
         return plan.split_pass
-    bv = min(64 if K <= 128 else 32, _dim(V))
+    bv = min(64, _dim(V))
     per_stage = elt * BT * (_dim(K) * (2 if gate == 2 else 1) + BT + bv)
     return bv, 4, max(1, min(3, (100 * 1024) // per_stage))
 

@@ -302,11 +302,12 @@ def segment_state_kernel(
                     "USE_H0": lambda args: args["h0"] is not None})
 @triton.jit(do_not_specialize=["NSEG", "HV"])
 def segment_start_kernel(h0, nn, mm, hs, pfirst, NSEG, s_h0n, s_h0h, s_h0k, s_h0v, HV, K, V,
-                         BK: tl.constexpr, BV: tl.constexpr, RB: tl.constexpr, MM_PREC: tl.constexpr,
-                         USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr):
+                         BK: tl.constexpr, BV: tl.constexpr, MM_PREC: tl.constexpr, USE_H0: tl.constexpr,
+                         IS_VARLEN: tl.constexpr, LOOP_WHILE: tl.constexpr):
     """Grid (⌈V / BV⌉, N0·HV): sequence n's segments' entering states into hs [pseudo sequences, HV, K, V] fp32, in
-    order: the first the initial state h0 (zero without one), each next M·S + N of the one before (in row blocks of RB
-    rows of M; the state read back from hs, where this program just wrote it)."""
+    order: the first the initial state h0 (zero without one), each next M·S + N of the one before. The state stays in
+    registers; the loads of M and N do not depend on it, so the compiled loop's pipeline fetches the next segment's
+    while this one's product runs."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
     if IS_VARLEN:
@@ -319,6 +320,7 @@ def segment_start_kernel(h0, nn, mm, hs, pfirst, NSEG, s_h0n, s_h0h, s_h0k, s_h0
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+    m_kk = (o_k < K)[:, None] & (o_k < K)[None, :]
     off = o_k[:, None] * V + o_v[None, :]
     if USE_H0:
         S = tl.load(h0 + i_n * s_h0n + i_h * s_h0h + o_k[:, None] * s_h0k + o_v[None, :] * s_h0v, mask=m_kv,
@@ -326,25 +328,30 @@ def segment_start_kernel(h0, nn, mm, hs, pfirst, NSEG, s_h0n, s_h0h, s_h0k, s_h0
     else:
         S = tl.zeros([BK, BV], dtype=tl.float32)
     tl.store(hs + (p0.to(tl.int64) * HV + i_h) * K * V + off, S, mask=m_kv)
-    j = tl.zeros([], dtype=tl.int32)
-    while j < cnt - 1:
-        i_l = (l0 + j).to(tl.int64)
-        dst = hs + ((p0 + j + 1).to(tl.int64) * HV + i_h) * K * V
-        for rb in tl.static_range(BK // RB):
-            o_r = rb * RB + tl.arange(0, RB)
-            m_rv = (o_r < K)[:, None] & (o_v < V)[None, :]
-            b_n = tl.load(nn + ((i_l * HV + i_h) * K + o_r[:, None]) * V + o_v[None, :], mask=m_rv, other=0.)
-            use_m = j > 0
-            if USE_H0:
-                use_m = j >= 0
-            if use_m:               # (a first segment's M is formed only with an initial state)
-                b_m = tl.load(mm + ((i_l * HV + i_h) * K + o_r[:, None]) * K + o_k[None, :],
-                              mask=(o_r < K)[:, None] & (o_k < K)[None, :], other=0.)
-                b_n = _mm_acc(b_n, b_m, S, MM_PREC)                     # [RB, BK] @ [BK, BV]
-            tl.store(dst + o_r[:, None] * V + o_v[None, :], b_n, mask=m_rv)
-        tl.debug_barrier()          # the rows other threads stored, read back whole
-        S = tl.load(dst + off, mask=m_kv, other=0.)
-        j += 1
+    if LOOP_WHILE:          # the triton 3.6 interpreter cannot take a tensor bound in range()
+        j = tl.zeros([], dtype=tl.int32)
+        while j < cnt - 1:
+            S = _segment_start_step(j, S, nn, mm, hs, p0, l0, i_h, HV, K, V, off, m_kv, m_kk, o_k, o_v, MM_PREC,
+                                    USE_H0)
+            j += 1
+    else:
+        for j in range(0, cnt - 1):
+            S = _segment_start_step(j, S, nn, mm, hs, p0, l0, i_h, HV, K, V, off, m_kv, m_kk, o_k, o_v, MM_PREC,
+                                    USE_H0)
+
+
+@triton.jit
+def _segment_start_step(j, S, nn, mm, hs, p0, l0, i_h, HV, K, V, off, m_kv, m_kk, o_k, o_v, MM_PREC: tl.constexpr,
+                        USE_H0: tl.constexpr):
+    """The entering state of segment j + 1 from segment j's (S) and transition: M·S + N, stored, returned."""
+    i_l = (l0 + j).to(tl.int64)
+    b_n = tl.load(nn + ((i_l * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.)
+    b_m = tl.load(mm + ((i_l * HV + i_h) * K + o_k[:, None]) * K + o_k[None, :], mask=m_kk, other=0.)
+    S_next = _mm_acc(b_n, b_m, S, MM_PREC)                              # [BK, BK] @ [BK, BV]
+    if not USE_H0:      # a first segment's M is not formed without an initial state: its end state is N
+        S_next = tl.where(j == 0, b_n, S_next)
+    tl.store(hs + ((p0 + j + 1).to(tl.int64) * HV + i_h) * K * V + off, S_next, mask=m_kv)
+    return S_next
 
 
 # ------------------------------------------------------------------------------------------------
@@ -374,11 +381,10 @@ def segment_starts(sb: SplitBatch, stage1: dict, g, initial_state, transpose_sta
     if initial_state is not None:
         sn, sh, s2, s3 = initial_state.stride()
         s = (sn, sh, s3, s2) if transpose_state_layout else (sn, sh, s2, s3)
-    BK = _dim(K)
-    bv = min(32 if BK > 128 else 64, _dim(V))
+    bv = min(64, _dim(V))
     segment_start_kernel[(cdiv(V, bv), sb.N0 * HV)](
-        initial_state, nn, mm, hs, sb.pfirst, sb.nseg, *s, HV, K, V, BK=BK, BV=bv, RB=min(BK, 32), MM_PREC=mm_prec,
-        num_warps=4)
+        initial_state, nn, mm, hs, sb.pfirst, sb.nseg, *s, HV, K, V, BK=_dim(K), BV=bv, MM_PREC=mm_prec,
+        LOOP_WHILE=INTERPRET, num_warps=8, num_stages=2)
     return hs
 
 
