@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from chunkwise.triton.chunk import chunk_bwd, chunk_fwd
-from chunkwise.triton.common import BT, cdiv, padded_dims
+from chunkwise.triton.common import BT, _num_sms, cdiv, padded_dims
 from chunkwise.triton.configs import SPLIT_FILL, SPLIT_MIN_CHUNKS, forward_plan, split_chunks
 from chunkwise.triton.split import split_batch
 from chunkwise.utils import prepare_chunk_indices
-from helpers import TOL, make_inputs, reference, rel_err
+from helpers import DEVICE, ON_GPU, TOL, make_inputs, reference, rel_err
 
 GATE_KIND = {"delta": 0, "gdn": 1, "kda": 2}
 F32 = TOL[torch.float32]
@@ -187,3 +187,28 @@ def test_split_automatic():
     ref_o, ref_h = reference(inp)
     o, ht = chunk_fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, 0.25, inp.h0, True, inp.cu_seqlens)
     assert rel_err(o, ref_o) <= F32 and rel_err(ht, ref_h) <= F32
+
+
+# the GPU: real head dims in bf16, the automatic choice
+REAL = [("dense", dict(B=1, T=4096)), ("varlen", dict(lengths=[3000, 1, 700, 64]))]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="real sizes and bf16 need the GPU (bf16 is wrong under the interpreter)")
+@pytest.mark.parametrize("layout,shape", REAL, ids=[r[0] for r in REAL])
+@pytest.mark.parametrize("fam", ["gdn", "kda", "delta"])
+def test_split_real_size_bf16(fam, layout, shape):
+    """2 / 8 heads, K = V = 128, bf16, strong gates for the gated families: the default plan splits (4 segments of 16
+    chunks; the varlen batch's 3000-token sequence in 3), and the output and final state are within bf16's bound of
+    the float64 recurrence and within 5 % of the unsplit forward's error."""
+    inp = make_inputs(fam, H=2, HV=8, K=128, V=128, dtype=torch.bfloat16, seed=23, device=DEVICE,
+                      gate="strong" if fam != "delta" else "normal", **shape)
+    varlen = inp.cu_seqlens is not None
+    chunks = prepare_chunk_indices(inp.cu_seqlens, BT).shape[0] if varlen else cdiv(4096, BT)
+    assert split_chunks(_plan(inp, None), inp.q.shape[0] if not varlen else 4, inp.q.shape[1], 8, 128, 128, varlen,
+                        chunks, _num_sms(inp.q.device)) == SPLIT_MIN_CHUNKS
+    ref_o, ref_h = reference(inp)
+    o, ht = _fwd(inp, None)
+    o0, h0 = _fwd(inp, 0)
+    for x, x0, ref in ((o, o0, ref_o), (ht, h0, ref_h)):
+        e, e0 = rel_err(x, ref), rel_err(x0, ref)
+        assert e <= TOL[torch.bfloat16] and e <= 1.05 * e0, (e, e0)
