@@ -4,11 +4,15 @@ importable) on the same inputs in the same process.
     python benchmarks/bench_forward.py                                   # standing + few-heads shapes, every op
     python benchmarks/bench_forward.py --shapes standing --ops gdn,kda --out bench_out
     python benchmarks/bench_forward.py --device cpu --shapes smoke --dtype fp32    # a CPU run (torch backend)
+    python benchmarks/bench_forward.py --shapes standing --ops gdn,kda --no-peers --checkpoint-every 1024
 
 Each op runs with its final state out (no autograd), varlen with the CPU copy of cu_seqlens and a precomputed chunk
 index (no host sync in the timed call). Times are medians of triton.testing.do_bench (ms); fla searches its
 configurations afresh before each timing (common.fla_fresh_search). The outputs and final states are compared with
 the peers' (relative Frobenius norm; "agree" within common.AGREE for the dtype).
+
+--checkpoint-every C also times each op writing prefix checkpoints every C tokens (chunkwise.prefill: an fp32
+buffer of Σ ⌊len_n / C⌋ states) and reports the extra time ("ckpt +%") and the bytes it writes ("ckpt MB").
 
 Writes bench_forward.json (device, versions, commit, date, every number) and bench_forward.png to --out, and prints
 a markdown table last. Exit status 1 if an output is not finite or disagrees with a peer.
@@ -27,6 +31,7 @@ from shapes import make_inputs, resolve  # noqa: E402
 COLUMNS = [("shape", "shape", ""), ("op", "op", ""), ("chunkwise ms", "ms", ".3f"), ("fla ms", "fla_ms", ".3f"),
            ("x fla", "x_fla", ".2f"), ("FlashInfer ms", "flashinfer_ms", ".3f"), ("o vs fla", "o_vs_fla", ".1e"),
            ("ok", "ok", "")]
+CKPT_COLUMNS = [("ckpt ms", "ckpt_ms", ".3f"), ("ckpt +%", "ckpt_pct", ".1f"), ("ckpt MB", "ckpt_MB", ".1f")]
 
 
 def bench_one(op: str, shape, args, peers: dict) -> dict:
@@ -38,6 +43,16 @@ def bench_one(op: str, shape, args, peers: dict) -> dict:
         o, ht = common.run_chunkwise(op, x, backend)
         row["finite"] = bool(torch.isfinite(o).all() and torch.isfinite(ht).all())
         row["ms"] = common.time_ms(lambda: common.run_chunkwise(op, x, backend), dev)
+        if args.checkpoint_every:
+            every = args.checkpoint_every
+            import chunkwise
+            n = (shape.B * (shape.T // every) if x["cu_seqlens_cpu"] is None
+                 else int(chunkwise.checkpoint_slots(x["cu_seqlens_cpu"], every)[-1]))
+            ck = torch.empty(n, shape.HV, shape.K, shape.V, device=dev)
+            with_ck = lambda: common.run_chunkwise(op, x, backend, checkpoint_every=every, checkpoints=ck)  # noqa: E731
+            row["o_vs_no_ckpt"] = common.rel(with_ck()[0], o)
+            row["ckpt_ms"] = common.time_ms(with_ck, dev)
+            row.update(ckpt_pct=100 * (row["ckpt_ms"] / row["ms"] - 1), ckpt_MB=ck.numel() * 4 / 1e6)
         fla = peers.get(op)
         if fla is not None:
             try:
@@ -59,12 +74,15 @@ def bench_one(op: str, shape, args, peers: dict) -> dict:
             except Exception as e:  # noqa: BLE001
                 row["flashinfer_error"] = f"{type(e).__name__}: {e}"[:300]
     tol = common.AGREE[dtype]
-    row["ok"] = row["finite"] and all(row.get(k, 0) <= tol for k in ("o_vs_fla", "state_vs_fla", "o_vs_flashinfer"))
+    row["ok"] = row["finite"] and all(row.get(k, 0) <= tol for k in ("o_vs_fla", "state_vs_fla", "o_vs_flashinfer",
+                                                                      "o_vs_no_ckpt"))
     return row
 
 
 def main(argv=None) -> int:
     ap = common.parser(__doc__, shapes="standing,few-heads")
+    ap.add_argument("--checkpoint-every", type=int, default=None, metavar="C",
+                    help="also time the forward writing prefix checkpoints every C tokens (a multiple of 64)")
     args = ap.parse_args(argv)
     common.COMPILE_ONLY = args.warmup
     ops, shapes = common.parse_ops(args.ops), resolve(args.shapes)
@@ -84,7 +102,7 @@ def main(argv=None) -> int:
                      f"fla {meta['fla']})", [("chunkwise", "ms"), ("fla", "fla_ms")])
     print(f"\nForward, {args.dtype}, {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, "
           f"fla {meta['fla']}, commit {str(meta['commit'])[:10]}, {meta['date']}\n")
-    print(common.markdown_table(rows, COLUMNS))
+    print(common.markdown_table(rows, COLUMNS + (CKPT_COLUMNS if args.checkpoint_every else [])))
     return 0 if all(r["ok"] for r in rows) and not cut else 1
 
 

@@ -105,16 +105,18 @@ def main(device=None):
 
 
 def graphs(device, prompt, cu, cu_cpu, rows, draft):
-    """The prefill (no checkpoints: those plan pieces on the host) and verify + accept in CUDA graphs:
+    """The prefill (its checkpoints stored by the forward kernel) and verify + accept in CUDA graphs:
     no host sync, fixed addresses; replay equals eager."""
     chunk_indices = chunkwise.prepare_chunk_indices(cu_cpu).to(device)    # planned once, outside the graph
     pool = torch.randn(8, HV, K, V, device=device)
+    ckpt = torch.zeros(int(chunkwise.checkpoint_slots(cu_cpu, 64)[-1]), HV, K, V, device=device)
     inter = torch.empty(3, 3, HV, K, V, device=device)
     accepted = torch.tensor([1, 0, 3], device=device)
 
     def step():
         o, _ = chunkwise.chunk_gated_delta_rule(*prompt, initial_state=pool, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
-                                                chunk_indices=chunk_indices, state_indices=rows)
+                                                chunk_indices=chunk_indices, state_indices=rows, checkpoint_every=64,
+                                                checkpoints=ckpt)
         chunkwise.fused_recurrent_gated_delta_rule(*draft, initial_state=pool, state_indices=rows,
                                                    intermediate_states=inter)
         chunkwise.rollback(pool, rows, inter, accepted)
@@ -126,15 +128,17 @@ def graphs(device, prompt, cu, cu_cpu, rows, draft):
     with torch.cuda.stream(side):                                     # compile the kernels before capture
         o_eager = step()
     torch.cuda.current_stream().wait_stream(side)
-    eager = pool.clone()
+    eager, ckpt_eager = pool.clone(), ckpt.clone()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         o_graph = step()
     pool.copy_(start)
+    ckpt.zero_()
     graph.replay()
     torch.cuda.synchronize()
     check("CUDA graph: prefill + verify + accept outputs", rel_err(o_graph, o_eager))
     check("CUDA graph: pool", rel_err(pool, eager))
+    check("CUDA graph: prefix checkpoints", rel_err(ckpt, ckpt_eager))
 
 
 if __name__ == "__main__":

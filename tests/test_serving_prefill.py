@@ -174,3 +174,159 @@ def test_pool_prefill_8bit_pool(qdtype, backend):
         assert torch.equal(got_scales[r], want_scales[n])
     for r in (0, 2):
         assert torch.equal(got[r].view(torch.uint8), pool[r].view(torch.uint8)) and torch.equal(got_scales[r], scales[r])
+
+
+# --- checkpoints from the stage-2 kernel, in each of its forms -----------------------------------------------------
+
+import dataclasses  # noqa: E402
+
+from chunkwise.reference.recurrent import recurrent_forward  # noqa: E402
+from chunkwise.triton.chunk import chunk_fwd as triton_chunk_fwd  # noqa: E402
+from chunkwise.triton.common import padded_dims  # noqa: E402
+from chunkwise.triton.configs import forward_plan  # noqa: E402
+
+GATE_KIND = {"gdn": 1, "kda": 2, "delta": 0, "gla": 1}
+
+
+def _prefix_states(inp, every):
+    """Each sequence's state after every whole ``every`` tokens, from the float64 token recurrence on the prefix
+    alone (packed as checkpoint_slots says): [n, HV, K, V]."""
+    if inp.cu_seqlens is None:
+        bounds = [(b, 0, inp.q.shape[1]) for b in range(inp.q.shape[0])]
+    else:
+        cu = inp.cu_seqlens.tolist()
+        bounds = [(0, a, b) for a, b in zip(cu[:-1], cu[1:])]
+    out = []
+    for n, (b, lo, hi) in enumerate(bounds):
+        for j in range((hi - lo) // every):
+            cut = [None if x is None else x[b:b + 1, lo:lo + every * (j + 1)].double()
+                   for x in (inp.q, inp.k, inp.v, inp.g, inp.beta)]
+            h0 = None if inp.h0 is None else inp.h0[n:n + 1].double()
+            out.append(recurrent_forward(*cut, inp.q.shape[-1] ** -0.5, h0)[1][0])
+    return torch.stack(out)
+
+
+FORMS = {   # name: (family, make_inputs kwargs, plan fields, every)
+    "gdn-varlen": ("gdn", dict(H=1, HV=2, K=16, V=16, lengths=[130, 64, 20, 200]), {}, 64),
+    "kda-varlen-every128": ("kda", dict(H=1, HV=2, K=16, V=16, lengths=[300, 127, 128]), {}, 128),
+    "delta-trans": ("delta", dict(B=2, T=130, H=1, K=16, V=64), dict(trans=True, bv=64), 64),
+    "gla-segments": ("gla", dict(B=1, T=260, H=1, HV=2, K=16, V=16), dict(segments=3), 64),
+    "gdn-padded-K20": ("gdn", dict(H=1, HV=2, K=20, V=12, lengths=[70, 135]), {}, 64),
+    "kda-split-asked": ("kda", dict(H=1, HV=2, K=16, V=16, lengths=[330, 64]), dict(delta_split=2), 64),
+    "gdn-fp16-beside-stage1": ("gdn", dict(H=1, HV=2, K=32, V=32, lengths=[200, 10, 64], dtype=torch.float16),
+                               dict(overlap=1), 64),
+}
+
+
+@pytest.mark.parametrize("transpose", [False, True], ids=["KV", "VK"])
+@pytest.mark.parametrize("form", list(FORMS))
+def test_kernel_checkpoints_equal_each_prefix_alone(form, transpose):
+    """The stage-2 kernel's stores (varlen, lengths not multiples of every, a sequence shorter than every; the
+    transposed step, simple GLA's segments, padded head dims, stage 2 beside stage 1; a plan asking for the delta
+    families' sequence split, which checkpoints run unsplit): the float64 recurrence over each prefix alone. Outputs
+    and final states as without checkpoints (within fp32 rounding where those split)."""
+    fam, kw, fields, every = FORMS[form]
+    inp = make_inputs(fam, **kw)
+    K, V = padded_dims(inp.q, inp.v)
+    plan = dataclasses.replace(forward_plan(inp.q.device, inp.q.dtype, GATE_KIND[fam], inp.beta is not None, K, V),
+                               **fields)
+    cu = inp.cu_seqlens if inp.cu_seqlens is not None else \
+        torch.arange(inp.q.shape[0] + 1, dtype=torch.int32) * inp.q.shape[1]
+    slots = chunkwise.checkpoint_slots(cu, every).to(DEVICE)
+    HV_, K_, V_ = inp.v.shape[2], inp.q.shape[3], inp.v.shape[3]
+    ck = torch.full((int(slots[-1]), HV_, *((V_, K_) if transpose else (K_, V_))), float("nan"), device=DEVICE)
+    h0 = None if inp.h0 is None else (inp.h0.transpose(-1, -2).contiguous() if transpose else inp.h0)
+    args = (inp.q, inp.k, inp.v, inp.g, inp.beta, K_ ** -0.5, h0, True, inp.cu_seqlens)
+    o, ht = triton_chunk_fwd(*args, transpose_state_layout=transpose, plan=plan, checkpoints=(ck, slots, every))
+    o0, ht0 = triton_chunk_fwd(*args, transpose_state_layout=transpose, plan=plan)
+    if "split" in form:
+        assert rel_err(o, o0) < 2e-5 and rel_err(ht, ht0) < 2e-5
+    else:
+        assert torch.equal(o, o0) and torch.equal(ht, ht0)
+    got = ck.transpose(-1, -2) if transpose else ck
+    want = _prefix_states(inp, every)
+    tol = 2e-3 if inp.q.dtype == torch.float16 else 2e-5
+    assert rel_err(got, want) < tol
+    for j in range(got.shape[0]):
+        assert rel_err(got[j], want[j]) < tol, j
+
+
+def test_kernel_checkpoints_never_write_past_the_buffer():
+    """A buffer one checkpoint short (its length unchecked: lengths on the device only): the kernel writes the slots
+    that fit and nothing past them (NaN guard rows on both sides stay NaN)."""
+    inp = make_inputs("gdn", H=1, HV=2, K=16, V=16, lengths=[130, 200], h0=False)
+    slots = chunkwise.checkpoint_slots(inp.cu_seqlens, 64)          # [0, 2, 5]
+    guarded = torch.full((int(slots[-1]) + 1, 2, 16, 16), float("nan"), device=DEVICE)
+    ck = guarded[1:-1]                                               # 4 of the 5 slots
+    triton_chunk_fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, 0.25, None, False, inp.cu_seqlens,
+                     checkpoints=(ck, slots.to(DEVICE), 64))
+    assert torch.isnan(guarded[0]).all() and torch.isnan(guarded[-1]).all()
+    assert rel_err(ck, _prefix_states(inp, 64)[:4]) < 2e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_checkpoints_dense_batch_transposed_every128(backend):
+    """The public op: a dense batch, the [.., V, K] layout, every = 128, without a pool."""
+    inp = make_inputs("gla", B=2, T=300, H=1, HV=2, K=16, V=16)
+    ck = torch.full((4, 2, 16, 16), float("nan"), device=DEVICE)
+    h0 = inp.h0.transpose(-1, -2).contiguous()
+    with torch.no_grad():
+        o, ht = _call(inp, backend, initial_state=h0, output_final_state=True, transpose_state_layout=True,
+                      checkpoint_every=128, checkpoints=ck)
+        o_ref, h_ref = _call(inp, backend, initial_state=h0, output_final_state=True, transpose_state_layout=True)
+    assert rel_err(o, o_ref) < 2e-5 and rel_err(ht, h_ref) < 2e-5
+    assert rel_err(ck.transpose(-1, -2), _prefix_states(inp, 128)) < 2e-5
+
+
+def test_checkpoints_argument_checks():
+    inp = make_inputs("gdn", H=1, K=16, V=16, lengths=[130], h0=False)
+    ck = torch.zeros(2, 1, 16, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="checkpoint_every must be a positive multiple"):
+        _call(inp, "torch", checkpoint_every=96, checkpoints=ck)
+    with pytest.raises(ValueError, match="go together"):
+        _call(inp, "torch", checkpoints=ck)
+    with pytest.raises(ValueError, match="contiguous float tensor"):
+        _call(inp, "torch", checkpoint_every=64, checkpoints=torch.zeros(2, 1, 8, 16, device=DEVICE))
+    grad = make_inputs("gdn", H=1, K=16, V=16, lengths=[130], h0=False, requires_grad=True)
+    with pytest.raises(RuntimeError, match="inference feature"):
+        _call(grad, "torch", checkpoint_every=64, checkpoints=ck)
+    with pytest.raises(ValueError, match="not available with cp_group"):
+        _call(inp, "torch", checkpoint_every=64, checkpoints=ck, cp_group=object())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_checkpoints_opcheck_and_compile(backend):
+    """chunkwise::chunk_fwd_checkpoints: opcheck (checkpoints mutated), and the public op with checkpoints under
+    torch.compile(fullgraph=True) writes what eager writes."""
+    from chunkwise import _custom_ops
+    inp = make_inputs("kda", H=1, HV=2, K=16, V=16, lengths=[130, 70], h0=False)
+    slots = chunkwise.checkpoint_slots(inp.cu_seqlens, 64)
+    ck = torch.zeros(3, 2, 16, 16, device=DEVICE)
+    torch.library.opcheck(_custom_ops.chunk_fwd_checkpoints,
+                          (inp.q, inp.k, inp.v, inp.g, inp.beta, 0.25, None, True, inp.cu_seqlens, None, False, 32,
+                           backend, ck, slots, 64))
+
+    def prefill(q, k, v, g, beta, cu, ck):
+        return chunkwise.chunk_kda(q, k, v, g, beta, cu_seqlens=cu, checkpoint_every=64, checkpoints=ck,
+                                   backend=backend)[0]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(prefill, fullgraph=True, backend="aot_eager")
+    ck1, ck2 = torch.zeros_like(ck), torch.zeros_like(ck)
+    with torch.no_grad():
+        o1 = compiled(inp.q, inp.k, inp.v, inp.g, inp.beta, inp.cu_seqlens, ck1)
+        o2 = prefill(inp.q, inp.k, inp.v, inp.g, inp.beta, inp.cu_seqlens, ck2)
+    assert torch.equal(o1, o2) and torch.equal(ck1, ck2) and rel_err(ck1, _prefix_states(inp, 64)) < 2e-5
+
+
+def test_bench_forward_checkpoint_every(tmp_path, capsys):
+    """bench_forward.py --checkpoint-every: each row also timed with checkpoints, outputs unchanged by them."""
+    import json
+    import sys
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+    import bench_forward
+    rc = bench_forward.main(["--device", "cpu", "--dtype", "fp32", "--no-peers", "--ops", "gdn", "--out", str(tmp_path),
+                             "--commit", "x", "--shapes", "varlen3-T130-H2-HV4-K32", "--checkpoint-every", "64"])
+    assert rc == 0 and "| ckpt ms | ckpt +% | ckpt MB |" in capsys.readouterr().out
+    row = json.load(open(tmp_path / "bench_forward.json"))["rows"][0]
+    assert row["ckpt_ms"] > 0 and row["o_vs_no_ckpt"] == 0 and row["ckpt_MB"] * 1e6 == 1 * 4 * 32 * 32 * 4  # 70 >= 64

@@ -27,6 +27,8 @@ Ops (namespace ``chunkwise``):
         of a delta family under autograd, which also returns what its backward reuses (triton.chunk.saved_shapes;
         empty [0] tensors where it keeps nothing)
     chunk_bwd_saved (the forward's inputs, w, u, p, t, h, r, qg, kg, gc, do, dht?, needs_grad) -> as chunk_bwd
+    chunk_fwd_checkpoints (as chunk_fwd, checkpoints (mutated), checkpoint_slots [N + 1], checkpoint_every) -> as
+        chunk_fwd, and each sequence's state after every checkpoint_every tokens in checkpoints (no autograd)
     recurrent_pool_fwd (..., pool [P, HV, K, V] (mutated), state_indices [N], ...) -> o
         vLLM-style state pool: sequence n reads pool[state_indices[n]] and writes its final state
         back in place (-1 = padding slot, skipped, output zero). No autograd (inference only).
@@ -53,7 +55,7 @@ from typing import Optional, Sequence
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _dispatch_mode
 
-from .reference.chunk import chunk_forward
+from .reference.chunk import chunk_forward, chunk_forward_checkpoints
 from .reference.recurrent import pool_step as torch_pool_step, recurrent_forward
 from .utils import prepare_chunk_indices
 
@@ -190,6 +192,61 @@ def recurrent_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional
 
 chunk_fwd.register_fake(_forward_fake)
 recurrent_fwd.register_fake(_forward_fake)
+
+
+@torch.library.custom_op("chunkwise::chunk_fwd_checkpoints", mutates_args=("checkpoints",))
+def chunk_fwd_checkpoints(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor],
+                          beta: Optional[torch.Tensor], scale: float, initial_state: Optional[torch.Tensor],
+                          output_final_state: bool, cu_seqlens: Optional[torch.Tensor],
+                          chunk_indices: Optional[torch.Tensor], transpose_state_layout: bool, chunk_size: int,
+                          backend: str, checkpoints: torch.Tensor, checkpoint_slots: torch.Tensor,
+                          checkpoint_every: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """chunk_fwd that also writes prefix checkpoints (inference: no autograd): sequence n's state after each whole
+    checkpoint_every tokens into checkpoints[checkpoint_slots[n] + j] (chunkwise.prefill). The triton backend
+    stores them from its stage-2 kernel; the torch backend runs the batch in pieces."""
+    return _checkpoints_impl(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_indices,
+                             transpose_state_layout, chunk_size, backend, checkpoints, checkpoint_slots,
+                             checkpoint_every)
+
+
+def _checkpoints_impl(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_indices,
+                      transpose_state_layout, chunk_size, backend, checkpoints, checkpoint_slots, checkpoint_every):
+    if backend == "triton":
+        from .triton.chunk import chunk_fwd as triton_chunk_fwd
+        o, ht = triton_chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                 chunk_indices=_triton_chunk_indices(cu_seqlens, chunk_indices),
+                                 transpose_state_layout=transpose_state_layout,
+                                 checkpoints=(checkpoints, checkpoint_slots, checkpoint_every))
+    else:
+        o, ht = chunk_forward_checkpoints(q, k, v, g, beta, scale, _kv(initial_state, transpose_state_layout),
+                                          cu_seqlens, checkpoint_every, _kv(checkpoints, transpose_state_layout),
+                                          chunk_size, _compute_dtype(q, initial_state))
+        o, ht = o.to(q.dtype), (ht.transpose(-1, -2) if transpose_state_layout else ht).contiguous()
+    if not output_final_state or ht is None:
+        ht = _empty(q, _compute_dtype(q, initial_state))
+    return _not_an_alias(o, q, k, v), _not_an_alias(ht, initial_state)
+
+
+@chunk_fwd_checkpoints.register_fake
+def _(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_indices, transpose_state_layout,
+      chunk_size, backend, checkpoints, checkpoint_slots, checkpoint_every):
+    return _forward_fake(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_indices,
+                         transpose_state_layout, chunk_size, backend)
+
+
+def forward_checkpoints(q, k, v, g, beta, scale: float, initial_state, output_final_state: bool, cu_seqlens,
+                        chunk_indices, transpose_state_layout: bool, chunk_size: int, backend: str, checkpoints,
+                        checkpoint_slots, checkpoint_every: int):
+    """Dispatch to chunk_fwd_checkpoints (or its implementation, see `_eager_plain`). Returns (o, final state or
+    None)."""
+    args = (q, k, v, g, beta, float(scale), initial_state, bool(output_final_state), cu_seqlens, chunk_indices,
+            bool(transpose_state_layout), int(chunk_size), backend, checkpoints, checkpoint_slots,
+            int(checkpoint_every))
+    if _eager_plain(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, checkpoints, checkpoint_slots):
+        o, ht = _checkpoints_impl(*args)
+    else:
+        o, ht = chunk_fwd_checkpoints(*args)
+    return o, (ht if output_final_state else None)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -225,6 +225,62 @@ def check_intermediate_states(intermediate_states, state_indices, initial_state,
         raise ValueError("intermediate_states must be contiguous (chunkwise.rollback copies whole per-token states)")
 
 
+# the Triton kernels' chunk length: a checkpoint falls on a chunk boundary (the kernel stores it there; the torch
+# backend's pieces are then exact)
+CHECKPOINT_CHUNK = 64
+
+
+def checkpoint_slots(cu_seqlens: torch.Tensor, every: int) -> torch.Tensor:
+    """Each sequence's first slot in the ``checkpoints`` buffer, [N + 1] (the last entry is the buffer's length).
+
+    The buffer is packed sequence by sequence, in token order: sequence n's state after its first
+    (j + 1)·every tokens is ``checkpoints[slots[n] + j]`` for j < ⌊len_n / every⌋. Computed on the device
+    of ``cu_seqlens`` (no sync); pass a CPU copy to size the buffer on the host."""
+    check_checkpoint_every(every)
+    counts = torch.div(cu_seqlens[1:] - cu_seqlens[:-1], every, rounding_mode="floor")
+    return torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+
+
+def check_checkpoint_every(every):
+    if not isinstance(every, int) or isinstance(every, bool) or every <= 0 or every % CHECKPOINT_CHUNK:
+        raise ValueError(f"checkpoint_every must be a positive multiple of the chunk size {CHECKPOINT_CHUNK}, "
+                         f"got {every!r}")
+
+
+def check_checkpoints(every, checkpoints, mode, tensors, initial_state, cu_seqlens, host_cu, B, T, HV, K, V,
+                      transpose_state_layout) -> torch.Tensor:
+    """checkpoint_every / checkpoints of a chunk op: a multiple of 64 and a contiguous float buffer
+    [Σ ⌊len_n / every⌋, HV, K, V] (or [.., V, K]) on q's device (its length checked where the lengths are on the
+    host). Inference only. Returns each sequence's first slot [N + 1] on the device (no sync)."""
+    if mode != "chunk":
+        raise ValueError("checkpoint_every goes with the chunk ops (prefill)")
+    if every is None or checkpoints is None:
+        raise ValueError("checkpoint_every and checkpoints go together")
+    check_checkpoint_every(every)
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                       for t in (*tensors, initial_state)):
+        raise RuntimeError("checkpoint_every is an inference feature: call it under torch.no_grad() (or detach the "
+                           "inputs)")
+    q = tensors[0]
+    tail = (HV, V, K) if transpose_state_layout else (HV, K, V)
+    _check_tensor("checkpoints", checkpoints, 4)
+    if (tuple(checkpoints.shape[1:]) != tail or checkpoints.dtype not in FLOAT_DTYPES or checkpoints.device != q.device
+            or not checkpoints.is_contiguous()):
+        raise ValueError(f"checkpoints must be a contiguous float tensor [n, {', '.join(map(str, tail))}] on "
+                         f"{q.device}, got {_shape(checkpoints)} {checkpoints.dtype} on {checkpoints.device}")
+    if cu_seqlens is None:
+        slots = torch.arange(B + 1, device=q.device) * (T // every)
+        count = B * (T // every)
+    else:
+        slots = checkpoint_slots(cu_seqlens, every)
+        count = None if host_cu is None else int(checkpoint_slots(host_cu, every)[-1])
+    if count is not None and checkpoints.shape[0] != count:
+        raise ValueError(f"checkpoints must be a tensor [{count}, {', '.join(map(str, tail))}] (⌊len_n / "
+                         f"checkpoint_every⌋ states per sequence, packed as checkpoint_slots says), got "
+                         f"{_shape(checkpoints)}")
+    return slots
+
+
 QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
@@ -366,7 +422,7 @@ def run(fam: Family, mode: str, q, k, v, g, beta, scale, initial_state, output_f
         A_log=None, dt_bias=None, lower_bound=None, transpose_state_layout=False, chunk_size=32,
         backend="auto", cu_seqlens_cpu=None, chunk_indices=None, state_indices=None,
         allow_neg_eigval=False, safe_gate=False, g_gamma=None, state_v_first=False, intermediate_states=None,
-        state_scales=None):
+        state_scales=None, checkpoint_every=None, checkpoints=None):
     """The one path behind every public op. mode: "chunk" or "recurrent".
 
     The state is float32, or float64 where q is float64 (the torch backend): an initial state of any float dtype
@@ -381,6 +437,14 @@ def run(fam: Family, mode: str, q, k, v, g, beta, scale, initial_state, output_f
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     check_intermediate_states(intermediate_states, state_indices, initial_state, N, HV, K, V, transpose_state_layout)
     check_state_scales(state_scales, state_indices, initial_state, mode, HV, K, V, transpose_state_layout)
+    slots = None
+    if checkpoint_every is not None or checkpoints is not None:
+        host_cu = None
+        if cu_seqlens is not None and not torch.compiler.is_compiling():
+            host_cu = cu_seqlens_cpu if cu_seqlens_cpu is not None else (
+                cu_seqlens if cu_seqlens.device.type == "cpu" else None)   # never a device sync
+        slots = check_checkpoints(checkpoint_every, checkpoints, mode, (q, k, v, g, beta, A_log, dt_bias),
+                                  initial_state, cu_seqlens, host_cu, B, T, HV, K, V, transpose_state_layout)
     scale = K ** -0.5 if scale is None else float(scale)
     q, k, g, beta = _prelude(fam, q, k, g, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
                              use_gate_in_kernel, A_log, dt_bias, lower_bound, allow_neg_eigval)
@@ -405,5 +469,9 @@ def run(fam: Family, mode: str, q, k, v, g, beta, scale, initial_state, output_f
         return _custom_ops.pool_step(q, k, v, g, beta, scale, initial_state, state_indices, output_final_state,
                                      cu_seqlens, transpose_state_layout, chunk_size, which, intermediate_states,
                                      state_scales)
+    if slots is not None:
+        return _custom_ops.forward_checkpoints(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                               chunk_indices, transpose_state_layout, chunk_size, which, checkpoints,
+                                               slots, checkpoint_every)
     return _custom_ops.forward(mode, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                chunk_indices, transpose_state_layout, chunk_size, which)

@@ -20,15 +20,17 @@ from .distributed import chunk_cp
 from .prefill import chunk_serving
 
 
-def run(fam, mode, *args, cp_group=None, **kwargs):
+def run(fam, mode, *args, cp_group=None, checkpoint_every=None, checkpoints=None, **kwargs):
     """``api.run``, or ``distributed.chunk_cp`` for a call split over the ranks of ``cp_group``."""
     if cp_group is not None:
+        if checkpoint_every is not None or checkpoints is not None:
+            raise ValueError("state_indices / checkpoint_every are not available with cp_group")
         return chunk_cp(fam, mode, *args, cp_group=cp_group, **kwargs)
-    return api.run(fam, mode, *args, **kwargs)
+    return api.run(fam, mode, *args, checkpoint_every=checkpoint_every, checkpoints=checkpoints, **kwargs)
 
 
 def _serving(op, tensors, args):
-    """A chunk op's call with state_indices or checkpoint_every: ``serving.chunk_serving`` over the plain op."""
+    """A chunk op's call with state_indices (a pool): ``prefill.chunk_serving`` over the plain op."""
     args = {n: x for n, x in args.items() if n not in ("q", "k", "v", "g", "beta")}
     if args.pop("cp_group") is not None:
         raise ValueError("state_indices / checkpoint_every are not available with cp_group")
@@ -110,10 +112,12 @@ _PREFILL = ("        state_indices: [N] int (vLLM's ssm_state_indices, FlashInfe
             "            Inference only (refused when gradients are required). See chunkwise.prefill.\n"
             "        has_initial_state: optional bool [N] (vLLM's name): False starts sequence n from a zero state.\n"
             "        checkpoint_every: C, a multiple of 64 (FlashInfer's checkpoint_every_n_tokens): write the state\n"
-            "            after every C tokens of each sequence to checkpoints (prefix caching). Planned on the host:\n"
-            "            pass cu_seqlens_cpu (else one sync reads cu_seqlens); not CUDA-graph capturable.\n"
-            "        checkpoints: [Σ_n ⌊len_n / C⌋, HV, K, V] fp32 buffer, packed sequence by sequence in token\n"
-            "            order; chunkwise.checkpoint_slots(cu_seqlens, C) gives each sequence's first slot.\n"
+            "            after every C tokens of each sequence to checkpoints (prefix caching). The triton backend's\n"
+            "            forward kernel stores them as it goes (no host sync, CUDA-graph capturable); the torch\n"
+            "            backend runs the batch in C-token pieces. Inference only.\n"
+            "        checkpoints: [Σ_n ⌊len_n / C⌋, HV, K, V] float buffer (or [.., HV, V, K]), packed sequence by\n"
+            "            sequence in token order; chunkwise.checkpoint_slots(cu_seqlens, C) gives each sequence's first\n"
+            "            slot (its length is checked where the lengths are on the host: cu_seqlens_cpu).\n"
             "        state_scales: [P, HV, K] fp32 with an 8-bit pool (int8 / float8_e4m3fn), as the decode op takes it:\n"
             "            rows read dequantized, written back requantized (their scales updated in place).\n")
 
@@ -136,15 +140,17 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                            transpose_state_layout: bool = False, state_v_first: bool = False, chunk_size: int = 32,
                            backend: str = "auto", cu_seqlens_cpu: torch.Tensor | None = None,
                            chunk_indices: torch.Tensor | None = None, cp_group=None,
-                           state_indices: torch.Tensor | None = None, has_initial_state: torch.Tensor | None = None, checkpoint_every: int | None = None,
+                           state_indices: torch.Tensor | None = None, has_initial_state: torch.Tensor | None = None,
+                           checkpoint_every: int | None = None,
                            checkpoints: torch.Tensor | None = None, state_scales: torch.Tensor | None = None):
-    if state_indices is not None or checkpoint_every is not None or state_scales is not None:
+    if state_indices is not None or state_scales is not None:
         return _serving(chunk_gated_delta_rule, (q, k, v, g, beta), locals())
     return run(GDN, "chunk", q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                allow_neg_eigval=allow_neg_eigval, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                transpose_state_layout=transpose_state_layout, state_v_first=state_v_first, chunk_size=chunk_size,
-               backend=backend, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices, cp_group=cp_group)
+               backend=backend, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices, cp_group=cp_group,
+               checkpoint_every=checkpoint_every, checkpoints=checkpoints)
 
 
 def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -189,14 +195,15 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
               chunk_indices: torch.Tensor | None = None, cp_group=None, state_indices: torch.Tensor | None = None,
               has_initial_state: torch.Tensor | None = None, checkpoint_every: int | None = None,
               checkpoints: torch.Tensor | None = None, state_scales: torch.Tensor | None = None):
-    if state_indices is not None or checkpoint_every is not None or state_scales is not None:
+    if state_indices is not None or state_scales is not None:
         return _serving(chunk_kda, (q, k, v, g, beta), locals())
     return run(KDA, "chunk", q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                allow_neg_eigval=allow_neg_eigval, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                lower_bound=lower_bound, safe_gate=safe_gate, transpose_state_layout=transpose_state_layout,
                state_v_first=state_v_first, chunk_size=chunk_size, backend=backend, cu_seqlens_cpu=cu_seqlens_cpu,
-               chunk_indices=chunk_indices, cp_group=cp_group)
+               chunk_indices=chunk_indices, cp_group=cp_group,
+               checkpoint_every=checkpoint_every, checkpoints=checkpoints)
 
 
 def fused_recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -238,13 +245,14 @@ def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: to
                      cp_group=None, state_indices: torch.Tensor | None = None,
                      has_initial_state: torch.Tensor | None = None, checkpoint_every: int | None = None,
                      checkpoints: torch.Tensor | None = None, state_scales: torch.Tensor | None = None):
-    if state_indices is not None or checkpoint_every is not None or state_scales is not None:
+    if state_indices is not None or state_scales is not None:
         return _serving(chunk_delta_rule, (q, k, v, beta), locals())
     return run(DELTA, "chunk", q, k, v, None, beta, scale, initial_state, output_final_state, cu_seqlens,
                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                allow_neg_eigval=allow_neg_eigval, transpose_state_layout=transpose_state_layout,
                state_v_first=state_v_first, chunk_size=chunk_size, backend=backend, cu_seqlens_cpu=cu_seqlens_cpu,
-               chunk_indices=chunk_indices, cp_group=cp_group)
+               chunk_indices=chunk_indices, cp_group=cp_group,
+               checkpoint_every=checkpoint_every, checkpoints=checkpoints)
 
 
 def fused_recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
@@ -283,13 +291,14 @@ def chunk_simple_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                      cp_group=None, state_indices: torch.Tensor | None = None,
                      has_initial_state: torch.Tensor | None = None, checkpoint_every: int | None = None,
                      checkpoints: torch.Tensor | None = None, state_scales: torch.Tensor | None = None):
-    if state_indices is not None or checkpoint_every is not None or state_scales is not None:
+    if state_indices is not None or state_scales is not None:
         return _serving(chunk_simple_gla, (q, k, v, g), locals())
     return run(GLA, "chunk", q, k, v, g, None, scale, initial_state, output_final_state, cu_seqlens,
                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
                g_gamma=g_gamma, A_log=A_log, dt_bias=dt_bias, transpose_state_layout=transpose_state_layout,
                state_v_first=state_v_first, chunk_size=chunk_size, backend=backend, cu_seqlens_cpu=cu_seqlens_cpu,
-               chunk_indices=chunk_indices, cp_group=cp_group)
+               chunk_indices=chunk_indices, cp_group=cp_group,
+               checkpoint_every=checkpoint_every, checkpoints=checkpoints)
 
 
 def fused_recurrent_simple_gla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None = None,

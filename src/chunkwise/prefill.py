@@ -1,40 +1,28 @@
 """Serving features of the chunk (prefill) ops: a state pool and prefix-cache checkpoints.
 
 The chunk ops (``chunk_gated_delta_rule``, ``chunk_kda``, ``chunk_delta_rule``, ``chunk_simple_gla``) route
-here when given ``state_indices`` or ``checkpoint_every``. The argument names follow vLLM (``state_indices``,
-its ``ssm_state_indices``; ``has_initial_state``) and FlashInfer (``checkpoint_every`` for its
-``checkpoint_every_n_tokens``).
+here when given ``state_indices``. The argument names follow vLLM (``state_indices``, its ``ssm_state_indices``;
+``has_initial_state``) and FlashInfer (``checkpoint_every`` for its ``checkpoint_every_n_tokens``).
 
 Prefill into the pool is a gather, the plain chunk op, and a scatter, all on the device: no host sync and
 CUDA-graph capturable. It moves 2·N·HV·K·V·4 bytes more than the plain op (the N states read and written
 once more), small beside a prefill that reads T·(2K + V) activations per head.
 
-Checkpoints run the batch in ``checkpoint_every``-token pieces with the state handed over (one chunk call
-per round of pieces, planned on the host): exact, since a piece boundary is a chunk boundary, but it
-launches ⌈max_len / checkpoint_every⌉ forwards instead of one, and writes len(checkpoints)·HV·K·V·4 bytes.
+Checkpoints (``checkpoint_every=C``, ``checkpoints=buf``; with or without a pool) are written by the forward
+itself. The triton backend's stage-2 kernel, which carries each sequence's state through its chunks in
+registers, stores it after every C / 64 chunks into ``buf[checkpoint_slots(cu_seqlens, C)[n] + j]`` (slots
+computed on the device: no host sync, CUDA-graph capturable; a constexpr-gated store, absent from the kernel
+built without checkpoints). It adds only that write: HV·K·V·4 bytes per checkpoint (fp32 buffer), i.e.
+HV·K·V·4 / C per token, against about (2·H·K + 2·HV·V)·2 bytes per token of 16-bit q, k, v and o: at H = HV =
+32, K = V = 128 that is 32 KiB per token at C = 64 (as much again as those), 2 KiB at C = 1024. The torch
+backend runs the batch in C-token pieces instead (reference.chunk.chunk_forward_checkpoints; planned on the
+host), exact since a piece boundary is a chunk boundary.
 """
 from __future__ import annotations
 
 import torch
 
-# the Triton kernels' chunk length: a checkpoint must fall on a chunk boundary so that pieces are exact
-CHUNK_SIZE = 64
-
-
-def checkpoint_slots(cu_seqlens: torch.Tensor, every: int) -> torch.Tensor:
-    """Each sequence's first slot in the ``checkpoints`` buffer, [N + 1] (the last entry is the buffer's length).
-
-    The buffer is packed sequence by sequence, in token order: sequence n's state after its first
-    (j + 1)·every tokens is ``checkpoints[slots[n] + j]`` for j < ⌊len_n / every⌋. Computed on the device
-    of ``cu_seqlens`` (no sync); pass a CPU copy to size the buffer on the host."""
-    _check_every(every)
-    counts = torch.div(cu_seqlens[1:] - cu_seqlens[:-1], every, rounding_mode="floor")
-    return torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-
-
-def _check_every(every):
-    if not isinstance(every, int) or isinstance(every, bool) or every <= 0 or every % CHUNK_SIZE:
-        raise ValueError(f"checkpoint_every must be a positive multiple of the chunk size {CHUNK_SIZE}, got {every!r}")
+from .api import checkpoint_slots  # noqa: F401  (chunkwise.checkpoint_slots)
 
 
 def _host_visible(t: torch.Tensor) -> bool:
@@ -106,13 +94,8 @@ def chunk_serving(op, tensors: tuple, scale, initial_state, output_final_state, 
         if has_initial_state is not None or state_scales is not None:
             raise ValueError("has_initial_state and state_scales go with state_indices (the pool)")
 
-    if checkpoint_every is None:
-        if checkpoints is not None:
-            raise ValueError("checkpoints needs checkpoint_every")
-        o, ht = op(*tensors, scale, h0, state_indices is not None or output_final_state, cu_seqlens,
-                   cu_seqlens_cpu=cu_seqlens_cpu, **kw)
-    else:
-        o, ht = _in_pieces(op, tensors, scale, h0, cu_seqlens, cu_seqlens_cpu, checkpoint_every, checkpoints, kw)
+    o, ht = op(*tensors, scale, h0, state_indices is not None or output_final_state, cu_seqlens,
+               cu_seqlens_cpu=cu_seqlens_cpu, checkpoint_every=checkpoint_every, checkpoints=checkpoints, **kw)
 
     if state_indices is None:
         return o, (ht if output_final_state else None)
@@ -136,45 +119,3 @@ def chunk_serving(op, tensors: tuple, scale, initial_state, output_final_state, 
         token_live = live.to(q.device).index_select(0, seq.clamp(max=max(N - 1, 0))).view(1, T, 1, 1)
     o = torch.where(token_live, o, torch.zeros((), dtype=o.dtype, device=o.device))   # not o·0: NaN stays
     return o, (pool if output_final_state else None)
-
-
-def _in_pieces(op, tensors, scale, h0, cu_seqlens, cu_seqlens_cpu, every, checkpoints, kw):
-    """Run the batch in ``every``-token pieces with the state handed over, writing the state after each whole
-    piece to ``checkpoints`` (see `checkpoint_slots`). Plans on the host: pass cu_seqlens_cpu to avoid a sync."""
-    _check_every(every)
-    kw.pop("chunk_indices", None)   # describes the caller's batch; the pieces plan their own
-    q, v = tensors[0], tensors[2]
-    B, T = q.shape[0], q.shape[1]
-    if cu_seqlens is None:
-        bounds = [b * T for b in range(B + 1)]
-        flat = tuple(None if t is None else t.reshape(1, B * T, *t.shape[2:]) for t in tensors)
-    else:
-        bounds = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()).tolist()
-        flat = tensors
-    N = len(bounds) - 1
-    lens = [bounds[n + 1] - bounds[n] for n in range(N)]
-    slots = checkpoint_slots(torch.tensor(bounds), every).tolist()
-    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
-    transposed = bool(kw.get("transpose_state_layout") or kw.get("state_v_first"))
-    tail = (HV, V, K) if transposed else (HV, K, V)
-    if not isinstance(checkpoints, torch.Tensor) or tuple(checkpoints.shape) != (slots[-1], *tail):
-        raise ValueError(f"checkpoints must be a tensor [{slots[-1]}, {', '.join(map(str, tail))}] (⌊len_n / "
-                         f"checkpoint_every⌋ states per sequence, packed as checkpoint_slots says)")
-    _refuse_grad(tensors + (h0,), "checkpoint_every")
-    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
-    state = torch.zeros((N, *tail), dtype=ct, device=q.device) if h0 is None else h0.to(ct).clone()
-    pieces = [[] for _ in range(N)]
-    for start in range(0, max(lens, default=0), every):
-        seqs = [n for n in range(N) if lens[n] > start]
-        spans = [(bounds[n] + start, bounds[n] + min(start + every, lens[n])) for n in seqs]
-        part = tuple(None if t is None else torch.cat([t[:, a:b] for a, b in spans], 1) for t in flat)
-        cu = torch.tensor([0] + [b - a for a, b in spans]).cumsum(0).to(torch.int32)
-        rows = torch.tensor(seqs, device=q.device)
-        o, ht = op(*part, scale, state.index_select(0, rows), True, cu.to(q.device), cu_seqlens_cpu=cu, **kw)
-        state.index_copy_(0, rows, ht.to(ct))
-        for i, n in enumerate(seqs):
-            pieces[n].append(o[:, cu[i]:cu[i + 1]])
-            if start + every <= lens[n]:
-                checkpoints[slots[n] + start // every].copy_(ht[i])
-    o = torch.cat([p for n in range(N) for p in pieces[n]], 1) if T and N else q.new_zeros(1, 0, HV, V)
-    return (o.reshape(B, T, HV, V) if cu_seqlens is None else o), state

@@ -316,3 +316,41 @@ def _chunk_forward(
     if index is not None:
         o = unpad_varlen(o, index)
     return o, S.view(B, HV, K, V)
+
+
+def chunk_forward_checkpoints(q, k, v, g, beta, scale, initial_state, cu_seqlens, every, checkpoints, chunk_size=32,
+                              dtype=torch.float32):
+    """`chunk_forward` that also writes prefix checkpoints: sequence n's state after its first (j + 1)·every tokens
+    to checkpoints[slots[n] + j] ([n, HV, K, V], any float dtype; slots: chunkwise.checkpoint_slots), for every whole
+    ``every`` tokens. The PyTorch backend's way: the batch in ``every``-token pieces with the state handed over
+    (one chunk_forward per round of pieces, planned on the host: it reads cu_seqlens there). Exact, since a piece
+    boundary is a chunk boundary. Returns (o, final states) as chunk_forward does."""
+    B, T, HV, V = q.shape[0], q.shape[1], v.shape[2], v.shape[3]
+    tensors = (q, k, v, g, beta)
+    if cu_seqlens is None:
+        bounds = [b * T for b in range(B + 1)]
+        tensors = tuple(None if t is None else t.reshape(1, B * T, *t.shape[2:]) for t in tensors)
+    else:
+        bounds = cu_seqlens.tolist()
+    N = len(bounds) - 1
+    lens = [bounds[n + 1] - bounds[n] for n in range(N)]
+    slots = [0]
+    for L in lens:
+        slots.append(slots[-1] + L // every)
+    state = (q.new_zeros(N, HV, q.shape[-1], V, dtype=dtype) if initial_state is None
+             else initial_state.to(dtype).clone())
+    pieces = [[] for _ in range(N)]
+    for start in range(0, max(lens, default=0), every):
+        seqs = [n for n in range(N) if lens[n] > start]
+        spans = [(bounds[n] + start, bounds[n] + min(start + every, lens[n])) for n in seqs]
+        part = tuple(None if t is None else torch.cat([t[:, a:b] for a, b in spans], 1) for t in tensors)
+        cu = torch.tensor([0] + [b - a for a, b in spans]).cumsum(0).to(q.device)
+        rows = torch.tensor(seqs, device=q.device)
+        o, ht = chunk_forward(*part, scale, state.index_select(0, rows), cu, chunk_size=chunk_size, dtype=dtype)
+        state.index_copy_(0, rows, ht)
+        for i, n in enumerate(seqs):
+            pieces[n].append(o[:, cu[i]:cu[i + 1]])
+            if start + every <= lens[n] and slots[n] + start // every < checkpoints.shape[0]:
+                checkpoints[slots[n] + start // every].copy_(ht[i])
+    o = torch.cat([p for n in range(N) for p in pieces[n]], 1) if T and N else q.new_zeros(1, 0, HV, V, dtype=dtype)
+    return (o.reshape(B, T, HV, V) if cu_seqlens is None else o), state

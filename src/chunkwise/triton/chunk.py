@@ -78,18 +78,22 @@ def saved_shapes(q, v, g, beta, cu_seqlens, transpose_state_layout=False) -> lis
 
 @on_tensor_device
 def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, *, chunk_indices=None,
-              transpose_state_layout=False, plan: ForwardPlan | None = None, saved_out: dict | None = None):
+              transpose_state_layout=False, plan: ForwardPlan | None = None, saved_out: dict | None = None,
+              checkpoints: tuple | None = None):
     """The chunk forward of all four families (canonical inputs: see chunkwise.triton).
 
     Returns (o [B,T,HV,V] in q's dtype, final state fp32 [N,HV,K,V] ([N,HV,V,K] transposed) or None).
     ``plan``: the launch plan (default: configs.forward_plan's for these inputs; its None fields are picked from the
     shapes). ``saved_out``: a dict that, where saves_stage1, receives what the backward reuses (SAVED, saved_shapes).
     Head dims the kernels do not take as they are run zero-padded; 16-bit inputs with K > WIDE_16BIT_K run in fp32.
+    ``checkpoints``: (buffer, slots, every): stage 2 also writes sequence n's state after each whole ``every`` tokens
+    (a multiple of BT) to buffer[slots[n] + j] (buffer [n_ckpt, HV, K, V] contiguous, in the final state's layout,
+    any float dtype; slots [N + 1] on the device: chunkwise.checkpoint_slots).
     """
     if q.dtype != torch.float32 and q.shape[-1] > WIDE_16BIT_K:
         o, ht = chunk_fwd(q.float(), k.float(), v.float(), g, None if beta is None else beta.float(), scale,
                           initial_state, output_final_state, cu_seqlens, chunk_indices=chunk_indices,
-                          transpose_state_layout=transpose_state_layout, plan=plan)
+                          transpose_state_layout=transpose_state_layout, plan=plan, checkpoints=checkpoints)
         return o.to(q.dtype), ht
     save = saved_out is not None and saves_stage1(q, v, g, beta)      # (on the unpadded inputs)
     keep_qk_gated = save and gate_kind(g) == 2 and gate_scaled_in(g, q)
@@ -115,8 +119,9 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         chunk_indices = prepare_chunk_indices(cu_seqlens, BT)
     # the delta families' sequence split (triton/split.py): the stages run on the batch of segments (sb), every
     # segment from its entering state; the outputs and what the backward keeps are the unsplit forward's, in place
+    # (not with checkpoints: stage 2 stores them by each sequence's own chunk index, which a segment does not carry)
     seg = split_chunks(plan, N, T, HV, K, V, varlen, chunk_indices.shape[0] if varlen else N * cdiv(T, BT), n_sm) \
-        if delta else 0
+        if delta and checkpoints is None else 0
     sb = split_batch(q, k, v, g, beta, cu_seqlens, chunk_indices, seg) if seg else None
     q1, k1, v1, g1, beta1, cu1, ci1, N1 = (q, k, v, g, beta, cu_seqlens, chunk_indices, N) if sb is None else \
         (sb.q, sb.k, sb.v, sb.g, sb.beta, sb.cu_seqlens, sb.chunk_indices, sb.N)
@@ -163,9 +168,13 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         if keep_ht:
             saved_out.update(ht=ht)
 
+    ckpt = None
+    if checkpoints is not None:     # (padded head dims: into a padded copy of the buffer, cut back below)
+        buf, slots, every = checkpoints
+        ckpt = (pad_state(buf, K, V, transpose_state_layout) if padded else buf, slots, every // BT)
     if sb is None:
         chunk_state_output(q, k, v, g, beta, stage1, o, initial_state, ht, rs, ready, side, cu_seqlens, scale, plan,
-                           launch, transpose_state_layout)
+                           launch, transpose_state_layout, checkpoints=ckpt)
     else:
         # each segment's transition and entering state, then stage 2 from those (its final states into the same
         # buffer: each program reads its tile of the entering state before it writes that of the final one)
@@ -181,6 +190,8 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         ht = None
     if padded:
         o, ht = o[..., :V0].contiguous(), cut_state(ht, K0, V0, transpose_state_layout)
+        if ckpt is not None:
+            buf.copy_(cut_state(ckpt[0], K0, V0, transpose_state_layout))
     return o, ht
 
 

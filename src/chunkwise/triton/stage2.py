@@ -282,6 +282,22 @@ def _state_offsets(o_k, o_v, s_k, s_v, K, V, TRANS: tl.constexpr):
     return off, m
 
 
+@triton.jit
+def _store_checkpoint(ckpt, ckpt_slots, n_ckpt, S, i_t, i_n, i_h, T_seq, o_k, o_v, HV, K, V, BTc: tl.constexpr,
+                      CKPT: tl.constexpr, CKPT_VK: tl.constexpr, TRANS: tl.constexpr):
+    """A prefix checkpoint after every CKPT-th chunk that lies whole in the sequence: S, the state after its first
+    (i_t + 1)·BTc tokens, -> ckpt[ckpt_slots[i_n] + (i_t + 1) / CKPT − 1], contiguous [HV, K, V] states ([HV, V, K]
+    with CKPT_VK), in ckpt's dtype. A slot at or past n_ckpt (the buffer's length) is not written."""
+    if (i_t + 1) % CKPT == 0:
+        slot = tl.load(ckpt_slots + i_n).to(tl.int64) + (i_t + 1) // CKPT - 1
+        if CKPT_VK:
+            off, m = _state_offsets(o_k, o_v, 1, K, K, V, TRANS)
+        else:
+            off, m = _state_offsets(o_k, o_v, V, 1, K, V, TRANS)
+        m = m & (slot < n_ckpt) & ((i_t + 1) * BTc <= T_seq)
+        tl.store(ckpt + (slot * HV + i_h) * K * V + off, S.to(ckpt.dtype.element_ty), mask=m)
+
+
 @triton.heuristics({"IS_VARLEN": lambda args: args["cu_seqlens"] is not None,
                     "USE_H0": lambda args: args["h0"] is not None,
                     "STORE_HT": lambda args: args["ht"] is not None})
@@ -305,6 +321,7 @@ def chunk_state_output_kernel(
     SEG: tl.constexpr = 0, NSEG: tl.constexpr = 1, SUB: tl.constexpr = 1, GC_IN: tl.constexpr = 0,
     TMA: tl.constexpr = 0, TMA_O: tl.constexpr = 0, STORE_R: tl.constexpr = 0, TRANS: tl.constexpr = 0,
     T_FORM: tl.constexpr = 0, WAIT: tl.constexpr = 0, FENCE: tl.constexpr = 0,
+    ckpt=None, ckpt_slots=None, n_ckpt=None, CKPT: tl.constexpr = 0, CKPT_VK: tl.constexpr = 0,
 ):
     """Stage 2 (module docstring). Grid (cdiv(V, BV), N·HV); S [BK, BV] fp32 stays in registers (TRANS, SEG = 0:
     Sᵀ [BV, BK], the products' first operand; _state_output_step_t).
@@ -330,6 +347,10 @@ def chunk_state_output_kernel(
     read only after ready[slot of i, head] is set (_wait_ready), WAIT chunks ahead of the step, so that the loads
     the software pipeline issues for later steps (num_stages − 1 ahead) only read published chunks. FENCE: the
     tiles come through tensor descriptors (TMA).
+
+    CKPT (> 0, chunks per checkpoint; off: nothing of it is built): prefix checkpoints, the state after every CKPT
+    chunks of a sequence into ckpt (_store_checkpoint; sequence n's first slot ckpt_slots[n]), in every form (the
+    SEG = 2 pass and the TRANS step carry the true state after each chunk too).
     """
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
@@ -418,6 +439,9 @@ def chunk_state_output_kernel(
                 S = _state_output_chunk(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, rs, slot0, bos,
                                         T_seq, i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, GC_IN,
                                         DOT_PREC, g_floor, TMA, TMA_O, STORE_R, TRANS, T_FORM)
+                if CKPT > 0:
+                    _store_checkpoint(ckpt, ckpt_slots, n_ckpt, S, i_t, i_n, i_h, T_seq, o_k, o_v, HV, K, V, BTc, CKPT,
+                                      CKPT_VK, TRANS)
                 b_gl = b_gl_next
                 i_t += 1
         else:               # compiled: a for loop, so that the loads of later chunks are pipelined
@@ -428,6 +452,9 @@ def chunk_state_output_kernel(
                 S = _state_output_chunk(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, rs, slot0, bos,
                                         T_seq, i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, GC_IN,
                                         DOT_PREC, g_floor, TMA, TMA_O, STORE_R, TRANS, T_FORM)
+                if CKPT > 0:
+                    _store_checkpoint(ckpt, ckpt_slots, n_ckpt, S, i_t, i_n, i_h, T_seq, o_k, o_v, HV, K, V, BTc, CKPT,
+                                      CKPT_VK, TRANS)
                 b_gl = b_gl_next
 
     if STORE_HT and SEG != 1:
@@ -441,11 +468,13 @@ def chunk_state_output_kernel(
 # ------------------------------------------------------------------------------------------------
 
 def chunk_state_output(q, k, v, g, beta, stage1: dict, o, initial_state, ht, rs, ready, side, cu_seqlens, scale,
-                       plan: ForwardPlan, launch: Stage2Launch, transpose_state_layout: bool = False):
+                       plan: ForwardPlan, launch: Stage2Launch, transpose_state_layout: bool = False,
+                       checkpoints: tuple | None = None):
     """Stage 2 into o [B,T,HV,V] (and ht, the final state [N,HV,K,V] fp32, [N,HV,V,K] transposed; rs, R
     [B,T,HV,V], where not None), from stage 1's ``stage1`` dict (stage1.chunk_prepare's; for simple GLA p alone or None),
     at the plan's launch resolved for these shapes. ``ready`` / ``side``: stage 1 runs beside (its ready flags, and
-    the stream stage 2 runs on), else None."""
+    the stream stage 2 runs on), else None. ``checkpoints``: (buffer [n, HV, K, V] contiguous (layout as ht's), each
+    sequence's first slot [N + 1] int on the device, chunks per checkpoint), or None."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -480,6 +509,11 @@ def chunk_state_output(q, k, v, g, beta, stage1: dict, o, initial_state, ht, rs,
         sloc = _alloc((N * nseg * sub, HV, K, V), torch.float32, q.device)
         gam = _alloc((N * nseg * sub, HV), torch.float32, q.device)
     overlap = ready is not None
+    ckpt_args = {}
+    if checkpoints is not None:
+        buf, slots, every = checkpoints
+        ckpt_args = dict(ckpt=buf, ckpt_slots=slots, n_ckpt=buf.shape[0], CKPT=every,
+                         CKPT_VK=bool(transpose_state_layout))
     for seg_mode in ((1, 2) if nseg > 1 else (0,)):
         bv_m, warps_m, rows_m, len_m, nseg_m, stages_m = bv, launch.num_warps, N * nseg * HV, seg_len, nseg, \
             launch.num_stages
@@ -500,4 +534,4 @@ def chunk_state_output(q, k, v, g, beta, stage1: dict, o, initial_state, ht, rs,
                 SUB=sub if seg_mode == 2 else 1, GC_IN=delta and gate == 1, TMA=tma, TMA_O=tma_o,
                 STORE_R=rs is not None, TRANS=int(trans and seg_mode == 0), T_FORM=plan.t_form,
                 WAIT=stages_m + 1 if overlap else 0, FENCE=bool(overlap and tma and not INTERPRET),
-                num_warps=warps_m, num_stages=stages_m)
+                num_warps=warps_m, num_stages=stages_m, **(ckpt_args if seg_mode != 1 else {}))
