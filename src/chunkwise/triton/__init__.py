@@ -18,7 +18,7 @@ import warnings
 import triton
 
 # The Triton releases the kernels are tested on (CI runs the oldest and the newest).
-TESTED_TRITON = ("3.6.0", "3.9")
+TESTED_TRITON = ("3.6.0", "3.10")
 
 
 class TritonVersionWarning(UserWarning):
@@ -34,7 +34,7 @@ def _version_tuple(version: str) -> tuple:
 
 
 def check_triton_version(version: str) -> bool:
-    """Warn once (TritonVersionWarning) if `version` is outside [3.6.0, 3.9); return whether it is inside."""
+    """Warn once (TritonVersionWarning) if `version` is outside [3.6.0, 3.10); return whether it is inside."""
     low, high = (_version_tuple(v) for v in TESTED_TRITON)
     inside = low <= _version_tuple(version) < high
     if not inside:

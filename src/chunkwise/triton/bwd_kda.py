@@ -19,7 +19,7 @@ import triton.language as tl
 
 from .bwd_states import _chunk_bounds, _chunk_rows, _col_offsets, _load_gate_cols, _rev_cumsum
 from .bwd_wy import _diag_column, _diag_factors
-from .common import BC, SPAN_MAX, _exp, _mm, cdiv
+from .common import BC, SPAN_MAX, _and, _exp, _mm, cdiv
 
 
 @triton.jit
@@ -77,11 +77,11 @@ def _diag_grads_exact(k, G, Pmat, Amat, b_q, b_kb, b_G, b_last, t0, L, ib, rows,
     b_dkd = tl.zeros([BC, BK], dtype=tl.float32)
     for jj in range(BC):
         j, m_j, b_kj, b_e = _diag_column(k, G, b_G, b_last, t0, L, ib, jj, i_h, i_hk, o_k, m_k, H, HV, K, BC)
-        b_dPc = tl.load(Pmat + (rows * HV + i_h) * C + j, mask=m_r & m_j, other=0.)        # [BC]
+        b_dPc = tl.load(Pmat + (rows * HV + i_h) * C + j, mask=_and(m_r, m_j), other=0.)        # [BC]
         b_w = b_kj[None, :] * b_e
         b_dqd += b_dPc[:, None] * b_w
         b_z = b_dPc[:, None] * b_q
-        b_dAc = tl.load(Amat + (rows * HV + i_h) * C + j, mask=m_r & m_j, other=0.)
+        b_dAc = tl.load(Amat + (rows * HV + i_h) * C + j, mask=_and(m_r, m_j), other=0.)
         b_dkbd += b_dAc[:, None] * b_w
         b_z += b_dAc[:, None] * b_kb
         b_dkd = tl.where((o_i == jj)[:, None], tl.sum(b_z * b_e, axis=0)[None, :], b_dkd)

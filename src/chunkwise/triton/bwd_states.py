@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ..utils import prepare_chunk_indices
-from .common import (BT, G_FLOOR, INTERPRET, _alloc, _dim, _exp, _mm, cdiv, chunk_slots, chunks_whole, gate_kind,
+from .common import (BT, G_FLOOR, INTERPRET, _alloc, _and, _dim, _exp, _mm, cdiv, chunk_slots, chunks_whole, gate_kind,
                      state_dtype)
 
 # ------------------------------------------------------------------------------------------------
@@ -260,13 +260,13 @@ def _step_ahead(X, G, i_c, bos, eos, i_h, o_v, HV: tl.constexpr, K: tl.constexpr
     ok = (i_c >= 0) & (L > 0)
     if LOAD_X:
         o_t = tl.arange(0, C)
-        m = ((o_t < L) & ok)[:, None] & (o_v < V)[None, :]
+        m = _and(o_t < L, ok)[:, None] & (o_v < V)[None, :]
         b_x = tl.load(X + ((t0 + o_t).to(tl.int64)[:, None] * HV + i_h) * V + o_v[None, :], mask=m, other=0.)
     else:
         b_x = tl.zeros([C, BV], dtype=tl.float32)
     if LAST:
         o_k = tl.arange(0, BK)
-        b_last = tl.load(G + ((t0 + L - 1).to(tl.int64) * HV + i_h) * K + o_k, mask=(o_k < K) & ok, other=0.)
+        b_last = tl.load(G + ((t0 + L - 1).to(tl.int64) * HV + i_h) * K + o_k, mask=_and(o_k < K, ok), other=0.)
     else:
         b_last = tl.zeros([BK], dtype=tl.float32)
     return b_x, b_last

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from .bwd_states import (Problem, _chunk_bounds, _chunk_program, _chunk_rows, _col_offsets, _gate_factors,
                          _load_gate, _load_gate_cols, _rev_cumsum)
-from .common import BC, SPAN_MAX, _exp, _mm, state_dtype
+from .common import BC, SPAN_MAX, _and, _exp, _mm, state_dtype
 from .stage1 import chunk_prepare_bwd
 
 
@@ -113,8 +113,8 @@ def _diag_column(k, G, b_G, b_last, t0, L, ib, jj, i_h, i_hk, o_k, m_k, H: tl.co
     j = ib * BC + jj
     m_j = j < L
     row_j = (t0 + j).to(tl.int64)
-    b_kj = tl.load(k + (row_j * H + i_hk) * K + o_k, mask=m_k & m_j, other=0.).to(tl.float32)
-    b_Gj = tl.load(G + (row_j * HV + i_h) * K + o_k, mask=m_k & m_j, other=0.)
+    b_kj = tl.load(k + (row_j * H + i_hk) * K + o_k, mask=_and(m_k, m_j), other=0.).to(tl.float32)
+    b_Gj = tl.load(G + (row_j * HV + i_h) * K + o_k, mask=_and(m_k, m_j), other=0.)
     b_Gj = tl.where(m_j, b_Gj, b_last)
     return j, m_j, b_kj, _exp(tl.where((o_i >= jj)[:, None], b_G - b_Gj[None, :], float("-inf")))
 
@@ -180,7 +180,7 @@ def _inv_diag(Amat, t0, L, i_h, ib, HV: tl.constexpr, C: tl.constexpr, BC: tl.co
     for i in range(1, BC):
         row = ib * BC + i
         b_a = tl.load(Amat + ((t0 + row).to(tl.int64) * HV + i_h) * C + ib * BC + o,
-                      mask=(o < i) & (row < L), other=0.)                          # [BC]
+                      mask=_and(o < i, row < L), other=0.)                          # [BC]
         b_new = tl.where(o == i, 1., 0.) - tl.sum(b_a[:, None] * b_T, axis=0)
         b_T = tl.where((o == i)[:, None], b_new[None, :], b_T)
     return b_T

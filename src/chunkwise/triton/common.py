@@ -51,6 +51,56 @@ def _exp(x):
 
 
 @triton.jit
+def _and(mask, ok):
+    """mask & ok for a tile mask and a scalar condition (triton 3.9's interpreter rejects the `&` of the two)."""
+    return tl.where(ok, mask, False)
+
+
+@triton.jit
+def _tile_ptrs(x, base, row_stride, r0, c0, R: tl.constexpr, C: tl.constexpr):
+    """(pointers, row indices [R], column indices [C]) of rows r0 .. r0 + R − 1, columns c0 .. c0 + C − 1 of the
+    row-major matrix at x + base (row stride row_stride). The tile's first row in int64 (token rows times H·K pass
+    2^31 on long batches), the offsets inside the tile in int32."""
+    o_r = tl.arange(0, R)
+    o_c = c0 + tl.arange(0, C)
+    ptr = x + base + r0.to(tl.int64) * row_stride
+    return ptr + o_r[:, None] * row_stride + o_c[None, :], r0 + o_r, o_c
+
+
+@triton.jit
+def _tile_load(x, base, n_rows, n_cols, row_stride, r0, c0, R: tl.constexpr, C: tl.constexpr, CHK_R: tl.constexpr,
+               CHK_C: tl.constexpr):
+    """The [R, C] tile at rows r0, columns c0 of the [n_rows, n_cols] matrix at x + base (_tile_ptrs), zero outside
+    it; only the rows (CHK_R) and the columns (CHK_C) asked for are bounds-checked (the others are known inside)."""
+    p, o_r, o_c = _tile_ptrs(x, base, row_stride, r0, c0, R, C)
+    if CHK_R and CHK_C:
+        t = tl.load(p, mask=(o_r < n_rows)[:, None] & (o_c < n_cols)[None, :], other=0.)
+    elif CHK_R:
+        t = tl.load(p, mask=(o_r < n_rows)[:, None], other=0.)
+    elif CHK_C:
+        t = tl.load(p, mask=(o_c < n_cols)[None, :], other=0.)
+    else:
+        t = tl.load(p)
+    return t
+
+
+@triton.jit
+def _tile_store(x, base, n_rows, n_cols, row_stride, r0, c0, val, R: tl.constexpr, C: tl.constexpr,
+                CHK_R: tl.constexpr, CHK_C: tl.constexpr):
+    """val [R, C] (converted to x's dtype) into the tile _tile_load reads; nothing outside the matrix written."""
+    p, o_r, o_c = _tile_ptrs(x, base, row_stride, r0, c0, R, C)
+    val = val.to(x.dtype.element_ty)
+    if CHK_R and CHK_C:
+        tl.store(p, val, mask=(o_r < n_rows)[:, None] & (o_c < n_cols)[None, :])
+    elif CHK_R:
+        tl.store(p, val, mask=(o_r < n_rows)[:, None])
+    elif CHK_C:
+        tl.store(p, val, mask=(o_c < n_cols)[None, :])
+    else:
+        tl.store(p, val)
+
+
+@triton.jit
 def _row_of(x, r: tl.constexpr, BTc: tl.constexpr):
     """Row r of x [BT, D] as [D] (exact: a masked sum of one term)."""
     o_t = tl.arange(0, BTc)

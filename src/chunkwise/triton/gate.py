@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import _by_block, _exp, _row_of
+from .common import _and, _by_block, _exp, _row_of
 
 
 @triton.jit
@@ -45,7 +45,7 @@ def _chunk_decay(glast, slot0, i_t, c1, i_h, HV, K, BK: tl.constexpr, GATE: tl.c
     not take (not a product's operand) would otherwise expose its latency on every chunk."""
     o_k = tl.arange(0, BK)
     if GATE == 2:
-        b_gl = tl.load(glast + ((slot0 + i_t) * HV + i_h) * K + o_k, mask=(o_k < K) & (i_t < c1), other=0.)
+        b_gl = tl.load(glast + ((slot0 + i_t) * HV + i_h) * K + o_k, mask=_and(o_k < K, i_t < c1), other=0.)
     elif GC_IN:
         b_gl = tl.load(glast + (slot0 + i_t) * HV + i_h, mask=i_t < c1, other=0.)
     else:

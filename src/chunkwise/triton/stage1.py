@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .common import (BC, BT, G_FLOOR, SPAN_MAX, _alloc, _by_block, _chunk_span, _dim, _exp, _mm, _row_of,
-                     _signal_ready, cdiv, chunk_slots, chunks_whole, gate_kind)
+                     _signal_ready, _tile_load, _tile_store, cdiv, chunk_slots, chunks_whole, gate_kind)
 from .configs import ForwardPlan, forward_plan, precisions, saved_t_dtype, wu_lowp_ok
 from .gate import _block_starts, _chunk_gate
 from .solve import _solve_unit_lower
@@ -42,15 +42,12 @@ from .solve import _solve_unit_lower
 
 @triton.jit
 def _kqg_tiles(k_base, q_base, g_base, r0, kc0, T_seq, H, HV, K, R: tl.constexpr, BKC: tl.constexpr,
-               CHK: tl.constexpr):
+               CHK_R: tl.constexpr, CHK_C: tl.constexpr):
     """Rows r0 .. r0 + R − 1, channels kc0 .. kc0 + BKC − 1 of k, q and the per-channel gate g, as fp32
-    [R, BKC] tiles (zero past the sequence end and K; CHK: the bounds checked, chunk_prepare_kernel's)."""
-    b_k = tl.load(tl.make_block_ptr(k_base, (T_seq, K), (H * K, 1), (r0, kc0), (R, BKC), (1, 0)),
-                  boundary_check=CHK).to(tl.float32)
-    b_q = tl.load(tl.make_block_ptr(q_base, (T_seq, K), (H * K, 1), (r0, kc0), (R, BKC), (1, 0)),
-                  boundary_check=CHK).to(tl.float32)
-    b_g = tl.load(tl.make_block_ptr(g_base, (T_seq, K), (HV * K, 1), (r0, kc0), (R, BKC), (1, 0)),
-                  boundary_check=CHK).to(tl.float32)
+    [R, BKC] tiles (zero past the sequence end and K; CHK_R / CHK_C: the bounds checked, chunk_prepare_kernel's)."""
+    b_k = _tile_load(k_base, 0, T_seq, K, H * K, r0, kc0, R, BKC, CHK_R, CHK_C).to(tl.float32)
+    b_q = _tile_load(q_base, 0, T_seq, K, H * K, r0, kc0, R, BKC, CHK_R, CHK_C).to(tl.float32)
+    b_g = _tile_load(g_base, 0, T_seq, K, HV * K, r0, kc0, R, BKC, CHK_R, CHK_C).to(tl.float32)
     return b_k, b_q, b_g
 
 
@@ -126,7 +123,8 @@ def chunk_prepare_kernel(
     launch leaves that to it).
     FULL_ROWS (every chunk whole: no varlen, T a multiple of BTc) / FULL_COLS (K = BK, V = BVf): the tiles' row /
     column bounds checks left out."""
-    CHK: tl.constexpr = (() if FULL_COLS else (1,)) if FULL_ROWS else ((0,) if FULL_COLS else (0, 1))
+    CHK_R: tl.constexpr = 0 if FULL_ROWS else 1
+    CHK_C: tl.constexpr = 0 if FULL_COLS else 1
     if SIGNAL:
         i_bh, i_t = tl.program_id(0), tl.program_id(1)
         n_t = tl.num_programs(1)
@@ -161,7 +159,7 @@ def chunk_prepare_kernel(
         n_out = tl.zeros([], dtype=tl.int32)     # PASS 1: column chunks whose gate left the one-reference span
         for i_kc in range(BK // BKC):
             kc0 = i_kc * BKC
-            kf, qf, b_g = _kqg_tiles(k_base, q_base, g_base, t0, kc0, T_seq, H, HV, K, BTc, BKC, CHK)
+            kf, qf, b_g = _kqg_tiles(k_base, q_base, g_base, t0, kc0, T_seq, H, HV, K, BTc, BKC, CHK_R, CHK_C)
             b_G = tl.cumsum(tl.where(b_g < g_floor, g_floor, b_g), 0)                   # [BT, BKC]
             G_last = _row_of(b_G, BTc - 1, BTc)                                          # [BKC]
             # one reference for the whole chunk, r = G_last / 2 per channel, when every |G_i − r| of this
@@ -237,18 +235,14 @@ def chunk_prepare_kernel(
                 if T_FORM:
                     b_kx = kf * _exp(b_G)
             # q e^G, k e^{G_last − G} for stage 2 (both exponents ≤ 0)
-            tl.store(tl.make_block_ptr(qg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0),
-                                       (BTc, BKC), (1, 0)), b_qg.to(qg.dtype.element_ty), boundary_check=CHK)
-            tl.store(tl.make_block_ptr(kg + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
-                                       (1, 0)), b_kg.to(kg.dtype.element_ty), boundary_check=CHK)
+            _tile_store(qg, (bos * HV + i_h) * K, T_seq, K, HV * K, t0, kc0, b_qg, BTc, BKC, CHK_R, CHK_C)
+            _tile_store(kg, (bos * HV + i_h) * K, T_seq, K, HV * K, t0, kc0, b_kg, BTc, BKC, CHK_R, CHK_C)
             if GC_OUT:      # G itself, for the backward
-                tl.store(tl.make_block_ptr(gcum + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0),
-                                           (BTc, BKC), (1, 0)), b_G, boundary_check=CHK)
+                _tile_store(gcum, (bos * HV + i_h) * K, T_seq, K, HV * K, t0, kc0, b_G, BTc, BKC, CHK_R, CHK_C)
             o_k = kc0 + tl.arange(0, BKC)
             tl.store(glast + (slot * HV + i_h) * K + o_k, _exp(G_last), mask=o_k < K)
             if T_FORM:      # k e^G (exponent ≤ 0) for stage 2's (K ⊙ e^G) S, in W's place
-                tl.store(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
-                                           (1, 0)), b_kx.to(w.dtype.element_ty), boundary_check=CHK)
+                _tile_store(w, (bos * HV + i_h) * K, T_seq, K, HV * K, t0, kc0, b_kx, BTc, BKC, CHK_R, CHK_C)
         if PASS == 1:       # flagged: the second launch forms everything else
             tl.store(flag + i_bh * n_t + i_t, tl.minimum(n_out, 1))
             if n_out > 0:
@@ -257,12 +251,10 @@ def chunk_prepare_kernel(
         A = tl.where(strict, A, 0.)
         P = tl.where(incl, P, 0.)
     else:
-        b_k = tl.load(tl.make_block_ptr(k_base, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
-                      boundary_check=CHK)
+        b_k = _tile_load(k_base, 0, T_seq, K, H * K, t0, 0, BTc, BK, CHK_R, CHK_C)
         KK = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PREC)                       # [BT, BK] @ [BK, BT]
         if BWD or STORE_P:
-            b_q = tl.load(tl.make_block_ptr(q_base, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
-                          boundary_check=CHK)
+            b_q = _tile_load(q_base, 0, T_seq, K, H * K, t0, 0, BTc, BK, CHK_R, CHK_C)
             QK = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)                   # [BT, BK] @ [BK, BT]
         if GATE == 1:
             Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor, FULL_ROWS)       # [BT]
@@ -280,8 +272,7 @@ def chunk_prepare_kernel(
                 P = tl.where(incl, QK, 0.)
             b_ks = b_beta
     if not BWD and STORE_P:
-        tl.store(tl.make_block_ptr(p + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0), (BTc, BTc),
-                                   (1, 0)), P.to(p.dtype.element_ty), boundary_check=CHK)
+        _tile_store(p, (bos * HV + i_h) * BTc, T_seq, BTc, HV * BTc, t0, 0, P, BTc, BTc, CHK_R, 0)
 
     Tm = _solve_unit_lower(A, SOLVE_PREC, BTc, BCc)                                      # (I + A)^-1
     if SOLVE_PREC == "fp16":
@@ -293,50 +284,40 @@ def chunk_prepare_kernel(
         elif bad:
             Tm = _solve_unit_lower(A, REDO_PREC, BTc, BCc)
     if T_FORM:      # T diag(β) for stage 2, in U's place; no W, U (the training forward: T for the backward too)
-        tl.store(tl.make_block_ptr(u + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0),
-                                   (BTc, BTc), (1, 0)), (Tm * b_beta[None, :]).to(u.dtype.element_ty),
-                 boundary_check=CHK)
+        _tile_store(u, (bos * HV + i_h) * BTc, T_seq, BTc, HV * BTc, t0, 0, Tm * b_beta[None, :], BTc, BTc, CHK_R, 0)
         if STORE_T:
-            tl.store(tl.make_block_ptr(t_out + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0),
-                                       (BTc, BTc), (1, 0)), Tm.to(t_out.dtype.element_ty), boundary_check=CHK)
+            _tile_store(t_out, (bos * HV + i_h) * BTc, T_seq, BTc, HV * BTc, t0, 0, Tm, BTc, BTc, CHK_R, 0)
     else:
         if BWD or STORE_T:
-            tl.store(tl.make_block_ptr(t_out + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0),
-                                       (BTc, BTc), (1, 0)), Tm.to(t_out.dtype.element_ty), boundary_check=CHK)
+            _tile_store(t_out, (bos * HV + i_h) * BTc, T_seq, BTc, HV * BTc, t0, 0, Tm, BTc, BTc, CHK_R, 0)
         if BWD:
-            b_do = tl.load(tl.make_block_ptr(do + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf),
-                                             (1, 0)), boundary_check=CHK)
+            b_do = _tile_load(do, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, 0, BTc, BVf, CHK_R, CHK_C)
             if WU_LOWP:     # P in the input dtype, as the backward's W / U recompute does with 16-bit operands
                 b_drl = _mm(tl.trans(P.to(b_do.dtype)), b_do, MM_PREC)                       # [BT, BT] @ [BT, BV]
             else:
                 b_drl = _mm(tl.trans(P), b_do.to(tl.float32), MM_PREC)                       # [BT, BT] @ [BT, BV]
-            tl.store(tl.make_block_ptr(drl + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf), (1, 0)),
-                     (b_drl * scale).to(drl.dtype.element_ty), boundary_check=CHK)
+            _tile_store(drl, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, 0, b_drl * scale, BTc, BVf, CHK_R, CHK_C)
         if WU_LOWP:         # W, U products in the input dtype (tensor cores at the 16-bit rate), as fla does
             Tm = Tm.to(w.dtype.element_ty)
         if GATE == 2:
             # W = T (β e^G K), the right-hand side formed again per column chunk (e^G ≤ 1)
             for i_kc in range(BK // BKC):
                 kc0 = i_kc * BKC
-                kf = tl.load(tl.make_block_ptr(k_base, (T_seq, K), (H * K, 1), (t0, kc0), (BTc, BKC), (1, 0)),
-                             boundary_check=CHK).to(tl.float32)
-                b_g = tl.load(tl.make_block_ptr(g + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
-                                                (1, 0)), boundary_check=CHK).to(tl.float32)
+                kf = _tile_load(k_base, 0, T_seq, K, H * K, t0, kc0, BTc, BKC, CHK_R, CHK_C).to(tl.float32)
+                b_g = _tile_load(g, (bos * HV + i_h) * K, T_seq, K, HV * K, t0, kc0, BTc, BKC, CHK_R,
+                                 CHK_C).to(tl.float32)
                 b_G = tl.cumsum(tl.where(b_g < g_floor, g_floor, b_g), 0)
                 Xk = kf * b_beta[:, None] * _exp(b_G)
                 b_w = _mm(Tm, Xk.to(Tm.dtype), MM_PREC)                                      # [BT, BT] @ [BT, BKC]
-                tl.store(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, kc0), (BTc, BKC),
-                                           (1, 0)), b_w.to(w.dtype.element_ty), boundary_check=CHK)
+                _tile_store(w, (bos * HV + i_h) * K, T_seq, K, HV * K, t0, kc0, b_w, BTc, BKC, CHK_R, CHK_C)
         else:
             Xk = b_k.to(tl.float32) * b_ks[:, None]
             b_w = _mm(Tm, Xk.to(Tm.dtype), MM_PREC)                                          # [BT, BT] @ [BT, BK]
-            tl.store(tl.make_block_ptr(w + (bos * HV + i_h) * K, (T_seq, K), (HV * K, 1), (t0, 0), (BTc, BK), (1, 0)),
-                     b_w.to(w.dtype.element_ty), boundary_check=CHK)
-        Xv = tl.load(tl.make_block_ptr(v + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf),
-                                       (1, 0)), boundary_check=CHK).to(tl.float32) * b_beta[:, None]
+            _tile_store(w, (bos * HV + i_h) * K, T_seq, K, HV * K, t0, 0, b_w, BTc, BK, CHK_R, CHK_C)
+        Xv = _tile_load(v, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, 0, BTc, BVf, CHK_R, CHK_C).to(tl.float32) * \
+            b_beta[:, None]
         b_u = _mm(Tm, Xv.to(Tm.dtype), MM_PREC).to(u.dtype.element_ty)                      # [BT, BT] @ [BT, BV]
-        tl.store(tl.make_block_ptr(u + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, 0), (BTc, BVf), (1, 0)),
-                 b_u, boundary_check=CHK)
+        _tile_store(u, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, 0, b_u, BTc, BVf, CHK_R, CHK_C)
     if SIGNAL:
         if PASS == 1 and GATE != 2 and SOLVE_PREC == "fp16":    # a flagged program is published by the second launch
             if bad == 0:
@@ -359,18 +340,15 @@ def chunk_p_kernel(q, k, g, p, cu_seqlens, chunk_indices, T, NT, H, HV, K,
     bos, T_seq, t0, _ = _chunk_span(i_t, i_b, cu_seqlens, chunk_indices, T, NT, BTc, IS_VARLEN)
     o_t = tl.arange(0, BTc)
     incl = o_t[:, None] >= o_t[None, :]
-    b_q = tl.load(tl.make_block_ptr(q + (bos * H + i_hk) * K, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
-                  boundary_check=(0, 1))
-    b_k = tl.load(tl.make_block_ptr(k + (bos * H + i_hk) * K, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
-                  boundary_check=(0, 1))
+    b_q = _tile_load(q, (bos * H + i_hk) * K, T_seq, K, H * K, t0, 0, BTc, BK, 1, 1)
+    b_k = _tile_load(k, (bos * H + i_hk) * K, T_seq, K, H * K, t0, 0, BTc, BK, 1, 1)
     P = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)                            # [BT, BK] @ [BK, BT]
     if GATE == 1:
         Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor)                      # [BT]
         P = P * _exp(tl.where(incl, Gc[:, None] - Gc[None, :], float("-inf")))         # e^{G_i − G_j}, i ≥ j
     else:
         P = tl.where(incl, P, 0.)
-    tl.store(tl.make_block_ptr(p + (bos * HV + i_h) * BTc, (T_seq, BTc), (HV * BTc, 1), (t0, 0), (BTc, BTc), (1, 0)),
-             P.to(p.dtype.element_ty), boundary_check=(0, 1))
+    _tile_store(p, (bos * HV + i_h) * BTc, T_seq, BTc, HV * BTc, t0, 0, P, BTc, BTc, 1, 0)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import BT, G_FLOOR, INTERPRET, _alloc, _dim, _exp, _ensure_allocator, _wait_ready, cdiv
+from .common import (BT, G_FLOOR, INTERPRET, _alloc, _dim, _exp, _ensure_allocator, _tile_load, _tile_store,
+                     _wait_ready, cdiv)
 from .configs import ForwardPlan, Stage2Launch
 from .gate import _chunk_decay, _chunk_gate, _step_gate
 
@@ -41,10 +42,8 @@ def _state_step(i_t, S, k, v, g, bos, T_seq, i_h, i_hk, i_v, H, HV, K, V, BTc: t
     Returns (S, e^{G_last})."""
     o_t = tl.arange(0, BTc)
     t0 = i_t * BTc
-    b_k = tl.load(tl.make_block_ptr(k + (bos * H + i_hk) * K, (T_seq, K), (H * K, 1), (t0, 0), (BTc, BK), (1, 0)),
-                  boundary_check=(0, 1))
-    b_v = tl.load(tl.make_block_ptr(v + (bos * HV + i_h) * V, (T_seq, V), (HV * V, 1), (t0, i_v * BV), (BTc, BV),
-                                    (1, 0)), boundary_check=(0, 1))
+    b_k = _tile_load(k, (bos * H + i_hk) * K, T_seq, K, H * K, t0, 0, BTc, BK, 1, 1)
+    b_v = _tile_load(v, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, i_v * BV, BTc, BV, 1, 1)
     if GATE == 1:
         Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor)                    # [BT]
         G_last = tl.sum(tl.where(o_t == BTc - 1, Gc, 0.), 0)
@@ -65,8 +64,7 @@ def _tile(x, base, n_rows, n_cols, row_stride, r0, c0, R: tl.constexpr, C: tl.co
     if TMA:
         t = x.load([r0, c0])
     else:
-        t = tl.load(tl.make_block_ptr(x + base, (n_rows, n_cols), (row_stride, 1), (r0, c0), (R, C), (1, 0)),
-                    boundary_check=(0, 1))
+        t = _tile_load(x, base, n_rows, n_cols, row_stride, r0, c0, R, C, 1, 1)
     return t
 
 
@@ -165,8 +163,7 @@ def _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, 
     if TMA_O:       # o_base: a descriptor of this sequence's rows (the copy stops at its end)
         o_base.store([t0, i_v * BV], (b_o * scale).to(o_base.dtype))
     else:
-        tl.store(tl.make_block_ptr(o_base, (T_seq, V), (HV * V, 1), (t0, i_v * BV), (BTc, BV), (1, 0)),
-                 (b_o * scale).to(o_base.dtype.element_ty), boundary_check=(0, 1))
+        _tile_store(o_base, 0, T_seq, V, HV * V, t0, i_v * BV, b_o * scale, BTc, BV, 1, 1)
     if GATE == 1:
         S = S * b_dl
         b_Rd = (b_R * b_ek[:, None]).to(b_qd.dtype)
@@ -240,8 +237,7 @@ def _state_output_step_t(i_t, St, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_bas
     if TMA_O:
         o_base.store([t0, i_v * BV], b_o.to(o_base.dtype))
     else:
-        tl.store(tl.make_block_ptr(o_base, (T_seq, V), (HV * V, 1), (t0, i_v * BV), (BTc, BV), (1, 0)),
-                 b_o.to(o_base.dtype.element_ty), boundary_check=(0, 1))
+        _tile_store(o_base, 0, T_seq, V, HV * V, t0, i_v * BV, b_o, BTc, BV, 1, 1)
     if GATE == 1:
         St = St * b_dl
         b_Rt = b_Rt * b_ek[None, :]
