@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import BT, G_FLOOR, INTERPRET, _alloc, _dim, _mm_acc, cdiv
+from .common import BT, G_FLOOR, INTERPRET, _alloc, _and, _dim, _mm_acc, cdiv
 from .gate import _chunk_decay, _step_gate
 
 
@@ -290,8 +290,8 @@ def segment_state_kernel(
                 b_gl = b_gl_next
         base = (i_l.to(tl.int64) * HV + i_h) * K
         m_k = (o_k < K)[None, :]
-        tl.store(nn + (base + o_k[None, :]) * V + o_c[:, None], St, mask=m_k & (o_c < V)[:, None] & vals)
-        tl.store(mm + (base + o_k[None, :]) * K + o_c[:, None], St, mask=m_k & (o_c < K)[:, None] & is_m)
+        tl.store(nn + (base + o_k[None, :]) * V + o_c[:, None], St, mask=_and(m_k & (o_c < V)[:, None], vals))
+        tl.store(mm + (base + o_k[None, :]) * K + o_c[:, None], St, mask=_and(m_k & (o_c < K)[:, None], is_m))
 
 
 # ------------------------------------------------------------------------------------------------
