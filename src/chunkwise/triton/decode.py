@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import cdiv, next_pow2, on_tensor_device
+from .common import _and, cdiv, next_pow2, on_tensor_device
 
 GATE_NONE, GATE_SCALAR, GATE_CHANNEL = 0, 1, 2
 
@@ -218,7 +218,7 @@ def recurrent_fwd_kernel(
             b_h, b_o = _token_step(b_h, p_q, p_k, p_v, p_g, p_beta, m_k, m_v, live, scale, GATE, DELTA, FUSED)
             tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=o_v < V, eviction_policy="evict_first")
             if STORE_INTER:
-                m_i = m_h & (i_t - bos < T_buf)
+                m_i = _and(m_h, i_t - bos < T_buf)
                 tl.store(p_i + (i_t - bos) * s_i_t, b_h.to(p_i.dtype.element_ty), mask=m_i)
             p_q += H * K
             p_k += H * K
@@ -236,7 +236,7 @@ def recurrent_fwd_kernel(
             b_h, b_o = _token_step(b_h, p_q, p_k, p_v, p_g, p_beta, m_k, m_v, live, scale, GATE, DELTA, FUSED)
             tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=o_v < V)   # padding sequences: exact 0
             if STORE_INTER:
-                m_i = m_h & (i_t - bos < T_buf)
+                m_i = _and(m_h, i_t - bos < T_buf)
                 tl.store(p_i + (i_t - bos) * s_i_t, b_h.to(p_i.dtype.element_ty), mask=m_i)
             p_q += H * K
             p_k += H * K

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (BT, G_FLOOR, INTERPRET, _alloc, _dim, _exp, _ensure_allocator, _tile_load, _tile_store,
+from .common import (BT, G_FLOOR, INTERPRET, _alloc, _and, _dim, _exp, _ensure_allocator, _tile_load, _tile_store,
                      _wait_ready, cdiv)
 from .configs import ForwardPlan, Stage2Launch
 from .gate import _chunk_decay, _chunk_gate, _step_gate
@@ -290,7 +290,7 @@ def _store_checkpoint(ckpt, ckpt_slots, n_ckpt, S, i_t, i_n, i_h, T_seq, o_k, o_
             off, m = _state_offsets(o_k, o_v, 1, K, K, V, TRANS)
         else:
             off, m = _state_offsets(o_k, o_v, V, 1, K, V, TRANS)
-        m = m & (slot < n_ckpt) & ((i_t + 1) * BTc <= T_seq)
+        m = _and(m, (slot < n_ckpt) & ((i_t + 1) * BTc <= T_seq))
         tl.store(ckpt + (slot * HV + i_h) * K * V + off, S.to(ckpt.dtype.element_ty), mask=m)
 
 
