@@ -24,12 +24,6 @@ INPUTS = ("q", "k", "v", "g", "beta")
 # (NaN for every input; "inf" is -inf for the log-space gate, a decay of exactly zero, and +inf elsewhere)
 BAD = {"nan": float("nan"), "inf": float("inf")}
 
-# the Triton chunk forward still carries a later token's non-finite k, v, g or β into the earlier rows of its
-# 64-token chunk (through 0 · NaN in its lower-triangular products); q reaches its own row only
-TRITON_SPREADS = pytest.mark.xfail(strict=True, reason="the Triton chunk forward's triangular products carry a "
-                                                       "non-finite input into the earlier rows of its chunk")
-
-
 def poisoned(inp, which, t, bad, row=0):
     """A copy of inp whose input ``which`` holds ``bad`` at token t of batch row ``row`` (every head, channel)."""
     x = getattr(inp, which).clone()
@@ -42,15 +36,6 @@ def run(op, inp, backend):
               backend=backend)
 
 
-def spreads_on_triton(fam, which, bad):
-    """The cases the Triton chunk forward gets wrong today (see TRITON_SPREADS)."""
-    if which == "q":
-        return False
-    if which == "g" and FAMILIES[fam].gate == "scalar" and (fam == "gla" or bad == "inf"):
-        return False    # a scalar gate's −inf is raised to G_FLOOR first; simple GLA masks the exponent, not P
-    return True
-
-
 def _params():
     for backend in ("torch", "triton"):
         for fam in FAMS:
@@ -60,9 +45,7 @@ def _params():
                 for bad in BAD:
                     # (the torch chunk is 32 tokens, Triton's 64: 50 lies inside a chunk for both)
                     for t in ((1, 50, 99) if backend == "torch" and bad == "nan" else (50,)):
-                        marks = [TRITON_SPREADS] if backend == "triton" and spreads_on_triton(fam, which, bad) else []
-                        yield pytest.param(backend, fam, which, bad, t, marks=marks,
-                                           id=f"{backend}-{fam}-{which}-{bad}-t{t}")
+                        yield pytest.param(backend, fam, which, bad, t, id=f"{backend}-{fam}-{which}-{bad}-t{t}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -79,8 +62,13 @@ def test_nonfinite_input_reaches_no_earlier_token(backend, fam, which, bad, t):
     o, ht = run(CHUNK_OPS[fam], bad_inp, backend)
     # the tokens before t, and every token of the other sequence, as with finite inputs (the products meet the
     # later tokens only through exact zeros: the same bits)
-    assert torch.equal(o[1, :t], o_clean[1, :t]), \
-        f"tokens before {t} changed: first non-finite at {(~torch.isfinite(o[1])).flatten(1).any(1).nonzero()[:1].tolist()}"
+    where = f"first non-finite at {(~torch.isfinite(o[1])).flatten(1).any(1).nonzero()[:1].tolist()}"
+    if backend == "triton" and fam == "kda" and which == "g":
+        # (Triton's KDA factors e^{G_i − G_j} around the chunk's last gate, which the poisoned gate changes: the
+        # earlier tokens' products are rounded otherwise, not NaN)
+        assert torch.isfinite(o[1, :t]).all() and rel_err(o[1, :t], o_clean[1, :t]) < 1e-5, where
+    else:
+        assert torch.equal(o[1, :t], o_clean[1, :t]), f"tokens before {t} changed: {where}"
     assert torch.equal(o[0], o_clean[0]) and torch.isfinite(ht[0]).all()
     # and a non-finite value is never hidden: where the float64 recurrence's output is non-finite, so is this one
     row1 = dataclasses.replace(bad_inp, **{n: None if x is None else x[1:] for n, x in vars(bad_inp).items()
@@ -89,7 +77,7 @@ def test_nonfinite_input_reaches_no_earlier_token(backend, fam, which, bad, t):
     assert (~torch.isfinite(o[1]) | torch.isfinite(o_ref)).all(), "a non-finite output of the recurrence came out finite"
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=TRITON_SPREADS)])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("fam", FAMS)
 def test_nonfinite_input_varlen(fam, backend):
     """Packed sequences: a NaN in the second sequence leaves the first alone and its own earlier tokens too."""

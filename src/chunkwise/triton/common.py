@@ -57,6 +57,25 @@ def _and(mask, ok):
 
 
 @triton.jit
+def _finite(x):
+    """Where x is finite (a NaN compares false, an inf is not below inf)."""
+    return tl.abs(x) < float("inf")
+
+
+@triton.jit
+def _finite_or_zero(x):
+    """x with its non-finite elements replaced by 0 (same dtype)."""
+    return tl.where(_finite(x), x, tl.zeros_like(x))
+
+
+@triton.jit
+def _chunk_cut(nf, slot0, i_t, c1, i_h, HV, BTc: tl.constexpr):
+    """Chunk i_t's first row with a non-finite k, v, g or β (stage 1's nf [slots, HV] int32; BTc where none, and past
+    c1). Loaded a chunk ahead by the serial loops, like _chunk_decay's decay."""
+    return tl.load(nf + (slot0 + i_t) * HV + i_h, mask=i_t < c1, other=BTc)
+
+
+@triton.jit
 def _tile_ptrs(x, base, row_stride, r0, c0, R: tl.constexpr, C: tl.constexpr):
     """(pointers, row indices [R], column indices [C]) of rows r0 .. r0 + R − 1, columns c0 .. c0 + C − 1 of the
     row-major matrix at x + base (row stride row_stride). The tile's first row in int64 (token rows times H·K pass

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import BT, G_FLOOR, INTERPRET, _alloc, _and, _dim, _mm_acc, cdiv
+from .common import BT, G_FLOOR, INTERPRET, _alloc, _and, _chunk_cut, _dim, _mm_acc, cdiv
 from .gate import _chunk_decay, _step_gate
 
 
@@ -187,13 +187,15 @@ def _rows(x, bos, t0, T_seq, heads, i_h, D, R: tl.constexpr, C: tl.constexpr, TR
 @triton.jit
 def _segment_step(i_t, St, b_gl, k, v, w, u, g, gcum, kg, slot0, bos, T_seq, i_h, i_hk, c0, vals, H, HV, K, V,
                   BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, T_FORM: tl.constexpr,
-                  DOT_PREC: tl.constexpr, g_floor: tl.constexpr):
+                  DOT_PREC: tl.constexpr, g_floor: tl.constexpr, f):
     """One chunk of the state alone on Sᵀ [BV, BK] (stage 2's transposed step without its output)::
 
         Rᵀ = (Vᵀ − Sᵀ (K ⊙ e^G)ᵀ) (T diag(β))ᵀ   (T_FORM)      Rᵀ = Uᵀ − Sᵀ Wᵀ
         Sᵀ = e^{G_last} Sᵀ + Rᵀ (K ⊙ e^{G_last − G})
 
-    value columns c0 .. c0 + BV − 1 where ``vals`` (N's blocks), else no values (M's blocks: vals false, no loads)."""
+    value columns c0 .. c0 + BV − 1 where ``vals`` (N's blocks), else no values (M's blocks: vals false, no loads).
+    f: the chunk's first row with a non-finite input (stage 1's nf); below BTc the state after it is NaN (stage 1 took
+    those inputs as 0: a NaN of g or β would otherwise not reach it), so that the later segments' outputs are NaN."""
     t0 = i_t * BTc
     if GATE == 2:
         b_kd = _rows(kg, bos, t0, T_seq, HV, i_h, K, BTc, BK)
@@ -223,13 +225,14 @@ def _segment_step(i_t, St, b_gl, k, v, w, u, g, gcum, kg, slot0, bos, T_seq, i_h
     elif GATE == 2:
         St = St * b_gl[None, :]
     St += tl.dot(b_Rt.to(b_kd.dtype), b_kd, input_precision=DOT_PREC)                      # [BV, BT] @ [BT, BK]
-    return St
+    return tl.where(f < BTc, float("nan"), St)
 
 
 @triton.heuristics({"IS_VARLEN": lambda args: args["cu"] is not None})
 @triton.jit(do_not_specialize=["T", "NT", "NSEG", "H", "HV"])
 def segment_state_kernel(
     k, v, w, u, g, gcum, glast, kg,   # the pseudo batch's k, v and stage 1's outputs (stage 2's operands)
+    nf,                               # stage 1's [slots, HV] int32: each chunk's first row with a non-finite input
     nn, mm,                           # out: [NL, HV, K, V], [NL, HV, K, K] fp32: each segment's N and M
     nl2p, pfirst, cu,                 # varlen: SplitBatch's
     T, NT, NSEG, H, HV, K, V,
@@ -274,20 +277,25 @@ def segment_state_kernel(
         St = tl.where(is_m & (o_c[:, None] == o_k[None, :]), 1., 0.).to(tl.float32)     # [BV, BK]: Mᵀ's rows
         vals = ~is_m
         b_gl = _chunk_decay(glast, slot0, 0, n_chunks, i_h, HV, K, BK, GATE, GATE == 1)
+        b_f = _chunk_cut(nf, slot0, 0, n_chunks, i_h, HV, BTc)
         if LOOP_WHILE:      # the triton 3.6 interpreter cannot take a tensor bound in range()
             i_t = 0
             while i_t < n_chunks:
                 b_gl_next = _chunk_decay(glast, slot0, i_t + 1, n_chunks, i_h, HV, K, BK, GATE, GATE == 1)
+                b_f_next = _chunk_cut(nf, slot0, i_t + 1, n_chunks, i_h, HV, BTc)
                 St = _segment_step(i_t, St, b_gl, k, v, w, u, g, gcum, kg, slot0, bos, T_seq, i_h, i_hk, c0, vals,
-                                   H, HV, K, V, BTc, BK, BV, GATE, T_FORM, DOT_PREC, g_floor)
+                                   H, HV, K, V, BTc, BK, BV, GATE, T_FORM, DOT_PREC, g_floor, b_f)
                 b_gl = b_gl_next
+                b_f = b_f_next
                 i_t += 1
         else:
             for i_t in range(0, n_chunks):
                 b_gl_next = _chunk_decay(glast, slot0, i_t + 1, n_chunks, i_h, HV, K, BK, GATE, GATE == 1)
+                b_f_next = _chunk_cut(nf, slot0, i_t + 1, n_chunks, i_h, HV, BTc)
                 St = _segment_step(i_t, St, b_gl, k, v, w, u, g, gcum, kg, slot0, bos, T_seq, i_h, i_hk, c0, vals,
-                                   H, HV, K, V, BTc, BK, BV, GATE, T_FORM, DOT_PREC, g_floor)
+                                   H, HV, K, V, BTc, BK, BV, GATE, T_FORM, DOT_PREC, g_floor, b_f)
                 b_gl = b_gl_next
+                b_f = b_f_next
         base = (i_l.to(tl.int64) * HV + i_h) * K
         m_k = (o_k < K)[None, :]
         tl.store(nn + (base + o_k[None, :]) * V + o_c[:, None], St, mask=_and(m_k & (o_c < V)[:, None], vals))
@@ -373,7 +381,7 @@ def segment_starts(sb: SplitBatch, stage1: dict, g, initial_state, transpose_sta
     if sb.NL > 0:
         bv, warps, stages = launch
         segment_state_kernel[(cdiv(V, bv) + cdiv(K, bv), sb.NL * HV)](
-            sb.k, sb.v, stage1["w"], stage1["u"], g, stage1["gcum"], stage1["glast"], stage1["kg"], nn, mm,
+            sb.k, sb.v, stage1["w"], stage1["u"], g, stage1["gcum"], stage1["glast"], stage1["kg"], stage1["nf"], nn, mm,
             sb.nl2p, sb.pfirst, sb.cu_seqlens, T, NT, sb.nseg, H, HV, K, V,
             BTc=BT, BK=_dim(K), BV=bv, GATE=gate, T_FORM=t_form, USE_H0=initial_state is not None,
             DOT_PREC=dot_prec, g_floor=G_FLOOR, LOOP_WHILE=INTERPRET, num_warps=warps, num_stages=stages)

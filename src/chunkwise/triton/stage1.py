@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (BC, BT, G_FLOOR, SPAN_MAX, _alloc, _by_block, _chunk_span, _dim, _exp, _mm, _row_of,
-                     _signal_ready, _tile_load, _tile_store, cdiv, chunk_slots, chunks_whole, gate_kind)
+from .common import (BC, BT, G_FLOOR, SPAN_MAX, _alloc, _by_block, _chunk_span, _dim, _exp, _finite, _finite_or_zero,
+                     _mm, _row_of, _signal_ready, _tile_load, _tile_store, cdiv, chunk_slots, chunks_whole, gate_kind)
 from .configs import ForwardPlan, forward_plan, precisions, saved_t_dtype, wu_lowp_ok
 from .gate import _block_starts, _chunk_gate
 from .solve import _solve_unit_lower
@@ -72,6 +72,19 @@ def _kda_diag_exact(kf, qf, bk, b_G, skip, BTc: tl.constexpr, BCc: tl.constexpr)
     return Ad, Pd
 
 
+@triton.jit
+def _chunk_gate_finite(g, bos, t0, T_seq, i_h, HV, BTc: tl.constexpr, g_floor: tl.constexpr, FULL_ROWS: tl.constexpr):
+    """_chunk_gate with each non-finite clamped gate (NaN, +inf) taken as 0: (G [BT], 1 on the rows that held one)."""
+    o_t = tl.arange(0, BTc)
+    if FULL_ROWS:
+        b_g = tl.load(g + (bos + t0 + o_t) * HV + i_h).to(tl.float32)
+    else:
+        b_g = tl.load(g + (bos + t0 + o_t) * HV + i_h, mask=t0 + o_t < T_seq, other=0.).to(tl.float32)
+    b_g = tl.where(b_g < g_floor, g_floor, b_g)
+    ok = _finite(b_g)
+    return tl.cumsum(tl.where(ok, b_g, 0.), 0), tl.where(ok, 0, 1)
+
+
 # ------------------------------------------------------------------------------------------------
 # the kernels
 # ------------------------------------------------------------------------------------------------
@@ -97,6 +110,7 @@ def chunk_prepare_kernel(
     BWD: tl.constexpr = 0, STORE_T: tl.constexpr = 0, STORE_P: tl.constexpr = 1, GC_OUT: tl.constexpr = 0,
     PASS: tl.constexpr = 0, T_FORM: tl.constexpr = 0, AP_LOWP: tl.constexpr = 0, REDO_PREC: tl.constexpr = "tf32",
     SIGNAL: tl.constexpr = 0, FULL_ROWS: tl.constexpr = 0, FULL_COLS: tl.constexpr = 0,
+    nf=None, NF_OUT: tl.constexpr = 0,
 ):
     """One chunk of one value head (module docstring). Grid (chunks, B·HV); SIGNAL: (B·HV, chunks).
 
@@ -122,7 +136,10 @@ def chunk_prepare_kernel(
     first, and each program, once its outputs are stored, sets ready[slot, head] (a program flagged to a second
     launch leaves that to it).
     FULL_ROWS (every chunk whole: no varlen, T a multiple of BTc) / FULL_COLS (K = BK, V = BVf): the tiles' row /
-    column bounds checks left out."""
+    column bounds checks left out.
+    NF_OUT (the forward): every non-finite k, v, β and clamped g is taken as 0 before any product, so that the
+    outputs stay finite and their rows before the first such row f are those of finite inputs; f (BTc if none)
+    -> nf[slot, head] for stage 2, which makes the outputs from f on and the state after the chunk NaN."""
     CHK_R: tl.constexpr = 0 if FULL_ROWS else 1
     CHK_C: tl.constexpr = 0 if FULL_COLS else 1
     if SIGNAL:
@@ -147,6 +164,9 @@ def chunk_prepare_kernel(
         b_beta = tl.load(beta + bos * HV + i_h + (t0 + o_t) * HV).to(tl.float32)
     else:
         b_beta = tl.load(beta + bos * HV + i_h + (t0 + o_t) * HV, mask=t0 + o_t < T_seq, other=0.).to(tl.float32)
+    if NF_OUT:          # rb: 1 on the rows with a non-finite input
+        rb = tl.where(_finite(b_beta), 0, 1)
+        b_beta = _finite_or_zero(b_beta)
     q_base = q + (bos * H + i_hk) * K
     k_base = k + (bos * H + i_hk) * K
 
@@ -160,6 +180,11 @@ def chunk_prepare_kernel(
         for i_kc in range(BK // BKC):
             kc0 = i_kc * BKC
             kf, qf, b_g = _kqg_tiles(k_base, q_base, g_base, t0, kc0, T_seq, H, HV, K, BTc, BKC, CHK_R, CHK_C)
+            if NF_OUT:
+                b_g = tl.where(b_g < g_floor, g_floor, b_g)
+                rb = tl.maximum(rb, tl.max(tl.where(_finite(kf) & _finite(b_g), 0, 1), 1))
+                kf = _finite_or_zero(kf)
+                b_g = _finite_or_zero(b_g)
             b_G = tl.cumsum(tl.where(b_g < g_floor, g_floor, b_g), 0)                   # [BT, BKC]
             G_last = _row_of(b_G, BTc - 1, BTc)                                          # [BKC]
             # one reference for the whole chunk, r = G_last / 2 per channel, when every |G_i − r| of this
@@ -252,12 +277,19 @@ def chunk_prepare_kernel(
         P = tl.where(incl, P, 0.)
     else:
         b_k = _tile_load(k_base, 0, T_seq, K, H * K, t0, 0, BTc, BK, CHK_R, CHK_C)
+        if NF_OUT:
+            rb = tl.maximum(rb, tl.max(tl.where(_finite(b_k), 0, 1), 1))
+            b_k = _finite_or_zero(b_k)
         KK = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PREC)                       # [BT, BK] @ [BK, BT]
         if BWD or STORE_P:
             b_q = _tile_load(q_base, 0, T_seq, K, H * K, t0, 0, BTc, BK, CHK_R, CHK_C)
             QK = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)                   # [BT, BK] @ [BK, BT]
         if GATE == 1:
-            Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor, FULL_ROWS)       # [BT]
+            if NF_OUT:
+                Gc, rg = _chunk_gate_finite(g, bos, t0, T_seq, i_h, HV, BTc, g_floor, FULL_ROWS)
+                rb = tl.maximum(rb, rg)
+            else:
+                Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor, FULL_ROWS)   # [BT]
             if GC_OUT:
                 tl.store(gcum + (slot * HV + i_h) * BTc + o_t, Gc)
                 tl.store(glast + slot * HV + i_h, tl.sum(tl.where(o_t == BTc - 1, Gc, 0.), 0))
@@ -306,6 +338,9 @@ def chunk_prepare_kernel(
                 kf = _tile_load(k_base, 0, T_seq, K, H * K, t0, kc0, BTc, BKC, CHK_R, CHK_C).to(tl.float32)
                 b_g = _tile_load(g, (bos * HV + i_h) * K, T_seq, K, HV * K, t0, kc0, BTc, BKC, CHK_R,
                                  CHK_C).to(tl.float32)
+                if NF_OUT:
+                    kf = _finite_or_zero(kf)
+                    b_g = _finite_or_zero(tl.where(b_g < g_floor, g_floor, b_g))
                 b_G = tl.cumsum(tl.where(b_g < g_floor, g_floor, b_g), 0)
                 Xk = kf * b_beta[:, None] * _exp(b_G)
                 b_w = _mm(Tm, Xk.to(Tm.dtype), MM_PREC)                                      # [BT, BT] @ [BT, BKC]
@@ -314,10 +349,18 @@ def chunk_prepare_kernel(
             Xk = b_k.to(tl.float32) * b_ks[:, None]
             b_w = _mm(Tm, Xk.to(Tm.dtype), MM_PREC)                                          # [BT, BT] @ [BT, BK]
             _tile_store(w, (bos * HV + i_h) * K, T_seq, K, HV * K, t0, 0, b_w, BTc, BK, CHK_R, CHK_C)
-        Xv = _tile_load(v, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, 0, BTc, BVf, CHK_R, CHK_C).to(tl.float32) * \
-            b_beta[:, None]
+        b_v = _tile_load(v, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, 0, BTc, BVf, CHK_R, CHK_C).to(tl.float32)
+        if NF_OUT:
+            rb = tl.maximum(rb, tl.max(tl.where(_finite(b_v), 0, 1), 1))
+            b_v = _finite_or_zero(b_v)
+        Xv = b_v * b_beta[:, None]
         b_u = _mm(Tm, Xv.to(Tm.dtype), MM_PREC).to(u.dtype.element_ty)                      # [BT, BT] @ [BT, BV]
         _tile_store(u, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, 0, b_u, BTc, BVf, CHK_R, CHK_C)
+    if NF_OUT:
+        if T_FORM:      # (v is read for this alone: stage 2 takes it raw)
+            b_v = _tile_load(v, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, 0, BTc, BVf, CHK_R, CHK_C)
+            rb = tl.maximum(rb, tl.max(tl.where(_finite(b_v), 0, 1), 1))
+        tl.store(nf + slot * HV + i_h, tl.min(tl.where(rb > 0, o_t, BTc), 0))
     if SIGNAL:
         if PASS == 1 and GATE != 2 and SOLVE_PREC == "fp16":    # a flagged program is published by the second launch
             if bad == 0:
@@ -345,7 +388,8 @@ def chunk_p_kernel(q, k, g, p, cu_seqlens, chunk_indices, T, NT, H, HV, K,
     P = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)                            # [BT, BK] @ [BK, BT]
     if GATE == 1:
         Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor)                      # [BT]
-        P = P * _exp(tl.where(incl, Gc[:, None] - Gc[None, :], float("-inf")))         # e^{G_i − G_j}, i ≥ j
+        # (a where, not the exact zero of e^{-inf}: 0 · NaN would carry a later key's NaN into the earlier rows)
+        P = tl.where(incl, P * _exp(tl.where(incl, Gc[:, None] - Gc[None, :], float("-inf"))), 0.)
     else:
         P = tl.where(incl, P, 0.)
     _tile_store(p, (bos * HV + i_h) * BTc, T_seq, BTc, HV * BTc, t0, 0, P, BTc, BTc, 1, 0)
@@ -371,7 +415,8 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, *, plan
     [B,T,HV,64] and w (per-channel g) K ⊙ e^G [B,T,HV,K] or None, in q's dtype. ``ready`` ([slots, HV] int32,
     zeroed): the chunk-major grid, each program setting its entry once its outputs are stored, for a stage 2
     launched beside it. ``save_g`` (per-channel g): also G [B,T,HV,K] fp32, the chunk-local cumulative gate, for the
-    backward (key "G").
+    backward (key "G"). nf [slots, HV] int32: each chunk's first row with a non-finite k, v, g or β (64 if none),
+    whose own outputs above are those of the chunk with those inputs taken as 0 (stage 2 makes its outputs NaN).
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -412,6 +457,7 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, *, plan
     else:
         launches = [(0, plan.solve_prec)]
     grid = (n_chunks, B * HV) if ready is None else (B * HV, n_chunks)
+    nf = torch.empty((slots, HV), dtype=torch.int32, device=dev)     # each chunk's first non-finite row
     full_rows, full_cols = chunks_whole(T, cu_seqlens is not None), K == _dim(K) and V == _dim(V)
     regs = {} if plan.prep_maxnreg is None else {"maxnreg": plan.prep_maxnreg}
     for pass_, s_prec in launches if n_chunks > 0 else ():
@@ -421,11 +467,11 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, *, plan
             GATE=gate, DOT_PREC=plan.dot_prec, MM_PREC=plan.mm_prec, SOLVE_PREC=s_prec,
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=plan.wu_lowp, STORE_T=save_t, STORE_P=store_p,
             GC_OUT=gcum is not None, PASS=pass_, T_FORM=t_form, AP_LOWP=plan.ap_lowp, REDO_PREC=plan.redo_prec,
-            SIGNAL=ready is not None, FULL_ROWS=full_rows, FULL_COLS=full_cols,
+            SIGNAL=ready is not None, FULL_ROWS=full_rows, FULL_COLS=full_cols, nf=nf, NF_OUT=True,
             num_warps=plan.prep_warps, num_stages=plan.prep_stages, **regs)
     # (the kernel's gcum: G by chunk for a scalar gate, stage 2's; G per token and channel for KDA, the backward's)
     return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, t=t, gcum=gcum if gate == 1 else None,
-                G=gcum if gate == 2 else None)
+                G=gcum if gate == 2 else None, nf=nf)
 
 
 def chunk_prepare_bwd(q, k, v, g, beta, do, scale, w, u, t_out, drl, cu_seqlens=None, chunk_indices=None,

@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (BT, G_FLOOR, INTERPRET, _alloc, _and, _dim, _exp, _ensure_allocator, _tile_load, _tile_store,
-                     _wait_ready, cdiv)
+from .common import (BT, G_FLOOR, INTERPRET, _alloc, _and, _chunk_cut, _dim, _exp, _ensure_allocator, _finite,
+                     _tile_load, _tile_store, _wait_ready, cdiv)
 from .configs import ForwardPlan, Stage2Launch
 from .gate import _chunk_decay, _chunk_gate, _step_gate
 
@@ -100,8 +100,13 @@ def _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, 
                        BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        GATE: tl.constexpr, DELTA: tl.constexpr, P_IN: tl.constexpr, GC_IN: tl.constexpr,
                        DOT_PREC: tl.constexpr, g_floor: tl.constexpr, TMA: tl.constexpr = 0,
-                       TMA_O: tl.constexpr = 0, STORE_R: tl.constexpr = 0, T_FORM: tl.constexpr = 0):
+                       TMA_O: tl.constexpr = 0, STORE_R: tl.constexpr = 0, T_FORM: tl.constexpr = 0, f=BT,
+                       NF: tl.constexpr = 0):
     """One chunk of stage 2: returns the state after chunk i_t, writes its rows of o. b_gl: _chunk_decay's.
+    NF (non-finite inputs, docs/design.md): 1, f is the chunk's first row with a non-finite k, v, g or β (stage 1's,
+    whose outputs took those as 0); 2 (simple GLA), f is found here from v (the raw k, g reach only rows >= their own
+    through P's where and the gate's cumsum). Whatever meets the triangular products is cut at f by a where; the
+    output rows from f on and (f < BTc) the state after the chunk are NaN.
     TMA: q, k, v, w, u, p, qg, kg are _tma_view descriptors; TMA_O: o_base too (the output's stores).
     STORE_R (a forward saved for the backward, delta families): R -> rs [B, T, HV, V] (before any gate scales it), in
     its dtype, from which the backward's forward state pass forms the per-chunk states.
@@ -123,6 +128,9 @@ def _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, 
             _store_r(rs, b_R, bos, t0, T_seq, i_h, i_v, HV, V, BTc, BV)
     else:
         b_R = _tile(v, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, i_v * BV, BTc, BV, TMA).to(tl.float32)
+        if NF == 2:
+            f = tl.min(tl.min(tl.where(_finite(b_R), BTc, o_t[:, None]), 1), 0)
+            b_R = tl.where(o_t[:, None] < f, b_R, 0.)
     if GATE == 2:
         b_qd = _tile(qg, (bos * HV + i_h) * K, T_seq, K, HV * K, t0, 0, BTc, BK, TMA)
         b_kd = _tile(kg, (bos * HV + i_h) * K, T_seq, K, HV * K, t0, 0, BTc, BK, TMA)
@@ -142,6 +150,8 @@ def _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, 
         if GATE == 1:
             b_Z = b_Z * b_eg[:, None]
         b_Z = b_v.to(tl.float32) - b_Z
+        if NF:
+            b_Z = tl.where(o_t[:, None] < f, b_Z, 0.)
         b_R = tl.dot(b_T, b_Z.to(b_T.dtype), input_precision=DOT_PREC)              # [BT, BT] @ [BT, BV]
         if STORE_R:
             _store_r(rs, b_R, bos, t0, T_seq, i_h, i_v, HV, V, BTc, BV)
@@ -150,7 +160,9 @@ def _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, 
     else:
         b_P = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)              # [BT, BK] @ [BK, BT]
         if GATE == 1:
-            b_P = b_P * _exp(tl.where(o_t[:, None] >= o_t[None, :], Gc[:, None] - Gc[None, :], float("-inf")))
+            b_P = tl.where(o_t[:, None] >= o_t[None, :],
+                           b_P * _exp(tl.where(o_t[:, None] >= o_t[None, :], Gc[:, None] - Gc[None, :], float("-inf"))),
+                           0.)
         else:
             b_P = tl.where(o_t[:, None] >= o_t[None, :], b_P, 0.)
         b_P = b_P.to(b_q.dtype)
@@ -160,16 +172,25 @@ def _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, 
     if GATE == 1:
         b_o = b_o * b_eg[:, None]
     b_o += tl.dot(b_P.to(b_qd.dtype), b_Rd, input_precision=DOT_PREC)             # [BT, BT] @ [BT, BV]
+    if NF:
+        b_o = tl.where(o_t[:, None] < f, b_o, float("nan"))
     if TMA_O:       # o_base: a descriptor of this sequence's rows (the copy stops at its end)
         o_base.store([t0, i_v * BV], (b_o * scale).to(o_base.dtype))
     else:
         _tile_store(o_base, 0, T_seq, V, HV * V, t0, i_v * BV, b_o * scale, BTc, BV, 1, 1)
+    # (NF: the state's NaN comes through a factor formed off its chain where the gate has one)
     if GATE == 1:
         S = S * b_dl
+        if NF:
+            b_ek = tl.where(o_t < f, b_ek, float("nan"))
         b_Rd = (b_R * b_ek[:, None]).to(b_qd.dtype)
     elif GATE == 2:
+        if NF:
+            b_dl = tl.where(f < BTc, float("nan"), b_gl)[:, None]
         S = S * b_dl
     S += tl.dot(tl.trans(b_kd), b_Rd, input_precision=DOT_PREC)                  # [BK, BT] @ [BT, BV]
+    if NF and GATE == 0:
+        S = tl.where(f < BTc, float("nan"), S)
     return S
 
 
@@ -179,7 +200,8 @@ def _state_output_step_t(i_t, St, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_bas
                          BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                          GATE: tl.constexpr, P_IN: tl.constexpr, GC_IN: tl.constexpr,
                          DOT_PREC: tl.constexpr, g_floor: tl.constexpr, TMA: tl.constexpr = 0,
-                         TMA_O: tl.constexpr = 0, STORE_R: tl.constexpr = 0, T_FORM: tl.constexpr = 0):
+                         TMA_O: tl.constexpr = 0, STORE_R: tl.constexpr = 0, T_FORM: tl.constexpr = 0, f=BT,
+                         NF: tl.constexpr = 0):
     """_state_output_step on the transposed state St = Sᵀ [BV, BK] (TRANS): every product takes St or Rᵀ, values
     in registers, as its first operand and a loaded tile as its second, so nothing on the state's chain is staged
     through shared memory, and at BV < 64 the products are warp-level (mma v2) ones the compiler can overlap::
@@ -204,6 +226,8 @@ def _state_output_step_t(i_t, St, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_bas
             Gc, b_dl, b_eg, b_ek = _step_gate(g, gcum, b_gl, slot0 + i_t, bos, t0, T_seq, i_h, HV, BTc, GC_IN, g_floor)
             b_Zt = b_Zt * b_eg[None, :]
         b_Zt = tl.trans(b_v).to(tl.float32) - b_Zt
+        if NF:
+            b_Zt = tl.where(o_t[None, :] < f, b_Zt, 0.)
         b_Rt = tl.dot(b_Zt.to(b_T.dtype), tl.trans(b_T), input_precision=DOT_PREC)      # [BV, BT] @ [BT, BT]
         if STORE_R:
             _store_r(rs, b_Rt, bos, t0, T_seq, i_h, i_v, HV, V, BTc, BV, True)
@@ -234,16 +258,25 @@ def _state_output_step_t(i_t, St, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_bas
         b_ot = b_ot * b_eg[None, :]
     b_ot += tl.dot(b_Rt.to(b_qd.dtype), b_Pt.to(b_qd.dtype), input_precision=DOT_PREC)   # [BV, BT] @ [BT, BT]
     b_o = tl.trans(b_ot * scale)
+    if NF:
+        b_o = tl.where(o_t[:, None] < f, b_o, float("nan"))
     if TMA_O:
         o_base.store([t0, i_v * BV], b_o.to(o_base.dtype))
     else:
         _tile_store(o_base, 0, T_seq, V, HV * V, t0, i_v * BV, b_o, BTc, BV, 1, 1)
     if GATE == 1:
         St = St * b_dl
+        if NF:
+            b_ek = tl.where(o_t < f, b_ek, float("nan"))
         b_Rt = b_Rt * b_ek[None, :]
     elif GATE == 2:
-        St = St * b_gl[None, :]
+        b_glf = b_gl
+        if NF:
+            b_glf = tl.where(f < BTc, float("nan"), b_gl)
+        St = St * b_glf[None, :]
     St += tl.dot(b_Rt.to(b_qd.dtype), b_kd, input_precision=DOT_PREC)             # [BV, BT] @ [BT, BK]
+    if NF and GATE == 0:
+        St = tl.where(f < BTc, float("nan"), St)
     return St
 
 
@@ -252,17 +285,18 @@ def _state_output_chunk(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base,
                         i_v, scale, H, HV, K, V, BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                         GATE: tl.constexpr, DELTA: tl.constexpr, P_IN: tl.constexpr, GC_IN: tl.constexpr,
                         DOT_PREC: tl.constexpr, g_floor: tl.constexpr, TMA: tl.constexpr, TMA_O: tl.constexpr,
-                        STORE_R: tl.constexpr, TRANS: tl.constexpr, T_FORM: tl.constexpr = 0):
+                        STORE_R: tl.constexpr, TRANS: tl.constexpr, T_FORM: tl.constexpr = 0, f=BT,
+                        NF: tl.constexpr = 0):
     """One chunk of stage 2 on S [BK, BV] (_state_output_step) or, TRANS, on Sᵀ [BV, BK] (_state_output_step_t)."""
     if TRANS:
         tl.static_assert(DELTA, "the transposed step is the delta rule's")
         S = _state_output_step_t(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, rs, slot0, bos, T_seq,
                                  i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, P_IN, GC_IN, DOT_PREC,
-                                 g_floor, TMA, TMA_O, STORE_R, T_FORM)
+                                 g_floor, TMA, TMA_O, STORE_R, T_FORM, f, NF)
     else:
         S = _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, rs, slot0, bos, T_seq,
                                i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, GC_IN, DOT_PREC,
-                               g_floor, TMA, TMA_O, STORE_R, T_FORM)
+                               g_floor, TMA, TMA_O, STORE_R, T_FORM, f, NF)
     return S
 
 
@@ -318,6 +352,7 @@ def chunk_state_output_kernel(
     TMA: tl.constexpr = 0, TMA_O: tl.constexpr = 0, STORE_R: tl.constexpr = 0, TRANS: tl.constexpr = 0,
     T_FORM: tl.constexpr = 0, WAIT: tl.constexpr = 0, FENCE: tl.constexpr = 0,
     ckpt=None, ckpt_slots=None, n_ckpt=None, CKPT: tl.constexpr = 0, CKPT_VK: tl.constexpr = 0,
+    nf=None, NF: tl.constexpr = 0,
 ):
     """Stage 2 (module docstring). Grid (cdiv(V, BV), N·HV); S [BK, BV] fp32 stays in registers (TRANS, SEG = 0:
     Sᵀ [BV, BK], the products' first operand; _state_output_step_t).
@@ -347,6 +382,9 @@ def chunk_state_output_kernel(
     CKPT (> 0, chunks per checkpoint; off: nothing of it is built): prefix checkpoints, the state after every CKPT
     chunks of a sequence into ckpt (_store_checkpoint; sequence n's first slot ckpt_slots[n]), in every form (the
     SEG = 2 pass and the TRANS step carry the true state after each chunk too).
+
+    NF (non-finite inputs): 1, each chunk's first row with a non-finite input from stage 1's nf [slots, HV] (loaded
+    a chunk ahead); 2 (simple GLA), found by each step from v (_state_output_step).
     """
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
@@ -413,6 +451,9 @@ def chunk_state_output_kernel(
                 if c0 + i_w < c1:
                     _wait_ready(ready, slot0 + c0 + i_w, i_h, HV, FENCE, not LOOP_WHILE)
         b_gl = _chunk_decay(glast, slot0, c0, c1, i_h, HV, K, BK, GATE, GC_IN)
+        b_f = tl.full([], BTc, tl.int32)
+        if NF == 1:
+            b_f = _chunk_cut(nf, slot0, c0, c1, i_h, HV, BTc)
         if TMA:         # the tiles the loop loads, as tensor descriptors of this sequence and head (made once)
             q = _tma_view(q, (bos * H + i_hk) * K, T_seq, K, H * K, BTc, BK, GATE != 2)
             k = _tma_view(k, (bos * H + i_hk) * K, T_seq, K, H * K, BTc, BK, GATE != 2)
@@ -432,26 +473,34 @@ def chunk_state_output_kernel(
                 if WAIT:
                     _wait_ready(ready, slot0 + tl.minimum(i_t + WAIT, c1 - 1), i_h, HV, FENCE, not LOOP_WHILE)
                 b_gl_next = _chunk_decay(glast, slot0, i_t + 1, c1, i_h, HV, K, BK, GATE, GC_IN)
+                if NF == 1:
+                    b_f_next = _chunk_cut(nf, slot0, i_t + 1, c1, i_h, HV, BTc)
                 S = _state_output_chunk(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, rs, slot0, bos,
                                         T_seq, i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, GC_IN,
-                                        DOT_PREC, g_floor, TMA, TMA_O, STORE_R, TRANS, T_FORM)
+                                        DOT_PREC, g_floor, TMA, TMA_O, STORE_R, TRANS, T_FORM, b_f, NF)
                 if CKPT > 0:
                     _store_checkpoint(ckpt, ckpt_slots, n_ckpt, S, i_t, i_n, i_h, T_seq, o_k, o_v, HV, K, V, BTc, CKPT,
                                       CKPT_VK, TRANS)
                 b_gl = b_gl_next
+                if NF == 1:
+                    b_f = b_f_next
                 i_t += 1
         else:               # compiled: a for loop, so that the loads of later chunks are pipelined
             for i_t in range(c0, c1):
                 if WAIT:
                     _wait_ready(ready, slot0 + tl.minimum(i_t + WAIT, c1 - 1), i_h, HV, FENCE, not LOOP_WHILE)
                 b_gl_next = _chunk_decay(glast, slot0, i_t + 1, c1, i_h, HV, K, BK, GATE, GC_IN)
+                if NF == 1:
+                    b_f_next = _chunk_cut(nf, slot0, i_t + 1, c1, i_h, HV, BTc)
                 S = _state_output_chunk(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, rs, slot0, bos,
                                         T_seq, i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, GC_IN,
-                                        DOT_PREC, g_floor, TMA, TMA_O, STORE_R, TRANS, T_FORM)
+                                        DOT_PREC, g_floor, TMA, TMA_O, STORE_R, TRANS, T_FORM, b_f, NF)
                 if CKPT > 0:
                     _store_checkpoint(ckpt, ckpt_slots, n_ckpt, S, i_t, i_n, i_h, T_seq, o_k, o_v, HV, K, V, BTc, CKPT,
                                       CKPT_VK, TRANS)
                 b_gl = b_gl_next
+                if NF == 1:
+                    b_f = b_f_next
 
     if STORE_HT and SEG != 1:
         if i_s == NSEG - 1:     # the last segment (always, without SEG)
@@ -530,4 +579,5 @@ def chunk_state_output(q, k, v, g, beta, stage1: dict, o, initial_state, ht, rs,
                 SUB=sub if seg_mode == 2 else 1, GC_IN=delta and gate == 1, TMA=tma, TMA_O=tma_o,
                 STORE_R=rs is not None, TRANS=int(trans and seg_mode == 0), T_FORM=plan.t_form,
                 WAIT=stages_m + 1 if overlap else 0, FENCE=bool(overlap and tma and not INTERPRET),
+                nf=stage1.get("nf"), NF=1 if delta else 2,
                 num_warps=warps_m, num_stages=stages_m, **(ckpt_args if seg_mode != 1 else {}))
