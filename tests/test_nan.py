@@ -92,6 +92,54 @@ def test_nonfinite_input_varlen(fam, backend):
     assert o[0, t:].isnan().any(-1).all() and ht[1].isnan().any()
 
 
+# the Triton forward's other forms, by plan (the defaults above take the plain step at a 16-wide value block, the T
+# form, P from stage 1 for GDN / KDA): the transposed step, W / U (the training forward's), P formed the other way,
+# stage 2 beside stage 1, the fp16 solve with its redo, the delta families' sequence split, the saving forward (R
+# stored for the backward), simple GLA's segments
+FORMS = {
+    "transposed": dict(bv=64), "transposed-W/U": dict(bv=64, t_form=False), "plain-W/U": dict(bv=32, t_form=False),
+    "P-other": dict(bv=32), "beside": dict(overlap=1), "fp16-solve": dict(solve_prec="fp16", redo_split=True),
+    "split": dict(delta_split=2), "saving": {}, "segments": dict(segments=2),
+}
+# (simple GLA: one step, no stage 1 but P; KDA always takes P from stage 1)
+FORM_CASES = [(f, form) for f in FAMS for form in FORMS
+              if (form in ("segments", "P-other") if f == "gla" else form != "segments" and (f, form) != ("kda", "P-other"))]
+
+
+@pytest.mark.parametrize("fam,form", FORM_CASES, ids=[f"{f}-{form}" for f, form in FORM_CASES])
+def test_nonfinite_input_forms(fam, form):
+    """Each form of the Triton forward: a NaN in k, v, g or β at token 150 (the middle of the third chunk; with the
+    split, of the second of three segments) leaves the earlier tokens and the other sequence as with finite inputs,
+    and makes every later output and the final state NaN."""
+    from chunkwise.triton.chunk import chunk_fwd
+    from chunkwise.triton.configs import forward_plan
+
+    inp = make_inputs(fam, B=2, T=300 if form == "split" else 200, H=1, HV=2, K=16, V=64, dtype=torch.float32, seed=5)
+    spec = FAMILIES[fam]
+    fields = dict(FORMS[form])
+    if form == "P-other":
+        fields["p_in"] = {"delta": True, "gla": True, "gdn": False}[fam]
+    gate = {"none": 0, "scalar": 1}.get(spec.gate, 2)
+    save = form == "saving"
+    plan = dataclasses.replace(forward_plan(inp.q.device, inp.q.dtype, gate, spec.delta, 16, 64, save=save), **fields)
+
+    def fwd(x):
+        return chunk_fwd(x.q, x.k, x.v, x.g, x.beta, 0.25, x.h0, True, None, plan=plan, saved_out={} if save else None)
+
+    o_clean, h_clean = fwd(inp)
+    t = 150
+    for which in ("k", "v", "g", "beta"):
+        if getattr(inp, which) is None:
+            continue
+        o, ht = fwd(poisoned(inp, which, t, "nan", row=1))
+        if fam == "kda" and which == "g":       # (see test_nonfinite_input_reaches_no_earlier_token)
+            assert torch.equal(o[1, :128], o_clean[1, :128]) and rel_err(o[1, 128:t], o_clean[1, 128:t]) < 1e-5
+        else:
+            assert torch.equal(o[1, :t], o_clean[1, :t]), f"{which}: tokens before {t} changed"
+        assert o[1, t:].isnan().all() and ht[1].isnan().all(), f"{which}: a later output or the state is not NaN"
+        assert torch.equal(o[0], o_clean[0]) and torch.equal(ht[0], h_clean[0]), f"{which}: the other sequence"
+
+
 @pytest.mark.parametrize("fam", FAMS)
 def test_nonfinite_input_float64_autograd(fam):
     """The float64 autograd path (the torch backward): the gradients of a finite sequence's inputs are the same

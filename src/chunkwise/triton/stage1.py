@@ -137,9 +137,11 @@ def chunk_prepare_kernel(
     launch leaves that to it).
     FULL_ROWS (every chunk whole: no varlen, T a multiple of BTc) / FULL_COLS (K = BK, V = BVf): the tiles' row /
     column bounds checks left out.
-    NF_OUT (the forward): every non-finite k, v, β and clamped g is taken as 0 before any product, so that the
-    outputs stay finite and their rows before the first such row f are those of finite inputs; f (BTc if none)
-    -> nf[slot, head] for stage 2, which makes the outputs from f on and the state after the chunk NaN."""
+    NF_OUT (the forward): f, the chunk's first row with a non-finite k, v, β or clamped g (BTc if none) ->
+    nf[slot, head] for stage 2, which makes the outputs from f on and the state after the chunk NaN. Non-finite β and
+    g are taken as 0; A's rows from f on and the right-hand sides' (W, U) are cut by a where before the solve and the
+    products, so that T, W, U stay finite and every row before f is that of finite inputs (a non-finite k reaches
+    only its own row and column of A and P, whose upper triangle the wheres drop)."""
     CHK_R: tl.constexpr = 0 if FULL_ROWS else 1
     CHK_C: tl.constexpr = 0 if FULL_COLS else 1
     if SIGNAL:
@@ -167,6 +169,10 @@ def chunk_prepare_kernel(
     if NF_OUT:          # rb: 1 on the rows with a non-finite input
         rb = tl.where(_finite(b_beta), 0, 1)
         b_beta = _finite_or_zero(b_beta)
+        if T_FORM and GATE != 2:
+            # v, read for this alone (stage 2 takes it raw), here where fewer registers are live than at the end
+            b_v = _tile_load(v, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, 0, BTc, BVf, CHK_R, CHK_C)
+            rb = tl.maximum(rb, tl.max(tl.where(_finite(b_v), 0, 1), 1))
     q_base = q + (bos * H + i_hk) * K
     k_base = k + (bos * H + i_hk) * K
 
@@ -180,10 +186,9 @@ def chunk_prepare_kernel(
         for i_kc in range(BK // BKC):
             kc0 = i_kc * BKC
             kf, qf, b_g = _kqg_tiles(k_base, q_base, g_base, t0, kc0, T_seq, H, HV, K, BTc, BKC, CHK_R, CHK_C)
-            if NF_OUT:
+            if NF_OUT:      # (a non-finite k reaches its own rows and columns of A and P: cut below)
                 b_g = tl.where(b_g < g_floor, g_floor, b_g)
                 rb = tl.maximum(rb, tl.max(tl.where(_finite(kf) & _finite(b_g), 0, 1), 1))
-                kf = _finite_or_zero(kf)
                 b_g = _finite_or_zero(b_g)
             b_G = tl.cumsum(tl.where(b_g < g_floor, g_floor, b_g), 0)                   # [BT, BKC]
             G_last = _row_of(b_G, BTc - 1, BTc)                                          # [BKC]
@@ -273,13 +278,16 @@ def chunk_prepare_kernel(
             if n_out > 0:
                 return
         # the one-reference products also filled the upper triangle (there up to e^{2 span_max})
-        A = tl.where(strict, A, 0.)
+        if NF_OUT:
+            f1 = tl.min(tl.where(rb > 0, o_t, BTc), 0)
+            A = tl.where(strict & (o_t[:, None] < f1), A, 0.)
+        else:
+            A = tl.where(strict, A, 0.)
         P = tl.where(incl, P, 0.)
     else:
         b_k = _tile_load(k_base, 0, T_seq, K, H * K, t0, 0, BTc, BK, CHK_R, CHK_C)
-        if NF_OUT:
+        if NF_OUT:      # (a non-finite k reaches its own rows and columns of KK and QK: cut below)
             rb = tl.maximum(rb, tl.max(tl.where(_finite(b_k), 0, 1), 1))
-            b_k = _finite_or_zero(b_k)
         KK = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PREC)                       # [BT, BK] @ [BK, BT]
         if BWD or STORE_P:
             b_q = _tile_load(q_base, 0, T_seq, K, H * K, t0, 0, BTc, BK, CHK_R, CHK_C)
@@ -290,16 +298,24 @@ def chunk_prepare_kernel(
                 rb = tl.maximum(rb, rg)
             else:
                 Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor, FULL_ROWS)   # [BT]
+        low = strict
+        if NF_OUT:
+            f1 = tl.min(tl.where(rb > 0, o_t, BTc), 0)
+            low = strict & (o_t[:, None] < f1)
+        if GATE == 1:
             if GC_OUT:
                 tl.store(gcum + (slot * HV + i_h) * BTc + o_t, Gc)
                 tl.store(glast + slot * HV + i_h, tl.sum(tl.where(o_t == BTc - 1, Gc, 0.), 0))
             dec = _exp(tl.where(incl, Gc[:, None] - Gc[None, :], float("-inf")))       # e^{G_i − G_j}, i ≥ j
-            A = tl.where(strict, KK * dec, 0.) * b_beta[:, None]
+            A = tl.where(low, KK * dec, 0.) * b_beta[:, None]
             if BWD or STORE_P:
-                P = QK * dec
+                if NF_OUT:
+                    P = tl.where(incl, QK * dec, 0.)
+                else:
+                    P = QK * dec
             b_ks = b_beta * _exp(Gc)                                                    # W's row scale
         else:
-            A = tl.where(strict, KK, 0.) * b_beta[:, None]
+            A = tl.where(low, KK, 0.) * b_beta[:, None]
             if BWD or STORE_P:
                 P = tl.where(incl, QK, 0.)
             b_ks = b_beta
@@ -339,25 +355,28 @@ def chunk_prepare_kernel(
                 b_g = _tile_load(g, (bos * HV + i_h) * K, T_seq, K, HV * K, t0, kc0, BTc, BKC, CHK_R,
                                  CHK_C).to(tl.float32)
                 if NF_OUT:
-                    kf = _finite_or_zero(kf)
                     b_g = _finite_or_zero(tl.where(b_g < g_floor, g_floor, b_g))
                 b_G = tl.cumsum(tl.where(b_g < g_floor, g_floor, b_g), 0)
                 Xk = kf * b_beta[:, None] * _exp(b_G)
+                if NF_OUT:
+                    Xk = tl.where(o_t[:, None] < f1, Xk, 0.)
                 b_w = _mm(Tm, Xk.to(Tm.dtype), MM_PREC)                                      # [BT, BT] @ [BT, BKC]
                 _tile_store(w, (bos * HV + i_h) * K, T_seq, K, HV * K, t0, kc0, b_w, BTc, BKC, CHK_R, CHK_C)
         else:
             Xk = b_k.to(tl.float32) * b_ks[:, None]
+            if NF_OUT:
+                Xk = tl.where(o_t[:, None] < f1, Xk, 0.)
             b_w = _mm(Tm, Xk.to(Tm.dtype), MM_PREC)                                          # [BT, BT] @ [BT, BK]
             _tile_store(w, (bos * HV + i_h) * K, T_seq, K, HV * K, t0, 0, b_w, BTc, BK, CHK_R, CHK_C)
         b_v = _tile_load(v, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, 0, BTc, BVf, CHK_R, CHK_C).to(tl.float32)
+        Xv = b_v * b_beta[:, None]
         if NF_OUT:
             rb = tl.maximum(rb, tl.max(tl.where(_finite(b_v), 0, 1), 1))
-            b_v = _finite_or_zero(b_v)
-        Xv = b_v * b_beta[:, None]
+            Xv = tl.where(o_t[:, None] < tl.min(tl.where(rb > 0, o_t, BTc), 0), Xv, 0.)
         b_u = _mm(Tm, Xv.to(Tm.dtype), MM_PREC).to(u.dtype.element_ty)                      # [BT, BT] @ [BT, BV]
         _tile_store(u, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, 0, b_u, BTc, BVf, CHK_R, CHK_C)
     if NF_OUT:
-        if T_FORM:      # (v is read for this alone: stage 2 takes it raw)
+        if T_FORM and GATE == 2:    # (KDA's column loop leaves fewer registers live at the end)
             b_v = _tile_load(v, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, 0, BTc, BVf, CHK_R, CHK_C)
             rb = tl.maximum(rb, tl.max(tl.where(_finite(b_v), 0, 1), 1))
         tl.store(nf + slot * HV + i_h, tl.min(tl.where(rb > 0, o_t, BTc), 0))
