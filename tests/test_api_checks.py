@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import CHUNK_OPS, FAMILIES, RECURRENT_OPS
+from helpers import CHUNK_OPS, DEVICE, FAMILIES, RECURRENT_OPS
 
 torch.set_num_threads(1)   # tiny tensors: one thread is faster (and far faster on a loaded machine)
 
@@ -152,8 +152,15 @@ def test_head_dim_too_large_for_triton():
 
 
 def test_float64_on_triton():
-    kw = {n: (x.double() if isinstance(x, torch.Tensor) else x) for n, x in valid("gdn", backend="triton").items()}
+    kw = {n: (x.to(DEVICE, torch.float64) if isinstance(x, torch.Tensor) else x)
+          for n, x in valid("gdn", backend="triton").items()}
     expect(CHUNK_OPS["gdn"], kw, TypeError, "float64", "backend='torch'")
+
+
+def test_triton_backend_on_cpu_tensors_without_interpreter(monkeypatch):
+    """Compiled kernels read device memory only: CPU tensors with backend='triton' are refused by name."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    expect(CHUNK_OPS["gdn"], valid("gdn", backend="triton"), ValueError, "backend='triton'", "cpu")
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -161,6 +168,8 @@ def test_float64_initial_state_gives_fp32_final_state(backend):
     """With fp32 q a float64 initial state is read in fp32, on either backend: the final state is fp32 (and
     its gradient comes back in float64, the dtype it was given in)."""
     kw = valid("gdn", backend=backend)
+    if backend == "triton":
+        kw = {n: (x.to(DEVICE) if isinstance(x, torch.Tensor) else x) for n, x in kw.items()}
     h0 = kw["initial_state"].double().requires_grad_()
     o, ht = CHUNK_OPS["gdn"](**{**kw, "initial_state": h0})
     assert ht.dtype == torch.float32

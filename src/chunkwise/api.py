@@ -5,6 +5,7 @@ entry point that names its family and hands its arguments to `_run`.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -368,6 +369,10 @@ def _choose_backend(backend: str, device: torch.device, K: int, V: int) -> str:
         backend = "triton"
     if K > TRITON_MAX_HEAD_DIM or V > TRITON_MAX_HEAD_DIM:
         raise ValueError(f"the triton backend supports head dims up to {TRITON_MAX_HEAD_DIM}, got K={K}, V={V}")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        # the compiled kernels read device memory only; Triton's interpreter runs them on CPU tensors
+        raise ValueError(f"backend='triton' takes CUDA tensors, got q on {device} (TRITON_INTERPRET=1 runs the "
+                         "kernels on CPU tensors under Triton's interpreter)")
     return "triton"
 
 
