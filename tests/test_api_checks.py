@@ -158,8 +158,9 @@ def test_float64_on_triton():
 
 
 def test_triton_backend_on_cpu_tensors_without_interpreter(monkeypatch):
-    """Compiled kernels read device memory only: CPU tensors with backend='triton' are refused by name."""
+    """On a GPU machine, CPU tensors with backend='triton' outside the interpreter are refused by name."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     expect(CHUNK_OPS["gdn"], valid("gdn", backend="triton"), ValueError, "backend='triton'", "cpu")
 
 

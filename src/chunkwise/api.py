@@ -369,8 +369,9 @@ def _choose_backend(backend: str, device: torch.device, K: int, V: int) -> str:
         backend = "triton"
     if K > TRITON_MAX_HEAD_DIM or V > TRITON_MAX_HEAD_DIM:
         raise ValueError(f"the triton backend supports head dims up to {TRITON_MAX_HEAD_DIM}, got K={K}, V={V}")
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        # the compiled kernels read device memory only; Triton's interpreter runs them on CPU tensors
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available():
+        # the compiled kernels read device memory only; Triton's interpreter runs them on CPU tensors (and
+        # benchmarks/tools.py builds them for sm_90 from CPU tensors on a machine without a GPU)
         raise ValueError(f"backend='triton' takes CUDA tensors, got q on {device} (TRITON_INTERPRET=1 runs the "
                          "kernels on CPU tensors under Triton's interpreter)")
     return "triton"
