@@ -69,6 +69,13 @@ def _finite_or_zero(x):
 
 
 @triton.jit
+def _first_bad_row(x, BTc: tl.constexpr):
+    """The first row of the tile x [BTc, C] holding a non-finite element (BTc if none)."""
+    o_t = tl.arange(0, BTc)
+    return tl.min(tl.where(tl.max(tl.where(_finite(x), 0, 1), 1) > 0, o_t, BTc), 0)
+
+
+@triton.jit
 def _chunk_cut(nf, slot0, i_t, c1, i_h, HV, BTc: tl.constexpr):
     """Chunk i_t's first row with a non-finite k, v, g or β (stage 1's nf [slots, HV] int32; BTc where none, and past
     c1). Loaded a chunk ahead by the serial loops, like _chunk_decay's decay."""

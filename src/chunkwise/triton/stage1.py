@@ -137,8 +137,9 @@ def chunk_prepare_kernel(
     launch leaves that to it).
     FULL_ROWS (every chunk whole: no varlen, T a multiple of BTc) / FULL_COLS (K = BK, V = BVf): the tiles' row /
     column bounds checks left out.
-    NF_OUT (the forward): f, the chunk's first row with a non-finite k, v, β or clamped g (BTc if none) ->
-    nf[slot, head] for stage 2, which makes the outputs from f on and the state after the chunk NaN. Non-finite β and
+    NF_OUT (the forward): f, the chunk's first row with a non-finite k, β, clamped g or (not T_FORM) v (BTc if
+    none) -> nf[slot, head] for stage 2, which makes the outputs from f on and the state after the chunk NaN (under
+    T_FORM stage 2 reads v raw and finds v's own cut itself: v is not read here). Non-finite β and
     g are taken as 0; A's rows from f on and the right-hand sides' (W, U) are cut by a where before the solve and the
     products, so that T, W, U stay finite and every row before f is that of finite inputs (a non-finite k reaches
     only its own row and column of A and P, whose upper triangle the wheres drop)."""
@@ -169,10 +170,6 @@ def chunk_prepare_kernel(
     if NF_OUT:          # rb: 1 on the rows with a non-finite input
         rb = tl.where(_finite(b_beta), 0, 1)
         b_beta = _finite_or_zero(b_beta)
-        if T_FORM and GATE != 2:
-            # v, read for this alone (stage 2 takes it raw), here where fewer registers are live than at the end
-            b_v = _tile_load(v, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, 0, BTc, BVf, CHK_R, CHK_C)
-            rb = tl.maximum(rb, tl.max(tl.where(_finite(b_v), 0, 1), 1))
     q_base = q + (bos * H + i_hk) * K
     k_base = k + (bos * H + i_hk) * K
 
@@ -286,9 +283,9 @@ def chunk_prepare_kernel(
         P = tl.where(incl, P, 0.)
     else:
         b_k = _tile_load(k_base, 0, T_seq, K, H * K, t0, 0, BTc, BK, CHK_R, CHK_C)
-        if NF_OUT:      # (a non-finite k reaches its own rows and columns of KK and QK: cut below)
-            rb = tl.maximum(rb, tl.max(tl.where(_finite(b_k), 0, 1), 1))
         KK = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PREC)                       # [BT, BK] @ [BK, BT]
+        if NF_OUT:      # a non-finite k_i makes KK_ii = |k_i|² non-finite (and reaches only row and column i: cut below)
+            rb = tl.maximum(rb, tl.where(_finite(tl.sum(tl.where(o_t[:, None] == o_t[None, :], KK, 0.), 1)), 0, 1))
         if BWD or STORE_P:
             b_q = _tile_load(q_base, 0, T_seq, K, H * K, t0, 0, BTc, BK, CHK_R, CHK_C)
             QK = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)                   # [BT, BK] @ [BK, BT]
@@ -376,9 +373,6 @@ def chunk_prepare_kernel(
         b_u = _mm(Tm, Xv.to(Tm.dtype), MM_PREC).to(u.dtype.element_ty)                      # [BT, BT] @ [BT, BV]
         _tile_store(u, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, 0, b_u, BTc, BVf, CHK_R, CHK_C)
     if NF_OUT:
-        if T_FORM and GATE == 2:    # (KDA's column loop leaves fewer registers live at the end)
-            b_v = _tile_load(v, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, 0, BTc, BVf, CHK_R, CHK_C)
-            rb = tl.maximum(rb, tl.max(tl.where(_finite(b_v), 0, 1), 1))
         tl.store(nf + slot * HV + i_h, tl.min(tl.where(rb > 0, o_t, BTc), 0))
     if SIGNAL:
         if PASS == 1 and GATE != 2 and SOLVE_PREC == "fp16":    # a flagged program is published by the second launch

@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (BT, G_FLOOR, INTERPRET, _alloc, _and, _chunk_cut, _dim, _exp, _ensure_allocator, _finite,
-                     _tile_load, _tile_store, _wait_ready, cdiv)
+from .common import (BT, G_FLOOR, INTERPRET, _alloc, _and, _chunk_cut, _dim, _exp, _ensure_allocator,
+                     _first_bad_row, _tile_load, _tile_store, _wait_ready, cdiv)
 from .configs import ForwardPlan, Stage2Launch
 from .gate import _chunk_decay, _chunk_gate, _step_gate
 
@@ -104,8 +104,9 @@ def _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, 
                        NF: tl.constexpr = 0):
     """One chunk of stage 2: returns the state after chunk i_t, writes its rows of o. b_gl: _chunk_decay's.
     NF (non-finite inputs, docs/design.md): 1, f is the chunk's first row with a non-finite k, v, g or β (stage 1's,
-    whose outputs took those as 0); 2 (simple GLA), f is found here from v (the raw k, g reach only rows >= their own
-    through P's where and the gate's cumsum). Whatever meets the triangular products is cut at f by a where; the
+    whose outputs took those as 0); 3 (T_FORM), stage 1's f covers k, g, β and v's cut is found here from the v tile
+    stage 2 reads anyway; 2 (simple GLA), f is found here from v (the raw k, g reach only rows >= their own through
+    P's where and the gate's cumsum). Whatever meets the triangular products is cut at f by a where; the
     output rows from f on and (f < BTc) the state after the chunk are NaN.
     TMA: q, k, v, w, u, p, qg, kg are _tma_view descriptors; TMA_O: o_base too (the output's stores).
     STORE_R (a forward saved for the backward, delta families): R -> rs [B, T, HV, V] (before any gate scales it), in
@@ -118,6 +119,8 @@ def _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, 
     if DELTA and T_FORM:
         b_T = _tile(u, (bos * HV + i_h) * BTc, T_seq, BTc, HV * BTc, t0, 0, BTc, BTc, TMA)
         b_v = _tile(v, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, i_v * BV, BTc, BV, TMA)
+        if NF == 3:
+            f = tl.minimum(f, _first_bad_row(b_v, BTc))
         if GATE == 2:
             b_kx = _tile(w, (bos * HV + i_h) * K, T_seq, K, HV * K, t0, 0, BTc, BK, TMA)
     elif DELTA:
@@ -129,7 +132,7 @@ def _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, 
     else:
         b_R = _tile(v, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, i_v * BV, BTc, BV, TMA).to(tl.float32)
         if NF == 2:
-            f = tl.min(tl.min(tl.where(_finite(b_R), BTc, o_t[:, None]), 1), 0)
+            f = _first_bad_row(b_R, BTc)
             b_R = tl.where(o_t[:, None] < f, b_R, 0.)
     if GATE == 2:
         b_qd = _tile(qg, (bos * HV + i_h) * K, T_seq, K, HV * K, t0, 0, BTc, BK, TMA)
@@ -217,6 +220,8 @@ def _state_output_step_t(i_t, St, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_bas
     if T_FORM:
         b_T = _tile(u, (bos * HV + i_h) * BTc, T_seq, BTc, HV * BTc, t0, 0, BTc, BTc, TMA)
         b_v = _tile(v, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, i_v * BV, BTc, BV, TMA)
+        if NF == 3:
+            f = tl.minimum(f, _first_bad_row(b_v, BTc))
         if GATE == 2:
             b_kx = _tile(w, (bos * HV + i_h) * K, T_seq, K, HV * K, t0, 0, BTc, BK, TMA)
         else:
@@ -384,7 +389,8 @@ def chunk_state_output_kernel(
     SEG = 2 pass and the TRANS step carry the true state after each chunk too).
 
     NF (non-finite inputs): 1, each chunk's first row with a non-finite input from stage 1's nf [slots, HV] (loaded
-    a chunk ahead); 2 (simple GLA), found by each step from v (_state_output_step).
+    a chunk ahead); 3, that of k, g, β from nf and v's from each step's v tile; 2 (simple GLA), found by each step
+    from v (_state_output_step).
     """
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
@@ -452,7 +458,7 @@ def chunk_state_output_kernel(
                     _wait_ready(ready, slot0 + c0 + i_w, i_h, HV, FENCE, not LOOP_WHILE)
         b_gl = _chunk_decay(glast, slot0, c0, c1, i_h, HV, K, BK, GATE, GC_IN)
         b_f = tl.full([], BTc, tl.int32)
-        if NF == 1:
+        if NF == 1 or NF == 3:
             b_f = _chunk_cut(nf, slot0, c0, c1, i_h, HV, BTc)
         if TMA:         # the tiles the loop loads, as tensor descriptors of this sequence and head (made once)
             q = _tma_view(q, (bos * H + i_hk) * K, T_seq, K, H * K, BTc, BK, GATE != 2)
@@ -473,7 +479,7 @@ def chunk_state_output_kernel(
                 if WAIT:
                     _wait_ready(ready, slot0 + tl.minimum(i_t + WAIT, c1 - 1), i_h, HV, FENCE, not LOOP_WHILE)
                 b_gl_next = _chunk_decay(glast, slot0, i_t + 1, c1, i_h, HV, K, BK, GATE, GC_IN)
-                if NF == 1:
+                if NF == 1 or NF == 3:
                     b_f_next = _chunk_cut(nf, slot0, i_t + 1, c1, i_h, HV, BTc)
                 S = _state_output_chunk(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, rs, slot0, bos,
                                         T_seq, i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, GC_IN,
@@ -482,7 +488,7 @@ def chunk_state_output_kernel(
                     _store_checkpoint(ckpt, ckpt_slots, n_ckpt, S, i_t, i_n, i_h, T_seq, o_k, o_v, HV, K, V, BTc, CKPT,
                                       CKPT_VK, TRANS)
                 b_gl = b_gl_next
-                if NF == 1:
+                if NF == 1 or NF == 3:
                     b_f = b_f_next
                 i_t += 1
         else:               # compiled: a for loop, so that the loads of later chunks are pipelined
@@ -490,7 +496,7 @@ def chunk_state_output_kernel(
                 if WAIT:
                     _wait_ready(ready, slot0 + tl.minimum(i_t + WAIT, c1 - 1), i_h, HV, FENCE, not LOOP_WHILE)
                 b_gl_next = _chunk_decay(glast, slot0, i_t + 1, c1, i_h, HV, K, BK, GATE, GC_IN)
-                if NF == 1:
+                if NF == 1 or NF == 3:
                     b_f_next = _chunk_cut(nf, slot0, i_t + 1, c1, i_h, HV, BTc)
                 S = _state_output_chunk(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, rs, slot0, bos,
                                         T_seq, i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, GC_IN,
@@ -499,7 +505,7 @@ def chunk_state_output_kernel(
                     _store_checkpoint(ckpt, ckpt_slots, n_ckpt, S, i_t, i_n, i_h, T_seq, o_k, o_v, HV, K, V, BTc, CKPT,
                                       CKPT_VK, TRANS)
                 b_gl = b_gl_next
-                if NF == 1:
+                if NF == 1 or NF == 3:
                     b_f = b_f_next
 
     if STORE_HT and SEG != 1:
@@ -579,5 +585,5 @@ def chunk_state_output(q, k, v, g, beta, stage1: dict, o, initial_state, ht, rs,
                 SUB=sub if seg_mode == 2 else 1, GC_IN=delta and gate == 1, TMA=tma, TMA_O=tma_o,
                 STORE_R=rs is not None, TRANS=int(trans and seg_mode == 0), T_FORM=plan.t_form,
                 WAIT=stages_m + 1 if overlap else 0, FENCE=bool(overlap and tma and not INTERPRET),
-                nf=stage1.get("nf"), NF=1 if delta else 2,
+                nf=stage1.get("nf"), NF=(3 if plan.t_form else 1) if delta else 2,
                 num_warps=warps_m, num_stages=stages_m, **(ckpt_args if seg_mode != 1 else {}))
