@@ -3,9 +3,11 @@
 #
 #   bash benchmarks/gpu_run.sh [--commit SHA] [--budget PHASE=SECONDS ...] [PHASE ...]
 #
-# Phases (default: all): check (`chunkwise check`), tests (`pytest tests -x`), forward, train, decode
-# (benchmarks/bench_*.py next to fla 0.6.0: forward on the standing and few-heads shapes, training on the standing
-# shapes and GDN's 2/8 heads at 32k tokens, decode at batch 1-256 with 8-bit pools and a 4-token verify step). Every
+# Phases (default: all): check (`chunkwise check`), tests (`pytest tests`, stopping after 10 failures), serving
+# (examples/serving.py: prefill into a pool, verify and roll back, a prefix checkpoint, in CUDA graphs), forward,
+# train, decode (benchmarks/bench_*.py next to fla 0.6.0: forward on the standing and few-heads shapes, training on
+# the standing shapes and GDN's 2/8 heads at 32k tokens, decode at batch 1-256 with 8-bit pools and a 4-token verify
+# step), ckpt (the forward's cost of writing prefix checkpoints every 1024 tokens, GDN and KDA at B1-T32768-H32). Every
 # phase has a time limit (BUDGET below, in seconds; --budget tests=400 changes one): a benchmark starts no row past
 # its limit less a margin and writes what it timed; a command still running at its limit is stopped (SIGINT, then
 # SIGKILL 20 s later).
@@ -21,20 +23,21 @@
 # .triton_sm90/cache.tgz for the next. $OUT receives 8 files: logs.tgz (every phase's log and the summary),
 # triton_cache.tgz, bench_{forward,train,decode}.{json,png}. The short tables are printed last.
 set -u
-# first window (side by side): check, tests, warm; then forward, train, decode. ~15 s set-up + 240 + 295 = 550 s
+# first window (side by side): check, tests, serving, warm; then forward, train, decode, ckpt. ~15 s set-up + 240 +
+# 300 = 555 s
 # (decode: 24 rows, GDN and KDA, ~13 s timed with a warm Triton cache, ~20 s compiling its 8-bit and verify variants)
-declare -A BUDGET=([check]=240 [tests]=240 [warm]=220 [forward]=130 [train]=120 [decode]=45)
+declare -A BUDGET=([check]=240 [tests]=240 [serving]=200 [warm]=220 [forward]=120 [train]=110 [decode]=45 [ckpt]=25)
 MARGIN=25                       # a benchmark's last row may run this long past its --time-limit
 PHASES=() COMMIT=""
 while [ $# -gt 0 ]; do
   case $1 in
     --commit) COMMIT=$2; shift 2 ;;
     --budget) BUDGET[${2%%=*}]=${2#*=}; shift 2 ;;
-    check|tests|forward|train|decode) PHASES+=("$1"); shift ;;
-    *) echo "gpu_run.sh: unknown argument $1 (phases: check tests forward train decode)" >&2; exit 2 ;;
+    check|tests|serving|forward|train|decode|ckpt) PHASES+=("$1"); shift ;;
+    *) echo "gpu_run.sh: unknown argument $1 (phases: check tests serving forward train decode ckpt)" >&2; exit 2 ;;
   esac
 done
-[ ${#PHASES[@]} -gt 0 ] || PHASES=(check tests forward train decode)
+[ ${#PHASES[@]} -gt 0 ] || PHASES=(check tests serving forward train decode ckpt)
 has() { [[ " ${PHASES[*]} " == *" $1 "* ]]; }
 [ -n "$COMMIT" ] || COMMIT=$(git rev-parse HEAD 2>/dev/null || echo unknown)
 
@@ -88,6 +91,7 @@ limit() { echo $(( BUDGET[$1] - MARGIN )); }
 # first window: check and the warm-up in the background, the tests in the foreground, then wait for all
 T0=$(date +%s) JOBS=()
 has check && { limited check "$WORK/check.log" python3 -m chunkwise check & JOBS+=("check:$!"); }
+has serving && { limited serving "$WORK/serving.log" python3 examples/serving.py & JOBS+=("serving:$!"); }
 for b in forward train; do
   has $b || continue
   for ops in gdn,kda delta,gla; do        # two processes per benchmark: compiles in parallel, GPU memory to spare
@@ -96,7 +100,8 @@ for b in forward train; do
     JOBS+=("warm:$!")
   done
 done
-has tests && phase tests python3 -m pytest tests -x -q -p no:cacheprovider -o addopts="" --durations=15
+# (not -x: one early failure would leave the rest of the GPU tests unrun in this window)
+has tests && phase tests python3 -m pytest tests --maxfail=10 -q -p no:cacheprovider -o addopts="" --durations=15
 for j in "${JOBS[@]}"; do
   wait "${j#*:}"; rc=$?
   [ "${j%%:*}" = warm ] && [ $rc = 0 ] || report "${j%%:*}" $rc "$T0"
@@ -108,10 +113,14 @@ for p in forward train decode; do
     phase $p python3 "benchmarks/bench_$p.py" --shapes "${SHAPES[$p]}" --time-limit "$(limit $p)" "${BENCH[@]}"
   fi
 done
+has ckpt && phase ckpt python3 benchmarks/bench_forward.py --shapes B1-T32768-H32 --ops gdn,kda --no-peers \
+  --checkpoint-every 1024 --out "$WORK/ckpt" --commit "$COMMIT"
 say "== total $(( $(date +%s) - START )) s"
 
 # -- the short results last --------------------------------------------------------------------------------------
 if has check; then { echo; echo "== check"; tail -n 3 "$WORK/check.log"; } | tee -a "$SUMMARY"; fi
+if has serving; then { echo; echo "== serving"; tail -n 4 "$WORK/serving.log"; } | tee -a "$SUMMARY"; fi
+if has ckpt; then { echo; echo "== ckpt"; grep "^| B" "$WORK/ckpt.log"; } | tee -a "$SUMMARY"; fi
 if has tests; then
   { echo; echo "== tests"; grep -E "passed|failed|error" "$WORK/tests.log" | tail -n 3
     grep -E "^(FAILED|ERROR) " "$WORK/tests.log" | head -n 5; } | tee -a "$SUMMARY"
