@@ -95,6 +95,31 @@ def _token_step(b_h, p_q, p_k, p_v, p_g, p_beta, m_k, m_v, live, scale,
 
 
 @triton.jit
+def _token(i_t, bos, b_h, p_q, p_k, p_v, p_o, p_g, p_beta, p_i, m_k, m_v, m_h, o_v, live, scale, T_buf, s_i_t,
+           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, GATE: tl.constexpr,
+           DELTA: tl.constexpr, FUSED: tl.constexpr, STORE_INTER: tl.constexpr, EVICT: tl.constexpr):
+    """The token loop's body (both loops of recurrent_fwd_kernel): token i_t's step, its output (and with STORE_INTER
+    its state) stored, the pointers moved on to the next token. EVICT: o's eviction policy. Returns (S_t tile, p_q,
+    p_k, p_v, p_o, p_g, p_beta)."""
+    b_h, b_o = _token_step(b_h, p_q, p_k, p_v, p_g, p_beta, m_k, m_v, live, scale, GATE, DELTA, FUSED)
+    tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=o_v < V, eviction_policy=EVICT)    # padding sequences: exact 0
+    if STORE_INTER:
+        m_i = _and(m_h, i_t - bos < T_buf)
+        tl.store(p_i + (i_t - bos) * s_i_t, b_h.to(p_i.dtype.element_ty), mask=m_i)
+    p_q += H * K
+    p_k += H * K
+    p_v += HV * V
+    p_o += HV * V
+    if GATE == 1:
+        p_g += HV
+    if GATE == 2:
+        p_g += HV * K
+    if DELTA:
+        p_beta += HV
+    return b_h, p_q, p_k, p_v, p_o, p_g, p_beta
+
+
+@triton.jit
 def _onto_grid(b_q, QMAX: tl.constexpr, QUANT: tl.constexpr):
     """A tile scaled by its rows' QMAX / absmax -> the values the 8-bit format holds exactly (the cast after it is
     then exact), as chunkwise.reference.recurrent.quantize rounds: half up, on the int8 or the e4m3 grid."""
@@ -197,57 +222,37 @@ def recurrent_fwd_kernel(
     p_k = k + (bos * H + i_h) * K + o_k
     p_v = v + (bos * HV + i_hv) * V + o_v
     p_o = o + (bos * HV + i_hv) * V + o_v
+    # without a gate / β: a stand-in pointer, never loaded nor advanced (the loop reassigns p_g and p_beta, and a
+    # compiled loop may not reassign None)
     if GATE == 1:
         p_g = g + bos * HV + i_hv
     elif GATE == 2:
         p_g = g + (bos * HV + i_hv) * K + o_k
     else:
-        p_g = g             # None: never loaded
+        p_g = p_q
     if DELTA:
         p_beta = beta + bos * HV + i_hv
     else:
-        p_beta = beta       # None: never loaded
+        p_beta = p_q
     if STORE_INTER:
         p_i = inter + i_n * s_i_n + i_hv * s_i_h + o_k[:, None] * s_i_k + o_v[None, :] * s_i_v
+    else:
+        p_i = inter         # None: never stored to
 
     # the token loop: a software-pipelined tl.range on the GPU (the loads of the first token are issued
     # together, up front, instead of one global round trip per small load); a while loop under the
     # interpreter (triton 3.6 with numpy 2 cannot take tensor range bounds there)
     if PIPELINE > 0:
         for i_t in tl.range(bos, eos, num_stages=PIPELINE):
-            b_h, b_o = _token_step(b_h, p_q, p_k, p_v, p_g, p_beta, m_k, m_v, live, scale, GATE, DELTA, FUSED)
-            tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=o_v < V, eviction_policy="evict_first")
-            if STORE_INTER:
-                m_i = _and(m_h, i_t - bos < T_buf)
-                tl.store(p_i + (i_t - bos) * s_i_t, b_h.to(p_i.dtype.element_ty), mask=m_i)
-            p_q += H * K
-            p_k += H * K
-            p_v += HV * V
-            p_o += HV * V
-            if GATE == 1:
-                p_g += HV
-            if GATE == 2:
-                p_g += HV * K
-            if DELTA:
-                p_beta += HV
+            b_h, p_q, p_k, p_v, p_o, p_g, p_beta = _token(
+                i_t, bos, b_h, p_q, p_k, p_v, p_o, p_g, p_beta, p_i, m_k, m_v, m_h, o_v, live, scale, T_buf, s_i_t,
+                H, HV, K, V, GATE, DELTA, FUSED, STORE_INTER, "evict_first")
     else:
         i_t = bos
         while i_t < eos:
-            b_h, b_o = _token_step(b_h, p_q, p_k, p_v, p_g, p_beta, m_k, m_v, live, scale, GATE, DELTA, FUSED)
-            tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=o_v < V)   # padding sequences: exact 0
-            if STORE_INTER:
-                m_i = _and(m_h, i_t - bos < T_buf)
-                tl.store(p_i + (i_t - bos) * s_i_t, b_h.to(p_i.dtype.element_ty), mask=m_i)
-            p_q += H * K
-            p_k += H * K
-            p_v += HV * V
-            p_o += HV * V
-            if GATE == 1:
-                p_g += HV
-            if GATE == 2:
-                p_g += HV * K
-            if DELTA:
-                p_beta += HV
+            b_h, p_q, p_k, p_v, p_o, p_g, p_beta = _token(
+                i_t, bos, b_h, p_q, p_k, p_v, p_o, p_g, p_beta, p_i, m_k, m_v, m_h, o_v, live, scale, T_buf, s_i_t,
+                H, HV, K, V, GATE, DELTA, FUSED, STORE_INTER, "")
             i_t += 1
 
     # S tile written once (in place into the pool when ht aliases h0)

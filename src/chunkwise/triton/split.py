@@ -228,6 +228,19 @@ def _segment_step(i_t, St, b_gl, k, v, w, u, g, gcum, kg, slot0, bos, T_seq, i_h
     return tl.where(f < BTc, float("nan"), St)
 
 
+@triton.jit
+def _segment_chunk(i_t, n_chunks, St, b_gl, b_f, k, v, w, u, g, gcum, glast, kg, nf, slot0, bos, T_seq, i_h, i_hk, c0,
+                   vals, H, HV, K, V, BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
+                   T_FORM: tl.constexpr, DOT_PREC: tl.constexpr, g_floor: tl.constexpr):
+    """The chunk loop's body (both loops of segment_state_kernel): chunk i_t's step with its decay b_gl and cut b_f,
+    loaded the chunk before; the next chunk's loaded ahead of the step. Returns (Sᵀ, the next chunk's b_gl, b_f)."""
+    b_gl_next = _chunk_decay(glast, slot0, i_t + 1, n_chunks, i_h, HV, K, BK, GATE, GATE == 1)
+    b_f_next = _chunk_cut(nf, slot0, i_t + 1, n_chunks, i_h, HV, BTc)
+    St = _segment_step(i_t, St, b_gl, k, v, w, u, g, gcum, kg, slot0, bos, T_seq, i_h, i_hk, c0, vals,
+                       H, HV, K, V, BTc, BK, BV, GATE, T_FORM, DOT_PREC, g_floor, b_f)
+    return St, b_gl_next, b_f_next
+
+
 @triton.heuristics({"IS_VARLEN": lambda args: args["cu"] is not None})
 @triton.jit(do_not_specialize=["T", "NT", "NSEG", "H", "HV"])
 def segment_state_kernel(
@@ -281,21 +294,15 @@ def segment_state_kernel(
         if LOOP_WHILE:      # the triton 3.6 interpreter cannot take a tensor bound in range()
             i_t = 0
             while i_t < n_chunks:
-                b_gl_next = _chunk_decay(glast, slot0, i_t + 1, n_chunks, i_h, HV, K, BK, GATE, GATE == 1)
-                b_f_next = _chunk_cut(nf, slot0, i_t + 1, n_chunks, i_h, HV, BTc)
-                St = _segment_step(i_t, St, b_gl, k, v, w, u, g, gcum, kg, slot0, bos, T_seq, i_h, i_hk, c0, vals,
-                                   H, HV, K, V, BTc, BK, BV, GATE, T_FORM, DOT_PREC, g_floor, b_f)
-                b_gl = b_gl_next
-                b_f = b_f_next
+                St, b_gl, b_f = _segment_chunk(
+                    i_t, n_chunks, St, b_gl, b_f, k, v, w, u, g, gcum, glast, kg, nf, slot0, bos, T_seq, i_h, i_hk,
+                    c0, vals, H, HV, K, V, BTc, BK, BV, GATE, T_FORM, DOT_PREC, g_floor)
                 i_t += 1
         else:
             for i_t in range(0, n_chunks):
-                b_gl_next = _chunk_decay(glast, slot0, i_t + 1, n_chunks, i_h, HV, K, BK, GATE, GATE == 1)
-                b_f_next = _chunk_cut(nf, slot0, i_t + 1, n_chunks, i_h, HV, BTc)
-                St = _segment_step(i_t, St, b_gl, k, v, w, u, g, gcum, kg, slot0, bos, T_seq, i_h, i_hk, c0, vals,
-                                   H, HV, K, V, BTc, BK, BV, GATE, T_FORM, DOT_PREC, g_floor, b_f)
-                b_gl = b_gl_next
-                b_f = b_f_next
+                St, b_gl, b_f = _segment_chunk(
+                    i_t, n_chunks, St, b_gl, b_f, k, v, w, u, g, gcum, glast, kg, nf, slot0, bos, T_seq, i_h, i_hk,
+                    c0, vals, H, HV, K, V, BTc, BK, BV, GATE, T_FORM, DOT_PREC, g_floor)
         base = (i_l.to(tl.int64) * HV + i_h) * K
         m_k = (o_k < K)[None, :]
         tl.store(nn + (base + o_k[None, :]) * V + o_c[:, None], St, mask=_and(m_k & (o_c < V)[:, None], vals))

@@ -333,6 +333,33 @@ def _store_checkpoint(ckpt, ckpt_slots, n_ckpt, S, i_t, i_n, i_h, T_seq, o_k, o_
         tl.store(ckpt + (slot * HV + i_h) * K * V + off, S.to(ckpt.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def _chunk_of_loop(i_t, S, b_gl, b_f, q, k, v, w, u, p, g, gcum, qg, kg, glast, nf, ready, ckpt, ckpt_slots, n_ckpt,
+                   o_base, rs, slot0, c1, bos, T_seq, i_n, i_h, i_hk, i_v, o_k, o_v, scale, H, HV, K, V,
+                   BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
+                   P_IN: tl.constexpr, GC_IN: tl.constexpr, DOT_PREC: tl.constexpr, g_floor: tl.constexpr,
+                   TMA: tl.constexpr, TMA_O: tl.constexpr, STORE_R: tl.constexpr, TRANS: tl.constexpr,
+                   T_FORM: tl.constexpr, NF: tl.constexpr, WAIT: tl.constexpr, FENCE: tl.constexpr,
+                   LOOP_WHILE: tl.constexpr, CKPT: tl.constexpr, CKPT_VK: tl.constexpr):
+    """The chunk loop's body (both loops of chunk_state_output_kernel; its arguments are the kernel's): chunk i_t's
+    step on S with its decay b_gl and cut b_f, loaded the chunk before, and its checkpoint; the next chunk's decay and
+    cut loaded ahead of the step (WAIT: after waiting for chunk i_t + WAIT). Returns (S, the next chunk's b_gl, b_f)."""
+    if WAIT:
+        _wait_ready(ready, slot0 + tl.minimum(i_t + WAIT, c1 - 1), i_h, HV, FENCE, not LOOP_WHILE)
+    b_gl_next = _chunk_decay(glast, slot0, i_t + 1, c1, i_h, HV, K, BK, GATE, GC_IN)
+    if NF == 1 or NF == 3:
+        b_f_next = _chunk_cut(nf, slot0, i_t + 1, c1, i_h, HV, BTc)
+    S = _state_output_chunk(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, rs, slot0, bos,
+                            T_seq, i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, GC_IN,
+                            DOT_PREC, g_floor, TMA, TMA_O, STORE_R, TRANS, T_FORM, b_f, NF)
+    if CKPT > 0:
+        _store_checkpoint(ckpt, ckpt_slots, n_ckpt, S, i_t, i_n, i_h, T_seq, o_k, o_v, HV, K, V, BTc, CKPT,
+                          CKPT_VK, TRANS)
+    if NF == 1 or NF == 3:
+        b_f = b_f_next
+    return S, b_gl_next, b_f
+
+
 @triton.heuristics({"IS_VARLEN": lambda args: args["cu_seqlens"] is not None,
                     "USE_H0": lambda args: args["h0"] is not None,
                     "STORE_HT": lambda args: args["ht"] is not None})
@@ -476,37 +503,19 @@ def chunk_state_output_kernel(
         if LOOP_WHILE:      # the triton 3.6 interpreter cannot take a tensor bound in range()
             i_t = c0
             while i_t < c1:
-                if WAIT:
-                    _wait_ready(ready, slot0 + tl.minimum(i_t + WAIT, c1 - 1), i_h, HV, FENCE, not LOOP_WHILE)
-                b_gl_next = _chunk_decay(glast, slot0, i_t + 1, c1, i_h, HV, K, BK, GATE, GC_IN)
-                if NF == 1 or NF == 3:
-                    b_f_next = _chunk_cut(nf, slot0, i_t + 1, c1, i_h, HV, BTc)
-                S = _state_output_chunk(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, rs, slot0, bos,
-                                        T_seq, i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, GC_IN,
-                                        DOT_PREC, g_floor, TMA, TMA_O, STORE_R, TRANS, T_FORM, b_f, NF)
-                if CKPT > 0:
-                    _store_checkpoint(ckpt, ckpt_slots, n_ckpt, S, i_t, i_n, i_h, T_seq, o_k, o_v, HV, K, V, BTc, CKPT,
-                                      CKPT_VK, TRANS)
-                b_gl = b_gl_next
-                if NF == 1 or NF == 3:
-                    b_f = b_f_next
+                S, b_gl, b_f = _chunk_of_loop(
+                    i_t, S, b_gl, b_f, q, k, v, w, u, p, g, gcum, qg, kg, glast, nf, ready, ckpt, ckpt_slots, n_ckpt,
+                    o_base, rs, slot0, c1, bos, T_seq, i_n, i_h, i_hk, i_v, o_k, o_v, scale, H, HV, K, V, BTc, BK, BV,
+                    GATE, DELTA, P_IN, GC_IN, DOT_PREC, g_floor, TMA, TMA_O, STORE_R, TRANS, T_FORM, NF, WAIT, FENCE,
+                    LOOP_WHILE, CKPT, CKPT_VK)
                 i_t += 1
         else:               # compiled: a for loop, so that the loads of later chunks are pipelined
             for i_t in range(c0, c1):
-                if WAIT:
-                    _wait_ready(ready, slot0 + tl.minimum(i_t + WAIT, c1 - 1), i_h, HV, FENCE, not LOOP_WHILE)
-                b_gl_next = _chunk_decay(glast, slot0, i_t + 1, c1, i_h, HV, K, BK, GATE, GC_IN)
-                if NF == 1 or NF == 3:
-                    b_f_next = _chunk_cut(nf, slot0, i_t + 1, c1, i_h, HV, BTc)
-                S = _state_output_chunk(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, rs, slot0, bos,
-                                        T_seq, i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, GC_IN,
-                                        DOT_PREC, g_floor, TMA, TMA_O, STORE_R, TRANS, T_FORM, b_f, NF)
-                if CKPT > 0:
-                    _store_checkpoint(ckpt, ckpt_slots, n_ckpt, S, i_t, i_n, i_h, T_seq, o_k, o_v, HV, K, V, BTc, CKPT,
-                                      CKPT_VK, TRANS)
-                b_gl = b_gl_next
-                if NF == 1 or NF == 3:
-                    b_f = b_f_next
+                S, b_gl, b_f = _chunk_of_loop(
+                    i_t, S, b_gl, b_f, q, k, v, w, u, p, g, gcum, qg, kg, glast, nf, ready, ckpt, ckpt_slots, n_ckpt,
+                    o_base, rs, slot0, c1, bos, T_seq, i_n, i_h, i_hk, i_v, o_k, o_v, scale, H, HV, K, V, BTc, BK, BV,
+                    GATE, DELTA, P_IN, GC_IN, DOT_PREC, g_floor, TMA, TMA_O, STORE_R, TRANS, T_FORM, NF, WAIT, FENCE,
+                    LOOP_WHILE, CKPT, CKPT_VK)
 
     if STORE_HT and SEG != 1:
         if i_s == NSEG - 1:     # the last segment (always, without SEG)
