@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from chunkwise.triton.chunk import chunk_bwd, chunk_fwd
-from chunkwise.triton.common import BT, _num_sms, cdiv, padded_dims
+from chunkwise.triton.common import BT, _num_sms, cdiv, chunk_slots, padded_dims
 from chunkwise.triton.configs import SPLIT_FILL, SPLIT_MIN_CHUNKS, forward_plan, split_chunks
-from chunkwise.triton.split import split_batch
+import chunkwise.triton.chunk as chunk_mod
+from chunkwise.triton.split import segment_grads, split_batch
 from chunkwise.utils import prepare_chunk_indices
-from helpers import DEVICE, ON_GPU, TOL, make_inputs, reference, rel_err
+from helpers import CHUNK_OPS, DEVICE, ON_GPU, TOL, make_inputs, reference, rel_err
 
 GATE_KIND = {"delta": 0, "gdn": 1, "kda": 2}
 F32 = TOL[torch.float32]
@@ -95,38 +96,76 @@ def test_split_fp16():
         assert e <= tol and e <= 2 * e0 + 1e-5, (e, e0)
 
 
+def _autograd(inp, do, dht, scale):
+    """Gradients of Σ o·dO + Σ h_T·dh_T for q, k, v, g, β, h0 by float64 autograd of the PyTorch recurrence."""
+    names = ("q", "k", "v", "g", "beta", "h0")
+    leaves = {n: getattr(inp, n).detach().double().requires_grad_(True) for n in names if getattr(inp, n) is not None}
+    args = [leaves[n] for n in ("q", "k", "v", "g", "beta") if n in leaves]
+    o, ht = CHUNK_OPS[inp.fam](*args, scale=scale, initial_state=leaves["h0"], output_final_state=True,
+                               cu_seqlens=inp.cu_seqlens, backend="torch")
+    ((o * do.double()).sum() + (ht * dht.double()).sum()).backward()
+    return [leaves[n].grad if n in leaves else None for n in names]
+
+
+# (id, make_inputs' shape, gate, chunks per segment, transposed state): the forward's layouts; zero gates where the
+# entering states' gradients would otherwise vanish over a few hundred tokens
+BWD_LAYOUTS = [("dense-view", dict(B=2, T=256), "zero", 1, False),
+               ("dense-ragged", dict(B=2, T=300), "normal", 2, True),
+               ("varlen", dict(lengths=[300, 0, 1, 70]), "zero", 1, False)]
+
+
+@pytest.mark.parametrize("layout,shape,gate,seg,transpose", BWD_LAYOUTS, ids=[c[0] for c in BWD_LAYOUTS])
 @pytest.mark.parametrize("fam", ["gdn", "kda", "delta"])
-def test_split_keeps_what_the_backward_reads(fam):
-    """A saving forward (forward_plan(save=True): GDN / DeltaNet's W / U form, KDA's T form) split into segments keeps
-    for the backward what the unsplit one keeps (the per-chunk tiles exactly, R and DeltaNet's final state to
-    rounding), so the backward is unchanged; GDN's gradients from either are compared."""
-    inp = make_inputs(fam, H=1, HV=2, K=16, V=16, lengths=[200, 1, 70], seed=11)
+def test_split_backward_equals_autograd(fam, layout, shape, gate, seg, transpose):
+    """The backward of a split saving forward runs on its segments (each from its kept entering state, its exiting
+    state's gradient from the reverse combine): every gradient (q, k, v, g, β, h0) within fp32's bound of float64
+    autograd and near the unsplit backward's."""
+    inp = make_inputs(fam, H=1, HV=2, K=16, V=16, gate=gate, seed=11, **shape)
     s1, s0 = {}, {}
-    o1, _ = _fwd(inp, 1, saved=s1)
-    o0, _ = _fwd(inp, 0, saved=s0)
-    assert rel_err(o1, o0) <= F32
-    assert s1.keys() == s0.keys() and s1
-    for name, x0 in s0.items():
-        x1 = s1[name]
-        if x0 is None:
-            assert x1 is None, name
-        elif name in ("r", "ht"):
-            assert rel_err(x1, x0) <= F32, name
-        else:
-            assert torch.equal(x1, x0), name
-    if fam == "gdn":
-        gen = torch.Generator().manual_seed(1)
-        do = torch.randn(inp.v.shape, generator=gen)
-        dht = torch.randn(inp.h0.shape, generator=gen)
-        a = (inp.q, inp.k, inp.v, inp.g, inp.beta, 0.25, inp.h0, do, dht, inp.cu_seqlens)
-        for g1, g0 in zip(chunk_bwd(*a, saved=s1), chunk_bwd(*a, saved=s0)):
-            assert rel_err(g1, g0) <= F32
+    _fwd(inp, seg, transpose, saved=s1)
+    _fwd(inp, 0, transpose, saved=s0)
+    assert s1["hs"] is not None and s1["mm"] is not None and s0.get("hs") is None
+    gen = torch.Generator().manual_seed(1)
+    do = torch.randn(inp.v.shape, generator=gen)
+    dht = torch.randn(inp.h0.shape, generator=gen)
+    h0, dht_in = (inp.h0, dht) if not transpose else (inp.h0.transpose(-1, -2).contiguous(),
+                                                        dht.transpose(-1, -2).contiguous())
+    a = (inp.q, inp.k, inp.v, inp.g, inp.beta, 0.25, h0, do, dht_in, inp.cu_seqlens)
+    split = chunk_bwd(*a, transpose_state_layout=transpose, saved=s1)
+    whole = chunk_bwd(*a, transpose_state_layout=transpose, saved=s0)
+    ref = _autograd(inp, do, dht, 0.25)
+    for name, x, x0, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), split, whole, ref):
+        if r is None:
+            assert x is None, name
+            continue
+        if name == "dh0" and transpose:
+            x, x0 = x.transpose(-1, -2), x0.transpose(-1, -2)
+        e, e0 = rel_err(x, r), rel_err(x0, r)
+        assert e <= F32 and e <= 4 * e0 + 1e-6, f"split {name} rel err {e:.2e} (unsplit {e0:.2e})"
+
+
+@pytest.mark.parametrize("fam", ["gdn", "kda"])
+def test_split_backward_hard_reset(fam):
+    """The backward of a split forward with a hard reset (g = −1e4) and chunks summing below −100 (KDA: some channels
+    falling 6 per token inside a segment), no initial state, one-chunk segments of a long sequence beside a short one:
+    the gradients within fp32's bound of float64 autograd."""
+    inp = make_inputs(fam, H=2, HV=2, K=16, V=32, gate="strong", lengths=[250, 40], seed=5)
+    if fam == "kda":
+        inp.g[:, 150:190, :, 2:9] = -6.0
+    s = {}
+    _fwd(inp, 1, saved=s)
+    gen = torch.Generator().manual_seed(2)
+    do, dht = torch.randn(inp.v.shape, generator=gen), torch.randn(inp.h0.shape, generator=gen)
+    grads = chunk_bwd(inp.q, inp.k, inp.v, inp.g, inp.beta, 0.25, inp.h0, do, dht, inp.cu_seqlens, saved=s)
+    for name, x, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads, _autograd(inp, do, dht, 0.25)):
+        assert rel_err(x, r) <= F32, name
 
 
 def test_split_index_tensors():
     """split_batch's varlen index tensors against a host model: each sequence cut into ⌈chunks / L⌉ segments (one for
     an empty sequence), the segments' offsets, every chunk's (segment, chunk in it) row, the segments that have a
-    transition (all but each sequence's last), and the unused tail (empty segments, −1)."""
+    transition (all but each sequence's last), and the unused tail (empty segments, −1) up to the most the shapes
+    allow."""
     lengths, L = [0, 1, 64, 65, 200, 0, 129], 2
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     x = torch.zeros(1, int(cu[-1]), 1, 16)
@@ -141,7 +180,7 @@ def test_split_index_tensors():
             if j < segs - 1:
                 nl2p.append(len(cu1) - 2)
     pfirst.append(len(cu1) - 1)
-    assert sb.N == len(lengths) + ci.shape[0] // L >= len(cu1) - 1
+    assert sb.N == len(lengths) + (len(lengths) + int(cu[-1]) // BT) // L >= len(cu1) - 1
     assert sb.cu_seqlens.tolist() == cu1 + [cu1[-1]] * (sb.N + 1 - len(cu1))
     assert sb.pfirst.tolist() == pfirst
     assert sb.nl2p.tolist() == nl2p + [-1] * (sb.NL - len(nl2p))
@@ -164,8 +203,9 @@ def test_split_choice(name, lengths, HV, split):
     only the sequences longer than a segment split."""
     varlen = name.startswith("varlen")
     N, chunks = len(lengths), [cdiv(n, BT) for n in lengths]
+    T = sum(lengths) if varlen else lengths[0]
     plan = forward_plan(torch.device("cpu"), torch.bfloat16, 1, True, 128, 128)
-    L = split_chunks(plan, N, sum(lengths) if varlen else lengths[0], HV, 128, 128, varlen, sum(chunks), N_SM)
+    L = split_chunks(plan, N, T, HV, 128, 128, varlen, chunk_slots(N, T, varlen), N_SM)
     assert (L > 0) == split
     if not split:
         return
@@ -177,16 +217,28 @@ def test_split_choice(name, lengths, HV, split):
         assert sum(segs) * HV * 2 <= SPLIT_FILL * N_SM < 2 * sum(segs) * HV * 2 or L < 2 * SPLIT_MIN_CHUNKS
 
 
-def test_split_automatic():
+def test_split_automatic(monkeypatch):
     """The default plan splits a varlen batch whose one sequence is longer than the chunks an SM's share would be (two
-    segments here), and the result is the recurrence's."""
-    inp = make_inputs("gdn", H=1, HV=2, K=16, V=16, lengths=[1100, 30], seed=2)
-    chunks = prepare_chunk_indices(inp.cu_seqlens, BT).shape[0]
-    plan = forward_plan(inp.q.device, inp.q.dtype, 1, True, 16, 16)
-    assert split_chunks(plan, 2, 1130, 2, 16, 16, True, chunks, N_SM) == SPLIT_MIN_CHUNKS < cdiv(1100, BT)
+    segments here): the forward's output and final state are the recurrence's, and through the op under autograd (the
+    saving forward, then the split backward) every gradient is float64 autograd's."""
+    inp = make_inputs("gdn", H=1, HV=2, K=16, V=16, gate="zero", lengths=[1100, 30], seed=2)
+    plan = forward_plan(inp.q.device, inp.q.dtype, 1, True, 16, 16, save=True)
+    assert split_chunks(plan, 2, 1130, 2, 16, 16, True, chunk_slots(2, 1130, True), N_SM) == SPLIT_MIN_CHUNKS
+    assert SPLIT_MIN_CHUNKS < cdiv(1100, BT)
     ref_o, ref_h = reference(inp)
     o, ht = chunk_fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, 0.25, inp.h0, True, inp.cu_seqlens)
     assert rel_err(o, ref_o) <= F32 and rel_err(ht, ref_h) <= F32
+    combines = []       # the split backward's reverse combine, seen running
+    monkeypatch.setattr(chunk_mod, "segment_grads", lambda *a: combines.append(1) or segment_grads(*a))
+    leaves = [x.detach().clone().requires_grad_(True) for x in (inp.q, inp.k, inp.v, inp.g, inp.beta, inp.h0)]
+    o, ht = CHUNK_OPS["gdn"](*leaves[:5], scale=0.25, initial_state=leaves[5], output_final_state=True,
+                             cu_seqlens=inp.cu_seqlens, backend="triton")
+    gen = torch.Generator().manual_seed(4)
+    do, dht = torch.randn(o.shape, generator=gen), torch.randn(ht.shape, generator=gen)
+    ((o * do).sum() + (ht * dht).sum()).backward()
+    assert combines == [1]
+    for name, x, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), leaves, _autograd(inp, do, dht, 0.25)):
+        assert rel_err(x.grad, r) <= F32, name
 
 
 # the GPU: real head dims in bf16, the automatic choice

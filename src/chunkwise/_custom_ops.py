@@ -23,10 +23,11 @@ Ops (namespace ``chunkwise``):
             when output_final_state is False)
     chunk_bwd / recurrent_bwd (the forward's inputs, do, dht?, needs_grad) -> (dq, dk, dv, dg, dbeta, dh0)
         (an empty [0] tensor for each gradient that is not needed or whose input is None)
-    chunk_fwd_saved (as chunk_fwd) -> (o, final_state, w, u, p, t, h, r, qg, kg, gc, ht): the triton chunk forward
-        of a delta family under autograd, which also returns what its backward reuses (triton.chunk.saved_shapes;
+    chunk_fwd_saved (as chunk_fwd) -> (o, final_state, w, u, p, t, hs, mm, r, qg, kg, gc, ht): the triton chunk
+        forward of a delta family under autograd, which also returns what its backward reuses (triton.chunk.saved_shapes;
         empty [0] tensors where it keeps nothing)
-    chunk_bwd_saved (the forward's inputs, w, u, p, t, h, r, qg, kg, gc, do, dht?, needs_grad) -> as chunk_bwd
+    chunk_bwd_saved (the forward's inputs, w, u, p, t, hs, mm, r, qg, kg, gc, ht, do, dht?, needs_grad)
+        -> as chunk_bwd
     chunk_fwd_checkpoints (as chunk_fwd, checkpoints (mutated), checkpoint_slots [N + 1], checkpoint_every) -> as
         chunk_fwd, and each sequence's state after every checkpoint_every tokens in checkpoints (no autograd)
     recurrent_pool_fwd (..., pool [P, HV, K, V] (mutated), state_indices [N], ...) -> o
@@ -328,7 +329,7 @@ recurrent_bwd.register_fake(_backward_fake)
 # triton chunk op that keeps stage 1 for the backward
 # ----------------------------------------------------------------------------------------------
 
-_StageTuple = tuple[(torch.Tensor,) * 12]
+_StageTuple = tuple[(torch.Tensor,) * 13]
 
 
 def _save_stage1_wanted(mode, backend, beta, *tensors) -> bool:
@@ -340,7 +341,7 @@ def _save_stage1_wanted(mode, backend, beta, *tensors) -> bool:
 
 
 def _stage1_shapes(q, v, g, beta, cu_seqlens, transpose_state_layout=False):
-    """(shape, dtype) of the saving forward's w, u, p, t, h, r, qg, kg, gc, ht (empty [0] tensors where it keeps
+    """(shape, dtype) of the saving forward's w, u, p, t, hs, mm, r, qg, kg, gc, ht (empty [0] tensors where it keeps
     nothing: triton.chunk.saved_shapes)."""
     from .triton.chunk import saved_shapes
     return [(_EMPTY_SHAPE, q.dtype) if s is None else s
@@ -354,7 +355,7 @@ def chunk_fwd_saved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Option
                     chunk_indices: Optional[torch.Tensor], transpose_state_layout: bool, chunk_size: int,
                     backend: str) -> _StageTuple:
     """chunk_fwd (triton, delta families) that also returns what its backward reuses: (o, final state or empty, and
-    per name of triton.chunk.SAVED, w u p t h r qg kg G ht, the tensor or an empty [0] one where the forward keeps
+    per name of triton.chunk.SAVED, w u p t hs mm r qg kg G ht, the tensor or an empty [0] one where the forward keeps
     nothing for these inputs; triton.chunk.saved_shapes). A kept final state is a copy of the final state output
     where that is asked for too: outputs may not alias."""
     from .triton.chunk import SAVED, chunk_fwd as triton_chunk_fwd
@@ -384,16 +385,16 @@ def chunk_bwd_saved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Option
                     beta: Optional[torch.Tensor], scale: float, initial_state: Optional[torch.Tensor],
                     cu_seqlens: Optional[torch.Tensor], chunk_indices: Optional[torch.Tensor],
                     transpose_state_layout: bool, chunk_size: int, backend: str, w: torch.Tensor, u: torch.Tensor,
-                    p: torch.Tensor, t: torch.Tensor, h: torch.Tensor, r: torch.Tensor, qg: torch.Tensor,
-                    kg: torch.Tensor, gc: torch.Tensor, ht: torch.Tensor, do: torch.Tensor,
+                    p: torch.Tensor, t: torch.Tensor, hs: torch.Tensor, mm: torch.Tensor, r: torch.Tensor,
+                    qg: torch.Tensor, kg: torch.Tensor, gc: torch.Tensor, ht: torch.Tensor, do: torch.Tensor,
                     dht: Optional[torch.Tensor], needs_grad: Sequence[bool]) -> _GradTuple:
     """Gradients of chunk_fwd_saved from its stage 1 (p, t and w, u; all recomputed where they are empty, w and u
-    alone formed from t), the per-chunk states and R (h, r; recomputed where they are empty) and KDA's q ⊙ e^G,
-    k ⊙ e^{G_last − G} (qg, kg; formed again where they are empty), G (gc; likewise) and the final state (ht: where
+    alone formed from t), R (r; recomputed where it is empty), a split forward's segment states and transitions
+    (hs, mm: the backward runs split too), KDA's q ⊙ e^G, k ⊙ e^{G_last − G} (qg, kg; formed again where they are empty), G (gc; likewise) and the final state (ht: where
     kept, the reverse state pass forms the per-chunk states from it)."""
     saved = dict(w=w if w.numel() else None, u=u if u.numel() else None, p=p, t=t) if t.numel() else None
-    if saved is not None and h.numel():
-        saved.update(h=h)
+    if saved is not None and hs.numel():
+        saved.update(hs=hs, mm=mm)
     if saved is not None and r.numel():
         saved.update(r=r)
     if saved is not None and qg.numel():
@@ -408,7 +409,7 @@ def chunk_bwd_saved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Option
 
 @chunk_bwd_saved.register_fake
 def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_indices, transpose_state_layout, chunk_size, backend,
-      w, u, p, t, h, r, qg, kg, gc, ht, do, dht, needs_grad):
+      w, u, p, t, hs, mm, r, qg, kg, gc, ht, do, dht, needs_grad):
     return _backward_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_indices, transpose_state_layout,
                           chunk_size, backend, do, dht, needs_grad)
 

@@ -349,15 +349,17 @@ def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, h, Rs, b_dS, b_S, b_dRl, b_lastp, 
                  o_v, scale, unit, H: tl.constexpr,
                  HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                  C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
-                 KD_IN: tl.constexpr = 0, AHEAD: tl.constexpr = 1, FULL: tl.constexpr = 0, REV_H: tl.constexpr = 0):
+                 KD_IN: tl.constexpr = 0, AHEAD: tl.constexpr = 1, FULL: tl.constexpr = 0, REV_H: tl.constexpr = 0,
+                 STORE: tl.constexpr = 1):
     """One chunk of the reverse state pass: store dS', dR = dR_local + Kend dS', dS = γ dS' + ...
     Returns (dS, S). REV_H (no gate): b_S is the state leaving the chunk; S ← S − Kᵀ R (R: the forward's, Rs) is
-    the state entering it, stored to h, formed backwards from the final state.
+    the state entering it, stored to h, formed backwards from the final state. STORE 0: dS alone, nothing stored.
     LOWP: the products' operands in the 16-bit input dtype (see _fwd_h_step). KD_IN: q, k are
     _gate_scaled_kernel's qd, kd [B, T, HV, K]. b_dRl, b_lastp: this chunk's dR_local tile and (KD_IN) G_last,
     loaded a step ahead (_step_ahead) where AHEAD is 1, else loaded here."""
     o_t, o_k, m_t, m_k, m_v, m_kv, t0, L, rows = _step_tiles(bos, eos, i_c, o_v, K, V, BK, C, FULL)
-    tl.store(dh + (((boh + i_c) * HV + i_h) * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :], b_dS, mask=m_kv)
+    if STORE:
+        tl.store(dh + (((boh + i_c) * HV + i_h) * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :], b_dS, mask=m_kv)
     m_tk = m_t[:, None] & m_k[None, :]
     m_tv = m_t[:, None] & m_v[None, :]
     p_tv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
@@ -394,7 +396,8 @@ def _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, h, Rs, b_dS, b_S, b_dRl, b_lastp, 
     if AHEAD == 2:      # a runtime 1.0: the product cannot take dR_local as its accumulator
         b_kdS = b_kdS * unit
     b_dR = b_dRl.to(tl.float32) + b_kdS
-    tl.store(dR + p_tv, b_dR, mask=m_tv)
+    if STORE:
+        tl.store(dR + p_tv, b_dR, mask=m_tv)
     if GATE == 2:
         b_dS *= _exp(b_last)[:, None]
     elif GATE == 1:
@@ -413,7 +416,7 @@ def _bwd_dh_kernel(q, k, G, W, dRl, do, dht, dh, dR, dh0, h, cu_seqlens, T, scal
                    HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, TRANSPOSE: tl.constexpr,
                    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, LOOP_WHILE: tl.constexpr, LOWP: tl.constexpr = 0,
                    KD_IN: tl.constexpr = 0, AHEAD: tl.constexpr = 1, FULL: tl.constexpr = 0, ht=None, Rs=None,
-                   REV_H: tl.constexpr = 0):
+                   REV_H: tl.constexpr = 0, STORE: tl.constexpr = 1):
     """dR = dR_local + Kend dS';  dS = γ dS' + scale Qgᵀ dO − Wᵀ dR.
     REV_H (DeltaNet: no gate; the forward saved R and its final state): the states entering the chunks, h, formed
     here backwards from the final state ht (fp32, the state layout: [N, HV, K, V], TRANSPOSE [N, HV, V, K]),
@@ -422,7 +425,8 @@ def _bwd_dh_kernel(q, k, G, W, dRl, do, dht, dh, dR, dh0, h, cu_seqlens, T, scal
     loaded a step ahead (_step_ahead); 0, in the step; 2, in the step with K dS' scaled by ``unit`` (1.0, a
     runtime value) so that the compiler cannot fold dR_local into the product as its accumulator (which leaves
     the load to the software pipeline).
-    dh: [NC, HV, K, V]; dR: [B, T, HV, V] (16-bit for 16-bit inputs); dht, dh0 in the state layout (dh0 fp32)."""
+    dh: [NC, HV, K, V]; dR: [B, T, HV, V] (16-bit for 16-bit inputs); dht, dh0 in the state layout (dh0 fp32).
+    STORE 0 (a split backward's first reverse pass): dh0 alone."""
     i_h, i_hk, bos, eos, boh, NTs, o_k, o_v, m_k, m_v, m_kv, p0 = _seq_program(cu_seqlens, T, H, HV, K, V, BK, BV, C,
                                                                               IS_VARLEN, TRANSPOSE)
     b_dS = tl.zeros([BK, BV], dtype=tl.float32)
@@ -440,7 +444,7 @@ def _bwd_dh_kernel(q, k, G, W, dRl, do, dht, dh, dR, dh0, h, cu_seqlens, T, scal
             b_dRn, b_lastn = _step_ahead(dRl, G, i_c - 1, bos, eos, i_h, o_v, HV, K, V, BK, BV, C, AH, LAST)
             b_dS, b_S = _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, h, Rs, b_dS, b_S, b_dRl, b_last, i_c, bos,
                                      eos, boh, i_h, i_hk, o_v, scale, unit, H, HV, K, V, BK, BV, C, GATE, DELTA, PREC,
-                                     LOWP, KD_IN, AHEAD, FULL, REV_H)
+                                     LOWP, KD_IN, AHEAD, FULL, REV_H, STORE)
             b_dRl, b_last = b_dRn, b_lastn
             i_c -= 1
     else:
@@ -448,7 +452,7 @@ def _bwd_dh_kernel(q, k, G, W, dRl, do, dht, dh, dR, dh0, h, cu_seqlens, T, scal
             b_dRn, b_lastn = _step_ahead(dRl, G, NTs - 2 - i_r, bos, eos, i_h, o_v, HV, K, V, BK, BV, C, AH, LAST)
             b_dS, b_S = _bwd_dh_step(q, k, G, W, dRl, do, dh, dR, h, Rs, b_dS, b_S, b_dRl, b_last,
                                      NTs - 1 - i_r, bos, eos, boh, i_h, i_hk, o_v, scale, unit, H, HV, K, V, BK, BV, C,
-                                     GATE, DELTA, PREC, LOWP, KD_IN, AHEAD, FULL, REV_H)
+                                     GATE, DELTA, PREC, LOWP, KD_IN, AHEAD, FULL, REV_H, STORE)
             b_dRl, b_last = b_dRn, b_lastn
     if HAS_H0:
         tl.store(dh0 + p0, b_dS, mask=m_kv)
@@ -554,12 +558,15 @@ def forward_state_pass(k, v, G, W, U, R, h0, p: Problem, plan, transpose: bool, 
     return h
 
 
-def reverse_state_pass(q, k, G, W, dRl, do, dht, h, h0, scale, p: Problem, plan, transpose: bool, ht=None, R=None):
+def reverse_state_pass(q, k, G, W, dRl, do, dht, h, h0, scale, p: Problem, plan, transpose: bool, ht=None, R=None,
+                       store=True):
     """dh [NC, HV, K, V] (the gradient of the state leaving each chunk), dR [B, T, HV, V] and dh0 (fp32, where there
     is an initial state h0). With ``ht`` (DeltaNet's saved final state) and the saved ``R`` it also forms h backwards.
-    q, k: KDA's gate-scaled ones where plan.kd_in."""
+    q, k: KDA's gate-scaled ones where plan.kd_in. ``store`` False: dh0 alone (dh and dR None)."""
     sdt = state_dtype(do.dtype)
-    dh, dR = p.alloc(p.NC, p.HV, p.K, p.V, dtype=sdt), p.alloc(p.B, p.T, p.HV, p.V, dtype=sdt)
+    dh = dR = None
+    if store:
+        dh, dR = p.alloc(p.NC, p.HV, p.K, p.V, dtype=sdt), p.alloc(p.B, p.T, p.HV, p.V, dtype=sdt)
     dh0 = None if h0 is None else p.alloc(*h0.shape)
     _bwd_dh_kernel[p.grid_s(plan)](q, k, G, W, dRl, do, dht, dh, dR, dh0, h, scale=scale, unit=1.0, H=p.H, HV=p.HV,
                                    K=p.K, V=p.V, BK=p.BK, BV=plan.bv, C=p.C, GATE=p.gate, DELTA=p.delta,
@@ -567,5 +574,5 @@ def reverse_state_pass(q, k, G, W, dRl, do, dht, h, h0, scale, p: Problem, plan,
                                    IS_VARLEN=p.varlen, PREC=plan.prec, LOOP_WHILE=INTERPRET, LOWP=plan.state_lowp,
                                    KD_IN=plan.kd_in, AHEAD=plan.dh_ahead, FULL=p.full("bwd_dh", plan),
                                    num_warps=plan.state_warps, num_stages=plan.bwd_dh_stages, ht=ht, Rs=R,
-                                   REV_H=ht is not None, **p.seqs)
+                                   REV_H=ht is not None, STORE=store, **p.seqs)
     return dh, dR, dh0

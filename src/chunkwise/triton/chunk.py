@@ -21,7 +21,8 @@ from .common import (BT, _alloc, _num_sms, _overlap, _side_stream, cdiv, chunk_s
                      on_tensor_device, pad_last, pad_state, padded_dims, state_dtype, target_arch)
 from .configs import (WIDE_16BIT_K, BackwardPlan, ForwardPlan, backward_plan, forward_plan, fp16_kda_in_fp32,
                       gate_scaled_in, resolve_stage2, saved_t_dtype, split_chunks, split_launch)
-from .split import final_states, segment_starts, split_batch
+from .split import (exit_states, final_states, first_states, pseudo_count, segment_grads, segment_starts,
+                    split_batch)
 from .stage1 import chunk_p, chunk_prepare
 from .stage2 import chunk_state_output
 
@@ -29,9 +30,11 @@ from .stage2 import chunk_state_output
 # what the forward keeps for the backward
 # ------------------------------------------------------------------------------------------------
 
-# the names of what a saving forward hands to the backward, in the order the custom op returns them (h, the
-# per-chunk states, is never kept: the backward forms them from R)
-SAVED = ("w", "u", "p", "t", "h", "r", "qg", "kg", "G", "ht")
+# the names of what a saving forward hands to the backward, in the order the custom op returns them (the per-chunk
+# states are never kept: the backward forms them from R; a split forward keeps its segments' entering states hs and
+# transitions mm, from which the backward's state passes run split too)
+SAVED = ("w", "u", "p", "t", "hs", "mm", "r", "qg", "kg", "G", "ht")
+TOKEN_INDEXED = ("w", "u", "p", "t", "r", "qg", "kg", "G")     # [B, T, ...]
 
 
 def saves_stage1(q, v, g, beta) -> bool:
@@ -46,20 +49,35 @@ def saves_stage1(q, v, g, beta) -> bool:
     return padded_dims(q, v) == (q.shape[-1], v.shape[-1])
 
 
+def delta_split(plan: ForwardPlan, q, v, cu_seqlens) -> int:
+    """Chunks per segment of the delta families' sequence split (configs.split_chunks) for these inputs, from their
+    shapes alone (varlen: the most chunks the shapes allow), as the forward and a split backward both take it."""
+    B, T, HV, K, V = q.shape[0], q.shape[1], v.shape[2], q.shape[3], v.shape[3]
+    varlen = cu_seqlens is not None
+    N = cu_seqlens.shape[0] - 1 if varlen else B
+    return split_chunks(plan, N, T, HV, K, V, varlen, chunk_slots(N, T, varlen), _num_sms(q.device))
+
+
 def saved_shapes(q, v, g, beta, cu_seqlens, transpose_state_layout=False) -> list:
     """(shape, dtype) per name of SAVED that chunk_fwd(saved_out=...) fills for these inputs, None where it keeps
-    nothing: w (not under T_FORM, where the backward forms W, U from T), p, t, R (instead of u: R = U − W S is all the
-    backward reads U for), KDA's qg, kg (where the backward's state passes take them) and G, and DeltaNet's final
-    state (its backward's reverse state pass forms the per-chunk states from it)."""
+    nothing: w (not under T_FORM, where the backward forms W, U from T), p, t, a split forward's segment states and
+    transitions (hs, mm), R (instead of u: R = U − W S is all the backward reads U for), KDA's qg, kg (where the
+    backward's state passes take them) and G, and DeltaNet's final state (its backward's reverse state pass forms the
+    per-chunk states from it)."""
     names = dict.fromkeys(SAVED)
     if not saves_stage1(q, v, g, beta):
         return list(names.values())
     B, T, HV, K, V = q.shape[0], q.shape[1], v.shape[2], q.shape[3], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     gate = gate_kind(g)
-    t_form = forward_plan(q.device, q.dtype, gate, True, K, V, save=True).t_form
+    plan = forward_plan(q.device, q.dtype, gate, True, K, V, save=True)
+    t_form = plan.t_form
     if not t_form:
         names["w"] = ((B, T, HV, K), q.dtype)
+    seg = delta_split(plan, q, v, cu_seqlens)
+    if seg:
+        NP = pseudo_count(B, T, N, cu_seqlens is not None, seg)
+        names["hs"], names["mm"] = ((NP, HV, K, V), torch.float32), ((NP, HV, K, K), torch.float32)
     names["p"] = ((B, T, HV, BT), q.dtype)
     names["t"] = ((B, T, HV, BT), saved_t_dtype(q.dtype, K, gate, t_form))
     names["r"] = ((B, T, HV, V), state_dtype(q.dtype))
@@ -120,8 +138,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     # the delta families' sequence split (triton/split.py): the stages run on the batch of segments (sb), every
     # segment from its entering state; the outputs and what the backward keeps are the unsplit forward's, in place
     # (not with checkpoints: stage 2 stores them by each sequence's own chunk index, which a segment does not carry)
-    seg = split_chunks(plan, N, T, HV, K, V, varlen, chunk_indices.shape[0] if varlen else N * cdiv(T, BT), n_sm) \
-        if delta and checkpoints is None else 0
+    seg = delta_split(plan, q, v, cu_seqlens) if delta and checkpoints is None else 0
     sb = split_batch(q, k, v, g, beta, cu_seqlens, chunk_indices, seg) if seg else None
     q1, k1, v1, g1, beta1, cu1, ci1, N1 = (q, k, v, g, beta, cu_seqlens, chunk_indices, N) if sb is None else \
         (sb.q, sb.k, sb.v, sb.g, sb.beta, sb.cu_seqlens, sb.chunk_indices, sb.N)
@@ -176,14 +193,19 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         chunk_state_output(q, k, v, g, beta, stage1, o, initial_state, ht, rs, ready, side, cu_seqlens, scale, plan,
                            launch, transpose_state_layout, checkpoints=ckpt)
     else:
-        # each segment's transition and entering state, then stage 2 from those (its final states into the same
-        # buffer: each program reads its tile of the entering state before it writes that of the final one)
-        hs = segment_starts(sb, stage1, g1, initial_state, transpose_state_layout, gate, plan.t_form, plan.dot_prec,
-                            plan.mm_prec, HV, K, V, split_launch(plan, K, V, q.element_size(), gate))
-        chunk_state_output(q1, k1, v1, g1, beta1, stage1, sb.view(o), hs, hs, None if rs is None else sb.view(rs),
+        # each segment's transition and entering state, then stage 2 from those
+        hs, mm = segment_starts(sb, stage1, g1, initial_state, transpose_state_layout, gate, plan.t_form,
+                                plan.dot_prec, plan.mm_prec, HV, K, V, split_launch(plan, K, V, q.element_size(), gate),
+                                every_m=save)
+        # the segments' final states: into hs itself (each program reads its tile of the entering state before it
+        # writes that of the final one) unless the backward keeps the entering ones
+        hx = _alloc(hs.shape, hs.dtype, hs.device) if save else hs
+        chunk_state_output(q1, k1, v1, g1, beta1, stage1, sb.view(o), hs, hx, None if rs is None else sb.view(rs),
                            None, None, cu1, scale, plan, launch)
         if ht is not None:
-            final_states(sb, hs, ht, transpose_state_layout)
+            final_states(sb, hx, ht, transpose_state_layout)
+        if save:
+            saved_out.update(hs=hs, mm=mm, split=seg)
     if side is not None:
         torch.cuda.current_stream(q.device).wait_stream(side)
     if not output_final_state:
@@ -237,17 +259,35 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         raise NotImplementedError(
             f"the triton chunk backward supports head dims K <= {MAX_K} (got K={q.shape[-1]}): wider keys would need "
             f"more shared memory than one SM has; use backend='torch' to train with K={q.shape[-1]}")
-    p = Problem.of(q, v, g, beta, cu_seqlens, chunk_indices)
-    plan = plan or backward_plan(p.gate, p.delta, q.dtype, p.K, p.V, target_arch(q.device))
-    gate, delta, dev = p.gate, p.delta, q.device
-    B, T, H, HV, K, V, C = p.B, p.T, p.H, p.HV, p.K, p.V, p.C
     q, k, v, do = (x.contiguous() for x in (q, k, v, do))
     if do.dtype != q.dtype:
         do = do.to(q.dtype)
+    do_shape = do.shape
     g = None if g is None else g.contiguous()
     beta = None if beta is None else beta.contiguous()
     h0 = None if initial_state is None else initial_state.contiguous()
     dht = None if dht is None else dht.contiguous()
+    # a split forward (triton/split.py): the backward runs on its batch of segments, each from its entering state
+    # (hs) and with its exiting state's gradient (segment_grads), so that the serial passes fill the GPU too
+    sb = None
+    if saved is not None and saved.get("hs") is not None:
+        if cu_seqlens is not None and chunk_indices is None:
+            chunk_indices = prepare_chunk_indices(cu_seqlens, BT).to(q.device)
+        seg = saved.get("split") or delta_split(
+            forward_plan(q.device, q.dtype, gate_kind(g), True, q.shape[-1], v.shape[-1], save=True), q, v, cu_seqlens)
+        sb = split_batch(q, k, v, g, beta, cu_seqlens, chunk_indices, seg)
+        if saved["hs"].shape[0] != sb.N:
+            raise ValueError(f"saved['hs'] holds {saved['hs'].shape[0]} segment states, the split of these inputs "
+                             f"into segments of {seg} chunks {sb.N}")
+        saved = {n: sb.view(x) if n in TOKEN_INDEXED and x is not None else x for n, x in saved.items()}
+        if saved.get("ht") is not None:     # (DeltaNet: the reverse pass forms the states back from each segment's end)
+            saved["ht"] = exit_states(sb, saved["hs"], saved["ht"], tr)
+        q, k, v, g, beta, cu_seqlens, chunk_indices = sb.q, sb.k, sb.v, sb.g, sb.beta, sb.cu_seqlens, sb.chunk_indices
+        do, h0, tr0, tr = sb.view(do), saved["hs"], tr, False
+    p = Problem.of(q, v, g, beta, cu_seqlens, chunk_indices)
+    plan = plan or backward_plan(p.gate, p.delta, q.dtype, p.K, p.V, target_arch(q.device))
+    gate, delta, dev = p.gate, p.delta, q.device
+    B, T, H, HV, K, V, C = p.B, p.T, p.H, p.HV, p.K, p.V, p.C
 
     # the gate's chunk-local cumsum (KDA's saved by the forward)
     G = None
@@ -296,8 +336,14 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         torch.cuda.current_stream(dev).wait_stream(side)
     if rev_h:
         h = p.alloc(p.NC, HV, K, V, dtype=state_dtype(q.dtype))
-    # the reverse state pass: dh, dR, dh0 (DeltaNet's h too, backwards from the final state)
-    dh, dR, dh0 = reverse_state_pass(q_s, k_s, G, W, dRl, do, dht, h, h0, scale, p, plan, tr,
+    # the reverse state pass: dh, dR, dh0 (DeltaNet's h too, backwards from the final state). Split: first without
+    # the exiting states' gradients, for each segment's own share of its entering state's, then the reverse combine
+    # gives every segment's exiting state's gradient
+    dht_s = dht
+    if sb is not None:
+        _, _, nq = reverse_state_pass(q_s, k_s, G, W, dRl, do, None, None, h0, scale, p, plan, tr, store=False)
+        dht_s = segment_grads(sb, nq, saved["mm"], dht, tr0, plan.prec)
+    dh, dR, dh0 = reverse_state_pass(q_s, k_s, G, W, dRl, do, dht_s, h, h0, scale, p, plan, tr,
                                      ht=saved["ht"].contiguous() if rev_h else None, R=R if rev_h else None)
     del dRl, q_s, k_s
 
@@ -336,6 +382,13 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         dq, dk = group_sum(dq, H, q.dtype), group_sum(dk, H, k.dtype)
     dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
     dG = None if dG is None else dG.to(g.dtype)
+    if sb is not None:      # the caller's batch: its tokens, each sequence's dh0 its first segment's
+        B, T = do_shape[:2]
+        dq, dk, dv = (x.view(B, T, *x.shape[2:]) for x in (dq, dk, dv))
+        dG = None if dG is None else dG.view(B, T, *dG.shape[2:])
+        dbeta = None if dbeta is None else dbeta.view(B, T, *dbeta.shape[2:])
+        dh0 = None if initial_state is None else first_states(sb, dh0, tr0)
+        tr = tr0
     dh0 = None if dh0 is None else dh0.to(initial_state.dtype)
     if padded:
         dq, dk, dv = dq[..., :K0].contiguous(), dk[..., :K0].contiguous(), dv[..., :V0].contiguous()

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import BT, G_FLOOR, INTERPRET, _alloc, _and, _chunk_cut, _dim, _mm_acc, cdiv
+from .common import BT, G_FLOOR, INTERPRET, _alloc, _and, _chunk_cut, _dim, _mm_acc, cdiv, chunk_slots
 from .gate import _chunk_decay, _step_gate
 
 
@@ -131,6 +131,15 @@ def split_index_kernel(cu, ci, cu1, ci1, pfirst, nl2p, N, T, NT, n_rows, NP, NL,
         tl.store(nl2p + pf - n + j, pf + j, mask=head & (j < cnt - 1))
 
 
+def pseudo_count(B: int, T: int, N0: int, varlen: bool, L: int) -> int:
+    """Pseudo sequences of the split of N0 sequences (B rows of T tokens, or T in all varlen) into segments of L
+    chunks, from the shapes alone: B·T / (L·BT) for a dense view, else N0 and at most one more per L of the
+    chunks (Σ_n (⌈c_n / L⌉ − 1) <= Σ_n c_n / L, and Σ_n c_n <= N0 + T // BT: common.chunk_slots)."""
+    if not varlen and T % (L * BT) == 0:
+        return B * (T // (L * BT))
+    return N0 + (N0 * cdiv(T, BT) if not varlen else chunk_slots(N0, T, True)) // L
+
+
 def split_batch(q, k, v, g, beta, cu_seqlens, chunk_indices, seg_chunks: int) -> SplitBatch:
     """The pseudo batch of segments of ``seg_chunks`` chunks (the inputs contiguous, canonical; chunk_indices given
     with cu_seqlens)."""
@@ -148,8 +157,8 @@ def split_batch(q, k, v, g, beta, cu_seqlens, chunk_indices, seg_chunks: int) ->
     N0 = B if dense else cu_seqlens.numel() - 1
     NT = cdiv(T, BT)
     n_rows = N0 * NT if dense else chunk_indices.shape[0]
-    NL = n_rows // L                  # Σ_n (⌈c_n / L⌉ − 1) <= Σ_n c_n / L
-    NP = N0 + NL
+    NP = pseudo_count(B, T, N0, not dense, L)
+    NL = NP - N0
     dev = q.device
     cu1 = torch.empty(NP + 1, dtype=torch.int32, device=dev)
     ci1 = torch.empty(max(n_rows, 1), 2, dtype=torch.int32, device=dev)[:n_rows]
@@ -242,37 +251,48 @@ def _segment_chunk(i_t, n_chunks, St, b_gl, b_f, k, v, w, u, g, gcum, glast, kg,
 
 
 @triton.heuristics({"IS_VARLEN": lambda args: args["cu"] is not None})
-@triton.jit(do_not_specialize=["T", "NT", "NSEG", "H", "HV"])
+@triton.jit(do_not_specialize=["T", "NT", "NSEG", "NL", "H", "HV"])
 def segment_state_kernel(
     k, v, w, u, g, gcum, glast, kg,   # the pseudo batch's k, v and stage 1's outputs (stage 2's operands)
     nf,                               # stage 1's [slots, HV] int32: each chunk's first row with a non-finite input
     nn, mm,                           # out: [NL, HV, K, V], [NL, HV, K, K] fp32: each segment's N and M
     nl2p, pfirst, cu,                 # varlen: SplitBatch's
-    T, NT, NSEG, H, HV, K, V,
+    T, NT, NSEG, NL, H, HV, K, V,
     BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, T_FORM: tl.constexpr,
     USE_H0: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, g_floor: tl.constexpr,
-    LOOP_WHILE: tl.constexpr,
+    LOOP_WHILE: tl.constexpr, EVERY_M: tl.constexpr = 0,
 ):
     """Grid (⌈V / BV⌉ + ⌈K / BV⌉, NL·HV): program (c, l·HV + h) runs segment l (not its sequence's last) of value head
     h over its chunks, on value columns c (c < ⌈V / BV⌉: N's, from S = 0 with the values) or on columns c − ⌈V / BV⌉
-    of M (from S = I, no values), and stores that block. M of a sequence's first segment only with an initial state
-    (USE_H0; without one the first segment's end state is N)."""
+    of M (from S = I, no values), and stores that block (N at l, M at the segment's pseudo sequence). M of a
+    sequence's first segment only with an initial state (USE_H0; without one the first segment's end state is N).
+    EVERY_M (a saving forward: the backward's reverse combine reads M of every segment but a first one): N0·HV more
+    programs on axis 1, l = NL + n forming M of sequence n's last segment where it is not also its first."""
     i_c, i_lh = tl.program_id(0), tl.program_id(1)
     i_l, i_h = i_lh // HV, i_lh % HV
     i_hk = i_h // (HV // H)
     nvb = (V + BV - 1) // BV
     is_m = i_c >= nvb
-    if IS_VARLEN:
-        p = tl.load(nl2p + i_l)
-        i_n = p - i_l                       # (each sequence before has exactly one segment more than its transitions)
-        first = p == tl.load(pfirst + i_n, mask=p >= 0, other=-1)
+    if EVERY_M and i_l >= NL:       # sequence i_l − NL's last segment
+        if IS_VARLEN:
+            p = tl.load(pfirst + i_l - NL + 1) - 1
+            first = p == tl.load(pfirst + i_l - NL)
+        else:
+            p = (i_l - NL + 1) * NSEG - 1
+            first = NSEG == 1
+        run = is_m & ~first
     else:
-        i_n = i_l // (NSEG - 1)
-        p = i_n * NSEG + i_l % (NSEG - 1)
-        first = i_l % (NSEG - 1) == 0
-    run = p >= 0
-    if not USE_H0:
-        run = run & ~(is_m & first)
+        if IS_VARLEN:
+            p = tl.load(nl2p + i_l)
+            i_n = p - i_l                   # (each sequence before has exactly one segment more than its transitions)
+            first = p == tl.load(pfirst + i_n, mask=p >= 0, other=-1)
+        else:
+            i_n = i_l // (NSEG - 1)
+            p = i_n * NSEG + i_l % (NSEG - 1)
+            first = i_l % (NSEG - 1) == 0
+        run = p >= 0
+        if not USE_H0:
+            run = run & ~(is_m & first)
     if run:
         if IS_VARLEN:
             bos = tl.load(cu + p).to(tl.int64)
@@ -303,9 +323,10 @@ def segment_state_kernel(
                 St, b_gl, b_f = _segment_chunk(
                     i_t, n_chunks, St, b_gl, b_f, k, v, w, u, g, gcum, glast, kg, nf, slot0, bos, T_seq, i_h, i_hk,
                     c0, vals, H, HV, K, V, BTc, BK, BV, GATE, T_FORM, DOT_PREC, g_floor)
-        base = (i_l.to(tl.int64) * HV + i_h) * K
         m_k = (o_k < K)[None, :]
+        base = (i_l.to(tl.int64) * HV + i_h) * K
         tl.store(nn + (base + o_k[None, :]) * V + o_c[:, None], St, mask=_and(m_k & (o_c < V)[:, None], vals))
+        base = (p.to(tl.int64) * HV + i_h) * K
         tl.store(mm + (base + o_k[None, :]) * K + o_c[:, None], St, mask=_and(m_k & (o_c < K)[:, None], is_m))
 
 
@@ -318,11 +339,14 @@ def segment_state_kernel(
 @triton.jit(do_not_specialize=["NSEG", "HV"])
 def segment_start_kernel(h0, nn, mm, hs, pfirst, NSEG, s_h0n, s_h0h, s_h0k, s_h0v, HV, K, V,
                          BK: tl.constexpr, BV: tl.constexpr, MM_PREC: tl.constexpr, USE_H0: tl.constexpr,
-                         IS_VARLEN: tl.constexpr, LOOP_WHILE: tl.constexpr):
+                         IS_VARLEN: tl.constexpr, LOOP_WHILE: tl.constexpr, REVERSE: tl.constexpr = 0):
     """Grid (⌈V / BV⌉, N0·HV): sequence n's segments' entering states into hs [pseudo sequences, HV, K, V] fp32, in
     order: the first the initial state h0 (zero without one), each next M·S + N of the one before. The state stays in
     registers; the loads of M and N do not depend on it, so the compiled loop's pipeline fetches the next segment's
-    while this one's product runs."""
+    while this one's product runs.
+    REVERSE (the backward): the gradients of the segments' exiting states instead, last to first: the last one's
+    h0 (the final state's gradient, zero without one), each one before Mᵀ·dS + N of the one after (its gradient of
+    the entering state from a zero exiting one: nn [pseudo sequences, HV, K, V])."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
     if IS_VARLEN:
@@ -342,30 +366,42 @@ def segment_start_kernel(h0, nn, mm, hs, pfirst, NSEG, s_h0n, s_h0h, s_h0k, s_h0
                     other=0.).to(tl.float32)
     else:
         S = tl.zeros([BK, BV], dtype=tl.float32)
-    tl.store(hs + (p0.to(tl.int64) * HV + i_h) * K * V + off, S, mask=m_kv)
+    if REVERSE:
+        tl.store(hs + ((p0 + cnt - 1).to(tl.int64) * HV + i_h) * K * V + off, S, mask=m_kv)
+    else:
+        tl.store(hs + (p0.to(tl.int64) * HV + i_h) * K * V + off, S, mask=m_kv)
     if LOOP_WHILE:          # the triton 3.6 interpreter cannot take a tensor bound in range()
         j = tl.zeros([], dtype=tl.int32)
         while j < cnt - 1:
-            S = _segment_start_step(j, S, nn, mm, hs, p0, l0, i_h, HV, K, V, off, m_kv, m_kk, o_k, o_v, MM_PREC,
-                                    USE_H0)
+            S = _segment_start_step(j, S, nn, mm, hs, p0, l0, cnt, i_h, HV, K, V, off, m_kv, m_kk, o_k, o_v, MM_PREC,
+                                    USE_H0, REVERSE)
             j += 1
     else:
         for j in range(0, cnt - 1):
-            S = _segment_start_step(j, S, nn, mm, hs, p0, l0, i_h, HV, K, V, off, m_kv, m_kk, o_k, o_v, MM_PREC,
-                                    USE_H0)
+            S = _segment_start_step(j, S, nn, mm, hs, p0, l0, cnt, i_h, HV, K, V, off, m_kv, m_kk, o_k, o_v, MM_PREC,
+                                    USE_H0, REVERSE)
 
 
 @triton.jit
-def _segment_start_step(j, S, nn, mm, hs, p0, l0, i_h, HV, K, V, off, m_kv, m_kk, o_k, o_v, MM_PREC: tl.constexpr,
-                        USE_H0: tl.constexpr):
-    """The entering state of segment j + 1 from segment j's (S) and transition: M·S + N, stored, returned."""
-    i_l = (l0 + j).to(tl.int64)
-    b_n = tl.load(nn + ((i_l * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.)
-    b_m = tl.load(mm + ((i_l * HV + i_h) * K + o_k[:, None]) * K + o_k[None, :], mask=m_kk, other=0.)
-    S_next = _mm_acc(b_n, b_m, S, MM_PREC)                              # [BK, BK] @ [BK, BV]
-    if not USE_H0:      # a first segment's M is not formed without an initial state: its end state is N
-        S_next = tl.where(j == 0, b_n, S_next)
-    tl.store(hs + ((p0 + j + 1).to(tl.int64) * HV + i_h) * K * V + off, S_next, mask=m_kv)
+def _segment_start_step(j, S, nn, mm, hs, p0, l0, cnt, i_h, HV, K, V, off, m_kv, m_kk, o_k, o_v,
+                        MM_PREC: tl.constexpr, USE_H0: tl.constexpr, REVERSE: tl.constexpr):
+    """The entering state of segment j + 1 from segment j's (S) and transition: M·S + N, stored, returned
+    (REVERSE: the exiting state's gradient of segment cnt − 2 − j from that of the one after, Mᵀ·dS + N)."""
+    if REVERSE:
+        i_p = (p0 + cnt - 1 - j).to(tl.int64)
+        b_n = tl.load(nn + ((i_p * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.)
+        b_m = tl.load(mm + ((i_p * HV + i_h) * K + o_k[None, :]) * K + o_k[:, None], mask=m_kk, other=0.)  # Mᵀ
+        S_next = _mm_acc(b_n, b_m, S, MM_PREC)                          # [BK, BK] @ [BK, BV]
+        tl.store(hs + ((i_p - 1) * HV + i_h) * K * V + off, S_next, mask=m_kv)
+    else:
+        i_l = (l0 + j).to(tl.int64)
+        i_p = (p0 + j).to(tl.int64)
+        b_n = tl.load(nn + ((i_l * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.)
+        b_m = tl.load(mm + ((i_p * HV + i_h) * K + o_k[:, None]) * K + o_k[None, :], mask=m_kk, other=0.)
+        S_next = _mm_acc(b_n, b_m, S, MM_PREC)                          # [BK, BK] @ [BK, BV]
+        if not USE_H0:      # a first segment's M is not formed without an initial state: its end state is N
+            S_next = tl.where(j == 0, b_n, S_next)
+        tl.store(hs + ((p0 + j + 1).to(tl.int64) * HV + i_h) * K * V + off, S_next, mask=m_kv)
     return S_next
 
 
@@ -375,23 +411,26 @@ def _segment_start_step(j, S, nn, mm, hs, p0, l0, i_h, HV, K, V, off, m_kv, m_kk
 
 def segment_starts(sb: SplitBatch, stage1: dict, g, initial_state, transpose_state_layout: bool, gate: int,
                    t_form: bool, dot_prec: str, mm_prec: str, HV: int, K: int, V: int,
-                   launch: tuple) -> torch.Tensor:
-    """Every segment's entering state, hs [sb.N, HV, K, V] fp32 (stage 2's initial states for the pseudo batch; its
-    final states can go to the same buffer), from stage 1's ``stage1`` dict on the pseudo batch. ``launch``: the
-    segment pass's (value block, warps, pipeline depth)."""
+                   launch: tuple, every_m: bool = False) -> tuple:
+    """(hs, mm): every segment's entering state, hs [sb.N, HV, K, V] fp32 (stage 2's initial states for the pseudo
+    batch), and the transitions M [sb.N, HV, K, K] fp32 that the combine read, from stage 1's ``stage1`` dict on the
+    pseudo batch. ``launch``: the segment pass's (value block, warps, pipeline depth). ``every_m`` (a saving forward):
+    M of every segment but a first one, the backward's reverse combine (segment_grads) reads them."""
     H = sb.q.shape[2]
     T, NT = sb.q.shape[1], cdiv(sb.q.shape[1], BT)
     dev = sb.q.device
     hs = _alloc((sb.N, HV, K, V), torch.float32, dev)
     nn = _alloc((max(sb.NL, 1), HV, K, V), torch.float32, dev)
-    mm = _alloc((max(sb.NL, 1), HV, K, K), torch.float32, dev)
+    mm = _alloc((sb.N, HV, K, K), torch.float32, dev)
+    bv, warps, stages = launch
+    args = (sb.k, sb.v, stage1["w"], stage1["u"], g, stage1["gcum"], stage1["glast"], stage1["kg"], stage1["nf"], nn,
+            mm, sb.nl2p, sb.pfirst, sb.cu_seqlens, T, NT, sb.nseg, sb.NL, H, HV, K, V)
+    rows = sb.NL + (sb.N0 if every_m else 0)
     if sb.NL > 0:
-        bv, warps, stages = launch
-        segment_state_kernel[(cdiv(V, bv) + cdiv(K, bv), sb.NL * HV)](
-            sb.k, sb.v, stage1["w"], stage1["u"], g, stage1["gcum"], stage1["glast"], stage1["kg"], stage1["nf"], nn, mm,
-            sb.nl2p, sb.pfirst, sb.cu_seqlens, T, NT, sb.nseg, H, HV, K, V,
-            BTc=BT, BK=_dim(K), BV=bv, GATE=gate, T_FORM=t_form, USE_H0=initial_state is not None,
-            DOT_PREC=dot_prec, g_floor=G_FLOOR, LOOP_WHILE=INTERPRET, num_warps=warps, num_stages=stages)
+        segment_state_kernel[(cdiv(V, bv) + cdiv(K, bv), rows * HV)](
+            *args, BTc=BT, BK=_dim(K), BV=bv, GATE=gate, T_FORM=t_form, USE_H0=initial_state is not None,
+            DOT_PREC=dot_prec, g_floor=G_FLOOR, LOOP_WHILE=INTERPRET, EVERY_M=every_m, num_warps=warps,
+            num_stages=stages)
     s = (0, 0, 0, 0)
     if initial_state is not None:
         sn, sh, s2, s3 = initial_state.stride()
@@ -400,7 +439,49 @@ def segment_starts(sb: SplitBatch, stage1: dict, g, initial_state, transpose_sta
     segment_start_kernel[(cdiv(V, bv), sb.N0 * HV)](
         initial_state, nn, mm, hs, sb.pfirst, sb.nseg, *s, HV, K, V, BK=_dim(K), BV=bv, MM_PREC=mm_prec,
         LOOP_WHILE=INTERPRET, num_warps=8, num_stages=2)
-    return hs
+    return hs, mm
+
+
+def segment_grads(sb: SplitBatch, nq: torch.Tensor, mm: torch.Tensor, dht, transpose_state_layout: bool,
+                  mm_prec: str) -> torch.Tensor:
+    """The backward's reverse combine: the gradient of every segment's exiting state, [sb.N, HV, K, V] fp32, from
+    the final states' gradient dht ([N0, HV, K, V], [N0, HV, V, K] transposed, or None), each segment's gradient of
+    its entering state from a zero exiting one (nq [sb.N, HV, K, V]: a reverse state pass without dht) and the
+    transitions mm (segment_starts(every_m=True))."""
+    HV, K, V = nq.shape[1], nq.shape[2], nq.shape[3]
+    dxs = _alloc(nq.shape, torch.float32, nq.device)
+    s = (0, 0, 0, 0)
+    if dht is not None:
+        sn, sh, s2, s3 = dht.stride()
+        s = (sn, sh, s3, s2) if transpose_state_layout else (sn, sh, s2, s3)
+    bv = min(64, _dim(V))
+    segment_start_kernel[(cdiv(V, bv), sb.N0 * HV)](
+        dht, nq, mm, dxs, sb.pfirst, sb.nseg, *s, HV, K, V, BK=_dim(K), BV=bv, MM_PREC=mm_prec,
+        LOOP_WHILE=INTERPRET, REVERSE=1, num_warps=8, num_stages=2)
+    return dxs
+
+
+def first_states(sb: SplitBatch, xs: torch.Tensor, transpose_state_layout: bool) -> torch.Tensor:
+    """Each sequence's first segment's row of a per-segment state xs [sb.N, HV, K, V] as [N0, HV, K, V] ([N0, HV,
+    V, K] transposed): the backward's dh0."""
+    if sb.varlen:
+        first = xs.index_select(0, sb.pfirst[:-1].long())
+    else:
+        first = xs.view(sb.N0, sb.nseg, *xs.shape[1:])[:, 0]
+    return (first.transpose(-1, -2) if transpose_state_layout else first).contiguous()
+
+
+def exit_states(sb: SplitBatch, hs: torch.Tensor, ht: torch.Tensor, transpose_state_layout: bool) -> torch.Tensor:
+    """Every segment's exiting state [sb.N, HV, K, V] fp32: the next segment's entering one (hs), each sequence's
+    last its final state ht ([N0, HV, K, V], [N0, HV, V, K] transposed)."""
+    hx = torch.empty_like(hs)
+    hx[:-1] = hs[1:]
+    ht = (ht.transpose(-1, -2) if transpose_state_layout else ht).to(hs.dtype)
+    if sb.varlen:
+        hx.index_copy_(0, (sb.pfirst[1:] - 1).long(), ht)
+    else:
+        hx.view(sb.N0, sb.nseg, *hs.shape[1:])[:, -1] = ht
+    return hx
 
 
 def final_states(sb: SplitBatch, hs: torch.Tensor, ht: torch.Tensor, transpose_state_layout: bool):
