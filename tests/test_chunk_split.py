@@ -264,3 +264,28 @@ def test_split_real_size_bf16(fam, layout, shape):
     for x, x0, ref in ((o, o0, ref_o), (ht, h0, ref_h)):
         e, e0 = rel_err(x, ref), rel_err(x0, ref)
         assert e <= TOL[torch.bfloat16] and e <= 1.05 * e0, (e, e0)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="real sizes and bf16 need the GPU (bf16 is wrong under the interpreter)")
+@pytest.mark.parametrize("layout,shape", REAL, ids=[r[0] for r in REAL])
+@pytest.mark.parametrize("fam", ["gdn", "kda", "delta"])
+def test_split_backward_real_size_bf16(fam, layout, shape):
+    """2 / 8 heads, K = V = 128, bf16: the default plan's saving forward splits and so does its backward; every
+    gradient within bf16's bound of float64 autograd and within 5 % of the unsplit backward's error."""
+    inp = make_inputs(fam, H=2, HV=8, K=128, V=128, dtype=torch.bfloat16, seed=29, device=DEVICE,
+                      gate="zero" if fam != "delta" else "normal", **shape)
+    s1, s0 = {}, {}
+    _fwd(inp, None, saved=s1)
+    _fwd(inp, 0, saved=s0)
+    assert s1["hs"] is not None and s0.get("hs") is None
+    gen = torch.Generator().manual_seed(3)
+    do = torch.randn(inp.v.shape, generator=gen).to(DEVICE, inp.v.dtype)
+    dht = torch.randn(inp.h0.shape, generator=gen).to(DEVICE)
+    a = (inp.q, inp.k, inp.v, inp.g, inp.beta, 128 ** -0.5, inp.h0, do, dht, inp.cu_seqlens)
+    split, whole = chunk_bwd(*a, saved=s1), chunk_bwd(*a, saved=s0)
+    ref = _autograd(inp, do, dht, 128 ** -0.5)
+    for name, x, x0, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), split, whole, ref):
+        if r is None:
+            continue
+        e, e0 = rel_err(x, r), rel_err(x0, r)
+        assert e <= TOL[torch.bfloat16] and e <= 1.05 * e0 + 1e-4, f"{name}: split {e:.2e}, unsplit {e0:.2e}"
