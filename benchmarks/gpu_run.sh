@@ -85,7 +85,7 @@ report() {   # report NAME RC T0
 }
 phase() { local name=$1 t0; t0=$(date +%s); shift; limited "$name" "$WORK/$name.log" "$@"; report "$name" $? "$t0"; }
 BENCH=(--out "$WORK" --commit "$COMMIT")
-declare -A SHAPES=([forward]=standing,few-heads [train]=standing,B1-T32768-H2-HV8 [decode]=decode)
+declare -A SHAPES=([forward]=standing,few-heads [train]=B1-T32768-H2-HV8,standing [decode]=decode)
 limit() { echo $(( BUDGET[$1] - MARGIN )); }
 
 # first window: check and the warm-up in the background, the tests in the foreground, then wait for all
