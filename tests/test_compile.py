@@ -123,6 +123,25 @@ def test_saved_stage1_fake_matches_real_bf16_k128(fam):
     assert real[5].numel() and real[5].dtype in (torch.bfloat16, torch.float32)     # T
 
 
+@pytest.mark.skipif(not (ON_GPU or INTERPRET), reason="the triton backend needs a GPU or TRITON_INTERPRET=1")
+def test_saved_split_fake_matches_real():
+    """Where the saving forward runs split (one varlen sequence far longer than an SM's share), it also keeps its
+    segments' entering states and transitions (hs, mm); their fake shapes, sized from the shapes alone, are the
+    real ones, and the backward op's fake outputs are its real ones."""
+    inp = make_inputs("gdn", H=1, HV=2, K=16, V=16, lengths=[1100, 30], seed=2)
+    args = _op_args(inp, 0.25, True, False, backend="triton")
+    stage1 = _custom_ops.chunk_fwd_saved(*args)[2:]
+    fake = _custom_ops._stage1_shapes(inp.q, inp.v, inp.g, inp.beta, inp.cu_seqlens)
+    assert [(tuple(x.shape), x.dtype) for x in stage1] == [(tuple(s), d) for s, d in fake]
+    hs, mm = stage1[4], stage1[5]
+    assert hs.shape[0] == mm.shape[0] > 2 and hs.shape[1:] == (2, 16, 16) and mm.shape[1:] == (2, 16, 16)
+    do, dht = torch.randn_like(inp.v), torch.randn_like(inp.h0)
+    torch.library.opcheck(_custom_ops.chunk_bwd_saved,
+                          (inp.q, inp.k, inp.v, inp.g, inp.beta, 0.25, inp.h0, inp.cu_seqlens, None, False, 16,
+                           "triton", *stage1, do, dht, [True] * 6),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
 def _grads(out, tensors):
     o, ht = out
     w = torch.randn_like(o)
