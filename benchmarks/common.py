@@ -255,11 +255,13 @@ def git_commit() -> str | None:
 
 
 def metadata(args, **extra) -> dict:
-    """Device, versions, commit and date of this run, and the options it ran with."""
+    """Device, versions, commit and date of this run, and the options it ran with (the peers' versions None where
+    they were not run: --no-peers)."""
     dev = torch.device(args.device)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else (platform.processor() or platform.machine())
-    return dict(device=name, torch=torch.__version__, triton=_version("triton"), fla=_version("fla"),
-                flashinfer=_version("flashinfer"), chunkwise=_version("chunkwise"), commit=args.commit or git_commit(),
+    peers = not getattr(args, "no_peers", False)
+    return dict(device=name, torch=torch.__version__, triton=_version("triton"), fla=_version("fla") if peers else None,
+                flashinfer=_version("flashinfer") if peers else None, chunkwise=_version("chunkwise"), commit=args.commit or git_commit(),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), dtype=args.dtype,
                 backend=backend_of(args), fla_search_ms=FLA_SEARCH_MS, **extra)
 

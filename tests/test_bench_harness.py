@@ -25,6 +25,7 @@ import shapes  # noqa: E402
 import sweep  # noqa: E402
 
 import chunkwise  # noqa: E402
+from helpers import DEVICE  # noqa: E402
 
 SMOKE = "B1-T130-H2-HV4-K32"
 
@@ -271,7 +272,7 @@ def test_sweep_names_unknown_fields_and_bad_values():
 def test_sweep_times_each_plan_through_the_launcher(stage, dtype, tmp_path, capsys):
     """On the library's own plans (the interpreter, one decode-sized shape): the default plan and a variant timed
     with the same outputs, and a plan the kernels cannot build reported in its row, not raised."""
-    rc = sweep.main(["--stage", stage, "--device", "cpu", "--dtype", dtype, "--ops", "gla", "--shapes",
+    rc = sweep.main(["--stage", stage, "--device", str(DEVICE), "--dtype", dtype, "--ops", "gla", "--shapes",
                      "B2-T1-H2-HV4-K32", "--set", "bv=16,24", "--out", str(tmp_path), "--commit", "abc123"])
     rows = json.load(open(tmp_path / f"sweep_{stage}.json"))["rows"]
     assert rc == 0 and [r["plan"]["bv"] for r in rows][1:] == [16, 24] and [r["default"] for r in rows] == [1, 0, 0]
