@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .common import (BT, G_FLOOR, INTERPRET, _alloc, _and, _chunk_cut, _dim, _exp, _ensure_allocator,
-                     _finite_or_zero, _first_bad_row, _tile_load, _tile_store, _wait_ready, cdiv)
+                     _first_bad_row, _tile_load, _tile_store, _wait_ready, cdiv)
 from .configs import ForwardPlan, Stage2Launch
 from .gate import _chunk_decay, _chunk_gate, _step_gate
 
@@ -119,10 +119,8 @@ def _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, 
     if DELTA and T_FORM:
         b_T = _tile(u, (bos * HV + i_h) * BTc, T_seq, BTc, HV * BTc, t0, 0, BTc, BTc, TMA)
         b_v = _tile(v, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, i_v * BV, BTc, BV, TMA)
-        f_in = f
-        if NF == 3:     # v's cut for the output and the state; its non-finite elements as 0 in the products
+        if NF == 3:
             f = tl.minimum(f, _first_bad_row(b_v, BTc))
-            b_v = _finite_or_zero(b_v)
         if GATE == 2:
             b_kx = _tile(w, (bos * HV + i_h) * K, T_seq, K, HV * K, t0, 0, BTc, BK, TMA)
     elif DELTA:
@@ -155,8 +153,8 @@ def _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, 
         if GATE == 1:
             b_Z = b_Z * b_eg[:, None]
         b_Z = b_v.to(tl.float32) - b_Z
-        if NF:          # (stage 1's cut, known a chunk ahead: the state's chain waits on no reduction)
-            b_Z = tl.where(o_t[:, None] < f_in, b_Z, 0.)
+        if NF:
+            b_Z = tl.where(o_t[:, None] < f, b_Z, 0.)
         b_R = tl.dot(b_T, b_Z.to(b_T.dtype), input_precision=DOT_PREC)              # [BT, BT] @ [BT, BV]
         if STORE_R:
             _store_r(rs, b_R, bos, t0, T_seq, i_h, i_v, HV, V, BTc, BV)
@@ -222,10 +220,8 @@ def _state_output_step_t(i_t, St, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_bas
     if T_FORM:
         b_T = _tile(u, (bos * HV + i_h) * BTc, T_seq, BTc, HV * BTc, t0, 0, BTc, BTc, TMA)
         b_v = _tile(v, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, i_v * BV, BTc, BV, TMA)
-        f_in = f
-        if NF == 3:     # v's cut for the output and the state; its non-finite elements as 0 in the products
+        if NF == 3:
             f = tl.minimum(f, _first_bad_row(b_v, BTc))
-            b_v = _finite_or_zero(b_v)
         if GATE == 2:
             b_kx = _tile(w, (bos * HV + i_h) * K, T_seq, K, HV * K, t0, 0, BTc, BK, TMA)
         else:
@@ -235,8 +231,8 @@ def _state_output_step_t(i_t, St, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_bas
             Gc, b_dl, b_eg, b_ek = _step_gate(g, gcum, b_gl, slot0 + i_t, bos, t0, T_seq, i_h, HV, BTc, GC_IN, g_floor)
             b_Zt = b_Zt * b_eg[None, :]
         b_Zt = tl.trans(b_v).to(tl.float32) - b_Zt
-        if NF:          # (stage 1's cut, known a chunk ahead: the state's chain waits on no reduction)
-            b_Zt = tl.where(o_t[None, :] < f_in, b_Zt, 0.)
+        if NF:
+            b_Zt = tl.where(o_t[None, :] < f, b_Zt, 0.)
         b_Rt = tl.dot(b_Zt.to(b_T.dtype), tl.trans(b_T), input_precision=DOT_PREC)      # [BV, BT] @ [BT, BT]
         if STORE_R:
             _store_r(rs, b_Rt, bos, t0, T_seq, i_h, i_v, HV, V, BTc, BV, True)
