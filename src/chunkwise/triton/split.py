@@ -431,15 +431,22 @@ def segment_starts(sb: SplitBatch, stage1: dict, g, initial_state, transpose_sta
             *args, BTc=BT, BK=_dim(K), BV=bv, GATE=gate, T_FORM=t_form, USE_H0=initial_state is not None,
             DOT_PREC=dot_prec, g_floor=G_FLOOR, LOOP_WHILE=INTERPRET, EVERY_M=every_m, num_warps=warps,
             num_stages=stages)
+    _combine(sb, initial_state, nn, mm, hs, transpose_state_layout, mm_prec, 0)
+    return hs, mm
+
+
+def _combine(sb: SplitBatch, s0, nn, mm, out, transpose_state_layout: bool, mm_prec: str, reverse: int):
+    """segment_start_kernel over every sequence: from s0 (the initial state, or REVERSE the final state's gradient;
+    None: zero), the segments' entering states (or exiting states' gradients) into out [sb.N, HV, K, V]."""
+    HV, K, V = out.shape[1], out.shape[2], out.shape[3]
     s = (0, 0, 0, 0)
-    if initial_state is not None:
-        sn, sh, s2, s3 = initial_state.stride()
+    if s0 is not None:
+        sn, sh, s2, s3 = s0.stride()
         s = (sn, sh, s3, s2) if transpose_state_layout else (sn, sh, s2, s3)
     bv = min(64, _dim(V))
     segment_start_kernel[(cdiv(V, bv), sb.N0 * HV)](
-        initial_state, nn, mm, hs, sb.pfirst, sb.nseg, *s, HV, K, V, BK=_dim(K), BV=bv, MM_PREC=mm_prec,
-        LOOP_WHILE=INTERPRET, num_warps=8, num_stages=2)
-    return hs, mm
+        s0, nn, mm, out, sb.pfirst, sb.nseg, *s, HV, K, V, BK=_dim(K), BV=bv, MM_PREC=mm_prec,
+        LOOP_WHILE=INTERPRET, REVERSE=reverse, num_warps=8, num_stages=2)
 
 
 def segment_grads(sb: SplitBatch, nq: torch.Tensor, mm: torch.Tensor, dht, transpose_state_layout: bool,
@@ -448,16 +455,8 @@ def segment_grads(sb: SplitBatch, nq: torch.Tensor, mm: torch.Tensor, dht, trans
     the final states' gradient dht ([N0, HV, K, V], [N0, HV, V, K] transposed, or None), each segment's gradient of
     its entering state from a zero exiting one (nq [sb.N, HV, K, V]: a reverse state pass without dht) and the
     transitions mm (segment_starts(every_m=True))."""
-    HV, K, V = nq.shape[1], nq.shape[2], nq.shape[3]
     dxs = _alloc(nq.shape, torch.float32, nq.device)
-    s = (0, 0, 0, 0)
-    if dht is not None:
-        sn, sh, s2, s3 = dht.stride()
-        s = (sn, sh, s3, s2) if transpose_state_layout else (sn, sh, s2, s3)
-    bv = min(64, _dim(V))
-    segment_start_kernel[(cdiv(V, bv), sb.N0 * HV)](
-        dht, nq, mm, dxs, sb.pfirst, sb.nseg, *s, HV, K, V, BK=_dim(K), BV=bv, MM_PREC=mm_prec,
-        LOOP_WHILE=INTERPRET, REVERSE=1, num_warps=8, num_stages=2)
+    _combine(sb, dht, nq, mm, dxs, transpose_state_layout, mm_prec, 1)
     return dxs
 
 
