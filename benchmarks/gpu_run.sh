@@ -14,7 +14,9 @@
 #
 # Compiling (ours, and fla's configuration search) would take most of the benchmarks' time, so check, the tests
 # and `--warmup` runs of the forward and training benchmarks (compile only) share the first window, side by side;
-# the timed phases follow, one at a time. The device copy of the tree has no git history: pass --commit.
+# the timed phases follow, one at a time. The device copy of the tree has no git history: pass --commit. The GPU test
+# files at real size need a call of their own (`gpu_run.sh tests --budget tests=560`): beside the warm-ups of a full
+# run they do not finish in the first window.
 #
 # Carry (the device tool's `carry`): .whl for fla (`../shared/device/wheels.sh fla-core==0.6.0 transformers==5.24.0`:
 # the test extra's pin) and .triton_sm90, Triton's cache for sm_90 (made by `python benchmarks/tools.py warm`, or
