@@ -261,7 +261,8 @@ def metadata(args, **extra) -> dict:
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else (platform.processor() or platform.machine())
     peers = not getattr(args, "no_peers", False)
     return dict(device=name, torch=torch.__version__, triton=_version("triton"), fla=_version("fla") if peers else None,
-                flashinfer=_version("flashinfer") if peers else None, chunkwise=_version("chunkwise"), commit=args.commit or git_commit(),
+                flashinfer=_version("flashinfer") if peers else None, chunkwise=_version("chunkwise"),
+                commit=args.commit or git_commit(),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), dtype=args.dtype,
                 backend=backend_of(args), fla_search_ms=FLA_SEARCH_MS, **extra)
 

@@ -24,8 +24,8 @@ Ops (namespace ``chunkwise``):
     chunk_bwd / recurrent_bwd (the forward's inputs, do, dht?, needs_grad) -> (dq, dk, dv, dg, dbeta, dh0)
         (an empty [0] tensor for each gradient that is not needed or whose input is None)
     chunk_fwd_saved (as chunk_fwd) -> (o, final_state, w, u, p, t, hs, mm, r, qg, kg, gc, ht): the triton chunk
-        forward of a delta family under autograd, which also returns what its backward reuses (triton.chunk.saved_shapes;
-        empty [0] tensors where it keeps nothing)
+        forward of a delta family under autograd, which also returns what its backward reuses
+        (triton.chunk.saved_shapes; empty [0] tensors where it keeps nothing)
     chunk_bwd_saved (the forward's inputs, w, u, p, t, hs, mm, r, qg, kg, gc, ht, do, dht?, needs_grad)
         -> as chunk_bwd
     chunk_fwd_checkpoints (as chunk_fwd, checkpoints (mutated), checkpoint_slots [N + 1], checkpoint_every) -> as
@@ -390,8 +390,9 @@ def chunk_bwd_saved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Option
                     dht: Optional[torch.Tensor], needs_grad: Sequence[bool]) -> _GradTuple:
     """Gradients of chunk_fwd_saved from its stage 1 (p, t and w, u; all recomputed where they are empty, w and u
     alone formed from t), R (r; recomputed where it is empty), a split forward's segment states and transitions
-    (hs, mm: the backward runs split too), KDA's q ⊙ e^G, k ⊙ e^{G_last − G} (qg, kg; formed again where they are empty), G (gc; likewise) and the final state (ht: where
-    kept, the reverse state pass forms the per-chunk states from it)."""
+    (hs, mm: the backward runs split too), KDA's q ⊙ e^G, k ⊙ e^{G_last − G} (qg, kg; formed again where they are
+    empty), G (gc; likewise) and the final state (ht: where kept, the reverse state pass forms the per-chunk states
+    from it)."""
     saved = dict(w=w if w.numel() else None, u=u if u.numel() else None, p=p, t=t) if t.numel() else None
     if saved is not None and hs.numel():
         saved.update(hs=hs, mm=mm)

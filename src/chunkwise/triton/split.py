@@ -255,7 +255,7 @@ def _segment_chunk(i_t, n_chunks, St, b_gl, b_f, k, v, w, u, g, gcum, glast, kg,
 def segment_state_kernel(
     k, v, w, u, g, gcum, glast, kg,   # the pseudo batch's k, v and stage 1's outputs (stage 2's operands)
     nf,                               # stage 1's [slots, HV] int32: each chunk's first row with a non-finite input
-    nn, mm,                           # out: [NL, HV, K, V], [NL, HV, K, K] fp32: each segment's N and M
+    nn, mm,                           # out, fp32: N [NL, HV, K, V] by transition, M [pseudo seqs, HV, K, K] by segment
     nl2p, pfirst, cu,                 # varlen: SplitBatch's
     T, NT, NSEG, NL, H, HV, K, V,
     BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, T_FORM: tl.constexpr,
