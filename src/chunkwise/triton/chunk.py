@@ -197,9 +197,8 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         hs, mm = segment_starts(sb, stage1, g1, initial_state, transpose_state_layout, gate, plan.t_form,
                                 plan.dot_prec, plan.mm_prec, HV, K, V, split_launch(plan, K, V, q.element_size(), gate),
                                 every_m=save)
-        # the segments' final states: into hs itself (each program reads its tile of the entering state before it
-        # writes that of the final one) unless the backward keeps the entering ones
-        hx = _alloc(hs.shape, hs.dtype, hs.device) if save else hs
+        # the segments' final states: not into hs, which a program that met a non-finite input reads again
+        hx = _alloc(hs.shape, hs.dtype, hs.device)
         chunk_state_output(q1, k1, v1, g1, beta1, stage1, sb.view(o), hs, hx, None if rs is None else sb.view(rs),
                            None, None, cu1, scale, plan, launch)
         if ht is not None:

@@ -83,6 +83,16 @@ def _chunk_cut(nf, slot0, i_t, c1, i_h, HV, BTc: tl.constexpr):
 
 
 @triton.jit
+def _first_cut(nf, slot0, c0, c1, i_h, HV, BTc: tl.constexpr, BLOCK: tl.constexpr = 256):
+    """The smallest of chunks c0 .. c1 − 1's cuts in stage 1's nf [slots, HV] (BTc if none)."""
+    f = tl.full([], BTc, tl.int32)
+    for i0 in range(c0, c1, BLOCK):
+        o_c = i0 + tl.arange(0, BLOCK)
+        f = tl.minimum(f, tl.min(tl.load(nf + (slot0 + o_c) * HV + i_h, mask=o_c < c1, other=BTc), 0))
+    return f
+
+
+@triton.jit
 def _tile_ptrs(x, base, row_stride, r0, c0, R: tl.constexpr, C: tl.constexpr):
     """(pointers, row indices [R], column indices [C]) of rows r0 .. r0 + R − 1, columns c0 .. c0 + C − 1 of the
     row-major matrix at x + base (row stride row_stride). The tile's first row in int64 (token rows times H·K pass

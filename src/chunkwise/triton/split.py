@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import BT, G_FLOOR, INTERPRET, _alloc, _and, _chunk_cut, _dim, _mm_acc, cdiv, chunk_slots
+from .common import BT, G_FLOOR, INTERPRET, _alloc, _and, _dim, _first_cut, _mm_acc, cdiv, chunk_slots
 from .gate import _chunk_decay, _step_gate
 
 
@@ -196,15 +196,13 @@ def _rows(x, bos, t0, T_seq, heads, i_h, D, R: tl.constexpr, C: tl.constexpr, TR
 @triton.jit
 def _segment_step(i_t, St, b_gl, k, v, w, u, g, gcum, kg, slot0, bos, T_seq, i_h, i_hk, c0, vals, H, HV, K, V,
                   BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, T_FORM: tl.constexpr,
-                  DOT_PREC: tl.constexpr, g_floor: tl.constexpr, f):
+                  DOT_PREC: tl.constexpr, g_floor: tl.constexpr):
     """One chunk of the state alone on Sᵀ [BV, BK] (stage 2's transposed step without its output)::
 
         Rᵀ = (Vᵀ − Sᵀ (K ⊙ e^G)ᵀ) (T diag(β))ᵀ   (T_FORM)      Rᵀ = Uᵀ − Sᵀ Wᵀ
         Sᵀ = e^{G_last} Sᵀ + Rᵀ (K ⊙ e^{G_last − G})
 
-    value columns c0 .. c0 + BV − 1 where ``vals`` (N's blocks), else no values (M's blocks: vals false, no loads).
-    f: the chunk's first row with a non-finite input (stage 1's nf); below BTc the state after it is NaN (stage 1 took
-    those inputs as 0: a NaN of g or β would otherwise not reach it), so that the later segments' outputs are NaN."""
+    value columns c0 .. c0 + BV − 1 where ``vals`` (N's blocks), else no values (M's blocks: vals false, no loads)."""
     t0 = i_t * BTc
     if GATE == 2:
         b_kd = _rows(kg, bos, t0, T_seq, HV, i_h, K, BTc, BK)
@@ -234,20 +232,19 @@ def _segment_step(i_t, St, b_gl, k, v, w, u, g, gcum, kg, slot0, bos, T_seq, i_h
     elif GATE == 2:
         St = St * b_gl[None, :]
     St += tl.dot(b_Rt.to(b_kd.dtype), b_kd, input_precision=DOT_PREC)                      # [BV, BT] @ [BT, BK]
-    return tl.where(f < BTc, float("nan"), St)
+    return St
 
 
 @triton.jit
-def _segment_chunk(i_t, n_chunks, St, b_gl, b_f, k, v, w, u, g, gcum, glast, kg, nf, slot0, bos, T_seq, i_h, i_hk, c0,
+def _segment_chunk(i_t, n_chunks, St, b_gl, k, v, w, u, g, gcum, glast, kg, slot0, bos, T_seq, i_h, i_hk, c0,
                    vals, H, HV, K, V, BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr,
                    T_FORM: tl.constexpr, DOT_PREC: tl.constexpr, g_floor: tl.constexpr):
-    """The chunk loop's body (both loops of segment_state_kernel): chunk i_t's step with its decay b_gl and cut b_f,
-    loaded the chunk before; the next chunk's loaded ahead of the step. Returns (Sᵀ, the next chunk's b_gl, b_f)."""
+    """The chunk loop's body (both loops of segment_state_kernel): chunk i_t's step with its decay b_gl, loaded the
+    chunk before; the next chunk's loaded ahead of the step. Returns (Sᵀ, the next chunk's b_gl)."""
     b_gl_next = _chunk_decay(glast, slot0, i_t + 1, n_chunks, i_h, HV, K, BK, GATE, GATE == 1)
-    b_f_next = _chunk_cut(nf, slot0, i_t + 1, n_chunks, i_h, HV, BTc)
     St = _segment_step(i_t, St, b_gl, k, v, w, u, g, gcum, kg, slot0, bos, T_seq, i_h, i_hk, c0, vals,
-                       H, HV, K, V, BTc, BK, BV, GATE, T_FORM, DOT_PREC, g_floor, b_f)
-    return St, b_gl_next, b_f_next
+                       H, HV, K, V, BTc, BK, BV, GATE, T_FORM, DOT_PREC, g_floor)
+    return St, b_gl_next
 
 
 @triton.heuristics({"IS_VARLEN": lambda args: args["cu"] is not None})
@@ -310,19 +307,21 @@ def segment_state_kernel(
         St = tl.where(is_m & (o_c[:, None] == o_k[None, :]), 1., 0.).to(tl.float32)     # [BV, BK]: Mᵀ's rows
         vals = ~is_m
         b_gl = _chunk_decay(glast, slot0, 0, n_chunks, i_h, HV, K, BK, GATE, GATE == 1)
-        b_f = _chunk_cut(nf, slot0, 0, n_chunks, i_h, HV, BTc)
         if LOOP_WHILE:      # the triton 3.6 interpreter cannot take a tensor bound in range()
             i_t = 0
             while i_t < n_chunks:
-                St, b_gl, b_f = _segment_chunk(
-                    i_t, n_chunks, St, b_gl, b_f, k, v, w, u, g, gcum, glast, kg, nf, slot0, bos, T_seq, i_h, i_hk,
+                St, b_gl = _segment_chunk(
+                    i_t, n_chunks, St, b_gl, k, v, w, u, g, gcum, glast, kg, slot0, bos, T_seq, i_h, i_hk,
                     c0, vals, H, HV, K, V, BTc, BK, BV, GATE, T_FORM, DOT_PREC, g_floor)
                 i_t += 1
         else:
             for i_t in range(0, n_chunks):
-                St, b_gl, b_f = _segment_chunk(
-                    i_t, n_chunks, St, b_gl, b_f, k, v, w, u, g, gcum, glast, kg, nf, slot0, bos, T_seq, i_h, i_hk,
+                St, b_gl = _segment_chunk(
+                    i_t, n_chunks, St, b_gl, k, v, w, u, g, gcum, glast, kg, slot0, bos, T_seq, i_h, i_hk,
                     c0, vals, H, HV, K, V, BTc, BK, BV, GATE, T_FORM, DOT_PREC, g_floor)
+        # a non-finite input leaves the transition non-finite by itself, except what stage 1 took as 0 (g, β) and
+        # cut: then the whole transition is NaN, so that every later segment's outputs are
+        St = tl.where(_first_cut(nf, slot0, 0, n_chunks, i_h, HV, BTc) < BTc, float("nan"), St)
         m_k = (o_k < K)[None, :]
         base = (i_l.to(tl.int64) * HV + i_h) * K
         tl.store(nn + (base + o_k[None, :]) * V + o_c[:, None], St, mask=_and(m_k & (o_c < V)[:, None], vals))

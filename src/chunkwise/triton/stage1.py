@@ -137,12 +137,14 @@ def chunk_prepare_kernel(
     launch leaves that to it).
     FULL_ROWS (every chunk whole: no varlen, T a multiple of BTc) / FULL_COLS (K = BK, V = BVf): the tiles' row /
     column bounds checks left out.
-    NF_OUT (the forward): f, the chunk's first row with a non-finite k, β, clamped g or (not T_FORM) v (BTc if
+    NF_OUT (the forward; 2 below): f, the chunk's first row with a non-finite k, β, clamped g or (not T_FORM) v (BTc if
     none) -> nf[slot, head] for stage 2, which makes the outputs from f on and the state after the chunk NaN (under
     T_FORM stage 2 reads v raw and finds v's own cut itself: v is not read here). Non-finite β and
     g are taken as 0; A's rows from f on and the right-hand sides' (W, U) are cut by a where before the solve and the
     products, so that T, W, U stay finite and every row before f is that of finite inputs (a non-finite k reaches
-    only its own row and column of A and P, whose upper triangle the wheres drop)."""
+    only its own row and column of A and P, whose upper triangle the wheres drop). NF_OUT 2 takes every input as
+    finite and stores f = BTc, but flags a program whose T came out non-finite (as a non-finite k, g or β leaves
+    it) to the second launch, which runs with NF_OUT 1."""
     CHK_R: tl.constexpr = 0 if FULL_ROWS else 1
     CHK_C: tl.constexpr = 0 if FULL_COLS else 1
     if SIGNAL:
@@ -167,7 +169,7 @@ def chunk_prepare_kernel(
         b_beta = tl.load(beta + bos * HV + i_h + (t0 + o_t) * HV).to(tl.float32)
     else:
         b_beta = tl.load(beta + bos * HV + i_h + (t0 + o_t) * HV, mask=t0 + o_t < T_seq, other=0.).to(tl.float32)
-    if NF_OUT:          # rb: 1 on the rows with a non-finite input
+    if NF_OUT == 1:     # rb: 1 on the rows with a non-finite input
         rb = tl.where(_finite(b_beta), 0, 1)
         b_beta = _finite_or_zero(b_beta)
     q_base = q + (bos * H + i_hk) * K
@@ -183,7 +185,7 @@ def chunk_prepare_kernel(
         for i_kc in range(BK // BKC):
             kc0 = i_kc * BKC
             kf, qf, b_g = _kqg_tiles(k_base, q_base, g_base, t0, kc0, T_seq, H, HV, K, BTc, BKC, CHK_R, CHK_C)
-            if NF_OUT:      # (a non-finite k reaches its own rows and columns of A and P: cut below)
+            if NF_OUT == 1:     # (a non-finite k reaches its own rows and columns of A and P: cut below)
                 b_g = tl.where(b_g < g_floor, g_floor, b_g)
                 rb = tl.maximum(rb, tl.max(tl.where(_finite(kf) & _finite(b_g), 0, 1), 1))
                 b_g = _finite_or_zero(b_g)
@@ -275,7 +277,7 @@ def chunk_prepare_kernel(
             if n_out > 0:
                 return
         # the one-reference products also filled the upper triangle (there up to e^{2 span_max})
-        if NF_OUT:
+        if NF_OUT == 1:
             f1 = tl.min(tl.where(rb > 0, o_t, BTc), 0)
             A = tl.where(strict & (o_t[:, None] < f1), A, 0.)
         else:
@@ -284,19 +286,19 @@ def chunk_prepare_kernel(
     else:
         b_k = _tile_load(k_base, 0, T_seq, K, H * K, t0, 0, BTc, BK, CHK_R, CHK_C)
         KK = tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PREC)                       # [BT, BK] @ [BK, BT]
-        if NF_OUT:      # a non-finite k_i makes KK_ii = |k_i|² non-finite (and reaches only row and column i: cut below)
+        if NF_OUT == 1:     # a non-finite k_i makes KK_ii = |k_i|² non-finite (reaching only row and column i: cut below)
             rb = tl.maximum(rb, tl.where(_finite(tl.sum(tl.where(o_t[:, None] == o_t[None, :], KK, 0.), 1)), 0, 1))
         if BWD or STORE_P:
             b_q = _tile_load(q_base, 0, T_seq, K, H * K, t0, 0, BTc, BK, CHK_R, CHK_C)
             QK = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)                   # [BT, BK] @ [BK, BT]
         if GATE == 1:
-            if NF_OUT:
+            if NF_OUT == 1:
                 Gc, rg = _chunk_gate_finite(g, bos, t0, T_seq, i_h, HV, BTc, g_floor, FULL_ROWS)
                 rb = tl.maximum(rb, rg)
             else:
                 Gc = _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc, g_floor, FULL_ROWS)   # [BT]
         low = strict
-        if NF_OUT:
+        if NF_OUT == 1:
             f1 = tl.min(tl.where(rb > 0, o_t, BTc), 0)
             low = strict & (o_t[:, None] < f1)
         if GATE == 1:
@@ -306,7 +308,7 @@ def chunk_prepare_kernel(
             dec = _exp(tl.where(incl, Gc[:, None] - Gc[None, :], float("-inf")))       # e^{G_i − G_j}, i ≥ j
             A = tl.where(low, KK * dec, 0.) * b_beta[:, None]
             if BWD or STORE_P:
-                if NF_OUT:
+                if NF_OUT == 1:
                     P = tl.where(incl, QK * dec, 0.)
                 else:
                     P = QK * dec
@@ -320,14 +322,20 @@ def chunk_prepare_kernel(
         _tile_store(p, (bos * HV + i_h) * BTc, T_seq, BTc, HV * BTc, t0, 0, P, BTc, BTc, CHK_R, 0)
 
     Tm = _solve_unit_lower(A, SOLVE_PREC, BTc, BCc)                                      # (I + A)^-1
+    # NF_OUT 2 (a first launch): a non-finite k, g or β leaves a non-finite T, whose program the second launch
+    # (NF_OUT 1) does again whole
+    DEFER: tl.constexpr = PASS == 1 and (NF_OUT == 2 or (GATE != 2 and SOLVE_PREC == "fp16"))
     if SOLVE_PREC == "fp16":
         # fp16 operands (rounded to nearest: tf32's significand) unless an operand left fp16's range, which leaves
         # an inf or NaN in T: then the chunk's solve again at REDO_PREC, here or (PASS 1) in the second launch
         bad = tl.sum(tl.sum(tl.where(tl.abs(Tm) < 65504.0, 0, 1), 1), 0) > 0        # (a NaN counts)
-        if PASS == 1 and GATE != 2:
+        if DEFER:
             tl.store(flag + i_bh * n_t + i_t, bad.to(tl.int32))
         elif bad:
             Tm = _solve_unit_lower(A, REDO_PREC, BTc, BCc)
+    elif DEFER:
+        bad = tl.sum(tl.sum(tl.where(_finite(Tm), 0, 1), 1), 0) > 0
+        tl.store(flag + i_bh * n_t + i_t, bad.to(tl.int32))
     if T_FORM:      # T diag(β) for stage 2, in U's place; no W, U (the training forward: T for the backward too)
         _tile_store(u, (bos * HV + i_h) * BTc, T_seq, BTc, HV * BTc, t0, 0, Tm * b_beta[None, :], BTc, BTc, CHK_R, 0)
         if STORE_T:
@@ -351,31 +359,33 @@ def chunk_prepare_kernel(
                 kf = _tile_load(k_base, 0, T_seq, K, H * K, t0, kc0, BTc, BKC, CHK_R, CHK_C).to(tl.float32)
                 b_g = _tile_load(g, (bos * HV + i_h) * K, T_seq, K, HV * K, t0, kc0, BTc, BKC, CHK_R,
                                  CHK_C).to(tl.float32)
-                if NF_OUT:
+                if NF_OUT == 1:
                     b_g = _finite_or_zero(tl.where(b_g < g_floor, g_floor, b_g))
                 b_G = tl.cumsum(tl.where(b_g < g_floor, g_floor, b_g), 0)
                 Xk = kf * b_beta[:, None] * _exp(b_G)
-                if NF_OUT:
+                if NF_OUT == 1:
                     Xk = tl.where(o_t[:, None] < f1, Xk, 0.)
                 b_w = _mm(Tm, Xk.to(Tm.dtype), MM_PREC)                                      # [BT, BT] @ [BT, BKC]
                 _tile_store(w, (bos * HV + i_h) * K, T_seq, K, HV * K, t0, kc0, b_w, BTc, BKC, CHK_R, CHK_C)
         else:
             Xk = b_k.to(tl.float32) * b_ks[:, None]
-            if NF_OUT:
+            if NF_OUT == 1:
                 Xk = tl.where(o_t[:, None] < f1, Xk, 0.)
             b_w = _mm(Tm, Xk.to(Tm.dtype), MM_PREC)                                          # [BT, BT] @ [BT, BK]
             _tile_store(w, (bos * HV + i_h) * K, T_seq, K, HV * K, t0, 0, b_w, BTc, BK, CHK_R, CHK_C)
         b_v = _tile_load(v, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, 0, BTc, BVf, CHK_R, CHK_C).to(tl.float32)
         Xv = b_v * b_beta[:, None]
-        if NF_OUT:
+        if NF_OUT == 1:
             rb = tl.maximum(rb, tl.max(tl.where(_finite(b_v), 0, 1), 1))
             Xv = tl.where(o_t[:, None] < tl.min(tl.where(rb > 0, o_t, BTc), 0), Xv, 0.)
         b_u = _mm(Tm, Xv.to(Tm.dtype), MM_PREC).to(u.dtype.element_ty)                      # [BT, BT] @ [BT, BV]
         _tile_store(u, (bos * HV + i_h) * V, T_seq, V, HV * V, t0, 0, b_u, BTc, BVf, CHK_R, CHK_C)
-    if NF_OUT:
+    if NF_OUT == 1:
         tl.store(nf + slot * HV + i_h, tl.min(tl.where(rb > 0, o_t, BTc), 0))
+    elif NF_OUT == 2:   # (a flagged program's cut comes from the second launch)
+        tl.store(nf + slot * HV + i_h, BTc)
     if SIGNAL:
-        if PASS == 1 and GATE != 2 and SOLVE_PREC == "fp16":    # a flagged program is published by the second launch
+        if DEFER:       # a flagged program is published by the second launch
             if bad == 0:
                 _signal_ready(ready, slot, i_h, HV)
         else:
@@ -465,8 +475,8 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, *, plan
     flag = torch.empty(n_chunks * B * HV, dtype=torch.int32, device=dev) if two else None
     if gate == 2:
         launches = [(1, plan.solve_prec), (2, plan.solve_prec)]
-    elif plan.redo_split:
-        launches = [(1, plan.solve_prec), (2, plan.redo_prec)]
+    elif plan.redo_split:   # (the second launch tries the fp16 solve again: with a non-finite input cut, T may fit)
+        launches = [(1, plan.solve_prec), (2, plan.solve_prec)]
     else:
         launches = [(0, plan.solve_prec)]
     grid = (n_chunks, B * HV) if ready is None else (B * HV, n_chunks)
@@ -480,7 +490,8 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, *, plan
             GATE=gate, DOT_PREC=plan.dot_prec, MM_PREC=plan.mm_prec, SOLVE_PREC=s_prec,
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=plan.wu_lowp, STORE_T=save_t, STORE_P=store_p,
             GC_OUT=gcum is not None, PASS=pass_, T_FORM=t_form, AP_LOWP=plan.ap_lowp, REDO_PREC=plan.redo_prec,
-            SIGNAL=ready is not None, FULL_ROWS=full_rows, FULL_COLS=full_cols, nf=nf, NF_OUT=True,
+            SIGNAL=ready is not None, FULL_ROWS=full_rows, FULL_COLS=full_cols, nf=nf,
+            NF_OUT=2 if pass_ == 1 and t_form else 1,
             num_warps=plan.prep_warps, num_stages=plan.prep_stages, **regs)
     # (the kernel's gcum: G by chunk for a scalar gate, stage 2's; G per token and channel for KDA, the backward's)
     return dict(w=w, u=u, p=p, qg=qg, kg=kg, glast=glast, t=t, gcum=gcum if gate == 1 else None,

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .common import (BT, G_FLOOR, INTERPRET, _alloc, _and, _chunk_cut, _dim, _exp, _ensure_allocator,
-                     _first_bad_row, _tile_load, _tile_store, _wait_ready, cdiv)
+                     _finite, _first_bad_row, _first_cut, _tile_load, _tile_store, _wait_ready, cdiv)
 from .configs import ForwardPlan, Stage2Launch
 from .gate import _chunk_decay, _chunk_gate, _step_gate
 
@@ -339,25 +339,76 @@ def _chunk_of_loop(i_t, S, b_gl, b_f, q, k, v, w, u, p, g, gcum, qg, kg, glast, 
                    BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
                    P_IN: tl.constexpr, GC_IN: tl.constexpr, DOT_PREC: tl.constexpr, g_floor: tl.constexpr,
                    TMA: tl.constexpr, TMA_O: tl.constexpr, STORE_R: tl.constexpr, TRANS: tl.constexpr,
-                   T_FORM: tl.constexpr, NF: tl.constexpr, WAIT: tl.constexpr, FENCE: tl.constexpr,
-                   LOOP_WHILE: tl.constexpr, CKPT: tl.constexpr, CKPT_VK: tl.constexpr):
-    """The chunk loop's body (both loops of chunk_state_output_kernel; its arguments are the kernel's): chunk i_t's
-    step on S with its decay b_gl and cut b_f, loaded the chunk before, and its checkpoint; the next chunk's decay and
-    cut loaded ahead of the step (WAIT: after waiting for chunk i_t + WAIT). Returns (S, the next chunk's b_gl, b_f)."""
+                   T_FORM: tl.constexpr, NF: tl.constexpr, NF_STEP: tl.constexpr, WAIT: tl.constexpr,
+                   FENCE: tl.constexpr, LOOP_WHILE: tl.constexpr, CKPT: tl.constexpr, CKPT_VK: tl.constexpr):
+    """The chunk loop's body (its arguments are the kernel's): chunk i_t's step on S with its decay b_gl and cut b_f,
+    loaded the chunk before, and its checkpoint; the next chunk's decay and cut loaded ahead of the step (WAIT: after
+    waiting for chunk i_t + WAIT). NF_STEP: the step's non-finite handling (0 in the first pass, NF in the redo).
+    Returns (S, the next chunk's b_gl, b_f)."""
     if WAIT:
         _wait_ready(ready, slot0 + tl.minimum(i_t + WAIT, c1 - 1), i_h, HV, FENCE, not LOOP_WHILE)
     b_gl_next = _chunk_decay(glast, slot0, i_t + 1, c1, i_h, HV, K, BK, GATE, GC_IN)
-    if NF == 1 or NF == 3:
+    if NF_STEP == 1 or NF_STEP == 3:
         b_f_next = _chunk_cut(nf, slot0, i_t + 1, c1, i_h, HV, BTc)
     S = _state_output_chunk(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, rs, slot0, bos,
                             T_seq, i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, GC_IN,
-                            DOT_PREC, g_floor, TMA, TMA_O, STORE_R, TRANS, T_FORM, b_f, NF)
+                            DOT_PREC, g_floor, TMA, TMA_O, STORE_R, TRANS, T_FORM, b_f, NF_STEP)
     if CKPT > 0:
         _store_checkpoint(ckpt, ckpt_slots, n_ckpt, S, i_t, i_n, i_h, T_seq, o_k, o_v, HV, K, V, BTc, CKPT,
                           CKPT_VK, TRANS)
-    if NF == 1 or NF == 3:
+    if NF_STEP == 1 or NF_STEP == 3:
         b_f = b_f_next
     return S, b_gl_next, b_f
+
+
+@triton.jit
+def _chunk_loop(c0, S, b_gl, b_f, q, k, v, w, u, p, g, gcum, qg, kg, glast, nf, ready, ckpt, ckpt_slots, n_ckpt,
+                o_base, rs, slot0, c1, bos, T_seq, i_n, i_h, i_hk, i_v, o_k, o_v, scale, H, HV, K, V,
+                BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
+                P_IN: tl.constexpr, GC_IN: tl.constexpr, DOT_PREC: tl.constexpr, g_floor: tl.constexpr,
+                TMA: tl.constexpr, TMA_O: tl.constexpr, STORE_R: tl.constexpr, TRANS: tl.constexpr,
+                T_FORM: tl.constexpr, NF: tl.constexpr, NF_STEP: tl.constexpr, WAIT: tl.constexpr, FENCE: tl.constexpr,
+                LOOP_WHILE: tl.constexpr, CKPT: tl.constexpr, CKPT_VK: tl.constexpr):
+    """Chunks c0 .. c1 − 1 through _chunk_of_loop. Returns S."""
+    if LOOP_WHILE:      # the triton 3.6 interpreter cannot take a tensor bound in range()
+        i_t = c0
+        while i_t < c1:
+            S, b_gl, b_f = _chunk_of_loop(
+                i_t, S, b_gl, b_f, q, k, v, w, u, p, g, gcum, qg, kg, glast, nf, ready, ckpt, ckpt_slots, n_ckpt,
+                o_base, rs, slot0, c1, bos, T_seq, i_n, i_h, i_hk, i_v, o_k, o_v, scale, H, HV, K, V, BTc, BK, BV,
+                GATE, DELTA, P_IN, GC_IN, DOT_PREC, g_floor, TMA, TMA_O, STORE_R, TRANS, T_FORM, NF, NF_STEP, WAIT,
+                FENCE, LOOP_WHILE, CKPT, CKPT_VK)
+            i_t += 1
+    else:               # compiled: a for loop, so that the loads of later chunks are pipelined
+        for i_t in range(c0, c1):
+            S, b_gl, b_f = _chunk_of_loop(
+                i_t, S, b_gl, b_f, q, k, v, w, u, p, g, gcum, qg, kg, glast, nf, ready, ckpt, ckpt_slots, n_ckpt,
+                o_base, rs, slot0, c1, bos, T_seq, i_n, i_h, i_hk, i_v, o_k, o_v, scale, H, HV, K, V, BTc, BK, BV,
+                GATE, DELTA, P_IN, GC_IN, DOT_PREC, g_floor, TMA, TMA_O, STORE_R, TRANS, T_FORM, NF, NF_STEP, WAIT,
+                FENCE, LOOP_WHILE, CKPT, CKPT_VK)
+    return S
+
+
+@triton.jit
+def _entering_state(h0, sloc, gam, i_n, i_h, i_s, o_k, o_v, m_kv, s_h0n, s_h0h, s_h0k, s_h0v, HV, K, V,
+                    BK: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr, SEG: tl.constexpr, NSEG: tl.constexpr,
+                    SUB: tl.constexpr, TRANS: tl.constexpr):
+    """The state the program's first chunk starts from: h0 (or 0), then (SEG = 2) the earlier (sub-)segments in
+    order. [BK, BV] fp32 ([BV, BK] with TRANS)."""
+    if TRANS:
+        S = tl.zeros([BV, BK], dtype=tl.float32)
+    else:
+        S = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        off, m = _state_offsets(o_k, o_v, s_h0k, s_h0v, K, V, TRANS)
+        S += tl.load(h0 + i_n * s_h0n + i_h * s_h0h + off, mask=m, other=0.).to(tl.float32)
+    if SEG == 2:
+        for i_p in tl.static_range(NSEG * SUB - 1):
+            if i_p < i_s * SUB:
+                i_seg = (i_n * NSEG * SUB + i_p).to(tl.int64)
+                S = S * tl.load(gam + i_seg * HV + i_h) + \
+                    tl.load(sloc + ((i_seg * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.)
+    return S
 
 
 @triton.heuristics({"IS_VARLEN": lambda args: args["cu_seqlens"] is not None,
@@ -384,7 +435,7 @@ def chunk_state_output_kernel(
     TMA: tl.constexpr = 0, TMA_O: tl.constexpr = 0, STORE_R: tl.constexpr = 0, TRANS: tl.constexpr = 0,
     T_FORM: tl.constexpr = 0, WAIT: tl.constexpr = 0, FENCE: tl.constexpr = 0,
     ckpt=None, ckpt_slots=None, n_ckpt=None, CKPT: tl.constexpr = 0, CKPT_VK: tl.constexpr = 0,
-    nf=None, NF: tl.constexpr = 0,
+    nf=None, NF: tl.constexpr = 0, redo=None, REDO: tl.constexpr = 0,
 ):
     """Stage 2 (module docstring). Grid (cdiv(V, BV), N·HV); S [BK, BV] fp32 stays in registers (TRANS, SEG = 0:
     Sᵀ [BV, BK], the products' first operand; _state_output_step_t).
@@ -415,11 +466,15 @@ def chunk_state_output_kernel(
     chunks of a sequence into ckpt (_store_checkpoint; sequence n's first slot ckpt_slots[n]), in every form (the
     SEG = 2 pass and the TRANS step carry the true state after each chunk too).
 
-    NF (non-finite inputs): 1, each chunk's first row with a non-finite input from stage 1's nf [slots, HV] (loaded
-    a chunk ahead); 3, that of k, g, β from nf and v's from each step's v tile; 2 (simple GLA), found by each step
-    from v (_state_output_step).
+    NF (non-finite inputs, docs/design.md): the launch takes every input as finite and runs the step of finite
+    inputs; each program stores to redo [programs] int32 whether it met a non-finite input (a cut below BTc in
+    stage 1's nf, or a non-finite state at its end). A second launch (REDO) runs again only those programs, with the
+    steps that cut each chunk at its first non-finite row: 1, that row from stage 1's nf [slots, HV] (loaded a chunk
+    ahead); 3, that of k, g, β from nf and v's from each step's v tile; 2 (simple GLA), found by each step from v
+    (_state_output_step).
     """
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_prog = i_nh * tl.num_programs(0) + i_v
     i_n, i_h = i_nh // HV, i_nh % HV
     i_s = 0
     if SEG > 0:
@@ -442,16 +497,13 @@ def chunk_state_output_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
 
-    if TRANS:
-        S = tl.zeros([BV, BK], dtype=tl.float32)
-    else:
-        S = tl.zeros([BK, BV], dtype=tl.float32)
     c0 = 0
     c1 = n_chunks
     if SEG > 0:
         c0 = tl.minimum(i_s * seg_len, n_chunks)
         c1 = tl.minimum(c0 + seg_len, n_chunks)
     if SEG == 1:        # the segment's local end state and total decay
+        S = tl.zeros([BK, BV], dtype=tl.float32)
         d = tl.full([], 1., tl.float32)
         if LOOP_WHILE:
             i_t = c0
@@ -470,23 +522,6 @@ def chunk_state_output_kernel(
         if i_v == 0:
             tl.store(gam + i_seg * HV + i_h, d)
     else:
-        if USE_H0:
-            off, m = _state_offsets(o_k, o_v, s_h0k, s_h0v, K, V, TRANS)
-            S += tl.load(h0 + i_n * s_h0n + i_h * s_h0h + off, mask=m, other=0.).to(tl.float32)
-        if SEG == 2:    # the start state: the earlier (sub-)segments, in order
-            for i_p in tl.static_range(NSEG * SUB - 1):
-                if i_p < i_s * SUB:
-                    i_seg = (i_n * NSEG * SUB + i_p).to(tl.int64)
-                    S = S * tl.load(gam + i_seg * HV + i_h) + \
-                        tl.load(sloc + ((i_seg * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.)
-        if WAIT:        # the first WAIT chunks (the loop waits for chunk i + WAIT at step i)
-            for i_w in tl.static_range(WAIT):
-                if c0 + i_w < c1:
-                    _wait_ready(ready, slot0 + c0 + i_w, i_h, HV, FENCE, not LOOP_WHILE)
-        b_gl = _chunk_decay(glast, slot0, c0, c1, i_h, HV, K, BK, GATE, GC_IN)
-        b_f = tl.full([], BTc, tl.int32)
-        if NF == 1 or NF == 3:
-            b_f = _chunk_cut(nf, slot0, c0, c1, i_h, HV, BTc)
         if TMA:         # the tiles the loop loads, as tensor descriptors of this sequence and head (made once)
             q = _tma_view(q, (bos * H + i_hk) * K, T_seq, K, H * K, BTc, BK, GATE != 2)
             k = _tma_view(k, (bos * H + i_hk) * K, T_seq, K, H * K, BTc, BK, GATE != 2)
@@ -500,27 +535,35 @@ def chunk_state_output_kernel(
             qg = _tma_view(qg, (bos * HV + i_h) * K, T_seq, K, HV * K, BTc, BK, GATE == 2)
             kg = _tma_view(kg, (bos * HV + i_h) * K, T_seq, K, HV * K, BTc, BK, GATE == 2)
         o_base = _tma_view(o_base, 0, T_seq, V, HV * V, BTc, BV, TMA_O)
-        if LOOP_WHILE:      # the triton 3.6 interpreter cannot take a tensor bound in range()
-            i_t = c0
-            while i_t < c1:
-                S, b_gl, b_f = _chunk_of_loop(
-                    i_t, S, b_gl, b_f, q, k, v, w, u, p, g, gcum, qg, kg, glast, nf, ready, ckpt, ckpt_slots, n_ckpt,
-                    o_base, rs, slot0, c1, bos, T_seq, i_n, i_h, i_hk, i_v, o_k, o_v, scale, H, HV, K, V, BTc, BK, BV,
-                    GATE, DELTA, P_IN, GC_IN, DOT_PREC, g_floor, TMA, TMA_O, STORE_R, TRANS, T_FORM, NF, WAIT, FENCE,
-                    LOOP_WHILE, CKPT, CKPT_VK)
-                i_t += 1
-        else:               # compiled: a for loop, so that the loads of later chunks are pipelined
-            for i_t in range(c0, c1):
-                S, b_gl, b_f = _chunk_of_loop(
-                    i_t, S, b_gl, b_f, q, k, v, w, u, p, g, gcum, qg, kg, glast, nf, ready, ckpt, ckpt_slots, n_ckpt,
-                    o_base, rs, slot0, c1, bos, T_seq, i_n, i_h, i_hk, i_v, o_k, o_v, scale, H, HV, K, V, BTc, BK, BV,
-                    GATE, DELTA, P_IN, GC_IN, DOT_PREC, g_floor, TMA, TMA_O, STORE_R, TRANS, T_FORM, NF, WAIT, FENCE,
-                    LOOP_WHILE, CKPT, CKPT_VK)
-
-    if STORE_HT and SEG != 1:
-        if i_s == NSEG - 1:     # the last segment (always, without SEG)
-            off, m = _state_offsets(o_k, o_v, s_htk, s_htv, K, V, TRANS)
-            tl.store(ht + i_n * s_htn + i_h * s_hth + off, S, mask=m)
+        run = True
+        if REDO:        # only the programs whose first pass met a non-finite input
+            run = tl.load(redo + i_prog) != 0
+        if run:
+            S = _entering_state(h0, sloc, gam, i_n, i_h, i_s, o_k, o_v, m_kv, s_h0n, s_h0h, s_h0k, s_h0v, HV, K, V,
+                                BK, BV, USE_H0, SEG, NSEG, SUB, TRANS)
+            if WAIT:        # the first WAIT chunks (the loop waits for chunk i + WAIT at step i)
+                for i_w in tl.static_range(WAIT):
+                    if c0 + i_w < c1:
+                        _wait_ready(ready, slot0 + c0 + i_w, i_h, HV, FENCE, not LOOP_WHILE)
+            b_gl = _chunk_decay(glast, slot0, c0, c1, i_h, HV, K, BK, GATE, GC_IN)
+            b_f = tl.full([], BTc, tl.int32)
+            if REDO and (NF == 1 or NF == 3):
+                b_f = _chunk_cut(nf, slot0, c0, c1, i_h, HV, BTc)
+            S = _chunk_loop(
+                c0, S, b_gl, b_f, q, k, v, w, u, p, g, gcum, qg, kg, glast, nf, ready, ckpt, ckpt_slots, n_ckpt,
+                o_base, rs, slot0, c1, bos, T_seq, i_n, i_h, i_hk, i_v, o_k, o_v, scale, H, HV, K, V, BTc, BK, BV,
+                GATE, DELTA, P_IN, GC_IN, DOT_PREC, g_floor, TMA, TMA_O, STORE_R, TRANS, T_FORM, NF,
+                NF if REDO else 0, WAIT, FENCE, LOOP_WHILE, CKPT, CKPT_VK)
+            if NF and not REDO:
+                # a non-finite input leaves a non-finite state for good (no step of finite inputs masks it: x·0 and
+                # x + y stay non-finite) or, for what stage 1 reads, a cut below BTc in one of the program's chunks
+                bad = tl.sum(tl.where(_finite(S), 0, 1)) > 0
+                if NF == 1 or NF == 3:
+                    bad = bad | (_first_cut(nf, slot0, c0, c1, i_h, HV, BTc) < BTc)
+                tl.store(redo + i_prog, bad.to(tl.int32))
+            if STORE_HT and i_s == NSEG - 1:    # the last segment (always, without SEG)
+                off, m = _state_offsets(o_k, o_v, s_htk, s_htv, K, V, TRANS)
+                tl.store(ht + i_n * s_htn + i_h * s_hth + off, S, mask=m)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -584,15 +627,21 @@ def chunk_state_output(q, k, v, g, beta, stage1: dict, o, initial_state, ht, rs,
                 # second pass reads at its own bv): a wider block reads each k tile once for more of V
                 bv_m, warps_m = min(launch.seg_phase1[0], _dim(V)), launch.seg_phase1[1]
                 stages_m = launch.seg_phase1[2] if len(launch.seg_phase1) > 2 else launch.num_stages
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            chunk_state_output_kernel[(cdiv(V, bv_m), rows_m)](
-                q, k, v, stage1["w"], stage1["u"], stage1["p"], g, stage1["qg"], stage1["kg"], stage1["glast"],
-                stage1["gcum"], o, initial_state, ht, sloc, gam, rs, ready, cu_seqlens, scale, T, NT, len_m,
-                *strides(initial_state), *strides(ht),
-                H=H, HV=HV, K=K, V=V, BTc=BT, BK=_dim(K), BV=bv_m, GATE=gate, DELTA=delta, P_IN=launch.p_in,
-                DOT_PREC=plan.dot_prec, g_floor=G_FLOOR, LOOP_WHILE=INTERPRET, SEG=seg_mode, NSEG=nseg_m,
-                SUB=sub if seg_mode == 2 else 1, GC_IN=delta and gate == 1, TMA=tma, TMA_O=tma_o,
-                STORE_R=rs is not None, TRANS=int(trans and seg_mode == 0), T_FORM=plan.t_form,
-                WAIT=stages_m + 1 if overlap else 0, FENCE=bool(overlap and tma and not INTERPRET),
-                nf=stage1.get("nf"), NF=(3 if plan.t_form else 1) if delta else 2,
-                num_warps=warps_m, num_stages=stages_m, **(ckpt_args if seg_mode != 1 else {}))
+        grid = (cdiv(V, bv_m), rows_m)
+        # seg_mode 0 / 2: a first launch on the step of finite inputs, then the programs that met a non-finite one
+        # again (REDO); both in every forward, so that nothing waits on the host
+        redo = None if seg_mode == 1 else torch.empty(grid[0] * grid[1], dtype=torch.int32, device=q.device)
+        for redo_pass in ((0,) if seg_mode == 1 else (0, 1)):
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                chunk_state_output_kernel[grid](
+                    q, k, v, stage1["w"], stage1["u"], stage1["p"], g, stage1["qg"], stage1["kg"], stage1["glast"],
+                    stage1["gcum"], o, initial_state, ht, sloc, gam, rs, ready, cu_seqlens, scale, T, NT, len_m,
+                    *strides(initial_state), *strides(ht),
+                    H=H, HV=HV, K=K, V=V, BTc=BT, BK=_dim(K), BV=bv_m, GATE=gate, DELTA=delta, P_IN=launch.p_in,
+                    DOT_PREC=plan.dot_prec, g_floor=G_FLOOR, LOOP_WHILE=INTERPRET, SEG=seg_mode, NSEG=nseg_m,
+                    SUB=sub if seg_mode == 2 else 1, GC_IN=delta and gate == 1, TMA=tma, TMA_O=tma_o,
+                    STORE_R=rs is not None, TRANS=int(trans and seg_mode == 0), T_FORM=plan.t_form,
+                    WAIT=stages_m + 1 if overlap and not redo_pass else 0,
+                    FENCE=bool(overlap and tma and not INTERPRET and not redo_pass),
+                    nf=stage1.get("nf"), NF=(3 if plan.t_form else 1) if delta else 2, redo=redo, REDO=redo_pass,
+                    num_warps=warps_m, num_stages=stages_m, **(ckpt_args if seg_mode != 1 else {}))
