@@ -631,6 +631,8 @@ def chunk_state_output(q, k, v, g, beta, stage1: dict, o, initial_state, ht, rs,
         # seg_mode 0 / 2: a first launch on the step of finite inputs, then the programs that met a non-finite one
         # again (REDO); both in every forward, so that nothing waits on the host
         redo = None if seg_mode == 1 else torch.empty(grid[0] * grid[1], dtype=torch.int32, device=q.device)
+        if redo is not None and side is not None:
+            redo.record_stream(side)        # (used on the side stream only: not reused before it is done there)
         for redo_pass in ((0,) if seg_mode == 1 else (0, 1)):
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 chunk_state_output_kernel[grid](
