@@ -86,9 +86,11 @@ def _chunk_cut(nf, slot0, i_t, c1, i_h, HV, BTc: tl.constexpr):
 def _first_cut(nf, slot0, c0, c1, i_h, HV, BTc: tl.constexpr, BLOCK: tl.constexpr = 256):
     """The smallest of chunks c0 .. c1 − 1's cuts in stage 1's nf [slots, HV] (BTc if none)."""
     f = tl.full([], BTc, tl.int32)
-    for i0 in range(c0, c1, BLOCK):
+    i0 = tl.full([], 0, tl.int32) + c0
+    while i0 < c1:      # (not range(): the triton 3.6 interpreter takes no tensor bound there)
         o_c = i0 + tl.arange(0, BLOCK)
         f = tl.minimum(f, tl.min(tl.load(nf + (slot0 + o_c) * HV + i_h, mask=o_c < c1, other=BTc), 0))
+        i0 += BLOCK
     return f
 
 
