@@ -339,54 +339,27 @@ def _chunk_of_loop(i_t, S, b_gl, b_f, q, k, v, w, u, p, g, gcum, qg, kg, glast, 
                    BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
                    P_IN: tl.constexpr, GC_IN: tl.constexpr, DOT_PREC: tl.constexpr, g_floor: tl.constexpr,
                    TMA: tl.constexpr, TMA_O: tl.constexpr, STORE_R: tl.constexpr, TRANS: tl.constexpr,
-                   T_FORM: tl.constexpr, NF: tl.constexpr, NF_STEP: tl.constexpr, WAIT: tl.constexpr,
-                   FENCE: tl.constexpr, LOOP_WHILE: tl.constexpr, CKPT: tl.constexpr, CKPT_VK: tl.constexpr):
+                   T_FORM: tl.constexpr, NF: tl.constexpr, WAIT: tl.constexpr, FENCE: tl.constexpr,
+                   LOOP_WHILE: tl.constexpr, CKPT: tl.constexpr, CKPT_VK: tl.constexpr):
     """The chunk loop's body (its arguments are the kernel's): chunk i_t's step on S with its decay b_gl and cut b_f,
     loaded the chunk before, and its checkpoint; the next chunk's decay and cut loaded ahead of the step (WAIT: after
-    waiting for chunk i_t + WAIT). NF_STEP: the step's non-finite handling (0 in the first pass, NF in the redo).
+    waiting for chunk i_t + WAIT). NF: the step's non-finite handling (0 in a first launch, the kernel's NF in the
+    redo).
     Returns (S, the next chunk's b_gl, b_f)."""
     if WAIT:
         _wait_ready(ready, slot0 + tl.minimum(i_t + WAIT, c1 - 1), i_h, HV, FENCE, not LOOP_WHILE)
     b_gl_next = _chunk_decay(glast, slot0, i_t + 1, c1, i_h, HV, K, BK, GATE, GC_IN)
-    if NF_STEP == 1 or NF_STEP == 3:
+    if NF == 1 or NF == 3:
         b_f_next = _chunk_cut(nf, slot0, i_t + 1, c1, i_h, HV, BTc)
     S = _state_output_chunk(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, rs, slot0, bos,
                             T_seq, i_h, i_hk, i_v, scale, H, HV, K, V, BTc, BK, BV, GATE, DELTA, P_IN, GC_IN,
-                            DOT_PREC, g_floor, TMA, TMA_O, STORE_R, TRANS, T_FORM, b_f, NF_STEP)
+                            DOT_PREC, g_floor, TMA, TMA_O, STORE_R, TRANS, T_FORM, b_f, NF)
     if CKPT > 0:
         _store_checkpoint(ckpt, ckpt_slots, n_ckpt, S, i_t, i_n, i_h, T_seq, o_k, o_v, HV, K, V, BTc, CKPT,
                           CKPT_VK, TRANS)
-    if NF_STEP == 1 or NF_STEP == 3:
+    if NF == 1 or NF == 3:
         b_f = b_f_next
     return S, b_gl_next, b_f
-
-
-@triton.jit
-def _chunk_loop(c0, S, b_gl, b_f, q, k, v, w, u, p, g, gcum, qg, kg, glast, nf, ready, ckpt, ckpt_slots, n_ckpt,
-                o_base, rs, slot0, c1, bos, T_seq, i_n, i_h, i_hk, i_v, o_k, o_v, scale, H, HV, K, V,
-                BTc: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
-                P_IN: tl.constexpr, GC_IN: tl.constexpr, DOT_PREC: tl.constexpr, g_floor: tl.constexpr,
-                TMA: tl.constexpr, TMA_O: tl.constexpr, STORE_R: tl.constexpr, TRANS: tl.constexpr,
-                T_FORM: tl.constexpr, NF: tl.constexpr, NF_STEP: tl.constexpr, WAIT: tl.constexpr, FENCE: tl.constexpr,
-                LOOP_WHILE: tl.constexpr, CKPT: tl.constexpr, CKPT_VK: tl.constexpr):
-    """Chunks c0 .. c1 − 1 through _chunk_of_loop. Returns S."""
-    if LOOP_WHILE:      # the triton 3.6 interpreter cannot take a tensor bound in range()
-        i_t = c0
-        while i_t < c1:
-            S, b_gl, b_f = _chunk_of_loop(
-                i_t, S, b_gl, b_f, q, k, v, w, u, p, g, gcum, qg, kg, glast, nf, ready, ckpt, ckpt_slots, n_ckpt,
-                o_base, rs, slot0, c1, bos, T_seq, i_n, i_h, i_hk, i_v, o_k, o_v, scale, H, HV, K, V, BTc, BK, BV,
-                GATE, DELTA, P_IN, GC_IN, DOT_PREC, g_floor, TMA, TMA_O, STORE_R, TRANS, T_FORM, NF, NF_STEP, WAIT,
-                FENCE, LOOP_WHILE, CKPT, CKPT_VK)
-            i_t += 1
-    else:               # compiled: a for loop, so that the loads of later chunks are pipelined
-        for i_t in range(c0, c1):
-            S, b_gl, b_f = _chunk_of_loop(
-                i_t, S, b_gl, b_f, q, k, v, w, u, p, g, gcum, qg, kg, glast, nf, ready, ckpt, ckpt_slots, n_ckpt,
-                o_base, rs, slot0, c1, bos, T_seq, i_n, i_h, i_hk, i_v, o_k, o_v, scale, H, HV, K, V, BTc, BK, BV,
-                GATE, DELTA, P_IN, GC_IN, DOT_PREC, g_floor, TMA, TMA_O, STORE_R, TRANS, T_FORM, NF, NF_STEP, WAIT,
-                FENCE, LOOP_WHILE, CKPT, CKPT_VK)
-    return S
 
 
 @triton.jit
@@ -549,11 +522,23 @@ def chunk_state_output_kernel(
             b_f = tl.full([], BTc, tl.int32)
             if REDO and (NF == 1 or NF == 3):
                 b_f = _chunk_cut(nf, slot0, c0, c1, i_h, HV, BTc)
-            S = _chunk_loop(
-                c0, S, b_gl, b_f, q, k, v, w, u, p, g, gcum, qg, kg, glast, nf, ready, ckpt, ckpt_slots, n_ckpt,
-                o_base, rs, slot0, c1, bos, T_seq, i_n, i_h, i_hk, i_v, o_k, o_v, scale, H, HV, K, V, BTc, BK, BV,
-                GATE, DELTA, P_IN, GC_IN, DOT_PREC, g_floor, TMA, TMA_O, STORE_R, TRANS, T_FORM, NF,
-                NF if REDO else 0, WAIT, FENCE, LOOP_WHILE, CKPT, CKPT_VK)
+            NF_STEP: tl.constexpr = NF if REDO else 0
+            if LOOP_WHILE:      # the triton 3.6 interpreter cannot take a tensor bound in range()
+                i_t = c0
+                while i_t < c1:
+                    S, b_gl, b_f = _chunk_of_loop(
+                        i_t, S, b_gl, b_f, q, k, v, w, u, p, g, gcum, qg, kg, glast, nf, ready, ckpt, ckpt_slots,
+                        n_ckpt, o_base, rs, slot0, c1, bos, T_seq, i_n, i_h, i_hk, i_v, o_k, o_v, scale, H, HV, K, V,
+                        BTc, BK, BV, GATE, DELTA, P_IN, GC_IN, DOT_PREC, g_floor, TMA, TMA_O, STORE_R, TRANS, T_FORM,
+                        NF_STEP, WAIT, FENCE, LOOP_WHILE, CKPT, CKPT_VK)
+                    i_t += 1
+            else:               # compiled: a for loop, so that the loads of later chunks are pipelined
+                for i_t in range(c0, c1):
+                    S, b_gl, b_f = _chunk_of_loop(
+                        i_t, S, b_gl, b_f, q, k, v, w, u, p, g, gcum, qg, kg, glast, nf, ready, ckpt, ckpt_slots,
+                        n_ckpt, o_base, rs, slot0, c1, bos, T_seq, i_n, i_h, i_hk, i_v, o_k, o_v, scale, H, HV, K, V,
+                        BTc, BK, BV, GATE, DELTA, P_IN, GC_IN, DOT_PREC, g_floor, TMA, TMA_O, STORE_R, TRANS, T_FORM,
+                        NF_STEP, WAIT, FENCE, LOOP_WHILE, CKPT, CKPT_VK)
             if NF and not REDO:
                 # a non-finite input leaves a non-finite state for good (no step of finite inputs masks it: x·0 and
                 # x + y stay non-finite) or, for what stage 1 reads, a cut below BTc in one of the program's chunks
