@@ -21,6 +21,14 @@ def _offline_gpu_driver() -> bool:
 if not torch.cuda.is_available() and not _offline_gpu_driver():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (the default addopts): a worker per core under the interpreter, whose tests each run on one; on a
+    GPU at most eight, which share its memory and mostly wait for the compiler."""
+    cores = os.cpu_count() or 1
+    return min(cores, 8) if torch.cuda.is_available() else cores
+
+
 # xdist workers share the cores: each takes its share of them for torch's CPU ops (the default, every core per
 # worker, oversubscribes them many times over)
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
