@@ -62,7 +62,7 @@ def test_opcheck_pool():
     pool = torch.randn(5, 2, 8, 8, device=DEVICE)
     idx = torch.tensor([4, -1, 0], device=DEVICE)
     torch.library.opcheck(_custom_ops.recurrent_pool_fwd,
-                          (inp.q, inp.k, inp.v, inp.g, inp.beta, 0.3, pool, idx, None, False, 64, "torch"))
+                          (inp.q, inp.k, inp.v, inp.g, inp.beta, 0.3, pool, idx, None, False, 64, "torch", None, None))
 
 
 @pytest.mark.skipif(not (ON_GPU or INTERPRET), reason="the triton backend needs a GPU or TRITON_INTERPRET=1")

@@ -469,10 +469,12 @@ torch.library.register_autograd("chunkwise::recurrent_fwd", _make_backward(recur
 def recurrent_pool_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor],
                        beta: Optional[torch.Tensor], scale: float, pool: torch.Tensor, state_indices: torch.Tensor,
                        cu_seqlens: Optional[torch.Tensor], transpose_state_layout: bool, chunk_size: int,
-                       backend: str, intermediate_states: Optional[torch.Tensor] = None,
-                       state_scales: Optional[torch.Tensor] = None) -> torch.Tensor:
+                       backend: str, intermediate_states: Optional[torch.Tensor],
+                       state_scales: Optional[torch.Tensor]) -> torch.Tensor:
     """Token-recurrent step over a state pool [P, HV, K, V] updated in place (or, with intermediate_states,
-    the verify step: per-token states written there, the pool only read). Returns o [B, T, HV, V]."""
+    the verify step: per-token states written there, the pool only read). Returns o [B, T, HV, V].
+    (No defaults on the mutated arguments: torch 2.11's boxed redispatch drops trailing defaulted ones and then
+    indexes them as mutated.)"""
     return _pool_impl(q, k, v, g, beta, scale, pool, state_indices, cu_seqlens, transpose_state_layout, chunk_size,
                       backend, intermediate_states, state_scales)
 
@@ -492,7 +494,7 @@ def _pool_impl(q, k, v, g, beta, scale, pool, state_indices, cu_seqlens, transpo
 
 @recurrent_pool_fwd.register_fake
 def _(q, k, v, g, beta, scale, pool, state_indices, cu_seqlens, transpose_state_layout, chunk_size, backend,
-      intermediate_states=None, state_scales=None):
+      intermediate_states, state_scales):
     return q.new_empty(q.shape[0], q.shape[1], v.shape[2], v.shape[3])
 
 
