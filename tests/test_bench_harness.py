@@ -279,5 +279,5 @@ def test_sweep_times_each_plan_through_the_launcher(stage, dtype, tmp_path, caps
     assert all(r["ms"] > 0 for r in rows[:2])
     if stage == "fwd":          # (the interpreter's 16-bit backward is no reference: its values go unchecked here)
         assert rows[1]["vs_default"] < 1e-6
-    assert "power of 2" in rows[2]["error"] and "ms" not in rows[2]
+    assert "bv = 24: block sizes must be powers of 2" in rows[2]["error"] and "ms" not in rows[2]
     assert "* {'bv': " in capsys.readouterr().out

@@ -132,8 +132,8 @@ def test_split_backward_equals_autograd(fam, layout, shape, gate, seg, transpose
     _fwd(inp, 0, transpose, saved=s0)
     assert s1["hs"] is not None and s1["mm"] is not None and s0.get("hs") is None
     gen = torch.Generator().manual_seed(1)
-    do = torch.randn(inp.v.shape, generator=gen)
-    dht = torch.randn(inp.h0.shape, generator=gen)
+    do = torch.randn(inp.v.shape, generator=gen).to(DEVICE)
+    dht = torch.randn(inp.h0.shape, generator=gen).to(DEVICE)
     h0, dht_in = (inp.h0, dht) if not transpose else (inp.h0.transpose(-1, -2).contiguous(),
                                                         dht.transpose(-1, -2).contiguous())
     a = (inp.q, inp.k, inp.v, inp.g, inp.beta, 0.25, h0, do, dht_in, inp.cu_seqlens)
@@ -161,7 +161,7 @@ def test_split_backward_hard_reset(fam):
     s = {}
     _fwd(inp, 1, saved=s)
     gen = torch.Generator().manual_seed(2)
-    do, dht = torch.randn(inp.v.shape, generator=gen), torch.randn(inp.h0.shape, generator=gen)
+    do, dht = (torch.randn(x.shape, generator=gen).to(DEVICE) for x in (inp.v, inp.h0))
     grads = chunk_bwd(inp.q, inp.k, inp.v, inp.g, inp.beta, 0.25, inp.h0, do, dht, inp.cu_seqlens, saved=s)
     for name, x, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads, _autograd(inp, do, dht, 0.25)):
         assert rel_err(x, r) <= F32, name
@@ -173,8 +173,8 @@ def test_split_index_tensors():
     transition (all but each sequence's last), and the unused tail (empty segments, −1) up to the most the shapes
     allow."""
     lengths, L = [0, 1, 64, 65, 200, 0, 129], 2
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    x = torch.zeros(1, int(cu[-1]), 1, 16)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    x = torch.zeros(1, int(cu[-1]), 1, 16, device=DEVICE)
     ci = prepare_chunk_indices(cu, BT)
     sb = split_batch(x, x, x, None, x[..., 0], cu, ci, L)
     cu1, pfirst, nl2p = [0], [], []
@@ -182,7 +182,7 @@ def test_split_index_tensors():
         pfirst.append(len(cu1) - 1)
         segs = max(1, cdiv(cdiv(length, BT), L))
         for j in range(segs):
-            cu1.append(min(cu[n].item() + (j + 1) * L * BT, cu[n + 1].item()))
+            cu1.append(min(int(cu[n]) + (j + 1) * L * BT, int(cu[n + 1])))
             if j < segs - 1:
                 nl2p.append(len(cu1) - 2)
     pfirst.append(len(cu1) - 1)
@@ -240,7 +240,7 @@ def test_split_automatic(monkeypatch):
     o, ht = CHUNK_OPS["gdn"](*leaves[:5], scale=0.25, initial_state=leaves[5], output_final_state=True,
                              cu_seqlens=inp.cu_seqlens, backend="triton")
     gen = torch.Generator().manual_seed(4)
-    do, dht = torch.randn(o.shape, generator=gen), torch.randn(ht.shape, generator=gen)
+    do, dht = (torch.randn(x.shape, generator=gen).to(DEVICE) for x in (o, ht))
     ((o * do).sum() + (ht * dht).sum()).backward()
     assert combines == [1]
     for name, x, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), leaves, _autograd(inp, do, dht, 0.25)):

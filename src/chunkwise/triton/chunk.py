@@ -19,8 +19,8 @@ from .bwd_tiles import group_sum, state_tile_pass
 from .bwd_wy import recompute_stage1, stage1_from_saved, wy_pass
 from .common import (BT, _alloc, _num_sms, _overlap, _side_stream, cdiv, chunk_slots, cut_state, gate_kind,
                      on_tensor_device, pad_last, pad_state, padded_dims, state_dtype, target_arch)
-from .configs import (WIDE_16BIT_K, BackwardPlan, ForwardPlan, backward_plan, forward_plan, fp16_kda_in_fp32,
-                      gate_scaled_in, resolve_stage2, saved_t_dtype, split_chunks, split_launch)
+from .configs import (WIDE_16BIT_K, BackwardPlan, ForwardPlan, backward_plan, check_plan, forward_plan,
+                      fp16_kda_in_fp32, gate_scaled_in, resolve_stage2, saved_t_dtype, split_chunks, split_launch)
 from .split import (exit_states, final_states, first_states, pseudo_count, segment_grads, segment_starts,
                     split_batch)
 from .stage1 import chunk_p, chunk_prepare
@@ -132,6 +132,8 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     beta = None if beta is None else beta.contiguous()
     if plan is None:
         plan = forward_plan(q.device, q.dtype, gate, delta, K, V, save)
+    else:
+        check_plan(plan)
     n_sm = _num_sms(q.device)
     if varlen and chunk_indices is None and delta:
         chunk_indices = prepare_chunk_indices(cu_seqlens, BT)
@@ -284,6 +286,8 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         q, k, v, g, beta, cu_seqlens, chunk_indices = sb.q, sb.k, sb.v, sb.g, sb.beta, sb.cu_seqlens, sb.chunk_indices
         do, h0, tr0, tr = sb.view(do), saved["hs"], tr, False
     p = Problem.of(q, v, g, beta, cu_seqlens, chunk_indices)
+    if plan is not None:
+        check_plan(plan)
     plan = plan or backward_plan(p.gate, p.delta, q.dtype, p.K, p.V, target_arch(q.device))
     gate, delta, dev = p.gate, p.delta, q.device
     B, T, H, HV, K, V, C = p.B, p.T, p.H, p.HV, p.K, p.V, p.C

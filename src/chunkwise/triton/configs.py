@@ -9,7 +9,7 @@ docs/performance.md. Sweeps and tests change a plan with ``dataclasses.replace``
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -85,6 +85,25 @@ class ForwardPlan:
     # the delta families' sequence split (triton/split.py): chunks per segment, 0 none; None: split_chunks picks
     delta_split: int | None = None
     split_pass: tuple | None = None  # (bv, num_warps, num_stages) of its segment pass; None: split_launch's
+
+
+# the plan fields that are tile sizes (Triton's tiles are powers of 2), and those holding one first in a tuple
+_BLOCK_FIELDS = ("bv", "prep_bkc", "dqk_bk", "wy_bk", "pair_bk")
+_BLOCK_FIRST = ("seg_phase1", "split_pass")
+
+
+def check_plan(plan) -> None:
+    """A plan given by the caller: every block size a power of 2, else a ValueError naming the field (the kernels
+    would fail to compile with an error far from its cause)."""
+    for f in fields(plan):
+        val = getattr(plan, f.name)
+        if f.name in _BLOCK_FIRST and val is not None:
+            val = val[0]
+        elif f.name not in _BLOCK_FIELDS:
+            continue
+        if val is not None and (val <= 0 or val & (val - 1)):
+            raise ValueError(f"{type(plan).__name__}.{f.name} = {getattr(plan, f.name)}: block sizes must be "
+                             f"powers of 2")
 
 
 def forward_plan(device: torch.device, dtype: torch.dtype, gate: int, delta: bool, K: int, V: int,

@@ -615,11 +615,10 @@ def chunk_state_output(q, k, v, g, beta, stage1: dict, o, initial_state, ht, rs,
         grid = (cdiv(V, bv_m), rows_m)
         # seg_mode 0 / 2: a first launch on the step of finite inputs, then the programs that met a non-finite one
         # again (REDO); both in every forward, so that nothing waits on the host
-        redo = None if seg_mode == 1 else torch.empty(grid[0] * grid[1], dtype=torch.int32, device=q.device)
-        if redo is not None and side is not None:
-            redo.record_stream(side)        # (used on the side stream only: not reused before it is done there)
-        for redo_pass in ((0,) if seg_mode == 1 else (0, 1)):
-            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            # (allocated on the stream that uses it, so that the allocator does not hand it out before it is done)
+            redo = None if seg_mode == 1 else torch.empty(grid[0] * grid[1], dtype=torch.int32, device=q.device)
+            for redo_pass in ((0,) if seg_mode == 1 else (0, 1)):
                 chunk_state_output_kernel[grid](
                     q, k, v, stage1["w"], stage1["u"], stage1["p"], g, stage1["qg"], stage1["kg"], stage1["glast"],
                     stage1["gcum"], o, initial_state, ht, sloc, gam, rs, ready, cu_seqlens, scale, T, NT, len_m,
