@@ -18,8 +18,8 @@
 # files at real size need a call of their own (`gpu_run.sh tests --budget tests=560`): beside the warm-ups of a full
 # run they do not finish in the first window.
 #
-# Carry (the device tool's `carry`): .whl for fla (`../shared/device/wheels.sh fla-core==0.6.0 transformers==5.24.0`:
-# the test extra's pin) and .triton_sm90, Triton's cache for sm_90 (made by `python benchmarks/tools.py warm`, or
+# Carry (the device tool's `carry`): .whl for fla and the tests (`../shared/device/wheels.sh fla-core==0.6.0
+# transformers==5.24.0 pytest-xdist==3.8.0 execnet==2.1.1`: the test extra's pins) and .triton_sm90, Triton's cache for sm_90 (made by `python benchmarks/tools.py warm`, or
 # the triton_cache.tgz of the last run). Compiling is most of a first run's time: each run returns its cache (the
 # compiled kernels: ours and every configuration fla searched), so save $OUT/triton_cache.tgz as
 # .triton_sm90/cache.tgz for the next. $OUT receives 8 files: logs.tgz (every phase's log and the summary),
@@ -66,6 +66,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     > "$WORK/pip.log" 2>&1 || say "pip install of .whl failed (see logs.tgz: pip.log)"
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
+# the package itself, for its console script (tests/test_cli.py); the image has setuptools, and no network
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . > "$WORK/pip_e.log" 2>&1 \
+  || say "pip install -e . failed (see logs.tgz: pip_e.log)"
 touch "$WORK/start.mark"                    # what the cache gains after this is this run's
 export PYTHONPATH=$PWD/src:$PWD/benchmarks:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$CACHE
 mkdir -p "$CACHE"
@@ -103,7 +106,10 @@ for b in forward train; do
   done
 done
 # (not -x: one early failure would leave the rest of the GPU tests unrun in this window)
-has tests && phase tests python3 -m pytest tests --maxfail=10 -q -p no:cacheprovider -o addopts="" --durations=15
+# (eight pytest-xdist workers where the carried wheels bring it: the tests are compile-bound)
+XDIST=(); python3 -c "import xdist" 2>/dev/null && XDIST=(-n 8 --max-worker-restart=4)
+has tests && phase tests python3 -m pytest tests --maxfail=10 -q -p no:cacheprovider -o addopts="" "${XDIST[@]}" \
+  --durations=15
 for j in "${JOBS[@]}"; do
   wait "${j#*:}"; rc=$?
   [ "${j%%:*}" = warm ] && [ $rc = 0 ] || report "${j%%:*}" $rc "$T0"

@@ -59,14 +59,3 @@ def pytest_runtest_logreport(report):
         _poisoned.append(report.nodeid)
     if report.when == "teardown" and _poisoned and os.environ.get("PYTEST_XDIST_WORKER"):
         os._exit(3)
-
-
-def pytest_collection_modifyitems(config, items):
-    """The real-size tests against fla, grouped by family (``--dist loadgroup``): fla compiles and autotunes its
-    kernels in every process that calls them, so one worker per family does that once instead of every worker
-    doing it for every family (on the GPU that took the step past its time limit)."""
-    import pytest
-    for item in items:
-        fam = getattr(item, "callspec", None) and item.callspec.params.get("fam")
-        if fam and item.originalname.startswith("test_real_size") and "fla" in item.originalname:
-            item.add_marker(pytest.mark.xdist_group(f"fla_{fam}"))
