@@ -21,7 +21,7 @@ from .common import (BT, _alloc, _num_sms, _overlap, _side_stream, cdiv, chunk_s
                      on_tensor_device, pad_last, pad_state, padded_dims, state_dtype, target_arch)
 from .configs import (WIDE_16BIT_K, BackwardPlan, ForwardPlan, backward_plan, check_plan, forward_plan,
                       fp16_kda_in_fp32, gate_scaled_in, resolve_stage2, saved_t_dtype, split_chunks, split_launch)
-from .split import (exit_states, final_states, first_states, pseudo_count, segment_grads, segment_starts,
+from .split import (final_states, first_states, pseudo_count, segment_grads, segment_starts,
                     split_batch)
 from .stage1 import chunk_p, chunk_prepare
 from .stage2 import chunk_state_output
@@ -63,7 +63,7 @@ def saved_shapes(q, v, g, beta, cu_seqlens, transpose_state_layout=False) -> lis
     nothing: w (not under T_FORM, where the backward forms W, U from T), p, t, a split forward's segment states and
     transitions (hs, mm), R (instead of u: R = U − W S is all the backward reads U for), KDA's qg, kg (where the
     backward's state passes take them) and G, and DeltaNet's final state (its backward's reverse state pass forms the
-    per-chunk states from it)."""
+    per-chunk states from it; split: every segment's end state)."""
     names = dict.fromkeys(SAVED)
     if not saves_stage1(q, v, g, beta):
         return list(names.values())
@@ -85,8 +85,9 @@ def saved_shapes(q, v, g, beta, cu_seqlens, transpose_state_layout=False) -> lis
         if gate_scaled_in(g, q):
             names["qg"] = names["kg"] = ((B, T, HV, K), q.dtype)
         names["G"] = ((B, T, HV, K), torch.float32)
-    if gate == 0:
-        names["ht"] = ((N, HV, V, K) if transpose_state_layout else (N, HV, K, V), torch.float32)
+    if gate == 0:       # (split: every segment's end state, as stage 2 left it)
+        names["ht"] = ((NP, HV, K, V) if seg else (N, HV, V, K) if transpose_state_layout else (N, HV, K, V),
+                       torch.float32)
     return list(names.values())
 
 
@@ -207,6 +208,8 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
             final_states(sb, hx, ht, transpose_state_layout)
         if save:
             saved_out.update(hs=hs, mm=mm, split=seg)
+            if keep_ht:     # (DeltaNet: each segment's own end state, from which its backward forms its states back)
+                saved_out.update(ht=hx)
     if side is not None:
         torch.cuda.current_stream(q.device).wait_stream(side)
     if not output_final_state:
@@ -232,9 +235,10 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     layout); cu_seqlens: None | [N + 1] (B == 1). Returns (dq, dk, dv, dg, dbeta, dh0), each in its input's dtype
     and layout (None where the input is None). K > MAX_K raises NotImplementedError.
     ``saved``: what the saving forward kept (chunk_fwd's ``saved_out``: p, t, r, and w unless under the T form;
-    KDA's G and, with 16-bit inputs, qg, kg; DeltaNet's final state ht), used instead of recomputing stage 1 and the
-    forward state pass; ignored where the head dims are padded or the inputs run in fp32. ``plan``: the launch plan
-    (default: configs.backward_plan for these inputs and this GPU; not applied where the inputs run in fp32).
+    KDA's G and, with 16-bit inputs, qg, kg; DeltaNet's final state ht, every segment's where split), used instead
+    of recomputing stage 1 and the forward state pass; ignored where the head dims are padded or the inputs run in
+    fp32. ``plan``: the launch plan (default: configs.backward_plan for these inputs and this GPU; not applied where
+    the inputs run in fp32).
     Head dims the kernels do not take as they are run zero-padded (common.padded_dims). The launches in order
     (docs/design.md, section 6): the gate cumsum, stage 1's operands, the forward and reverse state passes, the
     state-tile pass, the WY pass, KDA's pairwise gradients, the group sum of grouped heads.
@@ -281,8 +285,6 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
             raise ValueError(f"saved['hs'] holds {saved['hs'].shape[0]} segment states, the split of these inputs "
                              f"into segments of {seg} chunks {sb.N}")
         saved = {n: sb.view(x) if n in TOKEN_INDEXED and x is not None else x for n, x in saved.items()}
-        if saved.get("ht") is not None:     # (DeltaNet: the reverse pass forms the states back from each segment's end)
-            saved["ht"] = exit_states(sb, saved["hs"], saved["ht"], tr)
         q, k, v, g, beta, cu_seqlens, chunk_indices = sb.q, sb.k, sb.v, sb.g, sb.beta, sb.cu_seqlens, sb.chunk_indices
         do, h0, tr0, tr = sb.view(do), saved["hs"], tr, False
     p = Problem.of(q, v, g, beta, cu_seqlens, chunk_indices)

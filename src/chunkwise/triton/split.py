@@ -469,19 +469,6 @@ def first_states(sb: SplitBatch, xs: torch.Tensor, transpose_state_layout: bool)
     return (first.transpose(-1, -2) if transpose_state_layout else first).contiguous()
 
 
-def exit_states(sb: SplitBatch, hs: torch.Tensor, ht: torch.Tensor, transpose_state_layout: bool) -> torch.Tensor:
-    """Every segment's exiting state [sb.N, HV, K, V] fp32: the next segment's entering one (hs), each sequence's
-    last its final state ht ([N0, HV, K, V], [N0, HV, V, K] transposed)."""
-    hx = torch.empty_like(hs)
-    hx[:-1] = hs[1:]
-    ht = (ht.transpose(-1, -2) if transpose_state_layout else ht).to(hs.dtype)
-    if sb.varlen:
-        hx.index_copy_(0, (sb.pfirst[1:] - 1).long(), ht)
-    else:
-        hx.view(sb.N0, sb.nseg, *hs.shape[1:])[:, -1] = ht
-    return hx
-
-
 def final_states(sb: SplitBatch, hs: torch.Tensor, ht: torch.Tensor, transpose_state_layout: bool):
     """Each sequence's final state into ht [N0, HV, K, V] ([N0, HV, V, K] transposed): its last segment's, from hs
     (where stage 2 stored the pseudo batch's final states)."""
