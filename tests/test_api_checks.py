@@ -5,10 +5,15 @@ Each case starts from a valid call (checked to run) and breaks one thing.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from helpers import CHUNK_OPS, DEVICE, FAMILIES, RECURRENT_OPS
+
+from chunkwise.triton.chunk import chunk_bwd, chunk_fwd
+from chunkwise.triton.configs import backward_plan, forward_plan
 
 torch.set_num_threads(1)   # tiny tensors: one thread is faster (and far faster on a loaded machine)
 
@@ -356,3 +361,19 @@ def test_state_pool_arguments(fam):
     # a pool with any number of slots is fine
     o, ret = op(**valid(fam, initial_state=pool, state_indices=torch.tensor([4, -1])))
     assert ret is pool
+
+
+@pytest.mark.parametrize("stage", ["forward", "backward"])
+def test_plan_block_not_a_power_of_two(stage):
+    """A launch plan passed by the caller (benchmarks/sweep.py) with a block size the kernels cannot tile is refused
+    before any launch, by its field."""
+    kw = valid("gdn", backend="triton")
+    q, k, v, g, beta = (kw[n].to(DEVICE) for n in ("q", "k", "v", "g", "beta"))
+    if stage == "forward":
+        plan = replace(forward_plan(q.device, q.dtype, 1, True, q.shape[-1], v.shape[-1]), bv=24)
+        with pytest.raises(ValueError, match=r"ForwardPlan\.bv = 24: block sizes must be powers of 2"):
+            chunk_fwd(q, k, v, g, beta, 0.25, None, False, None, plan=plan)
+    else:
+        plan = replace(backward_plan(1, True, q.dtype, q.shape[-1], v.shape[-1], 90), wy_bk=48)
+        with pytest.raises(ValueError, match=r"BackwardPlan\.wy_bk = 48: block sizes must be powers of 2"):
+            chunk_bwd(q, k, v, g, beta, 0.25, None, torch.ones_like(v), None, None, plan=plan)
