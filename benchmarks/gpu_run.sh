@@ -109,7 +109,7 @@ done
 # (eight pytest-xdist workers where the carried wheels bring it: the tests are compile-bound)
 XDIST=(); python3 -c "import xdist" 2>/dev/null && XDIST=(-n 8 --max-worker-restart=4)
 has tests && phase tests python3 -m pytest tests --maxfail=10 -q -p no:cacheprovider -o addopts="" "${XDIST[@]}" \
-  --durations=15
+  --faillog "$WORK/failures.log" --durations=15
 for j in "${JOBS[@]}"; do
   wait "${j#*:}"; rc=$?
   [ "${j%%:*}" = warm ] && [ $rc = 0 ] || report "${j%%:*}" $rc "$T0"

@@ -20,7 +20,7 @@ shared memory) and its PTX with names and line info taken out, into DIR/manifest
 prints per kernel how many builds are identical, then the differing ones with their metadata and a diff excerpt.
 
 ``warm`` fills Triton's cache for an sm_90 device run from this machine, with the real ptxas (the cases above
-and / or pytest tests that read CHUNKWISE_WARM_SM90=1 as "GPU sizes, CPU tensors"), and packs it for the device
+and / or pytest tests, which see the stand-in driver as a GPU: its sizes on CPU tensors), and packs it for the device
 tool's ``carry``. On the device, unpack it to the same absolute path (/tmp/triton_cache_sm90: Triton's cache
 index holds absolute paths) and point TRITON_CACHE_DIR there. A cache is only valid for the code it was built from.
 
@@ -475,7 +475,7 @@ def cmd_warm(a):
         except Exception as e:  # noqa: BLE001  (what it launched before failing is compiled)
             print(f"warm: {c['name']}: {type(e).__name__}: {e}"[:300], file=sys.stderr)
     if a.pytest_args:
-        import pytest     # tests read CHUNKWISE_WARM_SM90=1 as "GPU sizes on CPU tensors"; their asserts fail
+        import pytest     # the tests see the stand-in driver as a GPU (its sizes on CPU tensors); their asserts fail
         pytest.main(["-q", "-p", "no:cacheprovider", "-o", "addopts=", "--tb=no"] + a.pytest_args)
     kernels = size = 0
     for root, _, files in os.walk(WARM_CACHE):     # what a cache hit reads: the group index, metadata, cubin

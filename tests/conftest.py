@@ -41,8 +41,20 @@ _FATAL_CUDA = ("illegal memory access", "CUDA error: an illegal instruction", "u
 _poisoned = []
 
 
+def pytest_addoption(parser):
+    parser.addoption("--faillog", metavar="FILE", default=None,
+                     help="append each failure's report to FILE as it happens (a GPU run cut by its time limit)")
+
+
+_faillog = []
+
+
+def pytest_configure(config):
+    _faillog[:] = [config.getoption("--faillog")]
+
+
 def pytest_runtest_logreport(report):
-    """With CHUNKWISE_FAILLOG=<file>, append each failure's report to it as it happens.
+    """With --faillog FILE, append each failure's report to it as it happens.
 
     On the GPU machine a run can be cut by a time limit before pytest prints its summary (and xdist
     holds the messages until then); this keeps every failure message that happened so far.
@@ -51,7 +63,7 @@ def pytest_runtest_logreport(report):
     after the test's teardown, so that xdist starts a fresh one (pass --max-worker-restart) instead of
     failing every later test of that worker with the same error.
     """
-    path = os.environ.get("CHUNKWISE_FAILLOG")
+    path = _faillog[0] if _faillog else None
     if path and report.failed:
         with open(path, "a") as f:
             f.write(f"=== {report.nodeid} [{report.when}]\n{report.longreprtext[-3000:]}\n")
