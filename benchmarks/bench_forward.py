@@ -7,9 +7,10 @@ importable) on the same inputs in the same process.
     python benchmarks/bench_forward.py --shapes standing --ops gdn,kda --no-peers --checkpoint-every 1024
 
 Each op runs with its final state out (no autograd), varlen with the CPU copy of cu_seqlens and a precomputed chunk
-index (no host sync in the timed call). Times are medians of triton.testing.do_bench (ms); fla searches its
-configurations afresh before each timing (common.fla_fresh_search). The outputs and final states are compared with
-the peers' (relative Frobenius norm; "agree" within common.AGREE for the dtype).
+index (no host sync in the timed call); ours also replayed from a CUDA graph ("in a graph": where it is well under
+the eager time, the call is bound by the host's launches). Times are medians of triton.testing.do_bench (ms); fla
+searches its configurations afresh before each timing (common.fla_fresh_search). The outputs and final states are
+compared with the peers' (relative Frobenius norm; "agree" within common.AGREE for the dtype).
 
 --checkpoint-every C also times each op writing prefix checkpoints every C tokens (chunkwise.prefill: an fp32
 buffer of Σ ⌊len_n / C⌋ states) and reports the extra time ("ckpt +%") and the bytes it writes ("ckpt MB").
@@ -28,7 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 from shapes import make_inputs, resolve  # noqa: E402
 
-COLUMNS = [("shape", "shape", ""), ("op", "op", ""), ("chunkwise ms", "ms", ".3f"), ("fla ms", "fla_ms", ".3f"),
+COLUMNS = [("shape", "shape", ""), ("op", "op", ""), ("chunkwise ms", "ms", ".3f"), ("in a graph", "graph_ms", ".3f"),
+           ("fla ms", "fla_ms", ".3f"),
            ("x fla", "x_fla", ".2f"), ("FlashInfer ms", "flashinfer_ms", ".3f"), ("o vs fla", "o_vs_fla", ".1e"),
            ("ok", "ok", "")]
 CKPT_COLUMNS = [("ckpt ms", "ckpt_ms", ".3f"), ("ckpt +%", "ckpt_pct", ".1f"), ("ckpt MB", "ckpt_MB", ".1f")]
@@ -43,6 +45,7 @@ def bench_one(op: str, shape, args, peers: dict) -> dict:
         o, ht = common.run_chunkwise(op, x, backend)
         row["finite"] = bool(torch.isfinite(o).all() and torch.isfinite(ht).all())
         row["ms"] = common.time_ms(lambda: common.run_chunkwise(op, x, backend), dev)
+        row["graph_ms"] = common.graph_ms(lambda: common.run_chunkwise(op, x, backend), dev)
         if args.checkpoint_every:
             every = args.checkpoint_every
             import chunkwise
