@@ -160,3 +160,22 @@ def property_inputs(fam, H, group, K, V, batch, lengths, gate, h0, seed) -> Inpu
     if gate == "strong" and T < 3:
         gate = "normal"
     return make_inputs(fam, B=B, T=T, H=H, HV=H * group, K=K, V=V, h0=h0, gate=gate, lengths=lengths, seed=seed)
+
+
+def fla_ops():
+    """fla's op modules (delta_rule, gated_delta_rule, kda, simple_gla), or None where fla is not installed. Their
+    autotuners keep the first candidate that builds instead of timing each one: the tests compare errors, not speed,
+    and the search took 100-200 s of a GPU run per comparison."""
+    try:
+        import fla.ops.delta_rule as fd
+        import fla.ops.gated_delta_rule as fg
+        import fla.ops.kda as fk
+        import fla.ops.simple_gla as fs
+    except ImportError:
+        return None
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import common       # benchmarks/common.py: how the benchmarks find and steer fla's autotuners
+    for at in common._fla_autotuners():
+        at.do_bench = common._compile_only_bench
+    return fd, fg, fk, fs

@@ -19,8 +19,8 @@ import chunkwise
 from chunkwise.triton.chunk import chunk_bwd, chunk_fwd
 from chunkwise.triton.configs import backward_plan
 
-from helpers import (CHUNK_OPS, DEVICE, HEAD_DIM_GRID, ON_GPU, PROPERTY_SETTINGS, PROPERTY_SHAPES, TOL, make_inputs,
-                     property_inputs, reference, rel_err, skip_unless_sm90_builds)
+from helpers import (CHUNK_OPS, DEVICE, HEAD_DIM_GRID, ON_GPU, PROPERTY_SETTINGS, PROPERTY_SHAPES, TOL, fla_ops,
+                     make_inputs, property_inputs, reference, rel_err, skip_unless_sm90_builds)
 
 FAMS = ("gdn", "kda", "delta", "gla")
 GATED = ("gdn", "kda", "gla")
@@ -480,13 +480,10 @@ def test_wu_fp16_scaled_tiles(mag):
 
 def _fla_grads(inp, do, dht):
     """fla's gradients on the same 16-bit inputs; None where fla is missing or refuses."""
-    try:
-        import fla.ops.delta_rule as fd
-        import fla.ops.gated_delta_rule as fg
-        import fla.ops.kda as fk
-        import fla.ops.simple_gla as fs
-    except ImportError:
+    mods = fla_ops()
+    if mods is None:
         return None
+    fd, fg, fk, fs = mods
     leaves = {n: getattr(inp, n).detach().clone().requires_grad_(True) for n in NAMES if getattr(inp, n) is not None}
     kw = dict(initial_state=leaves["h0"], output_final_state=True)
     L = dict(leaves)

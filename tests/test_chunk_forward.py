@@ -24,7 +24,7 @@ from chunkwise.triton.configs import forward_plan, resolve_stage2, wu_lowp_ok
 from chunkwise.triton.stage1 import chunk_prepare
 from chunkwise.utils import prepare_chunk_indices
 from helpers import (CHUNK_OPS, DEVICE, HEAD_DIM_GRID, INTERPRET, ON_GPU, PROPERTY_SETTINGS, PROPERTY_SHAPES, TOL,
-                     make_inputs, property_inputs, reference, rel_err, skip_unless_sm90_builds)
+                     fla_ops, make_inputs, property_inputs, reference, rel_err, skip_unless_sm90_builds)
 
 FAMS = ("gdn", "kda", "delta", "gla")
 DELTA_FAMS = ("gdn", "kda", "delta")
@@ -643,13 +643,10 @@ def test_launchers_run_on_the_tensors_device(monkeypatch):
 
 def _fla_error(inp):
     """fla's relative output error on the same inputs (None if fla is not installed)."""
-    try:
-        import fla.ops.delta_rule as fd
-        import fla.ops.gated_delta_rule as fg
-        import fla.ops.kda as fk
-        import fla.ops.simple_gla as fs
-    except ImportError:
+    mods = fla_ops()
+    if mods is None:
         return None
+    fd, fg, fk, fs = mods
     kw = dict(initial_state=inp.h0, output_final_state=True, cu_seqlens=inp.cu_seqlens)
     with torch.no_grad():
         if inp.fam == "gdn":
