@@ -21,8 +21,7 @@ from .common import (BT, _alloc, _num_sms, _overlap, _side_stream, cdiv, chunk_s
                      on_tensor_device, pad_last, pad_state, padded_dims, state_dtype, target_arch)
 from .configs import (WIDE_16BIT_K, BackwardPlan, ForwardPlan, backward_plan, check_plan, forward_plan,
                       fp16_kda_in_fp32, gate_scaled_in, resolve_stage2, saved_t_dtype, split_chunks, split_launch)
-from .split import (final_states, first_states, pseudo_count, segment_grads, segment_starts,
-                    split_batch)
+from .split import final_states, first_states, pseudo_count, segment_grads, segment_starts, split_batch
 from .stage1 import chunk_p, chunk_prepare
 from .stage2 import chunk_state_output
 
