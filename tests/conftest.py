@@ -24,9 +24,11 @@ if not torch.cuda.is_available() and not _offline_gpu_driver():
 
 def pytest_xdist_auto_num_workers(config):
     """``-n auto`` (the default addopts): a worker per core under the interpreter, whose tests each run on one; on a
-    GPU at most eight, which share its memory and mostly wait for the compiler."""
+    GPU at most eight, which mostly wait for the compiler, and one per 8 GB of its memory, which they share."""
     cores = os.cpu_count() or 1
-    return min(cores, 8) if torch.cuda.is_available() else cores
+    if not torch.cuda.is_available():
+        return cores
+    return max(1, min(cores, 8, torch.cuda.get_device_properties(0).total_memory // (8 << 30)))
 
 
 # xdist workers share the cores: each takes its share of them for torch's CPU ops (the default, every core per
