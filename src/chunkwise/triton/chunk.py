@@ -152,8 +152,9 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     # stage 2's outputs first: beside stage 1, everything it writes exists before stage 1 is launched
     o = _alloc((B, T, HV, V), q.dtype, q.device)
     ht = None
-    keep_ht = save and gate == 0     # DeltaNet: the backward forms the per-chunk states back from the final one
-    if output_final_state or keep_ht:
+    # DeltaNet: the backward forms the per-chunk states back from the final one (split: from each segment's, below)
+    keep_ht = save and gate == 0
+    if output_final_state or (keep_ht and not seg):
         ht = _alloc((N, HV, V, K) if transpose_state_layout else (N, HV, K, V), torch.float32, q.device)
     rs = _alloc((B, T, HV, V), state_dtype(q.dtype), q.device) if save else None   # R, for the backward
 
@@ -184,7 +185,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
             saved_out.update(G=whole(stage1["G"]))
             if keep_qk_gated:
                 saved_out.update(qg=whole(stage1["qg"]), kg=whole(stage1["kg"]))
-        if keep_ht:
+        if keep_ht and not seg:
             saved_out.update(ht=ht)
 
     ckpt = None
