@@ -19,11 +19,11 @@
 # run they do not finish in the first window.
 #
 # Carry (the device tool's `carry`): .whl for fla and the tests (`../shared/device/wheels.sh fla-core==0.6.0
-# transformers==5.24.0 pytest-xdist==3.8.0 execnet==2.1.1`: the test extra's pins) and .triton_sm90, Triton's cache for sm_90 (made by `python benchmarks/tools.py warm`, or
-# the triton_cache.tgz of the last run). Compiling is most of a first run's time: each run returns its cache (the
-# compiled kernels: ours and every configuration fla searched), so save $OUT/triton_cache.tgz as
-# .triton_sm90/cache.tgz for the next. $OUT receives 8 files: logs.tgz (every phase's log and the summary),
-# triton_cache.tgz, bench_{forward,train,decode}.{json,png}. The short tables are printed last.
+# transformers==5.24.0 pytest-xdist==3.8.0 execnet==2.1.1`: the test extra's pins) and .triton_sm90, Triton's cache
+# for sm_90 (made by `python benchmarks/tools.py warm`, or the triton_cache.tgz of the last run). Compiling is most of
+# a first run's time: each run returns its cache (the compiled kernels: ours and every configuration fla searched), so
+# save $OUT/triton_cache.tgz as .triton_sm90/cache.tgz for the next. $OUT receives 8 files: logs.tgz (every phase's
+# log and the summary), triton_cache.tgz, bench_{forward,train,decode}.{json,png}. The short tables are printed last.
 set -u
 # first window (side by side): check, tests, serving, warm; then forward, train, decode, ckpt. ~15 s set-up + 240 +
 # 300 = 555 s
@@ -66,7 +66,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     > "$WORK/pip.log" 2>&1 || say "pip install of .whl failed (see logs.tgz: pip.log)"
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
-# the package itself, for its console script (tests/test_cli.py); the image has setuptools, and no network
+# the package itself, for its console script (tests/test_cli.py), with the image's own setuptools (no network)
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . > "$WORK/pip_e.log" 2>&1 \
   || say "pip install -e . failed (see logs.tgz: pip_e.log)"
 touch "$WORK/start.mark"                    # what the cache gains after this is this run's

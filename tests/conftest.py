@@ -49,11 +49,12 @@ def pytest_addoption(parser):
                      help="append each failure's report to FILE as it happens (a GPU run cut by its time limit)")
 
 
-_faillog = []
+_faillog = None      # --faillog's file
 
 
 def pytest_configure(config):
-    _faillog[:] = [config.getoption("--faillog")]
+    global _faillog
+    _faillog = config.getoption("--faillog")
 
 
 def pytest_runtest_logreport(report):
@@ -66,9 +67,8 @@ def pytest_runtest_logreport(report):
     after the test's teardown, so that xdist starts a fresh one (pass --max-worker-restart) instead of
     failing every later test of that worker with the same error.
     """
-    path = _faillog[0] if _faillog else None
-    if path and report.failed:
-        with open(path, "a") as f:
+    if _faillog and report.failed:
+        with open(_faillog, "a") as f:
             f.write(f"=== {report.nodeid} [{report.when}]\n{report.longreprtext[-3000:]}\n")
     if report.failed and any(m in report.longreprtext for m in _FATAL_CUDA):
         _poisoned.append(report.nodeid)

@@ -174,7 +174,9 @@ def fla_ops():
     except ImportError:
         return None
     import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
     import common       # benchmarks/common.py: how the benchmarks find and steer fla's autotuners
     for at in common._fla_autotuners():
         at.do_bench = common._compile_only_bench
