@@ -332,7 +332,8 @@ def test_gradients_chunk_equal_recurrence(fam, case):
         leaves["beta"] = (rnd(gen, inp.beta.shape)
                           if opts.get("use_beta_sigmoid_in_kernel") else inp.beta)
     if opts.pop("g_gamma", False):
-        leaves["g_gamma"] = -torch.rand(HV, generator=gen, dtype=F64) * 0.5   # simple GLA: the decay per head
+        # simple GLA: the decay per head
+        leaves["g_gamma"] = (-torch.rand(HV, generator=gen, dtype=F64) * 0.5).to(DEVICE)
     elif spec.gate != "none":
         leaves["g"] = inp.g
         if opts.get("use_gate_in_kernel"):
@@ -432,7 +433,7 @@ def test_in_op_options_equal_doing_them_by_hand(fam, case, form):
         kw["allow_neg_eigval"] = case == "neg_eigval"
     elif case.startswith("gla"):
         del raw["g"]
-        kw["g_gamma"] = -torch.rand(HV, generator=gen, dtype=F64) * 0.5
+        kw["g_gamma"] = (-torch.rand(HV, generator=gen, dtype=F64) * 0.5).to(DEVICE)
         done.g = kw["g_gamma"].expand(*inp.v.shape[:3])
     elif case == "kda_lower_bound_no_a_log":
         raw["g"] = rnd(gen, inp.g.shape) * 2
@@ -493,7 +494,8 @@ def test_fla_option_errors():
     with pytest.raises(ValueError, match="allow_neg_eigval=True needs use_beta_sigmoid_in_kernel"):
         CHUNK_OPS["gdn"](*gdn.args(), allow_neg_eigval=True)
     with pytest.raises(ValueError, match="safe_gate=True with use_gate_in_kernel=True needs lower_bound in"):
-        CHUNK_OPS["kda"](*kda.args(), use_gate_in_kernel=True, A_log=torch.zeros(2, dtype=F64), safe_gate=True)
+        CHUNK_OPS["kda"](*kda.args(), use_gate_in_kernel=True, A_log=torch.zeros(2, dtype=F64, device=DEVICE),
+                         safe_gate=True)
     with pytest.raises(ValueError, match="lower_bound in \\[-5, 0\\), got -6"):
         CHUNK_OPS["kda"](*kda.args(), use_gate_in_kernel=True, lower_bound=-6.0, safe_gate=True)
     with pytest.raises(ValueError, match="safe_gate is only available for KDA"):
@@ -501,12 +503,12 @@ def test_fla_option_errors():
     with pytest.raises(ValueError, match="needs A_log"):
         CHUNK_OPS["kda"](*kda.args(), use_gate_in_kernel=True)
     with pytest.raises(ValueError, match="or g_gamma \\[HV\\], not both"):
-        CHUNK_OPS["gla"](*gla.args(), g_gamma=torch.zeros(2, dtype=F64))
+        CHUNK_OPS["gla"](*gla.args(), g_gamma=torch.zeros(2, dtype=F64, device=DEVICE))
     with pytest.raises(ValueError, match="g_gamma must have shape \\[HV\\] = \\[2\\]"):
-        CHUNK_OPS["gla"](gla.q, gla.k, gla.v, g_gamma=torch.zeros(3, dtype=F64))
+        CHUNK_OPS["gla"](gla.q, gla.k, gla.v, g_gamma=torch.zeros(3, dtype=F64, device=DEVICE))
     with pytest.raises(ValueError, match="use_gate_in_kernel is not available with it"):
-        CHUNK_OPS["gla"](gla.q, gla.k, gla.v, g_gamma=torch.zeros(2, dtype=F64), use_gate_in_kernel=True,
-                         A_log=torch.zeros(2, dtype=F64))
+        CHUNK_OPS["gla"](gla.q, gla.k, gla.v, g_gamma=torch.zeros(2, dtype=F64, device=DEVICE),
+                         use_gate_in_kernel=True, A_log=torch.zeros(2, dtype=F64, device=DEVICE))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -146,7 +146,7 @@ def test_checkpoints_with_pool_and_batched():
 def test_checkpoints_buffer_checked():
     inp = make_inputs("gdn", H=1, K=16, V=16, lengths=[130], h0=False)
     with pytest.raises(ValueError, match="checkpoints must be a tensor"):
-        _call(inp, "torch", checkpoint_every=64, checkpoints=torch.zeros(3, 1, 16, 16))
+        _call(inp, "torch", checkpoint_every=64, checkpoints=torch.zeros(3, 1, 16, 16, device=DEVICE))
 
 
 def test_serving_example_runs_on_cpu():

@@ -23,8 +23,9 @@ TOOLS = os.path.join(ROOT, "benchmarks")
 
 
 def _env(tmp_path, env=None):
-    """A compiling subprocess's environment: its own Triton cache, no interpreter, the package on the path."""
-    e = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "cache"), **(env or {}))
+    """A compiling subprocess's environment: its own Triton cache, no interpreter, the package on the path, no GPU in
+    sight (on a GPU machine the ops refuse the CPU tensors that the stand-in driver builds from)."""
+    e = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "cache"), CUDA_VISIBLE_DEVICES="", **(env or {}))
     e.pop("TRITON_INTERPRET", None)
     e["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "src"), e.get("PYTHONPATH", "")])
     return e
