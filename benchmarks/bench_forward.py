@@ -93,16 +93,20 @@ def main(argv=None) -> int:
     if not args.no_peers:
         peers = {op: common.fla_op(op) for op in ops}
         peers["flashinfer"] = common.flashinfer_gdn()
+    meta = common.metadata(args, benchmark="forward", timing="triton.testing.do_bench median (ms), no autograd")
+    path = os.path.join(args.out, "bench_forward.json")
+    # kept as it goes: a run stopped at its time limit (a SIGINT that reaches a compiler process ends it with that
+    # process's error, not KeyboardInterrupt) keeps the rows it timed
+    keep = None if args.warmup else (lambda rows: common.write_json(path, meta, rows))
     rows, cut = common.collect((lambda s=s, op=op: bench_one(op, s, args, peers) for s in shapes for op in ops),
-                               args.device, time_limit=args.time_limit)
+                               args.device, on_row=keep, time_limit=args.time_limit)
     if args.warmup:
         return 0
-    meta = common.metadata(args, benchmark="forward", timing="triton.testing.do_bench median (ms), no autograd",
-                           cut_short=cut)
-    common.write_json(os.path.join(args.out, "bench_forward.json"), meta, rows)
+    meta["cut_short"] = cut
+    common.write_json(path, meta, rows)
     common.plot_bars(rows, os.path.join(args.out, "bench_forward.png"),
                      f"Forward, {args.dtype}, on {meta['device']} (chunkwise {str(meta['commit'])[:8]}, "
-                     f"fla {meta['fla']})", [("chunkwise", "ms"), ("fla", "fla_ms")])
+                     f"fla {meta['fla']})", [("chunkwise", "ms"), ("chunkwise, CUDA graph", "graph_ms"), ("fla", "fla_ms")])
     print(f"\nForward, {args.dtype}, {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, "
           f"fla {meta['fla']}, commit {str(meta['commit'])[:10]}, {meta['date']}\n")
     print(common.markdown_table(rows, COLUMNS + (CKPT_COLUMNS if args.checkpoint_every else [])))
