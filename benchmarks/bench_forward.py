@@ -106,7 +106,8 @@ def main(argv=None) -> int:
     common.write_json(path, meta, rows)
     common.plot_bars(rows, os.path.join(args.out, "bench_forward.png"),
                      f"Forward, {args.dtype}, on {meta['device']} (chunkwise {str(meta['commit'])[:8]}, "
-                     f"fla {meta['fla']})", [("chunkwise", "ms"), ("chunkwise, CUDA graph", "graph_ms"), ("fla", "fla_ms")])
+                     f"fla {meta['fla']})",
+                     [("chunkwise", "ms"), ("chunkwise, CUDA graph", "graph_ms"), ("fla", "fla_ms")])
     print(f"\nForward, {args.dtype}, {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, "
           f"fla {meta['fla']}, commit {str(meta['commit'])[:10]}, {meta['date']}\n")
     print(common.markdown_table(rows, COLUMNS + (CKPT_COLUMNS if args.checkpoint_every else [])))
