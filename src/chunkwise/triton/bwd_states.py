@@ -276,13 +276,14 @@ def _step_ahead(X, G, i_c, bos, eos, i_h, o_v, HV: tl.constexpr, K: tl.constexpr
 def _fwd_h_step(k, v, G, W, U, h, R, b_S, i_c, bos, eos, boh, i_h, i_hk, o_v, H: tl.constexpr, HV: tl.constexpr,
                 K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                 GATE: tl.constexpr, DELTA: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr,
-                KD_IN: tl.constexpr = 0, FULL: tl.constexpr = 0):
-    """One chunk of the forward state pass: store S, R = U − W S, S ← γ S + Kendᵀ R.
+                KD_IN: tl.constexpr = 0, FULL: tl.constexpr = 0, STORE: tl.constexpr = 1):
+    """One chunk of the forward state pass: store S (STORE), R = U − W S, S ← γ S + Kendᵀ R.
     LOWP: the products' operands in the 16-bit input dtype (S and R cast, fp32 accumulation), as the
     forward's serial stage does; else fp32 operands in PREC. KD_IN (per-channel gate, LOWP): k is
     _gate_scaled_kernel's kd [B, T, HV, K], already k ⊙ e^{G_last − G}."""
     o_t, o_k, m_t, m_k, m_v, m_kv, t0, L, rows = _step_tiles(bos, eos, i_c, o_v, K, V, BK, C, FULL)
-    tl.store(h + (((boh + i_c) * HV + i_h) * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :], b_S, mask=m_kv)
+    if STORE:
+        tl.store(h + (((boh + i_c) * HV + i_h) * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :], b_S, mask=m_kv)
     m_tk = m_t[:, None] & m_k[None, :]
     m_tv = m_t[:, None] & m_v[None, :]
     p_tv = (rows[:, None] * HV + i_h) * V + o_v[None, :]
@@ -319,10 +320,12 @@ def _fwd_h_kernel(k, v, G, W, U, h0, h, R, cu_seqlens, T,
                   H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                   BV: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, DELTA: tl.constexpr,
                   HAS_H0: tl.constexpr, TRANSPOSE: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-                  LOOP_WHILE: tl.constexpr, LOWP: tl.constexpr = 0, KD_IN: tl.constexpr = 0, FULL: tl.constexpr = 0):
+                  LOOP_WHILE: tl.constexpr, LOWP: tl.constexpr = 0, KD_IN: tl.constexpr = 0, FULL: tl.constexpr = 0,
+                  ht=None, STORE_HT: tl.constexpr = 0):
     """h: [NC, HV, K, V], the state entering each chunk; R: [B, T, HV, V] (DELTA only), both in the dtype of their
     buffers (16-bit for 16-bit inputs). h0: [N, HV, K, V] ([N, HV, V, K] if TRANSPOSE). Where the forward saved R,
-    the no-delta form runs with v = that R: S ← γ S + Kendᵀ R, no W / U."""
+    the no-delta form runs with v = that R: S ← γ S + Kendᵀ R, no W / U. STORE_HT: each sequence's final state into
+    ht [N, HV, K, V] fp32 (not TRANSPOSE), and nothing into h (simple GLA's split backward: segments' end states)."""
     i_h, i_hk, bos, eos, boh, NTs, o_k, o_v, m_k, m_v, m_kv, p0 = _seq_program(cu_seqlens, T, H, HV, K, V, BK, BV, C,
                                                                               IS_VARLEN, TRANSPOSE)
     b_S = tl.zeros([BK, BV], dtype=tl.float32)
@@ -332,12 +335,14 @@ def _fwd_h_kernel(k, v, G, W, U, h0, h, R, cu_seqlens, T,
         i_c = 0
         while i_c < NTs:
             b_S = _fwd_h_step(k, v, G, W, U, h, R, b_S, i_c, bos, eos, boh, i_h, i_hk, o_v, H, HV, K, V, BK, BV, C,
-                              GATE, DELTA, PREC, LOWP, KD_IN, FULL)
+                              GATE, DELTA, PREC, LOWP, KD_IN, FULL, not STORE_HT)
             i_c += 1
     else:
         for i_c in range(NTs):
             b_S = _fwd_h_step(k, v, G, W, U, h, R, b_S, i_c, bos, eos, boh, i_h, i_hk, o_v, H, HV, K, V, BK, BV, C,
-                              GATE, DELTA, PREC, LOWP, KD_IN, FULL)
+                              GATE, DELTA, PREC, LOWP, KD_IN, FULL, not STORE_HT)
+    if STORE_HT:
+        tl.store(ht + p0, b_S, mask=m_kv)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -544,18 +549,24 @@ def gate_scaled(q, k, G, p: Problem, plan) -> tuple:
     return qg, kg
 
 
-def forward_state_pass(k, v, G, W, U, R, h0, p: Problem, plan, transpose: bool, beside: bool) -> torch.Tensor:
+def forward_state_pass(k, v, G, W, U, R, h0, p: Problem, plan, transpose: bool, beside: bool,
+                       ends: bool = False) -> torch.Tensor:
     """The state entering each chunk, h [NC, HV, K, V] (and R = U − W S into R with the delta rule where W is given;
     without W, v is the forward's R or simple GLA's v). ``beside``: on a second stream beside the dR_local launch,
-    at plan.num_warps so that that launch's programs fit beside it."""
-    h = p.alloc(p.NC, p.HV, p.K, p.V, dtype=state_dtype(k.dtype))
+    at plan.num_warps so that that launch's programs fit beside it. ``ends``: instead of h, each sequence's final
+    state [N, HV, K, V] fp32 (h0 not transposed)."""
+    h = ht = None
+    if ends:
+        ht = p.alloc(p.N, p.HV, p.K, p.V)
+    else:
+        h = p.alloc(p.NC, p.HV, p.K, p.V, dtype=state_dtype(k.dtype))
     _fwd_h_kernel[p.grid_s(plan)](k, v, G, W, U, h0, h, R, H=p.H, HV=p.HV, K=p.K, V=p.V, BK=p.BK, BV=plan.bv, C=p.C,
                                   GATE=p.gate, DELTA=W is not None, HAS_H0=h0 is not None, TRANSPOSE=transpose,
                                   IS_VARLEN=p.varlen, PREC=plan.prec, LOOP_WHILE=INTERPRET, LOWP=plan.state_lowp,
                                   KD_IN=plan.kd_in, FULL=p.full("fwd_h", plan),
                                   num_warps=plan.num_warps if beside else plan.state_warps,
-                                  num_stages=plan.fwd_h_stages, **p.seqs)
-    return h
+                                  num_stages=plan.fwd_h_stages, ht=ht, STORE_HT=ends, **p.seqs)
+    return ht if ends else h
 
 
 def reverse_state_pass(q, k, G, W, dRl, do, dht, h, h0, scale, p: Problem, plan, transpose: bool, ht=None, R=None,

@@ -21,7 +21,8 @@ from .common import (BT, _alloc, _num_sms, _overlap, _side_stream, cdiv, chunk_s
                      on_tensor_device, pad_last, pad_state, padded_dims, state_dtype, target_arch)
 from .configs import (WIDE_16BIT_K, BackwardPlan, ForwardPlan, backward_plan, check_plan, forward_plan,
                       fp16_kda_in_fp32, gate_scaled_in, resolve_stage2, saved_t_dtype, split_chunks, split_launch)
-from .split import final_states, first_states, pseudo_count, segment_grads, segment_starts, split_batch
+from .split import (combine, decay_transitions, final_states, first_states, pseudo_count, segment_grads,
+                    segment_starts, split_batch, transition_rows)
 from .stage1 import chunk_p, chunk_prepare
 from .stage2 import chunk_state_output
 
@@ -272,10 +273,26 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     beta = None if beta is None else beta.contiguous()
     h0 = None if initial_state is None else initial_state.contiguous()
     dht = None if dht is None else dht.contiguous()
+    if plan is not None:
+        check_plan(plan)
+    plan = plan or backward_plan(gate_kind(g), beta is not None, q.dtype, q.shape[-1], v.shape[-1],
+                                 target_arch(q.device))
     # a split forward (triton/split.py): the backward runs on its batch of segments, each from its entering state
-    # (hs) and with its exiting state's gradient (segment_grads), so that the serial passes fill the GPU too
-    sb = None
-    if saved is not None and saved.get("hs") is not None:
+    # (hs) and with its exiting state's gradient (segment_grads), so that the serial passes fill the GPU too. Simple
+    # GLA (its forward keeps nothing) splits where the delta families' forward would, its entering states formed here
+    sb = seg_mm = None
+    h0_in, tr0 = h0, tr
+    if beta is None and gate_kind(g) == 1:
+        seg = plan.split
+        if seg is None:
+            seg = delta_split(forward_plan(q.device, q.dtype, 1, False, q.shape[-1], v.shape[-1]), q, v, cu_seqlens)
+        if seg:
+            if cu_seqlens is not None and chunk_indices is None:
+                chunk_indices = prepare_chunk_indices(cu_seqlens, BT).to(q.device)
+            sb = split_batch(q, k, v, g, None, cu_seqlens, chunk_indices, seg)
+            q, k, v, g, cu_seqlens, chunk_indices = sb.q, sb.k, sb.v, sb.g, sb.cu_seqlens, sb.chunk_indices
+            do, tr = sb.view(do), False
+    elif saved is not None and saved.get("hs") is not None:
         if cu_seqlens is not None and chunk_indices is None:
             chunk_indices = prepare_chunk_indices(cu_seqlens, BT).to(q.device)
         seg = saved.get("split") or delta_split(
@@ -286,11 +303,8 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
                              f"into segments of {seg} chunks {sb.N}")
         saved = {n: sb.view(x) if n in TOKEN_INDEXED and x is not None else x for n, x in saved.items()}
         q, k, v, g, beta, cu_seqlens, chunk_indices = sb.q, sb.k, sb.v, sb.g, sb.beta, sb.cu_seqlens, sb.chunk_indices
-        do, h0, tr0, tr = sb.view(do), saved["hs"], tr, False
+        do, h0, tr, seg_mm = sb.view(do), saved["hs"], False, saved["mm"]
     p = Problem.of(q, v, g, beta, cu_seqlens, chunk_indices)
-    if plan is not None:
-        check_plan(plan)
-    plan = plan or backward_plan(p.gate, p.delta, q.dtype, p.K, p.V, target_arch(q.device))
     gate, delta, dev = p.gate, p.delta, q.device
     B, T, H, HV, K, V, C = p.B, p.T, p.H, p.HV, p.K, p.V, p.C
 
@@ -330,6 +344,13 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     else:
         Tmat, W, U, dRl = recompute_stage1(q, k, v, g, beta, G, do, scale, Amat, Pmat, p, plan)
         R = p.alloc(B, T, HV, V, dtype=state_dtype(q.dtype)) if delta else None
+    if sb is not None and seg_mm is None:
+        # simple GLA: each segment's end state from zero (a state pass that stores nothing else), its transition
+        # e^{Σ g}·I, the combine from the caller's initial state: every segment's entering state
+        ends = forward_state_pass(k, v, G, None, None, None, None, p, plan, False, False, ends=True)
+        seg_mm = decay_transitions(sb, g, K)
+        h0 = combine(sb, h0_in, transition_rows(sb, ends), seg_mm, tr0, plan.prec)
+        del ends
     # the forward state pass: h (and R = U − W S where not saved)
     h = None
     if saved is not None and not rev_h:
@@ -347,7 +368,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     dht_s = dht
     if sb is not None:
         _, _, nq = reverse_state_pass(q_s, k_s, G, W, dRl, do, None, None, h0, scale, p, plan, tr, store=False)
-        dht_s = segment_grads(sb, nq, saved["mm"], dht, tr0, plan.prec)
+        dht_s = segment_grads(sb, nq, seg_mm, dht, tr0, plan.prec)
     dh, dR, dh0 = reverse_state_pass(q_s, k_s, G, W, dRl, do, dht_s, h, h0, scale, p, plan, tr,
                                      ht=saved["ht"].contiguous() if rev_h else None, R=R if rev_h else None)
     del dRl, q_s, k_s

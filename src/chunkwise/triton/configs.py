@@ -338,6 +338,9 @@ class BackwardPlan:
     fwd_h_stages: int = 3
     bwd_dh_stages: int = 3
     maxnreg: dict = field(default_factory=dict)     # register caps by kernel name
+    # simple GLA's split backward (the delta families' follows their forward): chunks per segment, None as
+    # split_chunks picks, 0 none
+    split: int | None = None
 
     def regs(self, name: str) -> dict:
         """The launch option capping kernel ``name``'s registers ({} for the compiler's choice)."""

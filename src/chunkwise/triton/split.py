@@ -459,6 +459,37 @@ def segment_grads(sb: SplitBatch, nq: torch.Tensor, mm: torch.Tensor, dht, trans
     return dxs
 
 
+def decay_transitions(sb: SplitBatch, g: torch.Tensor, K: int) -> torch.Tensor:
+    """Simple GLA's segment transitions, M = e^{Σ g} · I [sb.N, HV, K, K] fp32: its state only decays by the scalar
+    gate, so a segment's M is the product of its tokens' decays (each gate clamped at G_FLOOR, as the kernels take it;
+    summed in fp64). g: the pseudo batch's gate [.., .., HV]."""
+    HV = g.shape[2]
+    g = g.double().clamp(min=G_FLOOR)           # (NaN passes: the segment's M, and what follows it, turn NaN)
+    if sb.varlen:       # each token's segment from the pseudo batch's offsets, on the device
+        tokens = torch.arange(g.shape[1], device=g.device, dtype=sb.cu_seqlens.dtype)
+        seg = torch.searchsorted(sb.cu_seqlens[1:], tokens, right=True)
+        total = torch.zeros(sb.N, HV, dtype=torch.float64, device=g.device).index_add_(0, seg, g[0])
+    else:
+        total = g.sum(1)
+    return torch.diag_embed(total.exp().float()[..., None].expand(sb.N, HV, K))
+
+
+def transition_rows(sb: SplitBatch, ends: torch.Tensor) -> torch.Tensor:
+    """The end states from zero ends [sb.N, HV, K, V] of the segments that are not their sequence's last, in the
+    order the forward combine reads its N (segment_start_kernel)."""
+    if sb.varlen:
+        return ends.index_select(0, sb.nl2p.clamp(min=0).long())
+    return ends.view(sb.N0, sb.nseg, *ends.shape[1:])[:, :-1].reshape(-1, *ends.shape[1:])
+
+
+def combine(sb: SplitBatch, s0, nn, mm, transpose_state_layout: bool, mm_prec: str) -> torch.Tensor:
+    """Every segment's entering state [sb.N, HV, K, V] fp32 from the initial state s0 (None: zero), the transitions'
+    N (transition_rows) and M."""
+    hs = _alloc((sb.N, *nn.shape[1:]), torch.float32, nn.device)
+    _combine(sb, s0, nn, mm, hs, transpose_state_layout, mm_prec, 0)
+    return hs
+
+
 def first_states(sb: SplitBatch, xs: torch.Tensor, transpose_state_layout: bool) -> torch.Tensor:
     """Each sequence's first segment's row of a per-segment state xs [sb.N, HV, K, V] as [N0, HV, K, V] ([N0, HV,
     V, K] transposed): the backward's dh0."""
