@@ -9,7 +9,7 @@ tests' ids: ``B4-T8192-H16-HV32`` (``-HV..`` only where HV != H, ``-K..`` only w
 Sets (``--shapes`` of every benchmark takes set names and shape names, comma separated):
 
 - ``standing``: the shapes every GPU run times (one long sequence, a batch, grouped heads, varlen).
-- ``few-heads``: issue #48's rows, where the heads are too few to fill the GPU (2/8 heads at 8k-64k tokens, as a
+- ``few-heads``: the rows where the heads are too few to fill the GPU (2/8 heads at 8k-64k tokens, as a
   large model at tensor-parallel 8; 32/32 and 16/64 at 32k; 8/32 at 4 x 8k; a varlen batch with one long sequence).
 - ``decode``: one token per sequence, batch 1 to 256, and a verify step of 4 draft tokens at batch 64 and 256
   (bench_decode.py).
@@ -72,7 +72,7 @@ _ALL = [
     # standing set
     dense(1, 32768, 32), dense(8, 4096, 32), dense(4, 8192, 16, 32),
     varlen("varlen16", random_lengths(16, 32768), 32),
-    # few heads (issue #48)
+    # few heads: a large model sharded over GPUs (2-8 value heads per GPU), and the many-heads rows beside them
     dense(1, 8192, 2, 8), dense(1, 32768, 2, 8), dense(1, 65536, 2, 8), dense(1, 32768, 16, 64), dense(4, 8192, 8, 32),
     varlen("varlen-long", [24576] + [512] * 16, 2, 8),     # one long sequence next to 16 short ones
     # context parallel
