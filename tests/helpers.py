@@ -181,3 +181,30 @@ def fla_ops():
     for at in common._fla_autotuners():
         at.do_bench = common._compile_only_bench
     return fd, fg, fk, fs
+
+
+def fla_error(inp: Inputs):
+    """fla's relative output error against the float64 recurrence on the same inputs (None where fla is not
+    installed). fla's KDA, DeltaNet and simple GLA take q and k repeated to the value heads."""
+    mods = fla_ops()
+    if mods is None:
+        return None
+    fd, fg, fk, fs = mods
+    HV = inp.v.shape[2]
+    q, k = (inp.q, inp.k) if inp.fam == "gdn" else (expand(inp.q, HV), expand(inp.k, HV))
+    kw = dict(initial_state=inp.h0, output_final_state=True, cu_seqlens=inp.cu_seqlens)
+    with torch.no_grad():
+        if inp.fam == "gdn":
+            o, _ = fg.chunk_gated_delta_rule(q, k, inp.v, inp.g, inp.beta, **kw)
+        elif inp.fam == "kda":
+            o, _ = fk.chunk_kda(q, k, inp.v, inp.g, inp.beta, **kw)
+        elif inp.fam == "delta":
+            o, _ = fd.chunk_delta_rule(q, k, inp.v, inp.beta, **kw)
+        else:
+            o, _ = fs.chunk_simple_gla(q, k, inp.v, g=inp.g, **kw)
+    return rel_err(o, reference(inp)[0])
+
+
+def expand(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[B, T, H, D] with each head repeated to ``heads`` heads (head h serves value heads h·G .. h·G + G − 1)."""
+    return x.repeat_interleave(heads // x.shape[2], dim=2)

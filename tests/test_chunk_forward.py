@@ -24,7 +24,8 @@ from chunkwise.triton.configs import forward_plan, resolve_stage2, wu_lowp_ok
 from chunkwise.triton.stage1 import chunk_prepare
 from chunkwise.utils import prepare_chunk_indices
 from helpers import (CHUNK_OPS, DEVICE, HEAD_DIM_GRID, INTERPRET, ON_GPU, PROPERTY_SETTINGS, PROPERTY_SHAPES, TOL,
-                     fla_ops, make_inputs, property_inputs, reference, rel_err, skip_unless_sm90_builds)
+                     fla_error, make_inputs, property_inputs, reference, rel_err,
+                     skip_unless_sm90_builds)
 
 FAMS = ("gdn", "kda", "delta", "gla")
 DELTA_FAMS = ("gdn", "kda", "delta")
@@ -641,30 +642,11 @@ def test_launchers_run_on_the_tensors_device(monkeypatch):
 # GPU only: real sizes in bf16 / fp16, error no worse than fla's on the same inputs
 # ================================================================================================
 
-def _fla_error(inp):
-    """fla's relative output error on the same inputs (None if fla is not installed)."""
-    mods = fla_ops()
-    if mods is None:
-        return None
-    fd, fg, fk, fs = mods
-    kw = dict(initial_state=inp.h0, output_final_state=True, cu_seqlens=inp.cu_seqlens)
-    with torch.no_grad():
-        if inp.fam == "gdn":
-            o, _ = fg.chunk_gated_delta_rule(inp.q, inp.k, inp.v, inp.g, inp.beta, **kw)
-        elif inp.fam == "kda":
-            o, _ = fk.chunk_kda(inp.q, inp.k, inp.v, inp.g, inp.beta, **kw)
-        elif inp.fam == "delta":
-            o, _ = fd.chunk_delta_rule(inp.q, inp.k, inp.v, inp.beta, **kw)
-        else:
-            o, _ = fs.chunk_simple_gla(inp.q, inp.k, inp.v, g=inp.g, **kw)
-    return rel_err(o, reference(inp)[0])
-
-
 def _assert_within_fla(inp, o):
     """Our output o within fla's error against the float64 recurrence on the same inputs (x 1.05; the dtype's
     tolerance at most, or alone where fla is not installed). Returns (ours, fla's)."""
     dtype = inp.q.dtype
-    e_o, e_fla = rel_err(o, reference(inp)[0]), _fla_error(inp)
+    e_o, e_fla = rel_err(o, reference(inp)[0]), fla_error(inp)
     bound = TOL[dtype] if e_fla is None else max(e_fla, F32) * 1.05
     assert e_o <= min(bound, TOL[dtype]), f"o rel err {e_o:.2e} vs fla {e_fla}"
     return e_o, e_fla
