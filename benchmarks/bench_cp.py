@@ -300,6 +300,8 @@ def main(argv=None) -> int:
             print("ms, slowest rank; x = one device / cp; correction = cp - local - collective\n")
             print(common.markdown_table(rows, COLUMNS))
         ok = bool(min(per_rank(bool(ok) if rank == 0 else 1.0, device)))
+        if made:
+            dist.barrier()      # (both ranks past their last collective before either tears its group down)
     finally:
         if made:
             dist.destroy_process_group()
@@ -307,4 +309,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # out without the interpreter's finalization: there gloo's threads, torn down by static destructors, aborted a
+    # rank now and then on a loaded machine ("terminate called without an active exception") after its work was done
+    rc = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
