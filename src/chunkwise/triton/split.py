@@ -18,6 +18,10 @@ A dense batch whose length is a multiple of the segment is the pseudo batch [B·
 other batch becomes a varlen one, its index tensors formed on the device (``split_index_kernel``, no host sync; the
 segment length comes from the shapes alone, so a segment count per sequence is known only on the device and the
 grids are sized for the most segments the shapes allow).
+
+The backward runs on the same batch of segments (chunk.chunk_bwd), each segment's exiting state's gradient from the
+reverse combine (``segment_grads``). Simple GLA, whose forward keeps nothing, splits its backward alone: its
+transitions are scalar decays (``decay_transitions``), its segments' end states come from a state pass.
 """
 from __future__ import annotations
 
