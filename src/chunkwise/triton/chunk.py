@@ -50,8 +50,8 @@ def saves_stage1(q, v, g, beta) -> bool:
 
 
 def delta_split(plan: ForwardPlan, q, v, cu_seqlens) -> int:
-    """Chunks per segment of the delta families' sequence split (configs.split_chunks) for these inputs, from their
-    shapes alone (varlen: the most chunks the shapes allow), as the forward and a split backward both take it."""
+    """Chunks per segment of the sequence split (configs.split_chunks) for these inputs, from their shapes alone
+    (varlen: the most chunks the shapes allow), as the delta families' forward and a split backward take it."""
     B, T, HV, K, V = q.shape[0], q.shape[1], v.shape[2], q.shape[3], v.shape[3]
     varlen = cu_seqlens is not None
     N = cu_seqlens.shape[0] - 1 if varlen else B
@@ -282,28 +282,26 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     # GLA (its forward keeps nothing) splits where the delta families' forward would, its entering states formed here
     sb = seg_mm = None
     h0_in, tr0 = h0, tr
+    seg = 0
     if beta is None and gate_kind(g) == 1:
         seg = plan.split
         if seg is None:
             seg = delta_split(forward_plan(q.device, q.dtype, 1, False, q.shape[-1], v.shape[-1]), q, v, cu_seqlens)
-        if seg:
-            if cu_seqlens is not None and chunk_indices is None:
-                chunk_indices = prepare_chunk_indices(cu_seqlens, BT).to(q.device)
-            sb = split_batch(q, k, v, g, None, cu_seqlens, chunk_indices, seg)
-            q, k, v, g, cu_seqlens, chunk_indices = sb.q, sb.k, sb.v, sb.g, sb.cu_seqlens, sb.chunk_indices
-            do, tr = sb.view(do), False
     elif saved is not None and saved.get("hs") is not None:
-        if cu_seqlens is not None and chunk_indices is None:
-            chunk_indices = prepare_chunk_indices(cu_seqlens, BT).to(q.device)
         seg = saved.get("split") or delta_split(
             forward_plan(q.device, q.dtype, gate_kind(g), True, q.shape[-1], v.shape[-1], save=True), q, v, cu_seqlens)
+    if seg:
+        if cu_seqlens is not None and chunk_indices is None:
+            chunk_indices = prepare_chunk_indices(cu_seqlens, BT).to(q.device)
         sb = split_batch(q, k, v, g, beta, cu_seqlens, chunk_indices, seg)
-        if saved["hs"].shape[0] != sb.N:
-            raise ValueError(f"saved['hs'] holds {saved['hs'].shape[0]} segment states, the split of these inputs "
-                             f"into segments of {seg} chunks {sb.N}")
-        saved = {n: sb.view(x) if n in TOKEN_INDEXED and x is not None else x for n, x in saved.items()}
+        if saved is not None:       # (the delta families: their forward kept each segment's entering state and M)
+            if saved["hs"].shape[0] != sb.N:
+                raise ValueError(f"saved['hs'] holds {saved['hs'].shape[0]} segment states, the split of these "
+                                 f"inputs into segments of {seg} chunks {sb.N}")
+            saved = {n: sb.view(x) if n in TOKEN_INDEXED and x is not None else x for n, x in saved.items()}
+            h0, seg_mm = saved["hs"], saved["mm"]
         q, k, v, g, beta, cu_seqlens, chunk_indices = sb.q, sb.k, sb.v, sb.g, sb.beta, sb.cu_seqlens, sb.chunk_indices
-        do, h0, tr, seg_mm = sb.view(do), saved["hs"], False, saved["mm"]
+        do, tr = sb.view(do), False
     p = Problem.of(q, v, g, beta, cu_seqlens, chunk_indices)
     gate, delta, dev = p.gate, p.delta, q.device
     B, T, H, HV, K, V, C = p.B, p.T, p.H, p.HV, p.K, p.V, p.C

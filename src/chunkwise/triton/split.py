@@ -422,7 +422,6 @@ def segment_starts(sb: SplitBatch, stage1: dict, g, initial_state, transpose_sta
     H = sb.q.shape[2]
     T, NT = sb.q.shape[1], cdiv(sb.q.shape[1], BT)
     dev = sb.q.device
-    hs = _alloc((sb.N, HV, K, V), torch.float32, dev)
     nn = _alloc((max(sb.NL, 1), HV, K, V), torch.float32, dev)
     mm = _alloc((sb.N, HV, K, K), torch.float32, dev)
     bv, warps, stages = launch
@@ -434,8 +433,7 @@ def segment_starts(sb: SplitBatch, stage1: dict, g, initial_state, transpose_sta
             *args, BTc=BT, BK=_dim(K), BV=bv, GATE=gate, T_FORM=t_form, USE_H0=initial_state is not None,
             DOT_PREC=dot_prec, g_floor=G_FLOOR, LOOP_WHILE=INTERPRET, EVERY_M=every_m, num_warps=warps,
             num_stages=stages)
-    _combine(sb, initial_state, nn, mm, hs, transpose_state_layout, mm_prec, 0)
-    return hs, mm
+    return combine(sb, initial_state, nn, mm, transpose_state_layout, mm_prec), mm
 
 
 def _combine(sb: SplitBatch, s0, nn, mm, out, transpose_state_layout: bool, mm_prec: str, reverse: int):
