@@ -250,21 +250,30 @@ def all_cases() -> list:
     return cases
 
 
+def op_inputs(fam: str, B, T, H, HV, K, V, dtype, grad: bool, beta_dtype=None) -> list:
+    """The chunk op's positional inputs, zeros (their values unused): q, k, v, then the gate (fp32) and β where the
+    family takes them."""
+    import torch
+    _, _, gate, delta = FAMILIES[fam]
+    x = lambda *shape, dtype=dtype: torch.zeros(*shape, dtype=dtype, requires_grad=grad)  # noqa: E731
+    args = [x(B, T, H, K), x(B, T, H, K), x(B, T, HV, V)]
+    if gate:
+        args.append(x(B, T, HV, *((K,) if gate == "channel" else ()), dtype=torch.float32))
+    if delta:
+        args.append(x(B, T, HV, dtype=beta_dtype or dtype))
+    return args
+
+
 def run_case(c: dict):
     """One call of the public API (and its backward when training) on CPU tensors."""
     import torch
     import chunkwise
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[c["dtype"]]
-    chunk_op, rec_op, gate, delta = FAMILIES[c["fam"]]
+    chunk_op, rec_op = FAMILIES[c["fam"]][:2]
     B, T, H, HV, K, V = (c[x] for x in ("B", "T", "H", "HV", "K", "V"))
     train = c["train"]
     x = lambda *shape, dtype=dt: torch.zeros(*shape, dtype=dtype, requires_grad=train)  # noqa: E731 (values unused)
-    q, k, v = x(B, T, H, K), x(B, T, H, K), x(B, T, HV, V)
-    args = [q, k, v]
-    if gate:
-        args.append(x(B, T, HV, *((K,) if gate == "channel" else ()), dtype=torch.float32))
-    if delta:
-        args.append(x(B, T, HV, dtype=torch.float32 if c["beta32"] else dt))
+    args = op_inputs(c["fam"], B, T, H, HV, K, V, dt, train, torch.float32 if c["beta32"] else dt)
     N = len(c["lens"]) if c["lens"] else B
     kw = dict(backend="triton", output_final_state=c["ht"], transpose_state_layout=c["tr"])
     if c["beta32"]:
@@ -621,13 +630,8 @@ def cmd_mem(a):
     install_sm90(ptx_only=True)
     for s in resolve(a.shapes):
         for fam in a.ops.split(","):
-            chunk_op, _, gate, delta = FAMILIES[fam]
-            x = lambda *shape, dtype=torch.bfloat16: torch.zeros(*shape, dtype=dtype, requires_grad=True)  # noqa: E731
-            args = [x(s.B, s.T, s.H, s.K), x(s.B, s.T, s.H, s.K), x(s.B, s.T, s.HV, s.V)]
-            if gate:
-                args.append(x(s.B, s.T, s.HV, *((s.K,) if gate == "channel" else ()), dtype=torch.float32))
-            if delta:
-                args.append(x(s.B, s.T, s.HV))
+            chunk_op = FAMILIES[fam][0]
+            args = op_inputs(fam, s.B, s.T, s.H, s.HV, s.K, s.V, torch.bfloat16, True)
             do = torch.zeros(s.B, s.T, s.HV, s.V, dtype=torch.bfloat16)
             cu = None if s.cu_seqlens is None else torch.tensor(s.cu_seqlens, dtype=torch.int32)
 

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 import chunkwise
 from chunkwise.api import DELTA, GDN, GLA, KDA, gate_from_projections  # noqa: F401
 from chunkwise.reference.recurrent import recurrent_forward
+from chunkwise.reference.utils import expand_heads
 from chunkwise.triton.common import builds_for_gpu
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -191,7 +192,7 @@ def fla_error(inp: Inputs):
         return None
     fd, fg, fk, fs = mods
     HV = inp.v.shape[2]
-    q, k = (inp.q, inp.k) if inp.fam == "gdn" else (expand(inp.q, HV), expand(inp.k, HV))
+    q, k = (inp.q, inp.k) if inp.fam == "gdn" else (expand_heads(inp.q, HV), expand_heads(inp.k, HV))
     kw = dict(initial_state=inp.h0, output_final_state=True, cu_seqlens=inp.cu_seqlens)
     with torch.no_grad():
         if inp.fam == "gdn":
@@ -203,8 +204,3 @@ def fla_error(inp: Inputs):
         else:
             o, _ = fs.chunk_simple_gla(q, k, inp.v, g=inp.g, **kw)
     return rel_err(o, reference(inp)[0])
-
-
-def expand(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """[B, T, H, D] with each head repeated to ``heads`` heads (head h serves value heads h·G .. h·G + G − 1)."""
-    return x.repeat_interleave(heads // x.shape[2], dim=2)

@@ -176,7 +176,7 @@ def test_mem_tool_counts_a_training_step(tmp_path):
         g = torch.zeros(1, 8192, 8, device="cuda", requires_grad=True)
         beta = torch.zeros(1, 8192, 8, dtype=torch.bfloat16, device="cuda", requires_grad=True)
         do = torch.zeros(1, 8192, 8, 128, dtype=torch.bfloat16, device="cuda")
-        for first in (True, False):         # (the first step compiles)
+        for _ in range(2):          # (the first step compiles)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
