@@ -131,7 +131,7 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-# the error a dtype may cost against the float64 recurrence (DESIGN.md §4; bf16/fp16 at fla's level)
+# the error a dtype may cost against the float64 recurrence (docs/design.md §3; bf16/fp16 at fla's level)
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 8e-3}
 
 

@@ -3,7 +3,7 @@
 
 `chunkwise.api.run` does the argument checks and the in-op preludes (L2 norm, beta sigmoid, gate
 from projections) in plain, traceable PyTorch, then calls one of these ops on the canonical
-tensors (DESIGN.md §1)::
+tensors (docs/design.md §1)::
 
     q, k: [B, T, H, K]        v: [B, T, HV, V]          g: None | [B, T, HV] | [B, T, HV, K] (fp32/fp64)
     beta: None | [B, T, HV]   initial_state: None | [N, HV, K, V] ([N, HV, V, K] if transpose_state_layout)
