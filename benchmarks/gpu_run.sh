@@ -22,9 +22,9 @@
 #
 # Carry (the device tool's `carry`): .whl for fla and the tests (`../shared/device/wheels.sh fla-core==0.6.0
 # transformers==5.24.0 pytest-xdist==3.8.0 execnet==2.1.1`: the test extra's pins) and .triton_sm90, Triton's cache
-# for sm_90 (made by `python benchmarks/tools.py warm`, or the triton_cache.tgz of the last run). Compiling is most of
-# a first run's time: each run returns its cache (the compiled kernels: ours and every configuration fla searched), so
-# save $OUT/triton_cache.tgz as .triton_sm90/cache.tgz for the next. $OUT receives 8 files: logs.tgz (every phase's
+# for sm_90 (made by `python benchmarks/tools.py warm` under the device's Python 3.12, or the triton_cache.tgz of the
+# last run). Compiling is most of a first run's time: each run returns its cache (the compiled kernels: ours and every
+# configuration fla searched), so save $OUT/triton_cache.tgz as .triton_sm90/cache.tgz for the next. $OUT receives 8 files: logs.tgz (every phase's
 # log and the summary), triton_cache.tgz, bench_{forward,train,decode}.{json,png}. The short tables are printed last.
 set -u
 # first window (side by side): check, tests, serving, warm; then forward, train, decode, ckpt. ~15 s set-up + 240 +

@@ -6,6 +6,7 @@
     python benchmarks/tools.py sass PATH [--kernel REGEX] [--lines N]
     python benchmarks/tools.py mem [--ops gdn,kda] [--shapes B1-T32768-H2-HV8]
     python benchmarks/tools.py ncu [--kernels REGEX] [--log FILE] -- COMMAND ...   |   ncu --summary FILE
+    python benchmarks/tools.py timeline [--ops gdn] [--shapes B1-T32768-H32] [--calls 3]
 
 ``ptx`` drives the public API (every family, chunk and recurrent forms, forward and backward) over a list of
 named cases on CPU tensors while Triton sees a stand-in driver for an H100 / H200 (sm_90, 132 SMs): every launch
@@ -23,7 +24,10 @@ prints per kernel how many builds are identical, then the differing ones with th
 ``warm`` fills Triton's cache for an sm_90 device run from this machine, with the real ptxas (the cases above
 and / or pytest tests, which see the stand-in driver as a GPU: its sizes on CPU tensors), and packs it for the device
 tool's ``carry``. On the device, unpack it to the same absolute path (/tmp/triton_cache_sm90: Triton's cache
-index holds absolute paths) and point TRITON_CACHE_DIR there. A cache is only valid for the code it was built from.
+index holds absolute paths) and point TRITON_CACHE_DIR there. A cache is only valid for the code it was built from,
+and only where Python's version is the device's: Triton's cache key hashes its libtriton, a file of its own per
+Python version (the H100 / H200 image runs Python 3.12). The GPU test files compile 2036 kernels (sm_90, triton
+3.6.0): 347 MB of cubins, 45 MB as tar.xz.
 
 ``mem`` gives the peak memory of a training step (forward, then backward, bf16) above its inputs, from the
 allocations the launchers make on CPU tensors under the stand-in driver (torch.profiler's memory events); it agreed
@@ -33,6 +37,9 @@ with the GPU's torch.cuda.max_memory_allocated within 2 MiB on every family.
 that ships with triton): registers, spill bytes, shared memory, instruction counts; ``--lines N`` the N source
 lines with the most static instructions of each kernel. ``ncu`` runs a command under Nsight Compute and prints,
 per launch, duration, throughputs, occupancy, issue rate and the stall reasons above 0.2 cycles per issue.
+``timeline`` (GPU) prints when each kernel of a forward call (``--train``: a training step) starts and ends on which
+stream, called eagerly and replayed from a CUDA graph, each call after an L2 flush as the benchmarks time it
+(torch.profiler's kernel events).
 """
 from __future__ import annotations
 
@@ -653,6 +660,74 @@ def cmd_mem(a):
     return 0
 
 
+def cmd_timeline(a):
+    """Kernel start / end per stream of a forward call, eager and replayed from a CUDA graph (GPU only)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    if not torch.cuda.is_available():
+        sys.exit("timeline: needs a CUDA GPU (it profiles the kernels as they run)")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import common
+    from shapes import make_inputs, resolve
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")   # as triton.testing.do_bench clears L2
+    for s in resolve(a.shapes):
+        for op in a.ops.split(","):
+            x = make_inputs(op, s, torch.bfloat16, "cuda")
+            fn = lambda: common.run_chunkwise(op, x, "triton")       # noqa: E731
+            if a.train:         # a training step: forward, then backward into the leaves' gradients
+                leaves = [t.requires_grad_() for t in common._args(op, x) if t.is_floating_point()]
+                do = torch.randn_like(x["v"])
+
+                def fn():
+                    common.run_chunkwise(op, x, "triton")[0].backward(do)
+                    for t in leaves:
+                        t.grad = None
+            fn()
+            modes = [("eager", fn)]
+            try:
+                graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    fn()
+                torch.cuda.current_stream().wait_stream(stream)
+                with torch.cuda.graph(graph):
+                    fn()
+                modes.append(("graph", graph.replay))
+            except Exception as e:  # noqa: BLE001
+                print(f"{s.name} {op}: not captured in a CUDA graph ({type(e).__name__}: {e})"[:200])
+            for mode, call in modes:
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(a.calls):
+                        torch.cuda._sleep(1000)         # (marks where a call starts: its kernel is spin_kernel)
+                        flush.zero_()
+                        call()
+                    torch.cuda.synchronize()
+                with tempfile.TemporaryDirectory() as d:
+                    prof.export_chrome_trace(os.path.join(d, "trace.json"))
+                    with open(os.path.join(d, "trace.json")) as fh:
+                        ks = sorted((e for e in json.load(fh)["traceEvents"] if e.get("cat") == "kernel"),
+                                    key=lambda e: e["ts"])
+                calls, cur = [], []
+                for e in ks:            # a call: the kernels after a marker and its flush
+                    if "spin_kernel" in e["name"]:
+                        cur = []
+                        calls.append(cur)
+                    elif calls:
+                        cur.append(e)
+                calls = [c[1:] for c in calls if len(c) > 1]
+                for i, c in enumerate(calls):
+                    t0 = min(e["ts"] for e in c)
+                    t1 = max(e["ts"] + e["dur"] for e in c)
+                    print(f"{s.name} {op} {mode} call {i}: {t1 - t0:8.1f} us from first start to last end")
+                    for e in c:
+                        name = re.sub(r"^(void )?", "", e["name"])[:48]
+                        print(f"    stream {e['args'].get('stream', '?'):>3}  {e['ts'] - t0:8.1f} .. "
+                              f"{e['ts'] + e['dur'] - t0:8.1f} us  ({e['dur']:7.1f})  {name}  "
+                              f"grid {e['args'].get('grid', '')}")
+    return 0
+
+
 # ----------------------------------------------------------------------------------------------
 
 def main():
@@ -696,6 +771,12 @@ def main():
     p.add_argument("--summary", help="only summarize this existing report")
     p.add_argument("command", nargs="*")
     p.set_defaults(fn=cmd_ncu)
+    p = sub.add_parser("timeline", help="kernel start / end per stream of a forward call, eager and from a graph")
+    p.add_argument("--ops", default="gdn")
+    p.add_argument("--shapes", default="B1-T32768-H32", help="names or sets of benchmarks/shapes.py")
+    p.add_argument("--calls", type=int, default=3, help="calls of each mode profiled")
+    p.add_argument("--train", action="store_true", help="a training step (forward and backward), not the forward")
+    p.set_defaults(fn=cmd_timeline)
     a = ap.parse_args()
     return a.fn(a)
 

@@ -1,5 +1,8 @@
-"""benchmarks/tools.py: the PTX normalization and launch pairing that the sm_90 identity check rests on."""
+"""benchmarks/tools.py: the PTX normalization and launch pairing that the sm_90 identity check rests on; the kernel
+timeline."""
 import os
+import re
+import subprocess
 import sys
 
 import pytest
@@ -90,3 +93,23 @@ def test_case_names_unique_and_cover_every_family_form_dtype():
             for dt in tools.DTYPES:
                 assert any(n.startswith(f"{fam}-{form}-") and f"-{dt}-" in n for n in names)
     assert any("-train-" in n for n in names) and any("-pool" in n for n in names)
+
+
+TOOLS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "tools.py")
+
+
+def test_timeline_eager_and_graph_kernels_per_call():
+    """On a GPU: each profiled call lists its kernels with their stream and start / end; off one: a clear error."""
+    import torch
+    out = subprocess.run([sys.executable, TOOLS, "timeline", "--ops", "gdn", "--shapes", "B1-T130-H2-HV4-K32",
+                          "--calls", "2"], capture_output=True, text=True, timeout=600)
+    if not torch.cuda.is_available():
+        assert out.returncode != 0 and "needs a CUDA GPU" in out.stderr
+        return
+    assert out.returncode == 0, out.stderr[-2000:]
+    for mode in ("eager", "graph"):
+        for i in range(2):
+            assert re.search(rf"B1-T130-H2-HV4-K32 gdn {mode} call {i}: +[\d.]+ us", out.stdout)
+    kernels = re.findall(r"stream +\d+ +([\d.]+) \.\. +([\d.]+) us .*?(\w+_kernel)", out.stdout)
+    assert {"chunk_prepare_kernel", "chunk_state_output_kernel"} <= {k for _, _, k in kernels}
+    assert all(float(a) <= float(b) for a, b, _ in kernels)
