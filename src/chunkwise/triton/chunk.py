@@ -163,7 +163,9 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     overlap = sb is None and launch.overlap_mode > 0 and launch.nseg == 1 and \
         _overlap(cdiv(V, launch.bv) * N1 * HV, n_sm, n_chunks, q.device)
     ready = side = None
-    if overlap:         # stage 2 beside stage 1, on a stream of its own that does not wait for it
+    # stage 2 beside stage 1, on a stream of its own that does not wait for it; stage 1 is launched first, so that
+    # with one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1) it never queues behind stage 2's programs waiting on it
+    if overlap:
         ready = torch.zeros((chunk_slots(N1, T1, varlen1), HV), dtype=torch.int32, device=q.device)
         side = _side_stream(q.device)
 
