@@ -58,27 +58,6 @@ def modes_for(shape, modes: list[str] | None) -> list[str]:
     return [m for m in modes if (m == "verify") == (shape.T > 1)]
 
 
-def graph_ms(fn, device) -> float | None:
-    """Median ms of replaying a CUDA graph of fn (None on the CPU or where capture fails)."""
-    if torch.device(device).type != "cuda":
-        return None
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        torch.cuda.synchronize()
-        return common.time_ms(g.replay, device)
-    except Exception as e:  # noqa: BLE001
-        print(f"graph capture failed: {type(e).__name__}: {e}", file=sys.stderr)
-        return None
-
-
 def copy_tbps(device) -> float | None:
     """Device-to-device copy bandwidth (TB/s, bytes read + written) of 1 GiB; None on the CPU."""
     if torch.device(device).type != "cuda":
@@ -124,7 +103,7 @@ def bench_one(op: str, shape, mode: str, args, fla, bw) -> dict:
         if mode in QUANT or mode == "verify":
             row["o_vs_ref"] = common.rel(o, o_ref)
         row["us"] = 1e3 * common.time_ms(ours, dev)
-        g = graph_ms(ours, dev)
+        g = common.graph_ms(ours, dev)
         row["graph_us"] = None if g is None else 1e3 * g
         if mode in QUANT:
             nbytes = 2 * live * HV * K * (V + 4)        # 8-bit values and an fp32 scale per row, read and written
@@ -141,7 +120,7 @@ def bench_one(op: str, shape, mode: str, args, fla, bw) -> dict:
             acc = torch.randint(0, T + 1, (B,), device=dev, generator=gen)
             rollback = lambda: chunkwise.rollback(pool, idx, buf, acc, backend=backend)  # noqa: E731
             row["rb_us"] = 1e3 * common.time_ms(rollback, dev)
-            g = graph_ms(rollback, dev)
+            g = common.graph_ms(rollback, dev)
             row["rb_graph_us"] = None if g is None else 1e3 * g
             row["rb_MB"] = 2 * int(((acc > 0) & (idx >= 0)).sum()) * HV * K * V * 4 / 1e6
         if fla is not None and mode == "state":
@@ -150,7 +129,7 @@ def bench_one(op: str, shape, mode: str, args, fla, bw) -> dict:
                 theirs = lambda: common.run_fla(op, fla, xf, initial_state=h0)  # noqa: E731
                 o_f, ht_f = theirs()
                 row["fla_us"] = 1e3 * common.time_ms(theirs, dev)
-                g = graph_ms(theirs, dev)
+                g = common.graph_ms(theirs, dev)
                 row["fla_graph_us"] = None if g is None else 1e3 * g
                 row.update(o_vs_fla=common.rel(o, o_f), state_vs_fla=common.rel(ht, ht_f))
             except Exception as e:  # noqa: BLE001

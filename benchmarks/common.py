@@ -217,6 +217,18 @@ def time_ms(fn, device, grad_to_none=None, reps: int = 3) -> float:
     return 1e3 * statistics.median(times)
 
 
+def capture(fn) -> "torch.cuda.CUDAGraph":
+    """fn() captured in a CUDA graph (after a warm-up call off the capturing stream, as torch.cuda.graphs asks)."""
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def graph_ms(fn, device) -> float | None:
     """Median milliseconds of fn() replayed from a CUDA graph (the GPU's time without the Python launch cost: where
     it is well under time_ms's, the call is bound by the host), None off CUDA or where fn cannot be captured."""
@@ -224,13 +236,7 @@ def graph_ms(fn, device) -> float | None:
         return None
     import triton
     try:
-        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):     # (warm-up off the capturing stream, as torch.cuda.graphs asks)
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        with torch.cuda.graph(graph):
-            fn()
+        graph = capture(fn)
     except Exception as e:  # noqa: BLE001
         print(f"graph_ms: not captured ({type(e).__name__}: {e})"[:200], file=sys.stderr)
         return None

@@ -685,14 +685,7 @@ def cmd_timeline(a):
             fn()
             modes = [("eager", fn)]
             try:
-                graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    fn()
-                torch.cuda.current_stream().wait_stream(stream)
-                with torch.cuda.graph(graph):
-                    fn()
-                modes.append(("graph", graph.replay))
+                modes.append(("graph", common.capture(fn).replay))
             except Exception as e:  # noqa: BLE001
                 print(f"{s.name} {op}: not captured in a CUDA graph ({type(e).__name__}: {e})"[:200])
             for mode, call in modes:
