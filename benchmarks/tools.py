@@ -625,10 +625,17 @@ def cmd_ncu(a):
     return 0
 
 
+def trace_events(prof) -> list:
+    """The events of a finished torch.profiler run, as its Chrome trace lists them."""
+    with tempfile.TemporaryDirectory() as d:
+        prof.export_chrome_trace(os.path.join(d, "trace.json"))
+        with open(os.path.join(d, "trace.json")) as fh:
+            return json.load(fh)["traceEvents"]
+
+
 def cmd_mem(a):
     """Peak memory of a training step (forward, then backward) per op and shape, above its inputs: the allocations a
     GPU run makes, counted by torch.profiler on CPU tensors while the stand-in driver compiles and runs nothing."""
-    import tempfile
     import torch
     from torch.profiler import ProfilerActivity, profile
     import chunkwise
@@ -650,10 +657,7 @@ def cmd_mem(a):
             step()          # (compiles)
             with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
                 step()
-            with tempfile.TemporaryDirectory() as d:
-                prof.export_chrome_trace(os.path.join(d, "trace.json"))
-                with open(os.path.join(d, "trace.json")) as fh:
-                    events = [e["args"] for e in json.load(fh)["traceEvents"] if e.get("name") == "[memory]"]
+            events = [e["args"] for e in trace_events(prof) if e.get("name") == "[memory]"]
             start = events[0]["Total Allocated"] - events[0]["Bytes"]
             peak = max(e["Total Allocated"] for e in events) - start
             print(f"{s.name:24} {fam:6} {peak / 2**20:9.1f} MiB", flush=True)
@@ -696,11 +700,7 @@ def cmd_timeline(a):
                         flush.zero_()
                         call()
                     torch.cuda.synchronize()
-                with tempfile.TemporaryDirectory() as d:
-                    prof.export_chrome_trace(os.path.join(d, "trace.json"))
-                    with open(os.path.join(d, "trace.json")) as fh:
-                        ks = sorted((e for e in json.load(fh)["traceEvents"] if e.get("cat") == "kernel"),
-                                    key=lambda e: e["ts"])
+                ks = sorted((e for e in trace_events(prof) if e.get("cat") == "kernel"), key=lambda e: e["ts"])
                 calls, cur = [], []
                 for e in ks:            # a call: the kernels after a marker and its flush
                     if "spin_kernel" in e["name"]:

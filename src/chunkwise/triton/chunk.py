@@ -284,9 +284,11 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     # GLA (its forward keeps nothing) splits where the delta families' forward would, its entering states formed here
     sb = seg_mm = None
     h0_in, tr0 = h0, tr
-    seg = 0
+    seg, seg_prec = 0, plan.prec
     if beta is None and gate_kind(g) == 1:
-        seg = plan.split
+        # (its combines at fp32's accuracy: its unsplit passes round nothing, where one tf32 rounding at each
+        # segment's boundary gave dh0 2e-4 against 1e-7 at real size)
+        seg, seg_prec = plan.split, "tf32x3"
         if seg is None:
             seg = delta_split(forward_plan(q.device, q.dtype, 1, False, q.shape[-1], v.shape[-1]), q, v, cu_seqlens)
     elif saved is not None and saved.get("hs") is not None:
@@ -349,7 +351,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         # e^{Σ g}·I, the combine from the caller's initial state: every segment's entering state
         ends = forward_state_pass(k, v, G, None, None, None, None, p, plan, False, False, ends=True)
         seg_mm = decay_transitions(sb, g, K)
-        h0 = combine(sb, h0_in, transition_rows(sb, ends), seg_mm, tr0, "tf32x3")
+        h0 = combine(sb, h0_in, transition_rows(sb, ends), seg_mm, tr0, seg_prec)
         del ends
     # the forward state pass: h (and R = U − W S where not saved)
     h = None
@@ -368,9 +370,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     dht_s = dht
     if sb is not None:
         _, _, nq = reverse_state_pass(q_s, k_s, G, W, dRl, do, None, None, h0, scale, p, plan, tr, store=False)
-        # (simple GLA's combines at fp32's accuracy: its unsplit passes round nothing, where one tf32 rounding at each
-        # segment's boundary gave dh0 2e-4 against 1e-7 at real size)
-        dht_s = segment_grads(sb, nq, seg_mm, dht, tr0, "tf32x3" if seg_mm is not None and beta is None else plan.prec)
+        dht_s = segment_grads(sb, nq, seg_mm, dht, tr0, seg_prec)
     dh, dR, dh0 = reverse_state_pass(q_s, k_s, G, W, dRl, do, dht_s, h, h0, scale, p, plan, tr,
                                      ht=saved["ht"].contiguous() if rev_h else None, R=R if rev_h else None)
     del dRl, q_s, k_s
