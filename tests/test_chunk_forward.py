@@ -463,15 +463,21 @@ def test_gla_segments(nseg, gate, transpose):
         _check(inp, *_launch(inp, _plan(inp, **r), transpose=transpose, h0=inp.h0 is not None), F32, ref=ref)
 
 
+# on the GPU: 128 programs of stage 2 (placed after stage 1's first programs) and 32 (placed first, stage 1 on a
+# stream of its own: common._serial_first), at bf16 real size
+BESIDE = {"stage1-first-128-programs": dict(lengths=[1000, 64, 1, 3031], H=16, HV=16),
+          "stage2-first-32-programs": dict(lengths=[1000, 64, 1, 3031], H=2, HV=4)} if ON_GPU else \
+    {"small": dict(lengths=[1, 130, 70], H=1, HV=2)}
+
+
+@pytest.mark.parametrize("order", list(BESIDE))
 @pytest.mark.parametrize("fam", DELTA_FAMS)
-def test_stage2_beside_stage1(fam):
+def test_stage2_beside_stage1(fam, order):
     """Stage 2 launched beside stage 1 (plan overlap: on the GPU its own stream, each step waiting for its chunk's
     ready flag, stage 1's grid chunk-major) gives the launches one after the other's output and final state bit for
-    bit, and the float64 recurrence's: varlen with a 1-token sequence, grouped heads, the transposed state layout
-    (on the GPU at bf16 real size, 128 programs of stage 2 beside stage 1)."""
-    kw = dict(lengths=[1000, 64, 1, 3031], H=16, HV=16, K=128, V=128, dtype=torch.bfloat16) if ON_GPU else \
-        dict(lengths=[1, 130, 70], H=1, HV=2, K=KS[0], V=VS[0], dtype=torch.float32)
-    inp = make_inputs(fam, seed=23, device=DEVICE, **kw)
+    bit, and the float64 recurrence's: varlen with a 1-token sequence, grouped heads, the transposed state layout."""
+    kw = dict(K=128, V=128, dtype=torch.bfloat16) if ON_GPU else dict(K=KS[0], V=VS[0], dtype=torch.float32)
+    inp = make_inputs(fam, seed=23, device=DEVICE, **BESIDE[order], **kw)
     (o0, ht0), (o1, ht1) = (_launch(inp, _plan(inp, overlap=mode), transpose=True) for mode in (0, 1))
     assert torch.equal(o1, o0) and torch.equal(ht1, ht0)
     _check(inp, o1, ht1, TOL[inp.q.dtype])

@@ -17,7 +17,7 @@ from .bwd_kda import pair_grads
 from .bwd_states import Problem, forward_state_pass, gate_cumsum, gate_scaled, reverse_state_pass
 from .bwd_tiles import group_sum, state_tile_pass
 from .bwd_wy import recompute_stage1, stage1_from_saved, wy_pass
-from .common import (BT, _alloc, _num_sms, _overlap, _side_stream, cdiv, chunk_slots, cut_state, gate_kind,
+from .common import (BT, _alloc, _num_sms, _overlap, _serial_first, _side_stream, cdiv, chunk_slots, cut_state, gate_kind,
                      on_tensor_device, pad_last, pad_state, padded_dims, state_dtype, target_arch)
 from .configs import (WIDE_16BIT_K, BackwardPlan, ForwardPlan, backward_plan, check_plan, forward_plan,
                       fp16_kda_in_fp32, gate_scaled_in, resolve_stage2, saved_t_dtype, split_chunks, split_launch)
@@ -160,18 +160,23 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     rs = _alloc((B, T, HV, V), state_dtype(q.dtype), q.device) if save else None   # R, for the backward
 
     n_chunks = (ci1.shape[0] if varlen1 else cdiv(T1, BT)) if delta else 0
+    programs = cdiv(V, launch.bv) * N1 * HV
     overlap = sb is None and launch.overlap_mode > 0 and launch.nseg == 1 and \
-        _overlap(cdiv(V, launch.bv) * N1 * HV, n_sm, n_chunks, q.device)
-    ready = side = None
-    # stage 2 beside stage 1, on a stream of its own that does not wait for it; stage 1 is launched first, so that
-    # with one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1) it never queues behind stage 2's programs waiting on it
+        _overlap(programs, n_sm, n_chunks, q.device)
+    ready = side = prep = None
+    # stage 2 beside stage 1, on a high-priority stream of its own that does not wait for it; where stage 2 goes first
+    # (common._serial_first), stage 1 on a normal-priority one. Stage 1 is launched first, so that with one hardware
+    # queue (CUDA_DEVICE_MAX_CONNECTIONS=1) it never queues behind stage 2's programs waiting on it
     if overlap:
         ready = torch.zeros((chunk_slots(N1, T1, varlen1), HV), dtype=torch.int32, device=q.device)
         side = _side_stream(q.device)
+        if _serial_first(programs, n_sm):
+            prep = _side_stream(q.device, high=False)
 
     if delta:
-        stage1 = chunk_prepare(q1, k1, v1, g1, beta1, cu1, ci1, plan=plan, save_t=save,
-                               store_p=launch.p_in or save, ready=ready, save_g=save and gate == 2)
+        with torch.cuda.stream(prep) if prep is not None else contextlib.nullcontext():
+            stage1 = chunk_prepare(q1, k1, v1, g1, beta1, cu1, ci1, plan=plan, save_t=save,
+                                   store_p=launch.p_in or save, ready=ready, save_g=save and gate == 2)
     else:
         stage1 = dict(w=None, u=None, p=None, qg=None, kg=None, glast=None, gcum=None)
         if launch.p_in:                 # simple GLA with P formed once per chunk
@@ -213,8 +218,9 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
             saved_out.update(hs=hs, mm=mm, split=seg)
             if keep_ht:     # (DeltaNet: each segment's own end state, from which its backward forms its states back)
                 saved_out.update(ht=hx)
-    if side is not None:
-        torch.cuda.current_stream(q.device).wait_stream(side)
+    for stream in (side, prep):
+        if stream is not None:
+            torch.cuda.current_stream(q.device).wait_stream(stream)
     if not output_final_state:
         ht = None
     if padded:

@@ -346,20 +346,30 @@ def _overlap(programs: int, n_sm: int, n_chunks: int, device: torch.device) -> b
     return 0 < n_chunks <= 65535 and programs < n_sm and target_arch(device) is not None
 
 
+def _serial_first(programs: int, n_sm: int) -> bool:
+    """Whether the serial pass beside a chunk-parallel launch is placed on the GPU before it (the launch then goes on
+    a normal-priority stream of its own): where the pass takes at most half the SMs. Both launches are made ready
+    by the same event, and the GPU starts whichever it takes first: the caller's stream's next launch (eager) or the
+    higher priority (in a CUDA graph). Placed after the launch's first wave, the pass waits for SMs to empty; placed
+    first on more than half the SMs, it leaves the launch too few."""
+    return 2 * programs <= n_sm
+
+
 _SIDE_STREAMS: dict = {}
 
 
-def _side_stream(device: torch.device):
-    """A high-priority stream per device for a serial pass beside a chunk-parallel launch (stage 2 beside stage 1, the
-    backward's forward state pass beside its W / U launch), made to wait for the current stream's work so far: its
-    programs are placed as soon as the launch's first programs leave room, ahead of its later ones. None off CUDA
-    (the interpreter, offline builds: launches run one after the other)."""
+def _side_stream(device: torch.device, high: bool = True):
+    """A stream per device and priority for work beside the caller's stream, made to wait for that stream's work so
+    far. ``high``: the serial pass beside a chunk-parallel launch (stage 2 beside stage 1, the backward's forward
+    state pass beside its W / U launch): its programs are placed as soon as the launch's programs leave room, ahead
+    of its later ones. Else normal priority: the chunk-parallel launch where the serial pass goes first. None off
+    CUDA (the interpreter, offline builds: launches run one after the other)."""
     if device.type != "cuda":
         return None
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SIDE_STREAMS:
-        _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx, priority=-1)
-    side = _SIDE_STREAMS[idx]
+    if (idx, high) not in _SIDE_STREAMS:
+        _SIDE_STREAMS[idx, high] = torch.cuda.Stream(device=idx, priority=-1 if high else 0)
+    side = _SIDE_STREAMS[idx, high]
     side.wait_stream(torch.cuda.current_stream(device))
     return side
 
