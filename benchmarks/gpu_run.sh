@@ -110,7 +110,7 @@ done
 # (not -x: one early failure would leave the rest of the GPU tests unrun in this window)
 # (pytest-xdist where the carried wheels bring it, as many workers as tests/conftest.py gives -n auto: the tests are
 # compile-bound)
-XDIST=(); python3 -c "import xdist" 2>/dev/null && XDIST=(-n auto --max-worker-restart=4)
+XDIST=(); python3 -c "import xdist" 2>/dev/null && XDIST=(-n auto --dist worksteal --max-worker-restart=4)
 has tests && phase tests python3 -m pytest tests --maxfail=10 -q -p no:cacheprovider -o addopts="" "${XDIST[@]}" \
   --faillog "$WORK/failures.log" --durations=15
 for j in "${JOBS[@]}"; do

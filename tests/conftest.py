@@ -24,12 +24,12 @@ if not torch.cuda.is_available() and not _offline_gpu_driver():
 
 def pytest_xdist_auto_num_workers(config):
     """``-n auto`` (the default addopts): a worker per core, whose tests each run on one (under the interpreter) or
-    mostly wait for the compiler (on a GPU); on a GPU at most one per 6 GB of its memory, which they share (an H100's
-    80 GB: 13; 12 ran the real-size tests there without running out)."""
+    mostly wait for the compiler (on a GPU); on a GPU at most one per 5 GB of its memory, which they share (an H100's
+    80 GB: 15)."""
     cores = os.cpu_count() or 1
     if not torch.cuda.is_available():
         return cores
-    return max(1, min(cores, torch.cuda.get_device_properties(0).total_memory // (6 << 30)))
+    return max(1, min(cores, torch.cuda.get_device_properties(0).total_memory // (5 << 30)))
 
 
 # xdist workers share the cores: each takes its share of them for torch's CPU ops (the default, every core per

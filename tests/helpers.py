@@ -143,8 +143,17 @@ TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 2e-3, torch.bfl
 _PROP_K, _PROP_V, _PROP_N = ((16, 32, 64), (16, 32), 10) if ON_GPU else ((8, 16, 18, 24, 40, 64), (8, 10, 16, 48), 30)
 PROPERTY_SETTINGS = settings(max_examples=_PROP_N, deadline=None, derandomize=True,
                              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def per_family(examples: int) -> settings:
+    """PROPERTY_SETTINGS for a property test run once per family (pytest parameters, so that the families' builds go
+    to different workers): ``examples`` in all, shared out among the four."""
+    return settings(PROPERTY_SETTINGS, max_examples=max(1, -(-examples // len(FAMILIES))))
+
+
+# (the family is each test's parameter)
 PROPERTY_SHAPES = dict(
-    fam=st.sampled_from(("gdn", "kda", "delta", "gla")), H=st.integers(1, 2), group=st.integers(1, 3),
+    H=st.integers(1, 2), group=st.integers(1, 3),
     K=st.sampled_from(_PROP_K), V=st.sampled_from(_PROP_V), batch=st.tuples(st.integers(1, 2), st.integers(1, 200)),
     lengths=st.lists(st.sampled_from([0, 1, 2, 63, 64, 65, 100]), min_size=1, max_size=4) | st.none(),
     gate=st.sampled_from(["normal", "zero", "strong"]), h0=st.booleans(), final=st.booleans(),

@@ -13,14 +13,14 @@ import dataclasses
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 
 import chunkwise
 from chunkwise.triton.chunk import chunk_bwd, chunk_fwd
 from chunkwise.triton.configs import backward_plan
 
-from helpers import (CHUNK_OPS, DEVICE, HEAD_DIM_GRID, ON_GPU, PROPERTY_SETTINGS, PROPERTY_SHAPES, TOL, fla_ops,
-                     make_inputs, property_inputs, reference, rel_err, skip_unless_sm90_builds)
+from helpers import (CHUNK_OPS, DEVICE, HEAD_DIM_GRID, ON_GPU, PROPERTY_SHAPES, TOL, fla_ops,
+                     make_inputs, per_family, property_inputs, reference, rel_err, skip_unless_sm90_builds)
 
 FAMS = ("gdn", "kda", "delta", "gla")
 GATED = ("gdn", "kda", "gla")
@@ -302,7 +302,8 @@ def _gate_terms(inp):
     return terms
 
 
-@settings(PROPERTY_SETTINGS, max_examples=8)
+@pytest.mark.parametrize("fam", FAMS)
+@per_family(12)
 @given(**PROPERTY_SHAPES)
 def test_property_random_shapes_grads(fam, H, group, K, V, batch, lengths, gate, h0, final, transpose, seed):
     """Random shapes (sequence lengths around the 64-token chunk, empty and 1-token sequences in a varlen batch,

@@ -18,7 +18,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from hypothesis import given, settings
+from hypothesis import given
 
 import chunkwise
 from chunkwise.triton.chunk import chunk_fwd
@@ -27,8 +27,7 @@ from chunkwise.triton.configs import forward_plan, resolve_stage2, wu_lowp_ok
 from chunkwise.triton.stage1 import chunk_prepare
 from chunkwise.utils import prepare_chunk_indices
 from helpers import (CHUNK_OPS, DEVICE, HEAD_DIM_GRID, INTERPRET, ON_GPU, PROPERTY_SETTINGS, PROPERTY_SHAPES, TOL,
-                     fla_error, make_inputs, property_inputs, reference, rel_err,
-                     skip_unless_sm90_builds)
+                     fla_error, make_inputs, per_family, property_inputs, reference, rel_err, skip_unless_sm90_builds)
 
 FAMS = ("gdn", "kda", "delta", "gla")
 DELTA_FAMS = ("gdn", "kda", "delta")
@@ -391,7 +390,8 @@ def test_forward_vs_float64(fam, case):
     _check(inp, o, ht, F32, final=run.get("final", True))
 
 
-@settings(PROPERTY_SETTINGS, max_examples=min(PROPERTY_SETTINGS.max_examples, 10))
+@pytest.mark.parametrize("fam", FAMS)
+@per_family(min(PROPERTY_SETTINGS.max_examples, 10))
 @given(**PROPERTY_SHAPES)
 def test_property_random_shapes(fam, H, group, K, V, batch, lengths, gate, h0, final, transpose, seed):
     """The inference forward over random shapes and options (helpers.PROPERTY_SHAPES: lengths around the chunk,

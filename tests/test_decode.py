@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 
 from chunkwise.reference.recurrent import recurrent_forward
 from chunkwise.triton.decode import recurrent, recurrent_fwd
 from helpers import (DEVICE, FAMILIES, INTERPRET, ON_GPU, PROPERTY_SETTINGS, PROPERTY_SHAPES, RECURRENT_OPS, TOL,
-                     make_inputs, property_inputs, reference, rel_err)
+                     make_inputs, per_family, property_inputs, reference, rel_err)
 
 FAMS = list(FAMILIES)
 
@@ -52,7 +52,8 @@ def test_fp32_against_float64(fam, T):
     assert rel_err(ht, rht) < TOL[torch.float32]
 
 
-@settings(PROPERTY_SETTINGS, max_examples=max(PROPERTY_SETTINGS.max_examples * 2 // 3, 1))   # (the slowest loop)
+@pytest.mark.parametrize("fam", FAMS)
+@per_family(PROPERTY_SETTINGS.max_examples * 2 // 3)   # (the slowest loop)
 @given(**PROPERTY_SHAPES)
 def test_property_random_shapes(fam, H, group, K, V, batch, lengths, gate, h0, final, transpose, seed):
     """The decode kernel over random shapes and options (helpers.PROPERTY_SHAPES: 1-200 tokens, varlen batches with
