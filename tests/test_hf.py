@@ -51,6 +51,13 @@ def test_signatures_match_transformers(name):
            [(p.name, p.kind, p.default) for p in theirs.values()]
 
 
+def _theirs(name, q, k, v, *rest, **kw):
+    """transformers' own function, with q and k repeated to v's heads as its Qwen3-Next layer does before calling it
+    (some transformers releases take grouped heads there, others do not)."""
+    group = v.shape[2] // q.shape[2]
+    return _original(name)(q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2), v, *rest, **kw)
+
+
 @pytest.mark.parametrize("name", ["torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"])
 @pytest.mark.parametrize("with_state", [False, True])
 def test_functions_match_transformers(name, with_state):
@@ -63,7 +70,7 @@ def test_functions_match_transformers(name, with_state):
     h0 = torch.randn(B, HV, K, V, generator=gen) if with_state else None
     kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
     o, ht = getattr(cwhf, name)(q, k, v, g, beta, **kw)
-    o_hf, ht_hf = _original(name)(q, k, v, g, beta, **kw)
+    o_hf, ht_hf = _theirs(name, q, k, v, g, beta, **kw)
     assert o.dtype == o_hf.dtype and ht.dtype == ht_hf.dtype and ht.shape == ht_hf.shape
     assert rel_err(o, o_hf) < 1e-5 and rel_err(ht, ht_hf) < 1e-5
     o2, none = getattr(cwhf, name)(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, position_ids=None)
@@ -215,7 +222,6 @@ def test_drop_in_packed_sequences_with_cu_seqlens():
                                               cu_seqlens=cu)
     assert ht.shape == (3, HV, K, V)
     for n, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
-        o_n, h_n = _original("torch_chunk_gated_delta_rule")(
-            q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], output_final_state=True,
-            use_qk_l2norm_in_kernel=True)
+        o_n, h_n = _theirs("torch_chunk_gated_delta_rule", q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e],
+                           output_final_state=True, use_qk_l2norm_in_kernel=True)
         assert rel_err(o[:, s:e], o_n) < 1e-5 and rel_err(ht[n], h_n[0]) < 1e-5

@@ -144,9 +144,12 @@ def test_checkpoints_with_pool_and_batched():
 
 
 def test_checkpoints_buffer_checked():
+    """A buffer of the wrong length is named, from the host copy of cu_seqlens (on a GPU: cu_seqlens_cpu; without
+    one no sync is made to check it, and the kernel writes no state past the buffer: see the test above)."""
     inp = make_inputs("gdn", H=1, K=16, V=16, lengths=[130], h0=False)
     with pytest.raises(ValueError, match="checkpoints must be a tensor"):
-        _call(inp, "torch", checkpoint_every=64, checkpoints=torch.zeros(3, 1, 16, 16, device=DEVICE))
+        _call(inp, "torch", checkpoint_every=64, checkpoints=torch.zeros(3, 1, 16, 16, device=DEVICE),
+              cu_seqlens_cpu=inp.cu_seqlens.cpu())
 
 
 def test_serving_example_runs_on_cpu():
