@@ -15,8 +15,8 @@
 # Compiling (ours, and fla's configuration search) would take most of the benchmarks' time, so check, the tests
 # and `--warmup` runs of the forward and training benchmarks (compile only) share the first window, side by side;
 # the timed phases follow, one at a time. The device copy of the tree has no git history: pass --commit. The GPU test
-# files at real size need a call of their own (`gpu_run.sh tests --budget tests=480`: about 200 s with the cache of an
-# earlier run, still compiling at 545 s from none; leave the call's limit a minute for packing). From a cold cache
+# files at real size need a call of their own (`gpu_run.sh tests --budget tests=480`: about 350 s from a cold cache on
+# an H100; leave the call's limit a minute for packing). From a cold cache
 # fla's configuration searches do not fit one call beside ours either: time forward and decode in one call, train
 # in the next (the second finds the first's cache when the machine is still warm).
 #
