@@ -17,8 +17,8 @@ from .bwd_kda import pair_grads
 from .bwd_states import Problem, forward_state_pass, gate_cumsum, gate_scaled, reverse_state_pass
 from .bwd_tiles import group_sum, state_tile_pass
 from .bwd_wy import recompute_stage1, stage1_from_saved, wy_pass
-from .common import (BT, _alloc, _num_sms, _overlap, _serial_first, _side_stream, cdiv, chunk_slots, cut_state, gate_kind,
-                     on_tensor_device, pad_last, pad_state, padded_dims, state_dtype, target_arch)
+from .common import (BT, _alloc, _num_sms, _overlap, _serial_first, _side_stream, cdiv, chunk_slots, cut_state,
+                     gate_kind, on_tensor_device, pad_last, pad_state, padded_dims, state_dtype, target_arch)
 from .configs import (WIDE_16BIT_K, BackwardPlan, ForwardPlan, backward_plan, check_plan, forward_plan,
                       fp16_kda_in_fp32, gate_scaled_in, resolve_stage2, saved_t_dtype, split_chunks, split_launch)
 from .split import (combine, decay_transitions, final_states, first_states, pseudo_count, segment_grads,
