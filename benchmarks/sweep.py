@@ -8,7 +8,8 @@ plan the default plan with those fields replaced, passed to the launcher as data
 The fields come from the plan dataclass itself (chunkwise.triton.configs.ForwardPlan / BackwardPlan), so a new field
 can be swept without editing this file. Values are parsed by the field's type (bool: true / false, None: none).
 Each plan's outputs (fwd: o and the final state; bwd: every gradient) are compared with the default plan's: a plan
-changes how the work is launched, not what it computes. Writes sweep_<stage>.json to --out and prints, per shape
+changes how the work is launched, not what it computes. On a GPU each plan is timed eager and replayed from a CUDA
+graph. Writes sweep_<stage>.json to --out and prints, per shape
 and op, the plans by time (the default marked *).
 """
 from __future__ import annotations
@@ -175,6 +176,9 @@ def main(argv=None) -> int:
                         out = [t for t in run(plan) if isinstance(t, torch.Tensor)]
                         row["vs_default"] = max((common.rel(a, b) for a, b in zip(out, ref)), default=0.0)
                         row["ms"] = common.time_ms(lambda: run(plan), dev)
+                        # (a plan can move work between the GPU and the host: where launches overlap, an eager call
+                        # and a graph's replay can differ in either direction)
+                        row["graph_ms"] = common.graph_ms(lambda: run(plan), dev)
                     except Exception as e:  # noqa: BLE001
                         row["error"] = f"{type(e).__name__}: {e}"[:300]
                     rows.append(row)
@@ -190,7 +194,8 @@ def main(argv=None) -> int:
         group = sorted((r for r in rows if (r["shape"], r["op"]) == key), key=lambda r: r.get("ms", float("inf")))
         print(f"\n{key[0]} {key[1]}")
         for r in group:
-            t = f"{r['ms']:.3f} ms  vs default {r['vs_default']:.1e}" if "ms" in r else r["error"]
+            graph = f" ({r['graph_ms']:.3f} replayed)" if r.get("graph_ms") is not None else ""
+            t = f"{r['ms']:.3f} ms{graph}  vs default {r['vs_default']:.1e}" if "ms" in r else r["error"]
             print(f"  {'*' if r['default'] else ' '} {r['plan']}  {t}")
     return 0
 

@@ -277,6 +277,8 @@ def test_sweep_times_each_plan_through_the_launcher(stage, dtype, tmp_path, caps
     rows = json.load(open(tmp_path / f"sweep_{stage}.json"))["rows"]
     assert rc == 0 and [r["plan"]["bv"] for r in rows][1:] == [16, 24] and [r["default"] for r in rows] == [1, 0, 0]
     assert all(r["ms"] > 0 for r in rows[:2])
+    # replayed from a CUDA graph on a GPU; no such timing on the CPU
+    assert all(r["graph_ms"] is None if DEVICE == "cpu" else r["graph_ms"] > 0 for r in rows[:2])
     if stage == "fwd":          # (the interpreter's 16-bit backward is no reference: its values go unchecked here)
         assert rows[1]["vs_default"] < 1e-6
     assert "bv = 24: block sizes must be powers of 2" in rows[2]["error"] and "ms" not in rows[2]
