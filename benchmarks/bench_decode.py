@@ -65,7 +65,6 @@ def copy_tbps(device) -> float | None:
     src = torch.randn(1 << 28, device=device)
     dst = torch.empty_like(src)
     ms = common.time_ms(lambda: dst.copy_(src), device)
-    del src, dst
     return 2 * (1 << 28) * 4 / (ms * 1e-3) / 1e12
 
 
