@@ -9,8 +9,7 @@ The fields come from the plan dataclass itself (chunkwise.triton.configs.Forward
 can be swept without editing this file. Values are parsed by the field's type (bool: true / false, None: none).
 Each plan's outputs (fwd: o and the final state; bwd: every gradient) are compared with the default plan's: a plan
 changes how the work is launched, not what it computes. On a GPU each plan is timed eager and replayed from a CUDA
-graph. Writes sweep_<stage>.json to --out and prints, per shape
-and op, the plans by time (the default marked *).
+graph. Writes sweep_<stage>.json to --out and prints, per shape and op, the plans by time (the default marked *).
 """
 from __future__ import annotations
 
