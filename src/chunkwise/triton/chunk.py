@@ -19,7 +19,7 @@ from .bwd_tiles import group_sum, state_tile_pass
 from .bwd_wy import recompute_stage1, stage1_from_saved, wy_pass
 from .common import (BT, _alloc, _num_sms, _overlap, _serial_first, _side_stream, cdiv, chunk_slots, cut_state,
                      gate_kind, on_tensor_device, pad_last, pad_state, padded_dims, state_dtype, target_arch)
-from .configs import (WIDE_16BIT_K, BackwardPlan, ForwardPlan, backward_plan, check_plan, forward_plan,
+from .configs import (WIDE_16BIT_K, BackwardPlan, ForwardPlan, backward_plan, check_plan, combine_launch, forward_plan,
                       fp16_kda_in_fp32, gate_scaled_in, resolve_stage2, saved_t_dtype, split_chunks, split_launch)
 from .split import (combine, decay_transitions, final_states, first_states, pseudo_count, segment_grads,
                     segment_starts, split_batch, transition_rows)
@@ -207,7 +207,7 @@ def chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         # each segment's transition and entering state, then stage 2 from those
         hs, mm = segment_starts(sb, stage1, g1, initial_state, transpose_state_layout, gate, plan.t_form,
                                 plan.dot_prec, plan.mm_prec, HV, K, V, split_launch(plan, K, V, q.element_size(), gate),
-                                every_m=save)
+                                combine_launch(plan, V), every_m=save)
         # the segments' final states: not into hs, which a program that met a non-finite input reads again
         hx = _alloc(hs.shape, hs.dtype, hs.device)
         chunk_state_output(q1, k1, v1, g1, beta1, stage1, sb.view(o), hs, hx, None if rs is None else sb.view(rs),
@@ -357,7 +357,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         # e^{Σ g}·I, the combine from the caller's initial state: every segment's entering state
         ends = forward_state_pass(k, v, G, None, None, None, None, p, plan, False, False, ends=True)
         seg_mm = decay_transitions(sb, g, K)
-        h0 = combine(sb, h0_in, transition_rows(sb, ends), seg_mm, tr0, seg_prec)
+        h0 = combine(sb, h0_in, transition_rows(sb, ends), seg_mm, tr0, seg_prec, combine_launch(plan, V))
         del ends
     # the forward state pass: h (and R = U − W S where not saved)
     h = None
@@ -376,7 +376,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     dht_s = dht
     if sb is not None:
         _, _, nq = reverse_state_pass(q_s, k_s, G, W, dRl, do, None, None, h0, scale, p, plan, tr, store=False)
-        dht_s = segment_grads(sb, nq, seg_mm, dht, tr0, seg_prec)
+        dht_s = segment_grads(sb, nq, seg_mm, dht, tr0, seg_prec, combine_launch(plan, V))
     dh, dR, dh0 = reverse_state_pass(q_s, k_s, G, W, dRl, do, dht_s, h, h0, scale, p, plan, tr,
                                      ht=saved["ht"].contiguous() if rev_h else None, R=R if rev_h else None)
     del dRl, q_s, k_s

@@ -85,11 +85,12 @@ class ForwardPlan:
     # the delta families' sequence split (triton/split.py): chunks per segment, 0 none; None: split_chunks picks
     delta_split: int | None = None
     split_pass: tuple | None = None  # (bv, num_warps, num_stages) of its segment pass; None: split_launch's
+    combine: tuple | None = None  # (bv, num_warps, num_stages) of its serial combine; None: combine_launch's
 
 
 # the plan fields that are tile sizes (Triton's tiles are powers of 2), and those holding one first in a tuple
 _BLOCK_FIELDS = ("bv", "prep_bkc", "dqk_bk", "wy_bk", "pair_bk")
-_BLOCK_FIRST = ("seg_phase1", "split_pass")
+_BLOCK_FIRST = ("seg_phase1", "split_pass", "combine")
 
 
 def check_plan(plan) -> None:
@@ -242,6 +243,14 @@ def split_launch(plan: ForwardPlan, K: int, V: int, elt: int, gate: int) -> tupl
     return bv, 4, max(1, min(3, (100 * 1024) // per_stage))
 
 
+def combine_launch(plan, V: int) -> tuple:
+    """(value block, warps, pipeline depth) of the split's serial combine (split.segment_start_kernel, forward and
+    backward): the plan's, else a 64-wide block at 8 warps, 2 stages."""
+    if plan is not None and plan.combine is not None:
+        return plan.combine
+    return min(64, _dim(V)), 8, 2
+
+
 @dataclass(frozen=True)
 class Stage2Launch:
     """A plan's stage 2 resolved for one call's shapes."""
@@ -341,6 +350,7 @@ class BackwardPlan:
     # simple GLA's split backward (the delta families' follows their forward): chunks per segment, None as
     # split_chunks picks, 0 none
     split: int | None = None
+    combine: tuple | None = None    # the split's reverse combine: (bv, num_warps, num_stages); None: combine_launch's
 
     def regs(self, name: str) -> dict:
         """The launch option capping kernel ``name``'s registers ({} for the compiler's choice)."""

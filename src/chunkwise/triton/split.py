@@ -414,10 +414,11 @@ def _segment_start_step(j, S, nn, mm, hs, p0, l0, cnt, i_h, HV, K, V, off, m_kv,
 
 def segment_starts(sb: SplitBatch, stage1: dict, g, initial_state, transpose_state_layout: bool, gate: int,
                    t_form: bool, dot_prec: str, mm_prec: str, HV: int, K: int, V: int,
-                   launch: tuple, every_m: bool = False) -> tuple:
+                   launch: tuple, combine_at: tuple, every_m: bool = False) -> tuple:
     """(hs, mm): every segment's entering state, hs [sb.N, HV, K, V] fp32 (stage 2's initial states for the pseudo
     batch), and the transitions M [sb.N, HV, K, K] fp32 that the combine read, from stage 1's ``stage1`` dict on the
-    pseudo batch. ``launch``: the segment pass's (value block, warps, pipeline depth). ``every_m`` (a saving forward):
+    pseudo batch. ``launch``, ``combine_at``: the segment pass's and the combine's (value block, warps, pipeline
+    depth). ``every_m`` (a saving forward):
     M of every segment but a first one, the backward's reverse combine (segment_grads) reads them."""
     H = sb.q.shape[2]
     T, NT = sb.q.shape[1], cdiv(sb.q.shape[1], BT)
@@ -433,31 +434,33 @@ def segment_starts(sb: SplitBatch, stage1: dict, g, initial_state, transpose_sta
             *args, BTc=BT, BK=_dim(K), BV=bv, GATE=gate, T_FORM=t_form, USE_H0=initial_state is not None,
             DOT_PREC=dot_prec, g_floor=G_FLOOR, LOOP_WHILE=INTERPRET, EVERY_M=every_m, num_warps=warps,
             num_stages=stages)
-    return combine(sb, initial_state, nn, mm, transpose_state_layout, mm_prec), mm
+    return combine(sb, initial_state, nn, mm, transpose_state_layout, mm_prec, combine_at), mm
 
 
-def _combine(sb: SplitBatch, s0, nn, mm, out, transpose_state_layout: bool, mm_prec: str, reverse: int):
+def _combine(sb: SplitBatch, s0, nn, mm, out, transpose_state_layout: bool, mm_prec: str, launch: tuple,
+             reverse: int):
     """segment_start_kernel over every sequence: from s0 (the initial state, or REVERSE the final state's gradient;
-    None: zero), the segments' entering states (or exiting states' gradients) into out [sb.N, HV, K, V]."""
+    None: zero), the segments' entering states (or exiting states' gradients) into out [sb.N, HV, K, V]; ``launch``:
+    (value block, warps, pipeline depth)."""
     HV, K, V = out.shape[1], out.shape[2], out.shape[3]
     s = (0, 0, 0, 0)
     if s0 is not None:
         sn, sh, s2, s3 = s0.stride()
         s = (sn, sh, s3, s2) if transpose_state_layout else (sn, sh, s2, s3)
-    bv = min(64, _dim(V))
+    bv, warps, stages = launch
     segment_start_kernel[(cdiv(V, bv), sb.N0 * HV)](
         s0, nn, mm, out, sb.pfirst, sb.nseg, *s, HV, K, V, BK=_dim(K), BV=bv, MM_PREC=mm_prec,
-        LOOP_WHILE=INTERPRET, REVERSE=reverse, num_warps=8, num_stages=2)
+        LOOP_WHILE=INTERPRET, REVERSE=reverse, num_warps=warps, num_stages=stages)
 
 
 def segment_grads(sb: SplitBatch, nq: torch.Tensor, mm: torch.Tensor, dht, transpose_state_layout: bool,
-                  mm_prec: str) -> torch.Tensor:
+                  mm_prec: str, launch: tuple) -> torch.Tensor:
     """The backward's reverse combine: the gradient of every segment's exiting state, [sb.N, HV, K, V] fp32, from
     the final states' gradient dht ([N0, HV, K, V], [N0, HV, V, K] transposed, or None), each segment's gradient of
     its entering state from a zero exiting one (nq [sb.N, HV, K, V]: a reverse state pass without dht) and the
-    transitions mm (segment_starts(every_m=True))."""
+    transitions mm (segment_starts(every_m=True)); ``launch`` as _combine's."""
     dxs = _alloc(nq.shape, torch.float32, nq.device)
-    _combine(sb, dht, nq, mm, dxs, transpose_state_layout, mm_prec, 1)
+    _combine(sb, dht, nq, mm, dxs, transpose_state_layout, mm_prec, launch, 1)
     return dxs
 
 
@@ -484,11 +487,11 @@ def transition_rows(sb: SplitBatch, ends: torch.Tensor) -> torch.Tensor:
     return ends.view(sb.N0, sb.nseg, *ends.shape[1:])[:, :-1].reshape(-1, *ends.shape[1:])
 
 
-def combine(sb: SplitBatch, s0, nn, mm, transpose_state_layout: bool, mm_prec: str) -> torch.Tensor:
+def combine(sb: SplitBatch, s0, nn, mm, transpose_state_layout: bool, mm_prec: str, launch: tuple) -> torch.Tensor:
     """Every segment's entering state [sb.N, HV, K, V] fp32 from the initial state s0 (None: zero), the transitions'
-    N (transition_rows) and M."""
+    N (transition_rows) and M; ``launch`` as _combine's."""
     hs = _alloc((sb.N, *nn.shape[1:]), torch.float32, nn.device)
-    _combine(sb, s0, nn, mm, hs, transpose_state_layout, mm_prec, 0)
+    _combine(sb, s0, nn, mm, hs, transpose_state_layout, mm_prec, launch, 0)
     return hs
 
 
