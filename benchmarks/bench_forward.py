@@ -39,7 +39,7 @@ CKPT_COLUMNS = [("ckpt ms", "ckpt_ms", ".3f"), ("ckpt +%", "ckpt_pct", ".1f"), (
 def bench_one(op: str, shape, args, peers: dict) -> dict:
     """One row: chunkwise's time, each peer's, and how their outputs compare."""
     dtype, dev, backend = common.DTYPES[args.dtype], args.device, common.backend_of(args)
-    x = make_inputs(op, shape, dtype, dev)
+    x = make_inputs(op, shape, dtype, dev, gate_scale=args.gate_scale)
     row = dict(shape=shape.name, op=op)
     with torch.no_grad():
         o, ht = common.run_chunkwise(op, x, backend)
@@ -83,7 +83,7 @@ def bench_one(op: str, shape, args, peers: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = common.parser(__doc__, shapes="standing,few-heads")
+    ap = common.parser(__doc__, shapes="standing,few-heads", gates=True)
     ap.add_argument("--checkpoint-every", type=int, default=None, metavar="C",
                     help="also time the forward writing prefix checkpoints every C tokens (a multiple of 64)")
     args = ap.parse_args(argv)

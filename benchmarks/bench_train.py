@@ -81,7 +81,7 @@ def grads_of(step, leaves_):
 
 def bench_one(op: str, shape, args, fla) -> dict:
     dtype, dev, backend = common.DTYPES[args.dtype], args.device, common.backend_of(args)
-    x = make_inputs(op, shape, dtype, dev)
+    x = make_inputs(op, shape, dtype, dev, gate_scale=args.gate_scale)
     ls = leaves(x)
     do = torch.randn_like(x["v"])
     row = dict(shape=shape.name, op=op)
@@ -118,7 +118,7 @@ def bench_one(op: str, shape, args, fla) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = common.parser(__doc__, shapes="standing,few-heads")
+    ap = common.parser(__doc__, shapes="standing,few-heads", gates=True)
     args = ap.parse_args(argv)
     common.COMPILE_ONLY = args.warmup
     ops, shapes = common.parse_ops(args.ops), resolve(args.shapes)

@@ -25,8 +25,9 @@ DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.floa
 AGREE = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 2e-3}
 
 
-def parser(doc: str, shapes: str, dtype: str = "bf16", warmup: bool = True) -> argparse.ArgumentParser:
-    """The options every benchmark takes."""
+def parser(doc: str, shapes: str, dtype: str = "bf16", warmup: bool = True,
+           gates: bool = False) -> argparse.ArgumentParser:
+    """The options every benchmark takes (``gates``: and --gate-scale, for those that draw the chunk ops' gates)."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=shapes, help=f"set or shape names, comma separated (default {shapes}; "
                     "python benchmarks/shapes.py lists them)")
@@ -39,6 +40,10 @@ def parser(doc: str, shapes: str, dtype: str = "bf16", warmup: bool = True) -> a
     ap.add_argument("--commit", default=None, help="the commit to record (default: git rev-parse HEAD)")
     ap.add_argument("--time-limit", type=float, default=None, metavar="S",
                     help="start no further row after S seconds; write what was timed")
+    if gates:
+        ap.add_argument("--gate-scale", type=float, default=0.1, metavar="S",
+                        help="the gates drawn as S·logsigmoid(randn) (default 0.1: about -0.08 per token, as fla's "
+                        "benchmarks draw them; 4: about -3.2 per token, steep gates past KDA's one-reference span)")
     if warmup:
         ap.add_argument("--warmup", action="store_true", help="compile only: every op runs once per shape (fla with "
                         "its configuration search), nothing is timed or written; gpu_run.sh runs this beside the tests")
@@ -290,7 +295,8 @@ def metadata(args, **extra) -> dict:
                 flashinfer=_version("flashinfer") if peers else None, chunkwise=_version("chunkwise"),
                 commit=args.commit or git_commit(),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), dtype=args.dtype,
-                backend=backend_of(args), fla_search_ms=FLA_SEARCH_MS, **extra)
+                backend=backend_of(args), gate_scale=getattr(args, "gate_scale", None),
+                fla_search_ms=FLA_SEARCH_MS, **extra)
 
 
 def collect(jobs, device, on_row=None, time_limit: float | None = None) -> tuple[list[dict], bool]:

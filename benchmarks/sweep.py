@@ -145,7 +145,7 @@ def runner(stage: str, launcher, x: dict, op: str):
 
 
 def main(argv=None) -> int:
-    ap = common.parser(__doc__, shapes="B1-T32768-H32", warmup=False)
+    ap = common.parser(__doc__, shapes="B1-T32768-H32", warmup=False, gates=True)
     ap.set_defaults(ops="gdn")
     ap.add_argument("--stage", choices=("fwd", "bwd"), required=True)
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=V1,V2", help="a plan field's values")
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     rows = []
     for s in resolve(args.shapes):
         for op in common.parse_ops(args.ops):
-            x = make_inputs(op, s, dtype, dev)
+            x = make_inputs(op, s, dtype, dev, gate_scale=args.gate_scale)
             ctx = dict(x, op=op, family=op, dtype=dtype, device=torch.device(dev), K=s.K, V=s.V, H=s.H, HV=s.HV,
                        B=s.B, T=s.T, varlen=s.cu_seqlens is not None, stage=args.stage, arch=target_arch(dev),
                        gate={"delta": 0, "gdn": 1, "gla": 1, "kda": 2}[op], delta=op != "gla")

@@ -150,6 +150,24 @@ def test_forward_checks_outputs_against_peer(shift, rc, tmp_path, capsys, monkey
     assert (row["o_vs_fla"] < 1e-5) == (shift == 0.0) and row["state_vs_fla"] < 1e-5
 
 
+@pytest.mark.parametrize("bench", [bench_forward, bench_train], ids=["forward", "train"])
+def test_gate_scale_draws_the_gates_it_names(bench, tmp_path, capsys, monkeypatch):
+    """--gate-scale S: the gates are S·logsigmoid(randn) (the same draw scaled), and the JSON records S."""
+    drawn = []
+
+    def spy(*a, **kw):
+        x = shapes.make_inputs(*a, **kw)
+        drawn.append(x["g"])
+        return x
+    monkeypatch.setattr(bench, "make_inputs", spy)
+    for scale in (0.1, 4.0):
+        rc, _ = _run(bench.main, ["--shapes", SMOKE, "--ops", "kda", "--dtype", "fp32", "--device", "cpu", "--no-peers",
+                                  "--gate-scale", str(scale)], tmp_path, capsys)
+        meta = json.load(open(tmp_path / f"{bench.__name__}.json"))["meta"]
+        assert rc == 0 and meta["gate_scale"] == scale
+    assert drawn[1].min() < -3 and torch.allclose(drawn[1], drawn[0] * 40)
+
+
 def test_collect_keeps_the_rows_before_an_interrupt(capsys):
     """gpu_run.sh ends a phase at its limit with SIGINT: the rows timed so far are kept (and printed as they came)."""
     def stop():
