@@ -16,8 +16,8 @@ R = U − W S = T diag(β) (V − e^G ⊙ K S) itself: stage 1 then reads no v a
 
 KDA's pairwise products factor e^{G_i − G_j} = e^{G_i − r} · e^{r − G_j} around one reference per chunk,
 r = G_last / 2 per channel, wherever every |G_i − r| of a column chunk is under SPAN_MAX (both factors within
-e^{±80}); elsewhere by 16-token row blocks, each around the G before it (one product batched over the blocks), with
-an exact pair-by-pair loop for a diagonal block whose gates sum below −SPAN_MAX. It runs as two launches: the first builds the
+e^{±80}); elsewhere around the 16-token blocks' starts and ends (both factors ≤ 1), with an exact pair-by-pair
+loop for a diagonal block whose gates sum below −SPAN_MAX. It runs as two launches: the first builds the
 one-reference products only and flags the chunks that need the block form, which the second finishes.
 
 ``chunk_p_kernel``: P alone, for simple GLA where stage 2 reads it rather than forming it once per value block.
@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (BC, BT, G_FLOOR, SPAN_MAX, _alloc, _chunk_span, _dim, _exp, _finite, _finite_or_zero, _mm,
-                     _row_of, _signal_ready, _tile_load, _tile_store, cdiv, chunk_slots, chunks_whole, gate_kind)
+from .common import (BC, BT, G_FLOOR, SPAN_MAX, _alloc, _by_block, _chunk_span, _dim, _exp, _finite, _finite_or_zero,
+                     _mm, _row_of, _signal_ready, _tile_load, _tile_store, cdiv, chunk_slots, chunks_whole, gate_kind)
 from .configs import ForwardPlan, forward_plan, precisions, saved_t_dtype, wu_lowp_ok
 from .gate import _block_starts, _chunk_gate
 from .solve import _solve_unit_lower
@@ -216,30 +216,49 @@ def chunk_prepare_kernel(
                 if T_FORM:
                     b_kx = kf * x * _exp(r)[None, :]                                     # k e^G
             else:
-                # by 16-token blocks, row block b around s_b, the G before it: e^{G_i − G_j} = e^{G_i − s_b}
-                # e^{s_b − G_j}, the first factor ≤ 1, the second ≤ 1 before the block and at most e^{span_max}
-                # inside it where the block's gates sum above −span_max; a far block takes its diagonal block
-                # exactly (_kda_diag_exact). One product per row block, batched over the blocks
-                NB: tl.constexpr = BTc // BCc
-                e0, e1, e2, s_rows, worst = _block_starts(b_G, BTc, BCc)
+                # by 16-token blocks: each e^{G_i − G_j} factored around a block end or a block start, both
+                # factors ≤ 1
+                e0, e1, e2, s_rows, worst = _block_starts(b_G, BTc, BCc)                    # block ends, starts
+                e3 = _row_of(b_G, 4 * BCc - 1, BTc)
+                zero = tl.zeros_like(e0)
+                one = tl.full([BKC], 1., tl.float32)
                 x = _exp(b_G - s_rows)                                                       # e^{G_i − s_b} ≤ 1
-                bkx3 = tl.reshape(kf * b_beta[:, None] * x, [NB, BCc, BKC])                  # β_i k_i e^{G_i − s_b}
-                qx3 = tl.reshape(qf * x, [NB, BCc, BKC])                                     # q_i e^{G_i − s_b}
-                o_b = tl.arange(0, NB)[:, None]
-                s_blk = tl.where(o_b == 0, 0., tl.where(o_b == 1, e0[None, :],
-                                                        tl.where(o_b == 2, e1[None, :], e2[None, :])))  # [NB, BKC]
-                ok = tl.min(tl.reshape(tl.min(b_G - s_rows, 1), [NB, BCc]), 1) > -span_max     # [NB]
-                b_col = blk[None, None, :]
-                cols = (b_col < o_b[:, :, None]) | ((b_col == o_b[:, :, None]) & ok[:, None, None])
-                ex = tl.where(cols, s_blk[:, :, None] - tl.trans(b_G)[None, :, :], 0.)      # [NB, BKC, BT]
-                ky = tl.where(cols, tl.trans(kf)[None, :, :] * _exp(ex), 0.)                 # k_j e^{s_b − G_j}
-                A += tl.reshape(_mm(bkx3, ky, MM_PREC), [BTc, BTc])                 # [NB, BC, BKC] @ [NB, BKC, BT]
-                P += tl.reshape(_mm(qx3, ky, MM_PREC), [BTc, BTc])                  # [NB, BC, BKC] @ [NB, BKC, BT]
-                if worst <= -span_max:      # (rare: a loop, column by column)
-                    ok_t = tl.reshape(tl.broadcast_to(ok[:, None], [NB, BCc]), [BTc])
-                    Ade, Pde = _kda_diag_exact(kf, qf, kf * b_beta[:, None], b_G, ok_t.to(tl.int32), BTc, BCc)
-                    A += tl.where(same & strict, Ade, 0.)
-                    P += tl.where(same & incl, Pde, 0.)
+                ky = kf * _exp(_by_block(e0[None, :], e1[None, :], e2[None, :], e3[None, :], BTc, BCc) - b_G)
+                bkx = kf * b_beta[:, None] * x                                               # β_i k_i e^{G_i − s_b}
+                qx = qf * x                                                                  # q_i e^{G_i − s_b}
+                # off-diagonal blocks, column block c, rows of block b > c: e^{G_i − e_c} = x_i e^{s_b − e_c}
+                f = _by_block(zero[None, :], one[None, :], _exp(e1 - e0)[None, :], _exp(e2 - e0)[None, :], BTc, BCc)
+                c = tl.trans(tl.where((blk == 0)[:, None], ky, 0.))
+                A += _mm(bkx * f, c, MM_PREC)                                                # [BT, BKC] @ [BKC, BT]
+                P += _mm(qx * f, c, MM_PREC)                                                 # [BT, BKC] @ [BKC, BT]
+                f = _by_block(zero[None, :], zero[None, :], one[None, :], _exp(e2 - e1)[None, :], BTc, BCc)
+                c = tl.trans(tl.where((blk == 1)[:, None], ky, 0.))
+                A += _mm(bkx * f, c, MM_PREC)                                                # [BT, BKC] @ [BKC, BT]
+                P += _mm(qx * f, c, MM_PREC)                                                 # [BT, BKC] @ [BKC, BT]
+                f = tl.where((blk == 3)[:, None], 1., 0.)
+                c = tl.trans(tl.where((blk == 2)[:, None], ky, 0.))
+                A += _mm(bkx * f, c, MM_PREC)                                                # [BT, BKC] @ [BKC, BT]
+                P += _mm(qx * f, c, MM_PREC)                                                 # [BT, BKC] @ [BKC, BT]
+                # diagonal blocks: around the block start when the block's gates sum above -span_max, else exact
+                # k_j e^{s_b − G_j} = ky_j e^{s_b − e_b}, at most e^{span_max}
+                shift = _by_block(-e0[None, :], (e0 - e1)[None, :], (e1 - e2)[None, :], (e2 - e3)[None, :],
+                                  BTc, BCc)
+                if worst > -span_max:
+                    kinv = ky * _exp(shift)
+                    Ad = _mm(bkx, tl.trans(kinv), MM_PREC)                                   # [BT, BKC] @ [BKC, BT]
+                    Pd = _mm(qx, tl.trans(kinv), MM_PREC)                                    # [BT, BKC] @ [BKC, BT]
+                else:
+                    # rare: the blocks that span too far column by column from e^{G_i − G_j}, i ≥ j, the
+                    # others factored as above (their shift kept, the far blocks' set to 0: finite, replaced)
+                    NB: tl.constexpr = BTc // BCc
+                    blk_min = tl.min(tl.reshape(tl.min(b_G - s_rows, 1), [NB, BCc]), 1)          # [NB]
+                    ok = tl.reshape(tl.broadcast_to((blk_min > -span_max)[:, None], [NB, BCc]), [BTc])
+                    kinv = ky * _exp(tl.where(ok[:, None], shift, 0.))
+                    Ade, Pde = _kda_diag_exact(kf, qf, kf * b_beta[:, None], b_G, ok.to(tl.int32), BTc, BCc)
+                    Ad = tl.where(ok[:, None], _mm(bkx, tl.trans(kinv), MM_PREC), Ade)       # [BT, BKC] @ [BKC, BT]
+                    Pd = tl.where(ok[:, None], _mm(qx, tl.trans(kinv), MM_PREC), Pde)        # [BT, BKC] @ [BKC, BT]
+                A += tl.where(same & strict, Ad, 0.)
+                P += tl.where(same & incl, Pd, 0.)
                 b_qg = qf * _exp(b_G)
                 b_kg = kf * _exp(G_last[None, :] - b_G)
                 if T_FORM:
