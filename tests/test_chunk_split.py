@@ -17,8 +17,10 @@ import torch
 
 from chunkwise.triton.chunk import chunk_bwd, chunk_fwd
 from chunkwise.triton.common import BT, _num_sms, cdiv, chunk_slots, padded_dims, target_arch
-from chunkwise.triton.configs import SPLIT_FILL, SPLIT_MIN_CHUNKS, backward_plan, forward_plan, split_chunks
+from chunkwise.triton.configs import (SPLIT_FILL, SPLIT_MIN_CHUNKS, SPLIT_MIN_SEQ, backward_plan, forward_plan,
+                                      split_chunks)
 import chunkwise.triton.chunk as chunk_mod
+import chunkwise.triton.configs as configs
 from chunkwise.triton.split import decay_transitions, segment_grads, split_batch
 from chunkwise.utils import prepare_chunk_indices
 from helpers import CHUNK_OPS, DEVICE, ON_GPU, TOL, fla_error, make_inputs, reference, rel_err
@@ -233,18 +235,25 @@ def test_split_index_tensors():
 
 # the benchmark's shapes (benchmarks/shapes.py): (name, lengths, HV, whether the split is expected): the few-heads rows
 # split (and the varlen batch with one long sequence), the rows whose stage 2 already has about a program per SM do not
-BENCH = [("B1-T8192-H2-HV8", [8192], 8, True), ("B1-T32768-H2-HV8", [32768], 8, True),
+BENCH = [("B1-T8192-H2-HV8", [8192], 8, False), ("B1-T32768-H2-HV8", [32768], 8, True),
          ("B1-T65536-H2-HV8", [65536], 8, True), ("B1-T32768-H32", [32768], 32, False),
          ("B1-T32768-H16-HV64", [32768], 64, False), ("B4-T8192-H8-HV32", [8192] * 4, 32, False),
          ("B8-T4096-H32", [4096] * 8, 32, False), ("B4-T8192-H16-HV32", [8192] * 4, 32, False),
          ("varlen-long-T32768-H2-HV8", [24576] + [512] * 16, 8, True)]
 
 
+@pytest.fixture
+def no_floor(monkeypatch):
+    """The split at any length (SPLIT_MIN_SEQ, a matter of host time, set to 0), for the tests that check the
+    automatic split's results on sequences shorter than the floor."""
+    monkeypatch.setattr(configs, "SPLIT_MIN_SEQ", 0)
+
+
 @pytest.mark.parametrize("name,lengths,HV,split", BENCH, ids=[b[0] for b in BENCH])
 def test_split_choice(name, lengths, HV, split):
     """The automatic choice on 132 SMs (bf16, K = V = 128): segments of at least SPLIT_MIN_CHUNKS chunks; dense, as
     many per sequence as keep stage 2 within one wave of SPLIT_FILL programs per SM (64-wide value blocks); varlen,
-    only the sequences longer than a segment split."""
+    only the sequences longer than a segment split; none below SPLIT_MIN_SEQ chunks (8192 tokens)."""
     varlen = name.startswith("varlen")
     N, chunks = len(lengths), [cdiv(n, BT) for n in lengths]
     T = sum(lengths) if varlen else lengths[0]
@@ -261,8 +270,17 @@ def test_split_choice(name, lengths, HV, split):
         assert sum(segs) * HV * 2 <= SPLIT_FILL * N_SM < 2 * sum(segs) * HV * 2 or L < 2 * SPLIT_MIN_CHUNKS
 
 
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_split_floor(varlen):
+    """A sequence of SPLIT_MIN_SEQ chunks (varlen: a batch of that many chunk slots, common.chunk_slots's bound)
+    splits, one chunk fewer does not."""
+    plan = forward_plan(torch.device("cpu"), torch.bfloat16, 1, True, 128, 128)
+    for chunks, split in ((SPLIT_MIN_SEQ, True), (SPLIT_MIN_SEQ - 1, False)):
+        assert (split_chunks(plan, 1, chunks * BT, 8, 128, 128, varlen, chunks, N_SM) > 0) == split
+
+
 @pytest.mark.parametrize("fam", ["gdn", "gla"])
-def test_split_automatic(monkeypatch, fam):
+def test_split_automatic(monkeypatch, no_floor, fam):
     """The default plan splits a varlen batch whose one sequence is longer than the chunks an SM's share would be (two
     segments here): the forward's output and final state are the recurrence's, and through the op under autograd (the
     saving forward, then the split backward; simple GLA's backward splits on its own) every gradient is float64
@@ -296,7 +314,7 @@ REAL = [("dense", dict(B=1, T=4096)), ("varlen", dict(lengths=[3000, 1, 700, 64]
 @pytest.mark.skipif(not ON_GPU, reason="real sizes and bf16 need the GPU (bf16 is wrong under the interpreter)")
 @pytest.mark.parametrize("layout,shape", REAL, ids=[r[0] for r in REAL])
 @pytest.mark.parametrize("fam", ["gdn", "kda", "delta"])
-def test_split_real_size_bf16(fam, layout, shape):
+def test_split_real_size_bf16(no_floor, fam, layout, shape):
     """2 / 8 heads, K = V = 128, bf16, strong gates for the gated families: the default plan splits (4 segments of 16
     chunks; the varlen batch's 3000-token sequence in 3), and the output and final state are within bf16's bound of
     the float64 recurrence and within 5 % of the unsplit forward's error; the output within fla's (x 1.05, where
@@ -320,7 +338,7 @@ def test_split_real_size_bf16(fam, layout, shape):
 @pytest.mark.skipif(not ON_GPU, reason="real sizes and bf16 need the GPU (bf16 is wrong under the interpreter)")
 @pytest.mark.parametrize("layout,shape", REAL, ids=[r[0] for r in REAL])
 @pytest.mark.parametrize("fam", ["gdn", "kda", "delta"])
-def test_split_backward_real_size_bf16(fam, layout, shape):
+def test_split_backward_real_size_bf16(no_floor, fam, layout, shape):
     """2 / 8 heads, K = V = 128, bf16: the default plan's saving forward splits and so does its backward; every
     gradient within bf16's bound of float64 autograd and within 5 % of the unsplit backward's error."""
     inp = make_inputs(fam, H=2, HV=8, K=128, V=128, dtype=torch.bfloat16, seed=29, device=DEVICE,
@@ -340,7 +358,7 @@ def test_split_backward_real_size_bf16(fam, layout, shape):
 
 @pytest.mark.skipif(not ON_GPU, reason="real sizes and bf16 need the GPU (bf16 is wrong under the interpreter)")
 @pytest.mark.parametrize("layout,shape", REAL, ids=[r[0] for r in REAL])
-def test_gla_split_backward_real_size_bf16(layout, shape):
+def test_gla_split_backward_real_size_bf16(no_floor, layout, shape):
     """Simple GLA at 2 / 8 heads, K = V = 128, bf16: the default plan's backward splits; every gradient within bf16's
     bound of float64 autograd and within 5 % of the unsplit backward's error."""
     inp = make_inputs("gla", H=2, HV=8, K=128, V=128, dtype=torch.bfloat16, seed=31, device=DEVICE, gate="zero",

@@ -200,6 +200,8 @@ SPLIT_IDLE = 4          # dense: a split only where the unsplit grid takes at mo
 SPLIT_BUSY = 4          # varlen: none where the unsplit grid holds SPLIT_BUSY programs per SM (throughput-bound: a
                         # long sequence costs about its share, and every sequence's state makes two more trips)
 SPLIT_MAX_SEGS = 32     # dense: segments per sequence at most (the combine's serial chain)
+SPLIT_MIN_SEQ = 256     # chunks a sequence has at least to split (varlen: the batch in all): below it the split's
+                        # two more launches cost an eager call more host time than they save on the GPU
 
 
 def split_chunks(plan: ForwardPlan, N: int, T: int, HV: int, K: int, V: int, varlen: bool, chunks: int,
@@ -207,12 +209,13 @@ def split_chunks(plan: ForwardPlan, N: int, T: int, HV: int, K: int, V: int, var
     """Chunks per segment of the delta families' sequence split for N sequences (T tokens each, or T in all with
     varlen, ``chunks`` chunks in all) of HV value heads at head dims K, V on n_sm SMs; 0: no split.
 
-    Dense, where the unsplit grid (64-wide value blocks) takes at most 1 / SPLIT_IDLE of the SMs: the most segments
-    per sequence (a power of two) at which stage 2's grid still fits one wave of SPLIT_FILL programs per SM, each
-    segment at least SPLIT_MIN_CHUNKS long. Varlen (the lengths are not read on the host), where the unsplit grid
-    holds fewer than SPLIT_BUSY programs per SM: segments of the chunks one program would walk were all chunks
-    spread evenly over SPLIT_FILL programs per SM; a sequence longer than that splits, the others stay whole. Key
-    dims over 128 (fp32 inputs only) take no split (the combine holds a [K, K] tile)."""
+    Dense, where the unsplit grid (64-wide value blocks) takes at most 1 / SPLIT_IDLE of the SMs and each sequence
+    has at least SPLIT_MIN_SEQ chunks: the most segments per sequence (a power of two) at which stage 2's grid still
+    fits one wave of SPLIT_FILL programs per SM, each segment at least SPLIT_MIN_CHUNKS long. Varlen (the lengths
+    are not read on the host), where the unsplit grid holds fewer than SPLIT_BUSY programs per SM and the batch at
+    least SPLIT_MIN_SEQ chunks in all: segments of the chunks one program would walk were all chunks spread evenly
+    over SPLIT_FILL programs per SM; a sequence longer than that splits, the others stay whole. Key dims over 128
+    (fp32 inputs only) take no split (the combine holds a [K, K] tile)."""
     if plan.delta_split is not None:
         return plan.delta_split
     if _dim(K) > 128:
@@ -221,13 +224,13 @@ def split_chunks(plan: ForwardPlan, N: int, T: int, HV: int, K: int, V: int, var
     programs = N * HV * nvb
     if not varlen:
         NT, nseg = cdiv(T, BT), 1
-        if programs * SPLIT_IDLE > n_sm:
+        if programs * SPLIT_IDLE > n_sm or NT < SPLIT_MIN_SEQ:
             return 0
         while nseg < SPLIT_MAX_SEGS and programs * nseg * 2 <= SPLIT_FILL * n_sm and \
                 cdiv(NT, nseg * 2) >= SPLIT_MIN_CHUNKS:
             nseg *= 2
         return cdiv(NT, nseg) if nseg > 1 else 0
-    if programs >= SPLIT_BUSY * n_sm:
+    if programs >= SPLIT_BUSY * n_sm or chunks < SPLIT_MIN_SEQ:
         return 0
     L = max(SPLIT_MIN_CHUNKS, cdiv(chunks * HV * nvb, SPLIT_FILL * n_sm))
     return L if chunks > L else 0
