@@ -9,7 +9,6 @@ gate dA and dP go on to bwd_kda's pair kernel.
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 

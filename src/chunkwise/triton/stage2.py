@@ -113,7 +113,6 @@ def _state_output_step(i_t, S, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_base, 
     its dtype, from which the backward's forward state pass forms the per-chunk states.
     T_FORM (delta rule): u is stage 1's T diag(β) [B, T, HV, BT], w (per-channel gate only) K ⊙ e^G [B, T, HV, K];
     R = T diag(β) (V − (K ⊙ e^G) S), which is U − W S with U = T diag(β) V, W = T diag(β) (K ⊙ e^G)."""
-    o_k = tl.arange(0, BK)
     o_t = tl.arange(0, BTc)
     t0 = i_t * BTc
     if DELTA and T_FORM:
@@ -214,7 +213,6 @@ def _state_output_step_t(i_t, St, b_gl, q, k, v, w, u, p, g, gcum, qg, kg, o_bas
         Sᵀ = e^{G_last} Sᵀ + Rᵀ (K ⊙ e^{G_last − G})     [BV, K]
 
     The delta rule only. T_FORM: Rᵀ = (Vᵀ − Sᵀ (K ⊙ e^G)ᵀ) (T diag(β))ᵀ, both products with a register first operand."""
-    o_k = tl.arange(0, BK)
     o_t = tl.arange(0, BTc)
     t0 = i_t * BTc
     if T_FORM:
