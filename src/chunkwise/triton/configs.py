@@ -353,7 +353,7 @@ class BackwardPlan:
     # simple GLA's split backward (the delta families' follows their forward): chunks per segment, None as
     # split_chunks picks, 0 none
     split: int | None = None
-    combine: tuple | None = None    # the split's reverse combine: (bv, num_warps, num_stages); None: combine_launch's
+    combine: tuple | None = None    # the split backward's combines: (bv, num_warps, num_stages); None: combine_launch's
 
     def regs(self, name: str) -> dict:
         """The launch option capping kernel ``name``'s registers ({} for the compiler's choice)."""
