@@ -251,7 +251,6 @@ def _segment_chunk(i_t, n_chunks, St, b_gl, k, v, w, u, g, gcum, glast, kg, slot
     return St, b_gl_next
 
 
-@triton.heuristics({"IS_VARLEN": lambda args: args["cu"] is not None})
 @triton.jit(do_not_specialize=["T", "NT", "NSEG", "NL", "H", "HV"])
 def segment_state_kernel(
     k, v, w, u, g, gcum, glast, kg,   # the pseudo batch's k, v and stage 1's outputs (stage 2's operands)
@@ -337,8 +336,6 @@ def segment_state_kernel(
 # the segments' entering states
 # ------------------------------------------------------------------------------------------------
 
-@triton.heuristics({"IS_VARLEN": lambda args: args["pfirst"] is not None,
-                    "USE_H0": lambda args: args["h0"] is not None})
 @triton.jit(do_not_specialize=["NSEG", "HV"])
 def segment_start_kernel(h0, nn, mm, hs, pfirst, NSEG, s_h0n, s_h0h, s_h0k, s_h0v, HV, K, V,
                          BK: tl.constexpr, BV: tl.constexpr, MM_PREC: tl.constexpr, USE_H0: tl.constexpr,
@@ -432,8 +429,8 @@ def segment_starts(sb: SplitBatch, stage1: dict, g, initial_state, transpose_sta
     if sb.NL > 0:
         segment_state_kernel[(cdiv(V, bv) + cdiv(K, bv), rows * HV)](
             *args, BTc=BT, BK=_dim(K), BV=bv, GATE=gate, T_FORM=t_form, USE_H0=initial_state is not None,
-            DOT_PREC=dot_prec, g_floor=G_FLOOR, LOOP_WHILE=INTERPRET, EVERY_M=every_m, num_warps=warps,
-            num_stages=stages)
+            IS_VARLEN=sb.varlen, DOT_PREC=dot_prec, g_floor=G_FLOOR, LOOP_WHILE=INTERPRET, EVERY_M=every_m,
+            num_warps=warps, num_stages=stages)
     return combine(sb, initial_state, nn, mm, transpose_state_layout, mm_prec, combine_at), mm
 
 
@@ -450,7 +447,8 @@ def _combine(sb: SplitBatch, s0, nn, mm, out, transpose_state_layout: bool, mm_p
     bv, warps, stages = launch
     segment_start_kernel[(cdiv(V, bv), sb.N0 * HV)](
         s0, nn, mm, out, sb.pfirst, sb.nseg, *s, HV, K, V, BK=_dim(K), BV=bv, MM_PREC=mm_prec,
-        LOOP_WHILE=INTERPRET, REVERSE=reverse, num_warps=warps, num_stages=stages)
+        USE_H0=s0 is not None, IS_VARLEN=sb.varlen, LOOP_WHILE=INTERPRET, REVERSE=reverse, num_warps=warps,
+        num_stages=stages)
 
 
 def segment_grads(sb: SplitBatch, nq: torch.Tensor, mm: torch.Tensor, dht, transpose_state_layout: bool,

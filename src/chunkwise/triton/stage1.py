@@ -89,7 +89,6 @@ def _chunk_gate_finite(g, bos, t0, T_seq, i_h, HV, BTc: tl.constexpr, g_floor: t
 # the kernels
 # ------------------------------------------------------------------------------------------------
 
-@triton.heuristics({"IS_VARLEN": lambda args: args["cu_seqlens"] is not None})
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
 def chunk_prepare_kernel(
     q, k, v, g, beta,            # [B,T,H,K] [B,T,H,K] [B,T,HV,V] None|[B,T,HV]|[B,T,HV,K] fp32, [B,T,HV]
@@ -392,7 +391,6 @@ def chunk_prepare_kernel(
             _signal_ready(ready, slot, i_h, HV)
 
 
-@triton.heuristics({"IS_VARLEN": lambda args: args["cu_seqlens"] is not None})
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV"])
 def chunk_p_kernel(q, k, g, p, cu_seqlens, chunk_indices, T, NT, H, HV, K,
                    BTc: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr, IS_VARLEN: tl.constexpr,
@@ -487,7 +485,8 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, *, plan
         chunk_prepare_kernel[grid](
             q, k, v, g, beta, w, u, p, qg, kg, glast, gcum, None, t, None, flag, ready, cu_seqlens, chunk_indices, T, NT,
             H=H, HV=HV, K=K, V=V, scale=1.0, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(plan.prep_bkc, _dim(K)),
-            GATE=gate, DOT_PREC=plan.dot_prec, MM_PREC=plan.mm_prec, SOLVE_PREC=s_prec,
+            GATE=gate, IS_VARLEN=cu_seqlens is not None, DOT_PREC=plan.dot_prec, MM_PREC=plan.mm_prec,
+            SOLVE_PREC=s_prec,
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=plan.wu_lowp, STORE_T=save_t, STORE_P=store_p,
             GC_OUT=gcum is not None, PASS=pass_, T_FORM=t_form, AP_LOWP=plan.ap_lowp, REDO_PREC=plan.redo_prec,
             SIGNAL=ready is not None, FULL_ROWS=full_rows, FULL_COLS=full_cols, nf=nf,
@@ -517,7 +516,7 @@ def chunk_prepare_bwd(q, k, v, g, beta, do, scale, w, u, t_out, drl, cu_seqlens=
             q, k, v, g, beta, w, u, None, None, None, None, None, do, t_out, drl, None, None, cu_seqlens, chunk_indices,
             T, NT,
             H=H, HV=HV, K=K, V=V, scale=scale, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(64, _dim(K)),
-            GATE=gate, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=solve_prec,
+            GATE=gate, IS_VARLEN=cu_seqlens is not None, DOT_PREC=dot_prec, MM_PREC=mm_prec, SOLVE_PREC=solve_prec,
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=bool(wu_lowp) and wu_lowp_ok(q.dtype, K, V), BWD=True,
             num_warps=num_warps, num_stages=1, **regs)
 
@@ -532,5 +531,5 @@ def chunk_p(q, k, g, v_heads, cu_seqlens=None, chunk_indices=None):
     if n_chunks > 0:
         chunk_p_kernel[(n_chunks, B * HV)](
             q, k, g, p, cu_seqlens, chunk_indices, T, NT, H, HV, K, BTc=BT, BK=_dim(K), GATE=gate_kind(g),
-            DOT_PREC=precisions(q.dtype)[0], g_floor=G_FLOOR, num_warps=4)
+            IS_VARLEN=cu_seqlens is not None, DOT_PREC=precisions(q.dtype)[0], g_floor=G_FLOOR, num_warps=4)
     return p

@@ -382,9 +382,6 @@ def _entering_state(h0, sloc, gam, i_n, i_h, i_s, o_k, o_v, m_kv, s_h0n, s_h0h, 
     return S
 
 
-@triton.heuristics({"IS_VARLEN": lambda args: args["cu_seqlens"] is not None,
-                    "USE_H0": lambda args: args["h0"] is not None,
-                    "STORE_HT": lambda args: args["ht"] is not None})
 @triton.jit(do_not_specialize=["T", "NT", "H", "HV", "seg_len"])
 def chunk_state_output_kernel(
     q, k, v, w, u, p, g,         # [B,T,H,K] [B,T,H,K] [B,T,HV,V] [B,T,HV,K] [B,T,HV,V] [B,T,HV,BT] [B,T,HV] fp32
@@ -622,6 +619,7 @@ def chunk_state_output(q, k, v, g, beta, stage1: dict, o, initial_state, ht, rs,
                     stage1["gcum"], o, initial_state, ht, sloc, gam, rs, ready, cu_seqlens, scale, T, NT, len_m,
                     *strides(initial_state), *strides(ht),
                     H=H, HV=HV, K=K, V=V, BTc=BT, BK=_dim(K), BV=bv_m, GATE=gate, DELTA=delta, P_IN=launch.p_in,
+                    IS_VARLEN=cu_seqlens is not None, USE_H0=initial_state is not None, STORE_HT=ht is not None,
                     DOT_PREC=plan.dot_prec, g_floor=G_FLOOR, LOOP_WHILE=INTERPRET, SEG=seg_mode, NSEG=nseg_m,
                     SUB=sub if seg_mode == 2 else 1, GC_IN=delta and gate == 1, TMA=tma, TMA_O=tma_o,
                     STORE_R=rs is not None, TRANS=int(trans and seg_mode == 0), T_FORM=plan.t_form,
