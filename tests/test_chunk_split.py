@@ -21,6 +21,7 @@ from chunkwise.triton.configs import (SPLIT_FILL, SPLIT_MIN_CHUNKS, SPLIT_MIN_SE
                                       split_chunks)
 import chunkwise.triton.chunk as chunk_mod
 import chunkwise.triton.configs as configs
+import chunkwise.triton.split as split_mod
 from chunkwise.triton.split import decay_transitions, segment_grads, split_batch
 from chunkwise.utils import prepare_chunk_indices
 from helpers import CHUNK_OPS, DEVICE, ON_GPU, TOL, fla_error, make_inputs, reference, rel_err
@@ -71,6 +72,39 @@ def test_split_equals_unsplit_and_recurrence(fam, layout, shape, seg, transpose)
         e, e0 = rel_err(x, ref), rel_err(x0, ref)
         assert e <= F32, f"split {name} rel err {e:.2e} > {F32:.1e}"
         assert rel_err(x, x0) <= 2 * F32 and e <= 4 * e0 + 1e-6, f"split {name} {e:.2e} against unsplit {e0:.2e}"
+
+
+def test_combine_launch_from_the_plan(monkeypatch):
+    """The combines' launch is plan data (ForwardPlan.combine, BackwardPlan.combine): a 16-wide value block at 4
+    warps, 1 stage (two programs per head, seen in the grids), where the default takes V = 32 in one block, gives the
+    forward's output and final state and every gradient of the split backward within fp32 rounding of the
+    default's."""
+    kernel, grids = split_mod.segment_start_kernel, []
+
+    class Seen:
+        def __getitem__(self, grid):
+            grids.append(grid[0])
+            return kernel[grid]
+    monkeypatch.setattr(split_mod, "segment_start_kernel", Seen())
+    inp = make_inputs("gdn", H=1, HV=2, K=16, V=32, seed=9, lengths=[300, 0, 1, 70])
+    scale = 16 ** -0.5
+    outs = []
+    for combine in (None, (16, 4, 1)):
+        saved = {}
+        plan = dataclasses.replace(_plan(inp, 1, save=True), combine=combine)
+        o, ht = chunk_fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, scale, inp.h0, True, inp.cu_seqlens, plan=plan,
+                          saved_out=saved)
+        assert saved["hs"] is not None
+        gen = torch.Generator().manual_seed(8)
+        do, dht = (torch.randn(x.shape, generator=gen).to(DEVICE) for x in (o, ht))
+        bplan = dataclasses.replace(backward_plan(1, True, inp.q.dtype, 16, 32, target_arch(inp.q.device)),
+                                    combine=combine)
+        grads = chunk_bwd(inp.q, inp.k, inp.v, inp.g, inp.beta, scale, inp.h0, do, dht, inp.cu_seqlens, saved=saved,
+                          plan=bplan)
+        outs.append((o, ht, *grads))
+    assert grids == [1, 1, 2, 2]        # (the forward's combine, then the backward's, per plan)
+    for name, x, x0 in zip(("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"), outs[1], outs[0]):
+        assert rel_err(x, x0) <= F32, name
 
 
 @pytest.mark.parametrize("fam", ["gdn", "kda"])
