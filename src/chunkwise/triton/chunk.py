@@ -315,6 +315,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     p = Problem.of(q, v, g, beta, cu_seqlens, chunk_indices)
     gate, delta, dev = p.gate, p.delta, q.device
     B, T, H, HV, K, V, C = p.B, p.T, p.H, p.HV, p.K, p.V, p.C
+    combine_at = combine_launch(plan, V)        # (the split's combines)
 
     # the gate's chunk-local cumsum (KDA's saved by the forward)
     G = None
@@ -357,7 +358,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
         # e^{Σ g}·I, the combine from the caller's initial state: every segment's entering state
         ends = forward_state_pass(k, v, G, None, None, None, None, p, plan, False, False, ends=True)
         seg_mm = decay_transitions(sb, g, K)
-        h0 = combine(sb, h0_in, transition_rows(sb, ends), seg_mm, tr0, seg_prec, combine_launch(plan, V))
+        h0 = combine(sb, h0_in, transition_rows(sb, ends), seg_mm, tr0, seg_prec, combine_at)
         del ends
     # the forward state pass: h (and R = U − W S where not saved)
     h = None
@@ -376,7 +377,7 @@ def chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, *, ch
     dht_s = dht
     if sb is not None:
         _, _, nq = reverse_state_pass(q_s, k_s, G, W, dRl, do, None, None, h0, scale, p, plan, tr, store=False)
-        dht_s = segment_grads(sb, nq, seg_mm, dht, tr0, seg_prec, combine_launch(plan, V))
+        dht_s = segment_grads(sb, nq, seg_mm, dht, tr0, seg_prec, combine_at)
     dh, dR, dh0 = reverse_state_pass(q_s, k_s, G, W, dRl, do, dht_s, h, h0, scale, p, plan, tr,
                                      ht=saved["ht"].contiguous() if rev_h else None, R=R if rev_h else None)
     del dRl, q_s, k_s

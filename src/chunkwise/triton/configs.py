@@ -246,10 +246,10 @@ def split_launch(plan: ForwardPlan, K: int, V: int, elt: int, gate: int) -> tupl
     return bv, 4, max(1, min(3, (100 * 1024) // per_stage))
 
 
-def combine_launch(plan, V: int) -> tuple:
+def combine_launch(plan: ForwardPlan | BackwardPlan, V: int) -> tuple:
     """(value block, warps, pipeline depth) of the split's serial combine (split.segment_start_kernel, forward and
     backward): the plan's, else a 64-wide block at 8 warps, 2 stages."""
-    if plan is not None and plan.combine is not None:
+    if plan.combine is not None:
         return plan.combine
     return min(64, _dim(V)), 8, 2
 

@@ -415,8 +415,8 @@ def segment_starts(sb: SplitBatch, stage1: dict, g, initial_state, transpose_sta
     """(hs, mm): every segment's entering state, hs [sb.N, HV, K, V] fp32 (stage 2's initial states for the pseudo
     batch), and the transitions M [sb.N, HV, K, K] fp32 that the combine read, from stage 1's ``stage1`` dict on the
     pseudo batch. ``launch``, ``combine_at``: the segment pass's and the combine's (value block, warps, pipeline
-    depth). ``every_m`` (a saving forward):
-    M of every segment but a first one, the backward's reverse combine (segment_grads) reads them."""
+    depth). ``every_m`` (a saving forward): M of every segment but a first one, the backward's reverse combine
+    (segment_grads) reads them."""
     H = sb.q.shape[2]
     T, NT = sb.q.shape[1], cdiv(sb.q.shape[1], BT)
     dev = sb.q.device
