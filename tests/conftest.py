@@ -5,6 +5,7 @@ TRITON_INTERPRET must be set before triton is imported anywhere, hence here.
 import os
 import sys
 
+import pytest
 import torch
 
 
@@ -74,3 +75,11 @@ def pytest_runtest_logreport(report):
         _poisoned.append(report.nodeid)
     if report.when == "teardown" and _poisoned and os.environ.get("PYTEST_XDIST_WORKER"):
         os._exit(3)
+
+
+@pytest.fixture
+def no_floor(monkeypatch):
+    """The sequence split at any length (configs.SPLIT_MIN_SEQ, a matter of host time, set to 0), for the tests that
+    check the automatic split's results on sequences shorter than the floor."""
+    import chunkwise.triton.configs as configs
+    monkeypatch.setattr(configs, "SPLIT_MIN_SEQ", 0)

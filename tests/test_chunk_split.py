@@ -20,7 +20,6 @@ from chunkwise.triton.common import BT, _num_sms, cdiv, chunk_slots, padded_dims
 from chunkwise.triton.configs import (SPLIT_FILL, SPLIT_MIN_CHUNKS, SPLIT_MIN_SEQ, backward_plan, forward_plan,
                                       split_chunks)
 import chunkwise.triton.chunk as chunk_mod
-import chunkwise.triton.configs as configs
 import chunkwise.triton.split as split_mod
 from chunkwise.triton.split import decay_transitions, segment_grads, split_batch
 from chunkwise.utils import prepare_chunk_indices
@@ -274,13 +273,6 @@ BENCH = [("B1-T8192-H2-HV8", [8192], 8, False), ("B1-T32768-H2-HV8", [32768], 8,
          ("B1-T32768-H16-HV64", [32768], 64, False), ("B4-T8192-H8-HV32", [8192] * 4, 32, False),
          ("B8-T4096-H32", [4096] * 8, 32, False), ("B4-T8192-H16-HV32", [8192] * 4, 32, False),
          ("varlen-long-T32768-H2-HV8", [24576] + [512] * 16, 8, True)]
-
-
-@pytest.fixture
-def no_floor(monkeypatch):
-    """The split at any length (SPLIT_MIN_SEQ, a matter of host time, set to 0), for the tests that check the
-    automatic split's results on sequences shorter than the floor."""
-    monkeypatch.setattr(configs, "SPLIT_MIN_SEQ", 0)
 
 
 @pytest.mark.parametrize("name,lengths,HV,split", BENCH, ids=[b[0] for b in BENCH])

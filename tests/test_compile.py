@@ -12,7 +12,6 @@ import torch
 
 import chunkwise
 from chunkwise import _custom_ops
-from chunkwise.triton import configs
 from helpers import CHUNK_OPS, DEVICE, FAMILIES, INTERPRET, ON_GPU, RECURRENT_OPS, make_inputs, reference, rel_err
 
 FAMS = list(FAMILIES)
@@ -125,12 +124,11 @@ def test_saved_stage1_fake_matches_real_bf16_k128(fam):
 
 
 @pytest.mark.skipif(not (ON_GPU or INTERPRET), reason="the triton backend needs a GPU or TRITON_INTERPRET=1")
-def test_saved_split_fake_matches_real(monkeypatch):
+def test_saved_split_fake_matches_real(no_floor):
     """Where the saving forward runs split (one varlen sequence far longer than an SM's share; the split's floor on
     the batch's chunks, a matter of host time, set to 0 for this small batch), it also keeps its segments' entering
     states and transitions (hs, mm); their fake shapes, sized from the shapes alone, are the real ones, and the
     backward op's fake outputs are its real ones."""
-    monkeypatch.setattr(configs, "SPLIT_MIN_SEQ", 0)
     inp = make_inputs("gdn", H=1, HV=2, K=16, V=16, lengths=[1100, 30], seed=2)
     args = _op_args(inp, 0.25, True, False, backend="triton")
     stage1 = _custom_ops.chunk_fwd_saved(*args)[2:]
