@@ -222,6 +222,30 @@ def test_split_backward_equals_autograd(fam, layout, shape, gate, seg, transpose
     _assert_split_grads(split, whole, ref, transpose)
 
 
+@pytest.mark.parametrize("fam", ["gdn", "kda", "delta"])
+@per_family(min(PROPERTY_SETTINGS.max_examples, 12))
+@given(**{**SPLIT_SHAPES, "gate": st.sampled_from(["normal", "zero"])})
+def test_property_split_backward_random_shapes(fam, H, group, K, V, layout, gate, h0, transpose, seg, seed):
+    """The backward of a split saving forward over SPLIT_SHAPES' random layouts (always with an initial state and the
+    final state's gradient; gates that leave every segment's entering state a gradient): every gradient within
+    fp32's bound of float64 autograd and near the unsplit backward's."""
+    dense = isinstance(layout, tuple)
+    inp = property_inputs(fam, H, group, K, V, layout if dense else None, None if dense else layout, gate, True, seed)
+    s1, s0 = {}, {}
+    _fwd(inp, seg, transpose, saved=s1)
+    _fwd(inp, 0, transpose, saved=s0)
+    gen = torch.Generator().manual_seed(seed)
+    do = torch.randn(inp.v.shape, generator=gen).to(DEVICE)
+    dht = torch.randn(inp.h0.shape, generator=gen).to(DEVICE)
+    h0, dht_in = (inp.h0, dht) if not transpose else (inp.h0.transpose(-1, -2).contiguous(),
+                                                        dht.transpose(-1, -2).contiguous())
+    scale = K ** -0.5
+    a = (inp.q, inp.k, inp.v, inp.g, inp.beta, scale, h0, do, dht_in, inp.cu_seqlens)
+    split = chunk_bwd(*a, transpose_state_layout=transpose, saved=s1)
+    whole = chunk_bwd(*a, transpose_state_layout=transpose, saved=s0)
+    _assert_split_grads(split, whole, _autograd(inp, do, dht, scale), transpose)
+
+
 @pytest.mark.parametrize("fam", ["gdn", "kda"])
 def test_split_backward_hard_reset(fam):
     """The backward of a split forward with a hard reset (g = −1e4) and chunks summing below −100 (KDA: some channels
