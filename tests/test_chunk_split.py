@@ -121,6 +121,12 @@ SPLIT_SHAPES = dict(
     seg=st.integers(1, 2), seed=st.integers(0, 2**16))
 
 
+def _layout_inputs(fam, H, group, K, V, layout, gate, h0, seed):
+    """property_inputs for SPLIT_SHAPES' layout: (B, T) a dense batch, a list the varlen batch's lengths."""
+    dense = isinstance(layout, tuple)
+    return property_inputs(fam, H, group, K, V, layout if dense else None, None if dense else layout, gate, h0, seed)
+
+
 @pytest.mark.parametrize("fam", ["gdn", "kda", "delta"])
 @per_family(min(PROPERTY_SETTINGS.max_examples, 24))
 @given(**SPLIT_SHAPES)
@@ -128,8 +134,7 @@ def test_property_split_random_shapes(fam, H, group, K, V, layout, gate, h0, tra
     """The split forward (segments of ``seg`` chunks) over random layouts (SPLIT_SHAPES), grouped heads, head dims no
     power of two, zero / normal / very negative gates, with or without an initial state, either state layout: output
     and final state equal the float64 recurrence's."""
-    dense = isinstance(layout, tuple)
-    inp = property_inputs(fam, H, group, K, V, layout if dense else None, None if dense else layout, gate, h0, seed)
+    inp = _layout_inputs(fam, H, group, K, V, layout, gate, h0, seed)
     ref_o, ref_h = reference(inp)
     o, ht = _fwd(inp, seg, transpose)
     for name, x, ref in (("o", o, ref_o), ("final state", ht, ref_h)):
@@ -173,6 +178,26 @@ def _autograd(inp, do, dht, scale):
     return [leaves[n].grad if n in leaves else None for n in names]
 
 
+def _split_and_whole_grads(inp, seg, transpose, seed, saved=None):
+    """(split, whole, ref): the gradients (dq, dk, dv, dg, dβ, dh0) of the saving forward at ``seg`` chunks per
+    segment and unsplit, each through chunk_bwd, and float64 autograd's, for Σ o·dO + Σ h_T·dh_T with dO, dh_T drawn
+    from ``seed`` (inputs with an initial state; the scale K^-0.5, as _fwd's). ``saved``: the two forwards' saved
+    dicts (split, unsplit), to fill (default: fresh ones)."""
+    s1, s0 = saved or ({}, {})
+    _fwd(inp, seg, transpose, saved=s1)
+    _fwd(inp, 0, transpose, saved=s0)
+    gen = torch.Generator().manual_seed(seed)
+    do = torch.randn(inp.v.shape, generator=gen).to(DEVICE)
+    dht = torch.randn(inp.h0.shape, generator=gen).to(DEVICE)
+    h0, dht_in = (inp.h0, dht) if not transpose else (inp.h0.transpose(-1, -2).contiguous(),
+                                                        dht.transpose(-1, -2).contiguous())
+    scale = inp.q.shape[-1] ** -0.5
+    a = (inp.q, inp.k, inp.v, inp.g, inp.beta, scale, h0, do, dht_in, inp.cu_seqlens)
+    split = chunk_bwd(*a, transpose_state_layout=transpose, saved=s1)
+    whole = chunk_bwd(*a, transpose_state_layout=transpose, saved=s0)
+    return split, whole, _autograd(inp, do, dht, scale)
+
+
 def _assert_split_grads(split, whole, ref, transpose=False, tol=F32, factor=4.0, slack=1e-6):
     """Each gradient of the split backward (dq, dk, dv, dg, dβ, dh0) within ``tol`` of float64 autograd's (ref) and
     within factor · the unsplit backward's error + slack; None where autograd has none."""
@@ -207,19 +232,9 @@ def test_split_backward_equals_autograd(fam, layout, shape, gate, seg, transpose
     autograd and near the unsplit backward's."""
     inp = make_inputs(fam, H=1, HV=2, K=16, V=16, gate=gate, seed=11, **shape)
     s1, s0 = {}, {}
-    _fwd(inp, seg, transpose, saved=s1)
-    _fwd(inp, 0, transpose, saved=s0)
+    grads = _split_and_whole_grads(inp, seg, transpose, seed=1, saved=(s1, s0))
     assert s1["hs"] is not None and s1["mm"] is not None and s0.get("hs") is None
-    gen = torch.Generator().manual_seed(1)
-    do = torch.randn(inp.v.shape, generator=gen).to(DEVICE)
-    dht = torch.randn(inp.h0.shape, generator=gen).to(DEVICE)
-    h0, dht_in = (inp.h0, dht) if not transpose else (inp.h0.transpose(-1, -2).contiguous(),
-                                                        dht.transpose(-1, -2).contiguous())
-    a = (inp.q, inp.k, inp.v, inp.g, inp.beta, 0.25, h0, do, dht_in, inp.cu_seqlens)
-    split = chunk_bwd(*a, transpose_state_layout=transpose, saved=s1)
-    whole = chunk_bwd(*a, transpose_state_layout=transpose, saved=s0)
-    ref = _autograd(inp, do, dht, 0.25)
-    _assert_split_grads(split, whole, ref, transpose)
+    _assert_split_grads(*grads, transpose)
 
 
 @pytest.mark.parametrize("fam", ["gdn", "kda", "delta"])
@@ -229,21 +244,8 @@ def test_property_split_backward_random_shapes(fam, H, group, K, V, layout, gate
     """The backward of a split saving forward over SPLIT_SHAPES' random layouts (always with an initial state and the
     final state's gradient; gates that leave every segment's entering state a gradient): every gradient within
     fp32's bound of float64 autograd and near the unsplit backward's."""
-    dense = isinstance(layout, tuple)
-    inp = property_inputs(fam, H, group, K, V, layout if dense else None, None if dense else layout, gate, True, seed)
-    s1, s0 = {}, {}
-    _fwd(inp, seg, transpose, saved=s1)
-    _fwd(inp, 0, transpose, saved=s0)
-    gen = torch.Generator().manual_seed(seed)
-    do = torch.randn(inp.v.shape, generator=gen).to(DEVICE)
-    dht = torch.randn(inp.h0.shape, generator=gen).to(DEVICE)
-    h0, dht_in = (inp.h0, dht) if not transpose else (inp.h0.transpose(-1, -2).contiguous(),
-                                                        dht.transpose(-1, -2).contiguous())
-    scale = K ** -0.5
-    a = (inp.q, inp.k, inp.v, inp.g, inp.beta, scale, h0, do, dht_in, inp.cu_seqlens)
-    split = chunk_bwd(*a, transpose_state_layout=transpose, saved=s1)
-    whole = chunk_bwd(*a, transpose_state_layout=transpose, saved=s0)
-    _assert_split_grads(split, whole, _autograd(inp, do, dht, scale), transpose)
+    inp = _layout_inputs(fam, H, group, K, V, layout, gate, True, seed)
+    _assert_split_grads(*_split_and_whole_grads(inp, seg, transpose, seed=seed), transpose)
 
 
 @pytest.mark.parametrize("fam", ["gdn", "kda"])
