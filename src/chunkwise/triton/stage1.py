@@ -485,8 +485,7 @@ def chunk_prepare(q, k, v, g, beta, cu_seqlens=None, chunk_indices=None, *, plan
         chunk_prepare_kernel[grid](
             q, k, v, g, beta, w, u, p, qg, kg, glast, gcum, None, t, None, flag, ready, cu_seqlens, chunk_indices, T, NT,
             H=H, HV=HV, K=K, V=V, scale=1.0, BTc=BT, BCc=BC, BK=_dim(K), BVf=_dim(V), BKC=min(plan.prep_bkc, _dim(K)),
-            GATE=gate, IS_VARLEN=cu_seqlens is not None, DOT_PREC=plan.dot_prec, MM_PREC=plan.mm_prec,
-            SOLVE_PREC=s_prec,
+            GATE=gate, IS_VARLEN=cu_seqlens is not None, DOT_PREC=plan.dot_prec, MM_PREC=plan.mm_prec, SOLVE_PREC=s_prec,
             g_floor=G_FLOOR, span_max=SPAN_MAX, WU_LOWP=plan.wu_lowp, STORE_T=save_t, STORE_P=store_p,
             GC_OUT=gcum is not None, PASS=pass_, T_FORM=t_form, AP_LOWP=plan.ap_lowp, REDO_PREC=plan.redo_prec,
             SIGNAL=ready is not None, FULL_ROWS=full_rows, FULL_COLS=full_cols, nf=nf,
