@@ -52,23 +52,32 @@ def _kqg_tiles(k_base, q_base, g_base, r0, kc0, T_seq, H, HV, K, R: tl.constexpr
 
 
 @triton.jit
-def _kda_diag_exact(kf, qf, bk, b_G, skip, BTc: tl.constexpr, BCc: tl.constexpr):
-    """KDA's diagonal 16×16 blocks of A (without β: bk = β k) and P, each column j exactly from
-    e^{G_i − G_j}, i ≥ j in j's block, for blocks whose gates span too far to factor (rare: a loop, not
-    unrolled). kf, qf, bk, b_G: [BT, BKC] fp32; skip [BT] int32: 1 for the columns of blocks left out (their
-    columns stay zero). Returns (Ad, Pd) [BT, BT], zero off those blocks."""
+def _kda_diag_exact(kf, qf, bk, b_G, BTc: tl.constexpr, BCc: tl.constexpr, BKC: tl.constexpr):
+    """KDA's diagonal 16×16 blocks of A (without β: bk = β k) and P, each entry exactly from e^{G_i − G_j},
+    i ≥ j in one block, for blocks whose gates span too far to factor. A loop over a block's 16 columns that
+    forms that column of all four blocks at once ([NB, BC, BKC] tiles). kf, qf, bk, b_G: [BT, BKC] fp32.
+    Returns (Ad, Pd) [BT, BT], zero off the diagonal blocks."""
+    NB: tl.constexpr = BTc // BCc
+    o_c = tl.arange(0, BCc)
     o_t = tl.arange(0, BTc)
-    blk = o_t // BCc
+    same = (o_t // BCc)[:, None] == (o_t // BCc)[None, :]
+    k3 = tl.reshape(kf, [NB, BCc, BKC])
+    q3 = tl.reshape(qf, [NB, BCc, BKC])
+    bk3 = tl.reshape(bk, [NB, BCc, BKC])
+    G3 = tl.reshape(b_G, [NB, BCc, BKC])
     Ad = tl.zeros([BTc, BTc], dtype=tl.float32)
     Pd = tl.zeros([BTc, BTc], dtype=tl.float32)
-    for j in range(BTc):
-        if tl.sum(tl.where(o_t == j, skip, 0), 0) == 0:
-            k_j = tl.sum(tl.where((o_t == j)[:, None], kf, 0.), 0)                      # [BKC]
-            G_j = tl.sum(tl.where((o_t == j)[:, None], b_G, 0.), 0)                     # [BKC]
-            m_j = (o_t >= j) & (blk == j // BCc)
-            e = _exp(tl.where(m_j[:, None], b_G - G_j[None, :], float("-inf")))         # e^{G_i − G_j}
-            Ad = tl.where((o_t == j)[None, :], tl.sum(bk * e * k_j[None, :], 1)[:, None], Ad)
-            Pd = tl.where((o_t == j)[None, :], tl.sum(qf * e * k_j[None, :], 1)[:, None], Pd)
+    for j in range(BCc):
+        sel = (o_c == j)[None, :, None]
+        k_j = tl.sum(tl.where(sel, k3, 0.), 1)                                          # [NB, BKC]
+        G_j = tl.sum(tl.where(sel, G3, 0.), 1)                                          # [NB, BKC]
+        e = _exp(tl.where((o_c >= j)[None, :, None], G3 - G_j[:, None, :], float("-inf")))  # e^{G_i − G_j}
+        ke = e * k_j[:, None, :]                                                        # [NB, BC, BKC]
+        a_j = tl.reshape(tl.sum(bk3 * ke, 2), [BTc])                                    # column j of each block
+        p_j = tl.reshape(tl.sum(q3 * ke, 2), [BTc])
+        col = same & (o_t % BCc == j)[None, :]
+        Ad = tl.where(col, a_j[:, None], Ad)
+        Pd = tl.where(col, p_j[:, None], Pd)
     return Ad, Pd
 
 
@@ -247,13 +256,13 @@ def chunk_prepare_kernel(
                     Ad = _mm(bkx, tl.trans(kinv), MM_PREC)                                   # [BT, BKC] @ [BKC, BT]
                     Pd = _mm(qx, tl.trans(kinv), MM_PREC)                                    # [BT, BKC] @ [BKC, BT]
                 else:
-                    # rare: the blocks that span too far column by column from e^{G_i − G_j}, i ≥ j, the
-                    # others factored as above (their shift kept, the far blocks' set to 0: finite, replaced)
+                    # the blocks that span too far exactly, the others factored as above (their shift kept, the
+                    # far blocks' set to 0: finite, replaced)
                     NB: tl.constexpr = BTc // BCc
                     blk_min = tl.min(tl.reshape(tl.min(b_G - s_rows, 1), [NB, BCc]), 1)          # [NB]
                     ok = tl.reshape(tl.broadcast_to((blk_min > -span_max)[:, None], [NB, BCc]), [BTc])
                     kinv = ky * _exp(tl.where(ok[:, None], shift, 0.))
-                    Ade, Pde = _kda_diag_exact(kf, qf, kf * b_beta[:, None], b_G, ok.to(tl.int32), BTc, BCc)
+                    Ade, Pde = _kda_diag_exact(kf, qf, kf * b_beta[:, None], b_G, BTc, BCc, BKC)
                     Ad = tl.where(ok[:, None], _mm(bkx, tl.trans(kinv), MM_PREC), Ade)       # [BT, BKC] @ [BKC, BT]
                     Pd = tl.where(ok[:, None], _mm(qx, tl.trans(kinv), MM_PREC), Pde)        # [BT, BKC] @ [BKC, BT]
                 A += tl.where(same & strict, Ad, 0.)
