@@ -247,24 +247,26 @@ def chunk_prepare_kernel(
                 c = tl.trans(tl.where((blk == 2)[:, None], ky, 0.))
                 A += _mm(bkx * f, c, MM_PREC)                                                # [BT, BKC] @ [BKC, BT]
                 P += _mm(qx * f, c, MM_PREC)                                                 # [BT, BKC] @ [BKC, BT]
-                # diagonal blocks: around the block start when the block's gates sum above -span_max, else exact
-                # k_j e^{s_b − G_j} = ky_j e^{s_b − e_b}, at most e^{span_max}
-                shift = _by_block(-e0[None, :], (e0 - e1)[None, :], (e1 - e2)[None, :], (e2 - e3)[None, :],
-                                  BTc, BCc)
-                if worst > -span_max:
-                    kinv = ky * _exp(shift)
-                    Ad = _mm(bkx, tl.trans(kinv), MM_PREC)                                   # [BT, BKC] @ [BKC, BT]
-                    Pd = _mm(qx, tl.trans(kinv), MM_PREC)                                    # [BT, BKC] @ [BKC, BT]
+                # diagonal blocks: around each block's middle value m_b = s_b − (s_b − e_b) / 2, both factors within
+                # e^{±span_max} where the block's gates span under 2 span_max; a block spanning further exactly
+                m_rows = s_rows - 0.5 * _by_block(-e0[None, :], (e0 - e1)[None, :], (e1 - e2)[None, :],
+                                                  (e2 - e3)[None, :], BTc, BCc)
+                if worst > -2 * span_max:
+                    xm = _exp(b_G - m_rows)                                                  # e^{G_i − m_b}
+                    km = kf * _exp(m_rows - b_G)                                             # k_j e^{m_b − G_j}
+                    Ad = _mm(kf * b_beta[:, None] * xm, tl.trans(km), MM_PREC)               # [BT, BKC] @ [BKC, BT]
+                    Pd = _mm(qf * xm, tl.trans(km), MM_PREC)                                 # [BT, BKC] @ [BKC, BT]
                 else:
-                    # the blocks that span too far exactly, the others factored as above (their shift kept, the
-                    # far blocks' set to 0: finite, replaced)
+                    # the far blocks' factors taken as 1 (finite; their rows replaced by the exact ones)
                     NB: tl.constexpr = BTc // BCc
                     blk_min = tl.min(tl.reshape(tl.min(b_G - s_rows, 1), [NB, BCc]), 1)          # [NB]
-                    ok = tl.reshape(tl.broadcast_to((blk_min > -span_max)[:, None], [NB, BCc]), [BTc])
-                    kinv = ky * _exp(tl.where(ok[:, None], shift, 0.))
+                    ok = tl.reshape(tl.broadcast_to((blk_min > -2 * span_max)[:, None], [NB, BCc]), [BTc])
+                    dm = tl.where(ok[:, None], b_G - m_rows, 0.)
+                    xm = _exp(dm)
+                    km = kf * _exp(-dm)
                     Ade, Pde = _kda_diag_exact(kf, qf, kf * b_beta[:, None], b_G, BTc, BCc, BKC)
-                    Ad = tl.where(ok[:, None], _mm(bkx, tl.trans(kinv), MM_PREC), Ade)       # [BT, BKC] @ [BKC, BT]
-                    Pd = tl.where(ok[:, None], _mm(qx, tl.trans(kinv), MM_PREC), Pde)        # [BT, BKC] @ [BKC, BT]
+                    Ad = tl.where(ok[:, None], _mm(kf * b_beta[:, None] * xm, tl.trans(km), MM_PREC), Ade)
+                    Pd = tl.where(ok[:, None], _mm(qf * xm, tl.trans(km), MM_PREC), Pde)
                 A += tl.where(same & strict, Ad, 0.)
                 P += tl.where(same & incl, Pd, 0.)
                 b_qg = qf * _exp(b_G)
