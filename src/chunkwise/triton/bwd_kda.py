@@ -213,7 +213,7 @@ def _bwd_pair_kernel(q, k, beta, G, Pmat, Amat, dq, dk, dbp, dG, dq_o, dk_o, fla
            (flag, int32 [chunks, B·HV, cdiv(K, FITB)], FITB the first launch's BKP);
         2: the block form for the flagged blocks (the others return at once): OFFDIAG, the blocks off the 16×16
            diagonal on whole [C, BKP] tiles (_pairwise_grads_channel); DIAG, then the diagonal blocks, last to first,
-           with four products of factored operands when a block's gates span less than span_max (_diag_factors),
+           with four products of factored operands when a block's gates span less than 2 span_max (_diag_factors),
            else the exact column loop (rare), and the reverse cumsum;
         3: where launch 2 leaves DIAG out (more than one channel block), the diagonal blocks over all channels, for
            the channels of the flagged blocks (the block form's registers stay out of the one-reference launch,

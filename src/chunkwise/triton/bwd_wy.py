@@ -94,13 +94,17 @@ def _intra_kernel(q, k, beta, G, Amat, Pmat, cu_seqlens, chunk_indices, T,
 @triton.jit
 def _diag_factors(b_G, span_max: tl.constexpr):
     """A BC×BC diagonal block of a per-channel gate (b_G [BC, BK], rows past the end = G_last), factored
-    around its last token e: Γ_ij = e^{G_i − e} · e^{e − G_j}. Returns (e^{G − e} ≥ 1, e^{e − G} ≤ 1, whether
-    every exponent stays within span_max, so that the factors and their products stay in fp32's range)."""
+    around the middle of its gates, m = (G_first + G_last) / 2: Γ_ij = e^{G_i − m} · e^{m − G_j}. Returns
+    (e^{G − m}, e^{m − G}, whether every |G_i − m| stays under span_max, so that the factors and their products
+    for i ≥ j stay in fp32's range: the block spans under 2 span_max)."""
     BC: tl.constexpr = b_G.shape[0]
-    b_e = tl.sum(tl.where((tl.arange(0, BC) == BC - 1)[:, None], b_G, 0.), axis=0)        # [BK]
-    b_d = b_G - b_e[None, :]                                                               # ≥ 0
-    fast = tl.max(tl.max(b_d, axis=1), axis=0) < span_max
-    return _exp(tl.where(fast, b_d, 0.)), _exp(-b_d), fast
+    o_i = tl.arange(0, BC)
+    b_f = tl.sum(tl.where((o_i == 0)[:, None], b_G, 0.), axis=0)                           # [BK]
+    b_e = tl.sum(tl.where((o_i == BC - 1)[:, None], b_G, 0.), axis=0)                      # [BK]
+    b_d = b_G - 0.5 * (b_f + b_e)[None, :]
+    fast = tl.max(tl.max(tl.abs(b_d), axis=1), axis=0) < span_max
+    b_d = tl.where(fast, b_d, 0.)
+    return _exp(b_d), _exp(-b_d), fast
 
 
 @triton.jit
@@ -123,7 +127,7 @@ def _intra_diag_kernel(q, k, beta, G, Amat, Pmat, cu_seqlens, chunk_indices, T,
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
                        BC: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr, span_max: tl.constexpr):
     """The BC×BC diagonal blocks of A and P (_intra_kernel forms the rest).
-    A block whose gates span less than span_max takes two products of factored operands (_diag_factors);
+    A block whose gates span less than 2 span_max takes two products of factored operands (_diag_factors);
     otherwise each column j exactly (rare)."""
     i_h, i_hk, t0, L, _ = _chunk_program(cu_seqlens, chunk_indices, T, H, HV, C, IS_VARLEN)
     o_i = tl.arange(0, BC)
