@@ -16,8 +16,9 @@ R = U − W S = T diag(β) (V − e^G ⊙ K S) itself: stage 1 then reads no v a
 
 KDA's pairwise products factor e^{G_i − G_j} = e^{G_i − r} · e^{r − G_j} around one reference per chunk,
 r = G_last / 2 per channel, wherever every |G_i − r| of a column chunk is under SPAN_MAX (both factors within
-e^{±80}); elsewhere around the 16-token blocks' starts and ends (both factors ≤ 1), with an exact pair-by-pair
-loop for a diagonal block whose gates sum below −SPAN_MAX. It runs as two launches: the first builds the
+e^{±80}); elsewhere by 16-token blocks: off the diagonal around the blocks' starts and ends (both factors ≤ 1),
+on it around each block's middle gate value (both factors within e^{±80} where the block's gates sum above
+−2 SPAN_MAX), with an exact pair-by-pair loop for a diagonal block whose gates fall further. It runs as two launches: the first builds the
 one-reference products only and flags the chunks that need the block form, which the second finishes.
 
 ``chunk_p_kernel``: P alone, for simple GLA where stage 2 reads it rather than forming it once per value block.
@@ -52,21 +53,19 @@ def _kqg_tiles(k_base, q_base, g_base, r0, kc0, T_seq, H, HV, K, R: tl.constexpr
 
 
 @triton.jit
-def _kda_diag_exact(kf, qf, bk, b_G, BTc: tl.constexpr, BCc: tl.constexpr, BKC: tl.constexpr):
-    """KDA's diagonal 16×16 blocks of A (without β: bk = β k) and P, each entry exactly from e^{G_i − G_j},
-    i ≥ j in one block, for blocks whose gates span too far to factor. A loop over a block's 16 columns that
-    forms that column of all four blocks at once ([NB, BC, BKC] tiles). kf, qf, bk, b_G: [BT, BKC] fp32.
-    Returns (Ad, Pd) [BT, BT], zero off the diagonal blocks."""
+def _kda_diag_exact(kf, qf, bk, b_G, Ad, Pd, far, BTc: tl.constexpr, BCc: tl.constexpr, BKC: tl.constexpr):
+    """KDA's diagonal 16×16 blocks of A (without β: bk = β k) and P for the rows far [BT] marks (whole blocks whose
+    gates span too far to factor), each entry exactly from e^{G_i − G_j}, i ≥ j in one block, written over Ad, Pd
+    [BT, BT] there. A loop over a block's 16 columns that forms that column of all four blocks at once
+    ([NB, BC, BKC] tiles). kf, qf, bk, b_G: [BT, BKC] fp32."""
     NB: tl.constexpr = BTc // BCc
     o_c = tl.arange(0, BCc)
     o_t = tl.arange(0, BTc)
-    same = (o_t // BCc)[:, None] == (o_t // BCc)[None, :]
+    mine = ((o_t // BCc)[:, None] == (o_t // BCc)[None, :]) & far[:, None]
     k3 = tl.reshape(kf, [NB, BCc, BKC])
     q3 = tl.reshape(qf, [NB, BCc, BKC])
     bk3 = tl.reshape(bk, [NB, BCc, BKC])
     G3 = tl.reshape(b_G, [NB, BCc, BKC])
-    Ad = tl.zeros([BTc, BTc], dtype=tl.float32)
-    Pd = tl.zeros([BTc, BTc], dtype=tl.float32)
     for j in range(BCc):
         sel = (o_c == j)[None, :, None]
         k_j = tl.sum(tl.where(sel, k3, 0.), 1)                                          # [NB, BKC]
@@ -75,7 +74,7 @@ def _kda_diag_exact(kf, qf, bk, b_G, BTc: tl.constexpr, BCc: tl.constexpr, BKC: 
         ke = e * k_j[:, None, :]                                                        # [NB, BC, BKC]
         a_j = tl.reshape(tl.sum(bk3 * ke, 2), [BTc])                                    # column j of each block
         p_j = tl.reshape(tl.sum(q3 * ke, 2), [BTc])
-        col = same & (o_t % BCc == j)[None, :]
+        col = mine & (o_t % BCc == j)[None, :]
         Ad = tl.where(col, a_j[:, None], Ad)
         Pd = tl.where(col, p_j[:, None], Pd)
     return Ad, Pd
@@ -224,8 +223,8 @@ def chunk_prepare_kernel(
                 if T_FORM:
                     b_kx = kf * x * _exp(r)[None, :]                                     # k e^G
             else:
-                # by 16-token blocks: each e^{G_i − G_j} factored around a block end or a block start, both
-                # factors ≤ 1
+                # by 16-token blocks: off the diagonal blocks each e^{G_i − G_j} factored around a block end or a
+                # block start, both factors ≤ 1
                 e0, e1, e2, s_rows, worst = _block_starts(b_G, BTc, BCc)                    # block ends, starts
                 e3 = _row_of(b_G, 4 * BCc - 1, BTc)
                 zero = tl.zeros_like(e0)
@@ -251,22 +250,17 @@ def chunk_prepare_kernel(
                 # e^{±span_max} where the block's gates span under 2 span_max; a block spanning further exactly
                 m_rows = s_rows - 0.5 * _by_block(-e0[None, :], (e0 - e1)[None, :], (e1 - e2)[None, :],
                                                   (e2 - e3)[None, :], BTc, BCc)
-                if worst > -2 * span_max:
-                    xm = _exp(b_G - m_rows)                                                  # e^{G_i − m_b}
-                    km = kf * _exp(m_rows - b_G)                                             # k_j e^{m_b − G_j}
-                    Ad = _mm(kf * b_beta[:, None] * xm, tl.trans(km), MM_PREC)               # [BT, BKC] @ [BKC, BT]
-                    Pd = _mm(qf * xm, tl.trans(km), MM_PREC)                                 # [BT, BKC] @ [BKC, BT]
-                else:
-                    # the far blocks' factors taken as 1 (finite; their rows replaced by the exact ones)
-                    NB: tl.constexpr = BTc // BCc
-                    blk_min = tl.min(tl.reshape(tl.min(b_G - s_rows, 1), [NB, BCc]), 1)          # [NB]
-                    ok = tl.reshape(tl.broadcast_to((blk_min > -2 * span_max)[:, None], [NB, BCc]), [BTc])
-                    dm = tl.where(ok[:, None], b_G - m_rows, 0.)
-                    xm = _exp(dm)
-                    km = kf * _exp(-dm)
-                    Ade, Pde = _kda_diag_exact(kf, qf, kf * b_beta[:, None], b_G, BTc, BCc, BKC)
-                    Ad = tl.where(ok[:, None], _mm(kf * b_beta[:, None] * xm, tl.trans(km), MM_PREC), Ade)
-                    Pd = tl.where(ok[:, None], _mm(qf * xm, tl.trans(km), MM_PREC), Pde)
+                # (a block spanning further: its factors taken as 1, finite, and its entries then formed exactly)
+                NB: tl.constexpr = BTc // BCc
+                blk_min = tl.min(tl.reshape(tl.min(b_G - s_rows, 1), [NB, BCc]), 1)                  # [NB]
+                far = tl.reshape(tl.broadcast_to((blk_min <= -2 * span_max)[:, None], [NB, BCc]), [BTc])
+                dm = tl.where(far[:, None], 0., b_G - m_rows)
+                xm = _exp(dm)                                                                    # e^{G_i − m_b}
+                km = kf * _exp(-dm)                                                              # k_j e^{m_b − G_j}
+                Ad = _mm(kf * b_beta[:, None] * xm, tl.trans(km), MM_PREC)                       # [BT, BKC] @ [BKC, BT]
+                Pd = _mm(qf * xm, tl.trans(km), MM_PREC)                                         # [BT, BKC] @ [BKC, BT]
+                if worst <= -2 * span_max:
+                    Ad, Pd = _kda_diag_exact(kf, qf, kf * b_beta[:, None], b_G, Ad, Pd, far, BTc, BCc, BKC)
                 A += tl.where(same & strict, Ad, 0.)
                 P += tl.where(same & incl, Pd, 0.)
                 b_qg = qf * _exp(b_G)
