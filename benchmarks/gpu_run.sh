@@ -3,11 +3,13 @@
 #
 #   bash benchmarks/gpu_run.sh [--commit SHA] [--budget PHASE=SECONDS ...] [PHASE ...]
 #
-# Phases (default: all): check (`chunkwise check`), tests (`pytest tests`, stopping after 10 failures), serving
+# Phases (default: all but steep): check (`chunkwise check`), tests (`pytest tests`, stopping after 10 failures), serving
 # (examples/serving.py: prefill into a pool, verify and roll back, a prefix checkpoint, in CUDA graphs), forward,
 # train, decode (benchmarks/bench_*.py next to fla 0.6.0: forward on the standing and few-heads shapes, training on
 # the standing shapes and GDN's 2/8 heads at 32k tokens, decode at batch 1-256 with 8-bit pools and a 4-token verify
-# step), ckpt (the forward's cost of writing prefix checkpoints every 1024 tokens, GDN and KDA at B1-T32768-H32). Every
+# step), ckpt (the forward's cost of writing prefix checkpoints every 1024 tokens, GDN and KDA at B1-T32768-H32), steep
+# (not in the default run: KDA's forward with steep gates, --gate-scale 4, beside fla at B1-T32768-H32 and 2 / 8 heads,
+# 1 x 32768; writes bench_forward_steep.json). Every
 # phase has a time limit (BUDGET below, in seconds; --budget tests=400 changes one): a benchmark starts no row past
 # its limit less a margin and writes what it timed; a command still running at its limit is stopped (SIGINT, then
 # SIGKILL 20 s later).
@@ -24,21 +26,22 @@
 # transformers==5.24.0 pytest-xdist==3.8.0 execnet==2.1.1`: the test extra's pins) and .triton_sm90, Triton's cache
 # for sm_90 (made by `python benchmarks/tools.py warm` under the device's Python 3.12, or the triton_cache.tgz of the
 # last run). Compiling is most of a first run's time: each run returns its cache (the compiled kernels: ours and every
-# configuration fla searched), so save $OUT/triton_cache.tgz as .triton_sm90/cache.tgz for the next. $OUT receives 8 files: logs.tgz (every phase's
-# log and the summary), triton_cache.tgz, bench_{forward,train,decode}.{json,png}. The short tables are printed last.
+# configuration fla searched), so save $OUT/triton_cache.tgz as .triton_sm90/cache.tgz for the next. $OUT receives 8
+# files: logs.tgz (every phase's log and the summary), triton_cache.tgz, bench_{forward,train,decode}.{json,png} (and
+# bench_forward_steep.json with steep). The short tables are printed last.
 set -u
 # first window (side by side): check, tests, serving, warm; then forward, train, decode, ckpt. ~15 s set-up + 240 +
 # 300 = 555 s
 # (decode: 24 rows, GDN and KDA, ~13 s timed with a warm Triton cache, ~20 s compiling its 8-bit and verify variants)
-declare -A BUDGET=([check]=240 [tests]=240 [serving]=200 [warm]=220 [forward]=120 [train]=110 [decode]=45 [ckpt]=25)
+declare -A BUDGET=([check]=240 [tests]=240 [serving]=200 [warm]=220 [forward]=120 [train]=110 [decode]=45 [ckpt]=25 [steep]=90)
 MARGIN=25                       # a benchmark's last row may run this long past its --time-limit
 PHASES=() COMMIT=""
 while [ $# -gt 0 ]; do
   case $1 in
     --commit) COMMIT=$2; shift 2 ;;
     --budget) BUDGET[${2%%=*}]=${2#*=}; shift 2 ;;
-    check|tests|serving|forward|train|decode|ckpt) PHASES+=("$1"); shift ;;
-    *) echo "gpu_run.sh: unknown argument $1 (phases: check tests serving forward train decode ckpt)" >&2; exit 2 ;;
+    check|tests|serving|forward|train|decode|ckpt|steep) PHASES+=("$1"); shift ;;
+    *) echo "gpu_run.sh: unknown argument $1 (phases: check tests serving forward train decode ckpt steep)" >&2; exit 2 ;;
   esac
 done
 [ ${#PHASES[@]} -gt 0 ] || PHASES=(check tests serving forward train decode ckpt)
@@ -57,6 +60,7 @@ finish() {   # at exit, however the run ends: the cache packed, the benchmarks' 
       > "$WORK/cache.list" && tar czf "$OUT/triton_cache.tgz" -T "$WORK/cache.list" \
     && echo "triton_cache.tgz holds this run's entries only (all of them passed 15 MB)" >> "$SUMMARY" ) 2>/dev/null
   cp "$WORK"/bench_*.json "$WORK"/bench_*.png "$OUT"/ 2>/dev/null
+  cp "$WORK/steep/bench_forward.json" "$OUT/bench_forward_steep.json" 2>/dev/null
   tar czf "$OUT/logs.tgz" -C "$WORK" --exclude='*.json' --exclude='*.png' --exclude=cache.list . 2>/dev/null
 }
 trap finish EXIT
@@ -126,6 +130,8 @@ for p in forward train decode; do
 done
 has ckpt && phase ckpt python3 benchmarks/bench_forward.py --shapes B1-T32768-H32 --ops gdn,kda --no-peers \
   --checkpoint-every 1024 --out "$WORK/ckpt" --commit "$COMMIT"
+has steep && phase steep python3 benchmarks/bench_forward.py --shapes B1-T32768-H32,B1-T32768-H2-HV8 --ops kda \
+  --gate-scale 4 --time-limit "$(limit steep)" --out "$WORK/steep" --commit "$COMMIT"
 say "== total $(( $(date +%s) - START )) s"
 
 # -- the short results last --------------------------------------------------------------------------------------
@@ -136,7 +142,7 @@ if has tests; then
   { echo; echo "== tests"; grep -E "passed|failed|error" "$WORK/tests.log" | tail -n 3
     grep -E "^(FAILED|ERROR) " "$WORK/tests.log" | head -n 5; } | tee -a "$SUMMARY"
 fi
-for p in forward train decode; do   # each benchmark's header line and markdown table (its last lines)
+for p in forward train decode steep; do   # each benchmark's header line and markdown table (its last lines)
   if has $p; then
     { echo; awk '/^(Forward|Decode)[ ,]/ {buf=""; on=1} on {buf=buf $0 "\n"} END {printf "%s", buf}' "$WORK/$p.log"
     } | tee -a "$SUMMARY"
