@@ -21,7 +21,6 @@ BC = 16          # sub-block of the triangular solve and of the per-channel fact
 # after it ~3 digits when differenced.
 G_FLOOR = -40.0
 SPAN_MAX = 80.0  # the largest |exponent| of a gate factor; a 16-token block whose gates sum below -2 SPAN_MAX goes exact
-SPAN_FP16 = 9.0  # KDA's one-reference products from fp16 operands: every |G_i - G_last / 2| under this
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Every gate factor e^x as one ex2.approx.ftz.f32 of x·log2(e): tl.exp's ex2.approx.f32 handles subnormal results
 # with a compare and predicated multiplies around the same instruction, for factors under 2^-126 that multiply a
