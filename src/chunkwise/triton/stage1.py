@@ -15,10 +15,10 @@ writes T diag(β) in u's place instead of W and U (per channel K ⊙ e^G in w's)
 R = U − W S = T diag(β) (V − e^G ⊙ K S) itself: stage 1 then reads no v and skips W's and U's products.
 
 KDA's pairwise products factor e^{G_i − G_j} = e^{G_i − r} · e^{r − G_j} around one reference per chunk,
-r = G_last / 2 per channel, wherever every |G_i − r| of a column chunk is under SPAN_MAX (both factors within
-e^{±80}); elsewhere by 16-token blocks: off the diagonal around the blocks' starts and ends (both factors ≤ 1),
-on it around each block's middle gate value (both factors within e^{±80} where the block's gates sum above
-−2 SPAN_MAX), with an exact pair-by-pair loop for a diagonal block whose gates fall further. It runs as two launches: the first builds the
+r = G_last / 2 per channel, wherever every |G_i − r| of a column chunk is under SPAN_MAX (both factors within e^{±80});
+elsewhere by 16-token blocks: off the diagonal around the blocks' starts and ends (both factors ≤ 1), on it around
+each block's middle gate value (both factors within e^{±80} where the block's gates sum above −2 SPAN_MAX), with an
+exact pair-by-pair loop for a diagonal block whose gates fall further. It runs as two launches: the first builds the
 one-reference products only and flags the chunks that need the block form, which the second finishes.
 
 ``chunk_p_kernel``: P alone, for simple GLA where stage 2 reads it rather than forming it once per value block.
@@ -247,10 +247,10 @@ def chunk_prepare_kernel(
                 A += _mm(bkx * f, c, MM_PREC)                                                # [BT, BKC] @ [BKC, BT]
                 P += _mm(qx * f, c, MM_PREC)                                                 # [BT, BKC] @ [BKC, BT]
                 # diagonal blocks: around each block's middle value m_b = s_b − (s_b − e_b) / 2, both factors within
-                # e^{±span_max} where the block's gates span under 2 span_max; a block spanning further exactly
+                # e^{±span_max} where the block's gates span under 2 span_max; a block spanning further ("far"): its
+                # factors taken as 1 (finite), its entries then formed exactly
                 m_rows = s_rows - 0.5 * _by_block(-e0[None, :], (e0 - e1)[None, :], (e1 - e2)[None, :],
                                                   (e2 - e3)[None, :], BTc, BCc)
-                # (a block spanning further: its factors taken as 1, finite, and its entries then formed exactly)
                 NB: tl.constexpr = BTc // BCc
                 blk_min = tl.min(tl.reshape(tl.min(b_G - s_rows, 1), [NB, BCc]), 1)                  # [NB]
                 far = tl.reshape(tl.broadcast_to((blk_min <= -2 * span_max)[:, None], [NB, BCc]), [BTc])
