@@ -161,11 +161,12 @@ def test_grads_strong_gates(fam):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_grads_kda_steep_channels(dtype):
     """KDA with a few channels at g = -6 per token for 40 tokens (16-token blocks spanning -96: factored around
-    their middle) and two at -12 for 40 more (spanning -192, past what the factored diagonal blocks take) among
-    normal ones: those chunks leave the one-reference form, the far diagonal blocks take the exact column loops
-    (the A / P recompute's and the pairwise gradients')."""
+    their middle; two at -9.5: -152, near the most those factors take) and two at -12 for 40 more (spanning -192,
+    past what the factored diagonal blocks take) among normal ones: those chunks leave the one-reference form, the
+    far diagonal blocks take the exact column loops (the A / P recompute's and the pairwise gradients')."""
     inp = make_inputs("kda", B=1, T=100, H=1, HV=2, K=16, V=16, seed=4)
     inp.g[:, 10:50, :, 3:7] = -6.0
+    inp.g[:, 20:60, :, 12:14] = -9.5
     inp.g[:, 55:95, :, 9:11] = -12.0
     _compare(inp, TOL[dtype], dtype=dtype)
 
