@@ -29,13 +29,14 @@ def _chunk_gate(g, bos, t0, T_seq, i_h, HV, BTc: tl.constexpr, g_floor: tl.const
 def _block_starts(b_G, BTc: tl.constexpr, BCc: tl.constexpr):
     """The 16-token blocks of a per-channel chunk gate b_G [BT, BKC]: (G at the ends of the first three
     blocks e0, e1, e2 [BKC]; each row's block start s_b (G before its block, 0 for the first) [BT, BKC];
-    the most negative G_i − s_b, that is minus the widest block span)."""
+    each block's most negative G_i − s_b, that is minus its widest span over the channels [BT // BC])."""
     e0 = _row_of(b_G, BCc - 1, BTc)
     e1 = _row_of(b_G, 2 * BCc - 1, BTc)
     e2 = _row_of(b_G, 3 * BCc - 1, BTc)
     zero = tl.zeros_like(e0)
     s_rows = _by_block(zero[None, :], e0[None, :], e1[None, :], e2[None, :], BTc, BCc)
-    return e0, e1, e2, s_rows, tl.min(tl.min(b_G - s_rows, 1), 0)
+    NB: tl.constexpr = BTc // BCc
+    return e0, e1, e2, s_rows, tl.min(tl.reshape(tl.min(b_G - s_rows, 1), [NB, BCc]), 1)
 
 
 @triton.jit

@@ -14,8 +14,8 @@ plus e^{G_last} per chunk (fp32). Under T_FORM (the plans' default but for GDN /
 writes T diag(β) in u's place instead of W and U (per channel K ⊙ e^G in w's), and stage 2 forms
 R = U − W S = T diag(β) (V − e^G ⊙ K S) itself: stage 1 then reads no v and skips W's and U's products.
 
-KDA's pairwise products factor e^{G_i − G_j} = e^{G_i − r} · e^{r − G_j} around one reference per chunk,
-r = G_last / 2 per channel, wherever every |G_i − r| of a column chunk is under SPAN_MAX (both factors within e^{±80});
+KDA's pairwise products factor e^{G_i − G_j} = e^{G_i − r} · e^{r − G_j} around one reference per chunk, r =
+G_last / 2 per channel, wherever every |G_i − r| of a column chunk is under SPAN_MAX (both factors within e^{±80});
 elsewhere by 16-token blocks: off the diagonal around the blocks' starts and ends (both factors ≤ 1), on it around
 each block's middle gate value (both factors within e^{±80} where the block's gates sum above −2 SPAN_MAX), with an
 exact pair-by-pair loop for a diagonal block whose gates fall further. It runs as two launches: the first builds the
@@ -225,12 +225,13 @@ def chunk_prepare_kernel(
             else:
                 # by 16-token blocks: off the diagonal blocks each e^{G_i − G_j} factored around a block end or a
                 # block start, both factors ≤ 1
-                e0, e1, e2, s_rows, worst = _block_starts(b_G, BTc, BCc)                    # block ends, starts
+                e0, e1, e2, s_rows, blk_min = _block_starts(b_G, BTc, BCc)      # block ends, starts, spans
                 e3 = _row_of(b_G, 4 * BCc - 1, BTc)
+                e_rows = _by_block(e0[None, :], e1[None, :], e2[None, :], e3[None, :], BTc, BCc)   # each row's e_b
                 zero = tl.zeros_like(e0)
                 one = tl.full([BKC], 1., tl.float32)
                 x = _exp(b_G - s_rows)                                                       # e^{G_i − s_b} ≤ 1
-                ky = kf * _exp(_by_block(e0[None, :], e1[None, :], e2[None, :], e3[None, :], BTc, BCc) - b_G)
+                ky = kf * _exp(e_rows - b_G)                                                 # k_j e^{e_b − G_j} ≤ k_j
                 bkx = kf * b_beta[:, None] * x                                               # β_i k_i e^{G_i − s_b}
                 qx = qf * x                                                                  # q_i e^{G_i − s_b}
                 # off-diagonal blocks, column block c, rows of block b > c: e^{G_i − e_c} = x_i e^{s_b − e_c}
@@ -246,20 +247,18 @@ def chunk_prepare_kernel(
                 c = tl.trans(tl.where((blk == 2)[:, None], ky, 0.))
                 A += _mm(bkx * f, c, MM_PREC)                                                # [BT, BKC] @ [BKC, BT]
                 P += _mm(qx * f, c, MM_PREC)                                                 # [BT, BKC] @ [BKC, BT]
-                # diagonal blocks: around each block's middle value m_b = s_b − (s_b − e_b) / 2, both factors within
+                # diagonal blocks: around each block's middle value m_b = (s_b + e_b) / 2, both factors within
                 # e^{±span_max} where the block's gates span under 2 span_max; a block spanning further ("far"): its
                 # factors taken as 1 (finite), its entries then formed exactly
-                m_rows = s_rows - 0.5 * _by_block(-e0[None, :], (e0 - e1)[None, :], (e1 - e2)[None, :],
-                                                  (e2 - e3)[None, :], BTc, BCc)
+                m_rows = 0.5 * (s_rows + e_rows)
                 NB: tl.constexpr = BTc // BCc
-                blk_min = tl.min(tl.reshape(tl.min(b_G - s_rows, 1), [NB, BCc]), 1)                  # [NB]
                 far = tl.reshape(tl.broadcast_to((blk_min <= -2 * span_max)[:, None], [NB, BCc]), [BTc])
                 dm = tl.where(far[:, None], 0., b_G - m_rows)
                 xm = _exp(dm)                                                                    # e^{G_i − m_b}
                 km = kf * _exp(-dm)                                                              # k_j e^{m_b − G_j}
                 Ad = _mm(kf * b_beta[:, None] * xm, tl.trans(km), MM_PREC)                       # [BT, BKC] @ [BKC, BT]
                 Pd = _mm(qf * xm, tl.trans(km), MM_PREC)                                         # [BT, BKC] @ [BKC, BT]
-                if worst <= -2 * span_max:
+                if tl.min(blk_min, 0) <= -2 * span_max:
                     Ad, Pd = _kda_diag_exact(kf, qf, kf * b_beta[:, None], b_G, Ad, Pd, far, BTc, BCc, BKC)
                 A += tl.where(same & strict, Ad, 0.)
                 P += tl.where(same & incl, Pd, 0.)
