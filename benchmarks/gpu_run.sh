@@ -3,16 +3,15 @@
 #
 #   bash benchmarks/gpu_run.sh [--commit SHA] [--budget PHASE=SECONDS ...] [PHASE ...]
 #
-# Phases (default: all but steep): check (`chunkwise check`), tests (`pytest tests`, stopping after 10 failures), serving
-# (examples/serving.py: prefill into a pool, verify and roll back, a prefix checkpoint, in CUDA graphs), forward,
-# train, decode (benchmarks/bench_*.py next to fla 0.6.0: forward on the standing and few-heads shapes, training on
-# the standing shapes and GDN's 2/8 heads at 32k tokens, decode at batch 1-256 with 8-bit pools and a 4-token verify
-# step), ckpt (the forward's cost of writing prefix checkpoints every 1024 tokens, GDN and KDA at B1-T32768-H32), steep
-# (not in the default run: KDA's forward with steep gates, --gate-scale 4, beside fla at B1-T32768-H32 and 2 / 8 heads,
-# 1 x 32768; writes bench_forward_steep.json). Every
-# phase has a time limit (BUDGET below, in seconds; --budget tests=400 changes one): a benchmark starts no row past
-# its limit less a margin and writes what it timed; a command still running at its limit is stopped (SIGINT, then
-# SIGKILL 20 s later).
+# Phases (default: all but steep): check (`chunkwise check`), tests (`pytest tests`, stopping after 10 failures),
+# serving (examples/serving.py: prefill into a pool, verify and roll back, a prefix checkpoint, in CUDA graphs),
+# forward, train, decode (benchmarks/bench_*.py next to fla 0.6.0: forward on the standing and few-heads shapes,
+# training on the standing shapes and GDN's 2/8 heads at 32k tokens, decode at batch 1-256 with 8-bit pools and a
+# 4-token verify step), ckpt (the forward's cost of writing prefix checkpoints every 1024 tokens, GDN and KDA at
+# B1-T32768-H32), steep (not in the default run: KDA's forward with steep gates, --gate-scale 4, beside fla at
+# B1-T32768-H32 and 2 / 8 heads, 1 x 32768; writes bench_forward_steep.json). Every phase has a time limit (BUDGET
+# below, in seconds; --budget tests=400 changes one): a benchmark starts no row past its limit less a margin and
+# writes what it timed; a command still running at its limit is stopped (SIGINT, then SIGKILL 20 s later).
 #
 # Compiling (ours, and fla's configuration search) would take most of the benchmarks' time, so check, the tests
 # and `--warmup` runs of the forward and training benchmarks (compile only) share the first window, side by side;

@@ -185,7 +185,8 @@ def test_stage1_vs_float64(fam, gate, form):
     DeltaNet, the T form and T for KDA) and W / U with T for KDA (its fp16 training form). KDA with "strong" gates
     (a hard reset and chunks summing below -100) and "steep" ones (channels falling 6 per token over 40 tokens: 16-token
     blocks spanning past SPAN_MAX, factored around their middle; 9.5 per token: 152, near the 2 SPAN_MAX those
-    factors take; and 12 per token over 40 more: past 2 SPAN_MAX, the exact column loop) takes its second launch on the chunks the first flags."""
+    factors take; and 12 per token over 40 more: past 2 SPAN_MAX, the exact column loop) takes its second launch on
+    the chunks the first flags."""
     inp = make_inputs(fam, dtype=torch.float32, gate="normal" if gate == "steep" else gate, seed=13, **SHAPE1)
     if gate == "steep":
         inp.g[:, 10:50, :, 3:7] = -6.0
